@@ -1,0 +1,90 @@
+"""The one dispatch table: which implementation runs each expert op.
+
+Ops (signatures as in xla_ops.py):
+  up_proj(x, w1, plan) -> (H, A)          gather-fused varlen-M GEMM + SwiGLU
+  down_proj(a, w2, plan) -> Y             varlen-M GEMM, contiguous store
+  aggregate(y, scores|None, plan) -> O    per-token gather-and-sum
+  dh(dO, w2, H, scores, plan) -> (dH, dS, A')
+  dx_tilde(dH, w1, plan) -> dX~           varlen-M GEMM with W1^T
+  dw1(x, dH, plan) -> dW1                 varlen-K GEMM, X rows gathered
+  dw2(A', dO, plan) -> dW2                varlen-K GEMM, dO rows gathered
+
+A backend is a module exposing OPS: {op name: function}, imported on first use. A backend may
+implement a subset of the ops. Users pick a backend by name for all ops ("xla", "pallas",
+"cute"), "auto" for the platform default, or a mapping {op: backend} for a mix (ops left out
+use "auto").
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Callable, NamedTuple, Union
+
+import jax
+
+OP_NAMES = ("up_proj", "down_proj", "aggregate", "dh", "dx_tilde", "dw1", "dw2")
+
+BACKEND_MODULES = {
+    "xla": "sonicmoe_jax.xla_ops",
+    "pallas": "pallas_kernels.ops",
+    "cute": "ffi.ops",
+}
+
+# Default backend per op for each platform; a platform missing here uses "xla" everywhere.
+PLATFORM_DEFAULTS: dict[str, dict[str, str]] = {}
+
+BackendSpec = Union[str, Mapping[str, str]]
+
+
+class Ops(NamedTuple):
+  """Resolved implementations, one per op (hashable: used as a static argument)."""
+  up_proj: Callable
+  down_proj: Callable
+  aggregate: Callable
+  dh: Callable
+  dx_tilde: Callable
+  dw1: Callable
+  dw2: Callable
+
+
+def _backend_ops(name: str) -> Mapping[str, Callable]:
+  if name not in BACKEND_MODULES:
+    known = ", ".join(map(repr, (*BACKEND_MODULES, "auto")))
+    raise ValueError(f"backend must be one of {known} or a mapping of op name to backend; got {name!r}")
+  try:
+    module = importlib.import_module(BACKEND_MODULES[name])
+  except ImportError as e:
+    raise ImportError(f"backend {name!r} is not available here: {e}") from e
+  return module.OPS
+
+
+def default_backend(op: str, platform: str | None = None) -> str:
+  platform = platform or jax.default_backend()
+  return PLATFORM_DEFAULTS.get(platform, {}).get(op, "xla")
+
+
+def resolve(backend: BackendSpec = "auto", platform: str | None = None) -> Ops:
+  """Resolves a backend spec to one implementation per op.
+
+  Raises ValueError for an unknown backend or op name, ImportError when a backend's
+  dependencies are missing, NotImplementedError when a backend lacks a requested op.
+  """
+  if isinstance(backend, str):
+    choice = {op: backend for op in OP_NAMES}
+  elif isinstance(backend, Mapping):
+    unknown = set(backend) - set(OP_NAMES)
+    if unknown:
+      raise ValueError(f"backend mapping has unknown op names {sorted(unknown)}; ops are {OP_NAMES}")
+    choice = {op: backend.get(op, "auto") for op in OP_NAMES}
+  else:
+    raise TypeError(f"backend must be a string or a mapping of op name to backend; got {type(backend).__name__}")
+  impls = {}
+  for op, name in choice.items():
+    if name == "auto":
+      name = default_backend(op, platform)
+    ops = _backend_ops(name)
+    if op not in ops:
+      raise NotImplementedError(f"backend {name!r} has no implementation of op {op!r}; "
+                                f"it implements {sorted(ops)}. Use a mapping to mix backends.")
+    impls[op] = ops[op]
+  return Ops(**impls)

@@ -1,0 +1,241 @@
+"""Token-choice top-K routing and the routing plan that drives every expert kernel.
+
+Scores. For a token t with router logits l_t (fp32) and top-K set S_t, every (token, expert)
+pair gets the score s_te = exp(l_te - c_t):
+  * score_fn="softmax_topk" (default): c_t = logsumexp(l_t[S_t]), i.e. softmax over the K
+    selected logits (the scores of the chosen experts sum to 1);
+  * score_fn="softmax_all": c_t = logsumexp(l_t) (top-K of the softmax over all E), or with
+    renormalize=True c_t = logsumexp(l_t[S_t]) again.
+Pairs added by token rounding (experts a token did not choose) use the same formula, so their
+scores are smaller than the token's chosen scores.
+
+The plan. (token, expert, score) pairs live in P "slots" sorted by expert: expert e owns slots
+[group_offsets[e], group_offsets[e+1]). P is static so the plan works under jit:
+  * plain top-K: P = T*K, every slot valid;
+  * token rounding: P = min(T*K + E*(tile-1), T*E), an upper bound on the rounded total; the
+    slots past group_offsets[E] are padding (valid=False, token T, score 0).
+For aggregation, token_slots lists the slots ordered by token (padding last) and
+token_offsets[t] : token_offsets[t+1] are token t's slots: a token can end with any number
+of experts under token rounding.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from sonicmoe_jax import token_rounding, validation
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingPlan:
+  """(token, expert, score) pairs sorted by expert, with group sizes, offsets and the token CSR.
+
+  Array fields (P = number of slots, see the module docstring):
+    token_index: [P] int32, the token of each slot; T for padding slots.
+    expert_index: [P] int32, the expert of each slot; E for padding slots.
+    scores: [P] float32, the routing score of each slot; 0 for padding slots. Differentiable.
+    valid: [P] bool, False for padding slots.
+    group_sizes: [E] int32, slots per expert (rounded counts under token rounding).
+    group_offsets: [E+1] int32, exclusive prefix sums of group_sizes.
+    token_slots: [P] int32, slot ids ordered by token, padding slots last.
+    token_offsets: [T+1] int32, token t owns token_slots[token_offsets[t]:token_offsets[t+1]].
+  Static fields:
+    num_tokens (T), num_experts (E), k (top-K), fixed_k: True when every token has exactly k
+    slots and token_slots.reshape(T, k) lists them (plain top-K routing).
+  """
+  token_index: jax.Array
+  expert_index: jax.Array
+  scores: jax.Array
+  valid: jax.Array
+  group_sizes: jax.Array
+  group_offsets: jax.Array
+  token_slots: jax.Array
+  token_offsets: jax.Array
+  num_tokens: int = dataclasses.field(metadata=dict(static=True))
+  num_experts: int = dataclasses.field(metadata=dict(static=True))
+  k: int = dataclasses.field(metadata=dict(static=True))
+  fixed_k: bool = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def num_slots(self) -> int:
+    return self.token_index.shape[0]
+
+
+jax.tree_util.register_dataclass(RoutingPlan)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterStats:
+  """What the router did, for logging and auxiliary losses.
+
+    topk_counts: [E] int32, tokens per expert under plain top-K.
+    expert_counts: [E] int32, tokens per expert actually computed (after rounding).
+    changed_pairs: int32, (token, expert) pairs dropped or added by rounding.
+    load_balancing_loss: switch-style E * sum_e frac_e * mean_prob_e (1.0 when uniform).
+    z_loss: mean over tokens of logsumexp(logits)^2.
+  """
+  topk_counts: jax.Array
+  expert_counts: jax.Array
+  changed_pairs: jax.Array
+  load_balancing_loss: jax.Array
+  z_loss: jax.Array
+
+
+jax.tree_util.register_dataclass(RouterStats)
+
+
+@jax.custom_vjp
+def router_logits(x, router_w):
+  """fp32 router logits X Wr, [T, E].
+
+  A custom_vjp so that the backward keeps X itself rather than an fp32 copy of it.
+  """
+  return jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32))
+
+
+def _router_logits_fwd(x, router_w):
+  return router_logits(x, router_w), (x, router_w)
+
+
+def _router_logits_bwd(residuals, dlogits):
+  x, router_w = residuals
+  dx = jnp.dot(dlogits, router_w.astype(jnp.float32).T).astype(x.dtype)
+  dw = jnp.dot(x.astype(jnp.float32).T, dlogits).astype(router_w.dtype)
+  return dx, dw
+
+
+router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)
+
+
+def _score_matrix(logits, topk_logits, score_fn: str, renormalize: bool):
+  """s_te = exp(l_te - c_t) for every pair (see module docstring), [T, E]."""
+  if score_fn == "softmax_all" and not renormalize:
+    c = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  else:
+    c = jax.nn.logsumexp(topk_logits, axis=-1, keepdims=True)
+  return jnp.exp(logits - c)
+
+
+def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool = False,
+          rounding: Optional[str] = None, tile: int = 128, rng=None):
+  """Builds the routing plan from router logits.
+
+  Args:
+    logits: [T, E] router logits (cast to fp32).
+    k: experts per token, 1 <= k <= E.
+    score_fn: "softmax_topk" or "softmax_all" (see module docstring).
+    renormalize: with "softmax_all", divide the chosen scores by their sum.
+    rounding: None for plain top-K (evaluation), or a token-rounding mode: "nearest",
+      "stochastic", "up", "down", "balanced" (see token_rounding.round_counts).
+    tile: the tile that rounded counts are multiples of; needs T >= tile.
+    rng: PRNG key for rounding="stochastic".
+
+  Returns:
+    (RoutingPlan, RouterStats).
+  """
+  validation.check_rank("logits", logits, 2, "[T, E]")
+  num_tokens, num_experts = logits.shape
+  validation.check_k(k, num_experts)
+  validation.check_choice("score_fn", score_fn, validation.SCORE_FUNCTIONS)
+  if rounding is not None:
+    validation.check_choice("rounding", rounding, validation.ROUNDING_MODES)
+    validation.check_tile(tile)
+    if num_tokens < tile:
+      raise ValueError(f"token rounding needs at least one tile of tokens: T={num_tokens} < tile={tile}")
+
+  logits = logits.astype(jnp.float32)
+  topk_logits, topk_experts = jax.lax.top_k(logits, k)
+  scores = _score_matrix(logits, topk_logits, score_fn, renormalize)
+  topk_counts = jnp.zeros((num_experts,), jnp.int32).at[topk_experts.reshape(-1)].add(1)
+
+  if rounding is None:
+    plan = _topk_plan(scores, topk_experts, topk_counts)
+    changed = jnp.zeros((), jnp.int32)
+  else:
+    targets = token_rounding.round_counts(topk_counts, tile=tile, num_tokens=num_tokens,
+                                          mode=rounding, rng=rng)
+    plan = _rounded_plan(scores, topk_experts, targets, k, tile)
+    changed = jnp.sum(jnp.abs(targets - topk_counts))
+
+  stats = RouterStats(
+      topk_counts=topk_counts,
+      expert_counts=plan.group_sizes,
+      changed_pairs=changed,
+      load_balancing_loss=load_balancing_loss(logits, topk_counts, k),
+      z_loss=z_loss(logits),
+  )
+  return plan, stats
+
+
+def _exclusive_cumsum(counts):
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
+
+
+def _topk_plan(scores, topk_experts, counts) -> RoutingPlan:
+  num_tokens, num_experts = scores.shape
+  k = topk_experts.shape[1]
+  pair_expert = topk_experts.reshape(-1)                      # pair i = t * k + j
+  slot_pair = jnp.argsort(pair_expert, stable=True)           # slot -> pair
+  pair_slot = jnp.zeros_like(slot_pair).at[slot_pair].set(jnp.arange(slot_pair.shape[0]))
+  token_index = (slot_pair // k).astype(jnp.int32)
+  expert_index = pair_expert[slot_pair].astype(jnp.int32)
+  return RoutingPlan(
+      token_index=token_index,
+      expert_index=expert_index,
+      scores=scores[token_index, expert_index],
+      valid=jnp.ones(slot_pair.shape, bool),
+      group_sizes=counts,
+      group_offsets=_exclusive_cumsum(counts),
+      token_slots=pair_slot.astype(jnp.int32),
+      token_offsets=jnp.arange(num_tokens + 1, dtype=jnp.int32) * k,
+      num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=True)
+
+
+def num_rounded_slots(num_tokens: int, num_experts: int, k: int, tile: int) -> int:
+  """Static slot count under token rounding: every expert adds fewer than `tile` tokens."""
+  return min(num_tokens * k + num_experts * (tile - 1), num_tokens * num_experts)
+
+
+def _rounded_plan(scores, topk_experts, targets, k: int, tile: int) -> RoutingPlan:
+  num_tokens, num_experts = scores.shape
+  chosen = jnp.zeros((num_tokens, num_experts), bool).at[
+      jnp.arange(num_tokens)[:, None], topk_experts].set(True)
+  # Chosen tokens rank before unchosen ones: unchosen scores are biased by -1 (scores <= 1).
+  biased = jnp.where(chosen, scores, scores - 1.0)
+  ranked_tokens = jnp.argsort(-biased.T, axis=1, stable=True).astype(jnp.int32)  # [E, T]
+
+  num_slots = num_rounded_slots(num_tokens, num_experts, k, tile)
+  offsets = _exclusive_cumsum(targets)
+  slot = jnp.arange(num_slots, dtype=jnp.int32)
+  expert = jnp.searchsorted(offsets[1:], slot, side="right").astype(jnp.int32)
+  valid = slot < offsets[-1]
+  expert_c = jnp.minimum(expert, num_experts - 1)
+  rank = jnp.clip(slot - offsets[expert_c], 0, num_tokens - 1)
+  token = ranked_tokens[expert_c, rank]
+  token_index = jnp.where(valid, token, num_tokens)
+  expert_index = jnp.where(valid, expert, num_experts)
+  slot_scores = jnp.where(valid, scores[jnp.minimum(token, num_tokens - 1), expert_c], 0.0)
+
+  token_slots = jnp.argsort(token_index, stable=True).astype(jnp.int32)
+  per_token = jnp.zeros((num_tokens + 1,), jnp.int32).at[token_index].add(1)[:num_tokens]
+  return RoutingPlan(
+      token_index=token_index, expert_index=expert_index, scores=slot_scores, valid=valid,
+      group_sizes=targets, group_offsets=offsets, token_slots=token_slots,
+      token_offsets=_exclusive_cumsum(per_token),
+      num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=False)
+
+
+def load_balancing_loss(logits, topk_counts, k: int):
+  """Switch-Transformer load balancing: E * sum_e (f_e / (T k)) * mean_t softmax(l_t)_e."""
+  num_tokens, num_experts = logits.shape
+  fraction = topk_counts.astype(jnp.float32) / (num_tokens * k)
+  mean_prob = jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0)
+  return num_experts * jnp.sum(fraction * mean_prob)
+
+
+def z_loss(logits):
+  """Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2."""
+  return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))

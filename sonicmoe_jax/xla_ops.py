@@ -1,0 +1,86 @@
+"""Backend "xla": the expert ops in plain JAX (gathers + jax.lax.ragged_dot + gather-and-sum).
+
+Runs on any platform and is the reference every other backend is tested against. Op
+signatures are the dispatch table's (see backends.py). Padding slots of the plan gather zero
+rows, so every output row of a padding slot is exactly zero.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sonicmoe_jax import swiglu
+from sonicmoe_jax.routing import RoutingPlan
+
+_F32 = jnp.float32
+
+
+def gather_rows(x, index):
+  """x[index] with rows for out-of-range indices (padding slots) filled with zeros."""
+  return x.at[index].get(mode="fill", fill_value=0)
+
+
+def _grouped_matmul(lhs, rhs, plan: RoutingPlan):
+  """Varlen-M grouped GEMM: slot rows of expert e times rhs[e], fp32 result."""
+  return jax.lax.ragged_dot(lhs, rhs, plan.group_sizes, preferred_element_type=_F32)
+
+
+def _grouped_weight_grad(lhs, rhs, plan: RoutingPlan):
+  """Varlen-K grouped GEMM: out[e] = lhs_e^T rhs_e over expert e's slots, fp32 [E, a, b]."""
+  dims = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((0,), (0,)), ((), ())),
+      lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+  return jax.lax.ragged_dot_general(lhs, rhs, plan.group_sizes, dims, preferred_element_type=_F32)
+
+
+def up_proj(x, w1, plan: RoutingPlan):
+  """H = X_e W1_e and A = SwiGLU(H) per expert, rows gathered by plan.token_index."""
+  h = _grouped_matmul(gather_rows(x, plan.token_index), w1, plan)
+  return h.astype(x.dtype), swiglu.forward(h).astype(x.dtype)
+
+
+def down_proj(a, w2, plan: RoutingPlan):
+  """Y = A_e W2_e per expert, contiguous in slot order."""
+  return _grouped_matmul(a, w2, plan).astype(a.dtype)
+
+
+def aggregate(y, scores, plan: RoutingPlan):
+  """O_t = sum over token t's slots of score * Y_slot (fp32 sum); scores=None sums plainly."""
+  rows = y.astype(_F32)
+  if scores is not None:
+    rows = rows * scores[:, None]
+  if plan.fixed_k:  # every token has exactly k slots: a pure gather-and-sum
+    out = jnp.sum(rows[plan.token_slots].reshape(plan.num_tokens, plan.k, -1), axis=1)
+  else:  # variable slots per token (token rounding): sorted segment sum in token order
+    ordered = rows[plan.token_slots]
+    out = jax.ops.segment_sum(ordered, plan.token_index[plan.token_slots],
+                              num_segments=plan.num_tokens, indices_are_sorted=True)
+  return out.astype(y.dtype)
+
+
+def dh(dout, w2, h, scores, plan: RoutingPlan):
+  """The dH kernel: dA' = dO_e W2_e^T; dS = <dA', A>; dH = dSwiGLU(s dA', H); A' = s A."""
+  da_prime = _grouped_matmul(gather_rows(dout, plan.token_index), jnp.swapaxes(w2, 1, 2), plan)
+  s = scores[:, None]
+  dh_, a = swiglu.backward(s * da_prime, h)
+  dscores = jnp.where(plan.valid, jnp.sum(da_prime * a, axis=-1), 0.0)
+  return dh_.astype(h.dtype), dscores, (s * a).astype(h.dtype)
+
+
+def dx_tilde(dh_, w1, plan: RoutingPlan):
+  """dX~ = dH_e W1_e^T per expert, contiguous in slot order."""
+  return _grouped_matmul(dh_, jnp.swapaxes(w1, 1, 2), plan).astype(dh_.dtype)
+
+
+def dw1(x, dh_, plan: RoutingPlan):
+  """dW1_e = X_e^T dH_e, X rows gathered by plan.token_index."""
+  return _grouped_weight_grad(gather_rows(x, plan.token_index), dh_, plan)
+
+
+def dw2(a_scaled, dout, plan: RoutingPlan):
+  """dW2_e = A'_e^T dO_e, dO rows gathered by plan.token_index."""
+  return _grouped_weight_grad(a_scaled, gather_rows(dout, plan.token_index), plan)
+
+
+OPS = dict(up_proj=up_proj, down_proj=down_proj, aggregate=aggregate, dh=dh,
+           dx_tilde=dx_tilde, dw1=dw1, dw2=dw2)

@@ -1,0 +1,70 @@
+"""Shared test helpers: random inputs and the float32 plain-autodiff oracle."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def has_gpu() -> bool:
+  try:
+    return jax.default_backend() == "gpu"
+  except RuntimeError:
+    return False
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped elsewhere)")
+  config.addinivalue_line("markers", "multidevice: needs 8 (virtual) devices; run in its own process")
+
+
+def pytest_collection_modifyitems(config, items):
+  if has_gpu():
+    return
+  skip = pytest.mark.skip(reason="needs a GPU")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+def make_inputs(seed, T, d, n, E, dtype=jnp.float32, dead_experts=0):
+  """Fresh random inputs; the first `dead_experts` experts get no tokens under top-K."""
+  ks = jax.random.split(jax.random.key(seed), 4)
+  x = jax.random.normal(ks[0], (T, d), jnp.float32)
+  router_w = jax.random.normal(ks[1], (d, E), jnp.float32) / np.sqrt(d)
+  if dead_experts:
+    x = x.at[:, 0].set(4.0)
+    router_w = router_w.at[0, :dead_experts].set(-10.0)
+  w1 = jax.random.normal(ks[2], (E, d, 2 * n), jnp.float32) / np.sqrt(d)
+  w2 = jax.random.normal(ks[3], (E, n, d), jnp.float32) / np.sqrt(n)
+  return x.astype(dtype), router_w, w1.astype(dtype), w2.astype(dtype)
+
+
+def oracle_moe(x, router_w, w1, w2, *, k, score_fn="softmax_topk", renormalize=False, member=None):
+  """Dense float32 MoE by plain autodiff: every expert on every token, weighted by a [T, E]
+  score matrix that is zero outside the routed pairs (`member`, default the top-K set)."""
+  x, router_w, w1, w2 = (a.astype(jnp.float32) for a in (x, router_w, w1, w2))
+  logits = x @ router_w
+  top_vals, top_idx = jax.lax.top_k(logits, k)
+  chosen = jax.nn.one_hot(top_idx, logits.shape[1]).sum(1) > 0
+  if member is None:
+    member = chosen
+  if score_fn == "softmax_all" and not renormalize:
+    c = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  else:
+    c = jax.nn.logsumexp(top_vals, axis=-1, keepdims=True)
+  s = jnp.where(member, jnp.exp(logits - c), 0.0)
+  n = w2.shape[1]
+  h = jnp.einsum("td,edf->tef", x, w1)
+  a = jax.nn.silu(h[..., :n]) * h[..., n:]
+  y = jnp.einsum("ten,end->ted", a, w2)
+  return jnp.einsum("te,ted->td", s, y)
+
+
+def rel_err(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

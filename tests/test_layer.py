@@ -1,0 +1,109 @@
+"""Forward and all gradients of the layer against the float32 plain-autodiff oracle."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sonicmoe_jax as sm
+from conftest import make_inputs, oracle_moe, rel_err
+
+# (T, d, n, E, K, dead_experts)
+SHAPES = [
+    (64, 32, 16, 8, 2, 0),
+    (37, 32, 16, 4, 1, 0),     # K = 1, T not a multiple of any tile
+    (50, 16, 8, 1, 1, 0),      # E = 1
+    (64, 32, 16, 16, 2, 5),    # five experts receive no tokens
+    (33, 16, 8, 64, 4, 0),     # many experts, most with 0-3 tokens
+]
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
+
+
+def _loss_and_grads(fn, args, cotangent):
+  def loss(*a):
+    return jnp.sum(fn(*a).astype(jnp.float32) * cotangent)
+  return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(*args)
+
+
+def _compare(ours, ref, dtype, args, cot):
+  tol = TOL[dtype]
+  assert rel_err(ours(*args), ref(*args)) < tol
+  _, g_ours = _loss_and_grads(ours, args, cot)
+  _, g_ref = _loss_and_grads(ref, args, cot)
+  for name, a, b in zip(("dx", "drouter_w", "dw1", "dw2"), g_ours, g_ref):
+    assert np.all(np.isfinite(np.asarray(a, np.float32))), name
+    err = rel_err(a, b)
+    assert err < tol, f"{name}: relative error {err:.2e} >= {tol}"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-d{}-n{}-E{}-K{}-dead{}".format(*s))
+def test_topk_matches_oracle(shape, dtype):
+  T, d, n, E, K, dead = shape
+  args = make_inputs(T * 7 + E, T, d, n, E, dtype, dead_experts=dead)
+  cot = jax.random.normal(jax.random.key(99 + T), (T, d))
+  ours = lambda *a: sm.moe(*a, k=K).out
+  ref = lambda *a: oracle_moe(*a, k=K)
+  if dead:
+    counts = sm.moe(*args, k=K).stats.expert_counts
+    assert np.all(np.asarray(counts[:dead]) == 0)
+  _compare(ours, ref, dtype, args, cot)
+
+
+@pytest.mark.parametrize("score_fn,renormalize", [("softmax_all", False), ("softmax_all", True)])
+def test_score_functions_match_oracle(score_fn, renormalize):
+  args = make_inputs(3, 48, 32, 16, 8, jnp.float32)
+  cot = jax.random.normal(jax.random.key(5), (48, 32))
+  kw = dict(k=3, score_fn=score_fn, renormalize=renormalize)
+  _compare(lambda *a: sm.moe(*a, **kw).out, lambda *a: oracle_moe(*a, **kw), jnp.float32, args, cot)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "stochastic", "up", "down", "balanced"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_token_rounding_matches_oracle_on_its_pairs(mode, dtype):
+  T, d, n, E, K, tile = 96, 32, 16, 8, 2, 16
+  args = make_inputs(11, T, d, n, E, dtype)
+  rng = jax.random.key(4)
+  kw = dict(k=K, rounding=mode, tile=tile, rng=rng)
+  plan = sm.moe(*args, **kw).plan
+  valid = np.asarray(plan.valid)
+  member = np.zeros((T, E), bool)
+  member[np.asarray(plan.token_index)[valid], np.asarray(plan.expert_index)[valid]] = True
+  cot = jax.random.normal(jax.random.key(7), (T, d))
+  _compare(lambda *a: sm.moe(*a, **kw).out,
+           lambda *a: oracle_moe(*a, k=K, member=member), dtype, args, cot)
+
+
+def test_jit_and_grad_of_training_step():
+  T, d, n, E, K = 64, 32, 16, 8, 2
+  x, router_w, w1, w2 = make_inputs(0, T, d, n, E)
+  target = jax.random.normal(jax.random.key(1), (T, d))
+  params = dict(router_w=router_w, w1=w1, w2=w2)
+
+  def loss(p):
+    o = sm.moe(x, p["router_w"], p["w1"], p["w2"], k=K, rounding="nearest", tile=16)
+    return jnp.mean((o.out - target) ** 2) + 1e-2 * o.stats.load_balancing_loss
+
+  @jax.jit
+  def step(p):
+    l, g = jax.value_and_grad(loss)(p)
+    return l, jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, g)
+
+  first, params = step(params)
+  for _ in range(20):
+    last, params = step(params)
+  assert float(last) < 0.9 * float(first)
+
+
+def test_padding_slots_are_zero_in_every_output():
+  T, d, n, E, K = 40, 16, 8, 4, 1
+  x, router_w, w1, w2 = make_inputs(2, T, d, n, E, jnp.float32)
+  plan, _ = sm.route(sm.router_logits(x, router_w), k=K, rounding="down", tile=16)
+  pad = ~np.asarray(plan.valid)
+  assert pad.any()
+  ops = sm.resolve_backend("xla")
+  h, a = ops.up_proj(x, w1, plan)
+  y = ops.down_proj(a, w2, plan)
+  dh, ds, a_scaled = ops.dh(jnp.ones((T, d)), w2, h, plan.scores, plan)
+  for name, arr in dict(h=h, a=a, y=y, dh=dh, a_scaled=a_scaled).items():
+    assert np.all(np.asarray(arr)[pad] == 0), name
+  assert np.all(np.asarray(ds)[pad] == 0)
