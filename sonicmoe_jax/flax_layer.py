@@ -1,0 +1,117 @@
+"""Flax modules owning the router and expert weights: `SonicMoE` (flax.nnx) and `SonicMoELinen`.
+
+Both route with token rounding in training and plain top-K in evaluation (nnx: `module.eval()`
+/ `module.train()` flip `deterministic`; Linen: the `deterministic` call argument). Parameters
+are kept in `param_dtype` and cast to `dtype` for the expert GEMMs; the router stays fp32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+
+from sonicmoe_jax import layer, validation
+from sonicmoe_jax.routing import RouterStats
+
+
+def _init_fns():
+  router = jax.nn.initializers.normal(stddev=0.02)
+  # fan-in scaled, per expert: w1 [E, d, 2n] reads d inputs, w2 [E, n, d] reads n inputs
+  w1 = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2)
+  w2 = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2)
+  return router, w1, w2
+
+
+def _check_config(num_experts, k, rounding, tile):
+  if not isinstance(num_experts, int) or num_experts < 1:
+    raise ValueError(f"num_experts must be a positive int; got {num_experts!r}")
+  validation.check_k(k, num_experts)
+  if rounding is not None:
+    validation.check_choice("rounding", rounding, validation.ROUNDING_MODES)
+  validation.check_tile(tile)
+
+
+def _apply(x, router_w, w1, w2, dtype, deterministic, rng, rounding, **kw):
+  """Flattens leading axes, runs the functional layer (no rounding when deterministic)."""
+  lead, d = x.shape[:-1], x.shape[-1]
+  out = layer.moe(x.reshape(-1, d).astype(dtype), router_w, w1.astype(dtype), w2.astype(dtype),
+                  rounding=None if deterministic else rounding, rng=rng, **kw)
+  return out.out.reshape(*lead, d), out.stats
+
+
+class SonicMoE(nnx.Module):
+  """A SonicMoE feed-forward layer (flax.nnx).
+
+  Args:
+    d_model: d, the token width.
+    d_expert: n, each expert's hidden width (w1 is [E, d, 2n] with gate and up halves).
+    num_experts: E.
+    k: experts per token.
+    rounding: token-rounding mode used in training (None disables it; evaluation never rounds).
+    tile: rounding tile (default 128, the kernels' M tile).
+    score_fn, renormalize, backend: as in `sonicmoe_jax.moe`.
+    dtype: compute dtype of the expert GEMMs (default bfloat16).
+    param_dtype: storage dtype of the parameters (default float32).
+    rngs: nnx.Rngs; its "params" stream initialises the weights, and a "rounding" stream (or
+      the default stream) draws stochastic-rounding keys.
+
+  Call: `y, stats = layer(x)` with x [..., d]; stats is a RouterStats (counts and aux losses).
+  """
+
+  def __init__(self, d_model: int, d_expert: int, num_experts: int, k: int, *,
+               rounding: Optional[str] = "nearest", tile: int = 128,
+               score_fn: str = "softmax_topk", renormalize: bool = False, backend="auto",
+               dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    _check_config(num_experts, k, rounding, tile)
+    init_router, init_w1, init_w2 = _init_fns()
+    key = rngs.params
+    self.router_w = nnx.Param(init_router(key(), (d_model, num_experts), jnp.float32))
+    self.w1 = nnx.Param(init_w1(key(), (num_experts, d_model, 2 * d_expert), param_dtype))
+    self.w2 = nnx.Param(init_w2(key(), (num_experts, d_expert, d_model), param_dtype))
+    self.k, self.rounding, self.tile = k, rounding, tile
+    self.score_fn, self.renormalize, self.backend = score_fn, renormalize, backend
+    self.dtype = dtype
+    self.deterministic = False
+    self.rngs = rngs if rounding == "stochastic" else None
+
+  def __call__(self, x) -> tuple[jax.Array, RouterStats]:
+    rng = None
+    if self.rngs is not None and not self.deterministic:
+      rng = self.rngs.rounding() if "rounding" in self.rngs else self.rngs()
+    return _apply(x, self.router_w[...], self.w1[...], self.w2[...], self.dtype,
+                  self.deterministic, rng, k=self.k, rounding=self.rounding, tile=self.tile,
+                  score_fn=self.score_fn, renormalize=self.renormalize, backend=self.backend)
+
+
+class SonicMoELinen(nn.Module):
+  """The same layer for flax.linen. Call with `deterministic=True` for evaluation; stochastic
+  rounding draws from the "rounding" RNG collection."""
+  d_model: int
+  d_expert: int
+  num_experts: int
+  k: int
+  rounding: Optional[str] = "nearest"
+  tile: int = 128
+  score_fn: str = "softmax_topk"
+  renormalize: bool = False
+  backend: str = "auto"
+  dtype: jnp.dtype = jnp.bfloat16
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool = False):
+    _check_config(self.num_experts, self.k, self.rounding, self.tile)
+    init_router, init_w1, init_w2 = _init_fns()
+    e, d, n = self.num_experts, self.d_model, self.d_expert
+    router_w = self.param("router_w", init_router, (d, e), jnp.float32)
+    w1 = self.param("w1", init_w1, (e, d, 2 * n), self.param_dtype)
+    w2 = self.param("w2", init_w2, (e, n, d), self.param_dtype)
+    rng = None
+    if self.rounding == "stochastic" and not deterministic:
+      rng = self.make_rng("rounding")
+    return _apply(x, router_w, w1, w2, self.dtype, deterministic, rng, k=self.k,
+                  rounding=self.rounding, tile=self.tile, score_fn=self.score_fn,
+                  renormalize=self.renormalize, backend=self.backend)

@@ -1,0 +1,89 @@
+"""Bad inputs raise clear errors naming the argument and the limit."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+import sonicmoe_jax as sm
+from conftest import make_inputs
+
+T, d, n, E = 32, 16, 8, 4
+
+
+@pytest.fixture
+def args():
+  return make_inputs(0, T, d, n, E)
+
+
+def test_wrong_ranks(args):
+  x, r, w1, w2 = args
+  with pytest.raises(ValueError, match=r"x must have rank 2"):
+    sm.moe(x[None], r, w1, w2, k=1)
+  with pytest.raises(ValueError, match=r"router_w must have rank 2"):
+    sm.moe(x, r[None], w1, w2, k=1)
+  with pytest.raises(ValueError, match=r"w1 must have rank 3"):
+    sm.moe(x, r, w1[0], w2, k=1)
+  with pytest.raises(ValueError, match=r"w2 must have rank 3"):
+    sm.moe(x, r, w1, w2[0], k=1)
+
+
+def test_mismatched_dims(args):
+  x, r, w1, w2 = args
+  with pytest.raises(ValueError, match=r"router_w: dim 0 \(d, from x\) must be 16; got 8"):
+    sm.moe(x, r[:8], w1, w2, k=1)
+  with pytest.raises(ValueError, match=r"w1: dim 0 \(E, from router_w\) must be 4"):
+    sm.moe(x, r, w1[:3], w2, k=1)
+  with pytest.raises(ValueError, match=r"w1: dim 2 .* must be even"):
+    sm.moe(x, r, w1[:, :, :15], w2, k=1)
+  with pytest.raises(ValueError, match=r"w2: dim 1 \(n, half of w1's dim 2\) must be 8"):
+    sm.moe(x, r, w1, w2[:, :5], k=1)
+  with pytest.raises(ValueError, match=r"w2: dim 2 \(d, from x\) must be 16"):
+    sm.moe(x, r, w1, w2[:, :, :7], k=1)
+
+
+@pytest.mark.parametrize("k", [0, -1, E + 1])
+def test_bad_k(args, k):
+  with pytest.raises(ValueError, match=r"k must satisfy 1 <= k <= E \(number of experts = 4\)"):
+    sm.moe(*args, k=k)
+
+
+def test_k_must_be_int(args):
+  with pytest.raises(TypeError, match="k must be a Python int"):
+    sm.moe(*args, k=2.0)
+
+
+def test_bad_dtypes(args):
+  x, r, w1, w2 = args
+  with pytest.raises(TypeError, match="x must have a floating dtype"):
+    sm.moe(x.astype(jnp.int32), r, w1, w2, k=1)
+  with pytest.raises(TypeError, match="w1 must have x's dtype float32; got bfloat16"):
+    sm.moe(x, r, w1.astype(jnp.bfloat16), w2, k=1)
+
+
+@pytest.mark.parametrize("tile", [0, 3, 96, 2048])
+def test_bad_tile(args, tile):
+  with pytest.raises(ValueError, match=r"tile must be a power of two in \[1, 1024\]"):
+    sm.moe(*args, k=1, rounding="nearest", tile=tile)
+
+
+def test_rounding_needs_a_tile_of_tokens(args):
+  with pytest.raises(ValueError, match=r"T=32 < tile=64"):
+    sm.moe(*args, k=1, rounding="nearest", tile=64)
+
+
+def test_unknown_names(args):
+  with pytest.raises(ValueError, match="rounding must be one of"):
+    sm.moe(*args, k=1, rounding="sideways", tile=16)
+  with pytest.raises(ValueError, match="score_fn must be one of"):
+    sm.moe(*args, k=1, score_fn="sigmoid")
+  with pytest.raises(ValueError, match="backend must be one of"):
+    sm.moe(*args, k=1, backend="triton")
+  with pytest.raises(ValueError, match="unknown op names"):
+    sm.moe(*args, k=1, backend={"up_projection": "xla"})
+
+
+def test_flax_layer_config_errors():
+  from flax import nnx
+  with pytest.raises(ValueError, match="k must satisfy"):
+    sm.SonicMoE(16, 8, 4, 5, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="rounding must be one of"):
+    sm.SonicMoE(16, 8, 4, 2, rounding="maybe", rngs=nnx.Rngs(0))

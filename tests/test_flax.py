@@ -1,0 +1,71 @@
+"""Flax nnx and Linen layers: init, apply, grad, train/eval switch."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import sonicmoe_jax as sm
+from conftest import oracle_moe, rel_err
+
+
+def test_nnx_init_shapes_and_apply_matches_functional():
+  m = sm.SonicMoE(32, 16, 8, 2, tile=16, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  assert m.router_w[...].shape == (32, 8) and m.w1[...].shape == (8, 32, 32)
+  assert m.w2[...].shape == (8, 16, 32)
+  x = jax.random.normal(jax.random.key(1), (4, 24, 32))
+  m.eval()
+  y, stats = m(x)
+  assert y.shape == x.shape
+  ref = oracle_moe(x.reshape(-1, 32), m.router_w[...], m.w1[...], m.w2[...], k=2)
+  assert rel_err(y.reshape(-1, 32), ref) < 1e-4
+  assert int(stats.expert_counts.sum()) == 4 * 24 * 2
+
+
+def test_nnx_train_rounds_and_eval_does_not():
+  m = sm.SonicMoE(32, 16, 8, 2, tile=16, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(2), (128, 32))
+  _, train_stats = m(x)
+  assert np.all(np.asarray(train_stats.expert_counts) % 16 == 0)
+  m.eval()
+  _, eval_stats = m(x)
+  np.testing.assert_array_equal(eval_stats.expert_counts, eval_stats.topk_counts)
+  m.train()
+  assert not m.deterministic
+
+
+def test_nnx_stochastic_rounding_uses_rng_stream():
+  m = sm.SonicMoE(32, 16, 8, 2, tile=16, rounding="stochastic", rngs=nnx.Rngs(0, rounding=1))
+  x = jax.random.normal(jax.random.key(3), (256, 32))
+  counts = {tuple(np.asarray(m(x)[1].expert_counts)) for _ in range(6)}
+  assert len(counts) > 1
+
+
+def test_nnx_grad_and_optimizer_step():
+  m = sm.SonicMoE(32, 16, 8, 2, tile=16, rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(m, optax.adamw(1e-2), wrt=nnx.Param)
+  x = jax.random.normal(jax.random.key(4), (64, 32))
+  target = jax.random.normal(jax.random.key(5), (64, 32))
+
+  @nnx.jit
+  def step(m, opt):
+    def loss_fn(m):
+      y, st = m(x)
+      return jnp.mean((y.astype(jnp.float32) - target) ** 2) + 1e-2 * st.load_balancing_loss
+    loss, grads = nnx.value_and_grad(loss_fn)(m)
+    opt.update(m, grads)
+    return loss
+
+  losses = [float(step(m, opt)) for _ in range(15)]
+  assert losses[-1] < losses[0]
+
+
+def test_linen_wrapper():
+  mod = sm.SonicMoELinen(d_model=32, d_expert=16, num_experts=8, k=2, tile=16, dtype=jnp.float32)
+  x = jax.random.normal(jax.random.key(6), (64, 32))
+  params = mod.init(jax.random.key(0), x)
+  y, stats = mod.apply(params, x, deterministic=True)
+  p = params["params"]
+  assert rel_err(y, oracle_moe(x, p["router_w"], p["w1"], p["w2"], k=2)) < 1e-4
+  g = jax.grad(lambda p: jnp.sum(mod.apply(p, x)[0] ** 2))(params)
+  assert g["params"]["w1"].shape == (8, 32, 32)

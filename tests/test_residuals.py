@@ -1,0 +1,43 @@
+"""The custom_vjp keeps X, H and the routing plan only: never Y, dY or any [T*K, d] array."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sonicmoe_jax as sm
+from conftest import make_inputs
+
+
+def routing_budget_bytes(T, E, P):
+  """Generous bytes for routing metadata: a few [P] and [T, E] int32/fp32 arrays."""
+  return 4 * (8 * P + 4 * T * E + 2 * T + 2 * E + 2)
+
+
+@pytest.mark.parametrize("rounding", [None, "nearest"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_residuals_are_x_h_and_plan(rounding, dtype):
+  T, d, n, E, K, tile = 128, 128, 16, 8, 4, 16
+  x, router_w, w1, w2 = make_inputs(0, T, d, n, E, dtype)
+  fn = lambda x, r, a, b: sm.moe(x, r, a, b, k=K, rounding=rounding, tile=tile).out
+  P = sm.moe(x, router_w, w1, w2, k=K, rounding=rounding, tile=tile).plan.num_slots
+  res = sm.saved_residuals(fn, x, router_w, w1, w2)
+  weights = {"argument r", "argument a", "argument b"}
+  kept = [r for r in res if r.source not in weights]
+  for r in kept:
+    assert int(np.prod(r.shape)) < P * d or r.source == "argument x", f"{r} is [T*K, d]-sized"
+  h_like = [r for r in kept if r.shape == (P, 2 * n)]
+  assert len(h_like) == 1 and h_like[0].dtype == jnp.dtype(dtype).name, h_like
+  itemsize = jnp.dtype(dtype).itemsize
+  bound = sm.activation_bytes_bound(T, d, n, P, itemsize) + routing_budget_bytes(T, E, P)
+  total = sum(r.nbytes for r in kept) + (0 if any(r.source == "argument x" for r in kept) else x.nbytes)
+  assert total <= bound, f"kept {total} bytes > bound {bound}: {kept}"
+  # the test can fail: plain autodiff of the same sparse math keeps [T*K, d] arrays
+  from sonicmoe_jax import xla_ops
+
+  def plain(x, r, a, b):
+    plan, _ = sm.route(sm.router_logits(x, r), k=K, rounding=rounding, tile=tile)
+    _, act = xla_ops.up_proj(x, a, plan)
+    return xla_ops.aggregate(xla_ops.down_proj(act, b, plan), plan.scores, plan)
+
+  plain_res = sm.saved_residuals(plain, x, router_w, w1, w2)
+  assert any(int(np.prod(r.shape)) >= P * d and not r.source.startswith("argument")
+             for r in plain_res)

@@ -1,0 +1,165 @@
+"""Routing plan invariants and token-rounding properties for every mode."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sonicmoe_jax as sm
+
+MODES = ["nearest", "stochastic", "up", "down", "balanced"]
+
+
+def _logits(seed, T, E):
+  return jax.random.normal(jax.random.key(seed), (T, E)) * 2.0
+
+
+def _check_plan_structure(plan, T, E):
+  tok = np.asarray(plan.token_index)
+  exp = np.asarray(plan.expert_index)
+  valid = np.asarray(plan.valid)
+  sizes = np.asarray(plan.group_sizes)
+  offsets = np.asarray(plan.group_offsets)
+  assert offsets[0] == 0 and np.all(np.diff(offsets) == sizes)
+  assert valid.sum() == sizes.sum() and np.all(valid[: sizes.sum()])
+  for e in range(E):
+    assert np.all(exp[offsets[e]:offsets[e + 1]] == e)
+  assert np.all(tok[~valid] == T) and np.all(exp[~valid] == E)
+  assert np.all(np.asarray(plan.scores)[~valid] == 0)
+  # (token, expert) pairs are unique
+  pairs = set(zip(tok[valid].tolist(), exp[valid].tolist()))
+  assert len(pairs) == valid.sum()
+  # the token CSR lists exactly each token's slots
+  slots = np.asarray(plan.token_slots)
+  toff = np.asarray(plan.token_offsets)
+  assert toff[0] == 0 and toff[-1] == valid.sum()
+  for t in range(T):
+    assert np.all(tok[slots[toff[t]:toff[t + 1]]] == t)
+
+
+@pytest.mark.parametrize("T,E,K", [(64, 8, 2), (37, 4, 1), (20, 1, 1), (50, 64, 6)])
+def test_topk_plan(T, E, K):
+  logits = _logits(T + E, T, E)
+  plan, stats = sm.route(logits, k=K)
+  _check_plan_structure(plan, T, E)
+  assert plan.fixed_k and plan.num_slots == T * K
+  expected = set()
+  top = np.argsort(-np.asarray(logits), axis=1)[:, :K]
+  for t in range(T):
+    for e in top[t]:
+      expected.add((t, int(e)))
+  got = set(zip(np.asarray(plan.token_index).tolist(), np.asarray(plan.expert_index).tolist()))
+  assert got == expected
+  # softmax over the K selected logits: each token's scores sum to 1
+  per_token = np.zeros(T)
+  np.add.at(per_token, np.asarray(plan.token_index), np.asarray(plan.scores))
+  np.testing.assert_allclose(per_token, 1.0, rtol=1e-5)
+  np.testing.assert_array_equal(stats.topk_counts, stats.expert_counts)
+
+
+def test_softmax_all_scores():
+  logits = _logits(1, 32, 8)
+  probs = np.asarray(jax.nn.softmax(logits, axis=-1))
+  plan, _ = sm.route(logits, k=3, score_fn="softmax_all")
+  tok, exp = np.asarray(plan.token_index), np.asarray(plan.expert_index)
+  np.testing.assert_allclose(np.asarray(plan.scores), probs[tok, exp], rtol=1e-5)
+  plan, _ = sm.route(logits, k=3, score_fn="softmax_all", renormalize=True)
+  per_token = np.zeros(32)
+  np.add.at(per_token, np.asarray(plan.token_index), np.asarray(plan.scores))
+  np.testing.assert_allclose(per_token, 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("T,E,K,tile", [(256, 8, 2, 16), (300, 16, 4, 32), (128, 4, 1, 8)])
+def test_rounding_properties(mode, T, E, K, tile):
+  logits = _logits(T * E + tile, T, E)
+  plan, stats = sm.route(logits, k=K, rounding=mode, tile=tile, rng=jax.random.key(3))
+  _check_plan_structure(plan, T, E)
+  f = np.asarray(stats.topk_counts)
+  c = np.asarray(stats.expert_counts)
+  assert np.all(c % tile == 0), "every count is a multiple of the tile"
+  assert np.all(np.abs(c - f) < tile), "every count moves by less than one tile"
+  if mode == "up":
+    assert np.all(c >= f)
+  if mode == "down":
+    assert np.all(c <= f)
+  if mode == "nearest":
+    down = f // tile * tile
+    up = np.where(f > down, down + tile, down)
+    nearest = np.where((up - f) < (f - down), up, down)
+    np.testing.assert_array_equal(c, nearest)
+  if mode == "balanced":
+    assert abs(int(c.sum()) - int(f.sum())) <= tile // 2
+  assert int(stats.changed_pairs) == int(np.abs(c - f).sum())
+
+  # chosen tokens rank before unchosen: an expert keeps all its chosen tokens before any
+  # unchosen one, and drops only its lowest-scoring chosen tokens
+  raw = np.asarray(logits, np.float64)
+  top = np.argsort(-raw, axis=1)[:, :K]
+  top_vals = np.take_along_axis(raw, top, axis=1)
+  c_t = np.log(np.exp(top_vals - top_vals.max(1, keepdims=True)).sum(1)) + top_vals.max(1)
+  lg = np.exp(raw - c_t[:, None])  # the pair scores that rank tokens within an expert
+  chosen = np.zeros((T, E), bool)
+  np.put_along_axis(chosen, top, True, axis=1)
+  tok, exp, valid = (np.asarray(a) for a in (plan.token_index, plan.expert_index, plan.valid))
+  scores = np.asarray(plan.scores)
+  for e in range(E):
+    mine = tok[valid & (exp == e)]
+    kept = np.zeros(T, bool)
+    kept[mine] = True
+    chosen_e = chosen[:, e]
+    if c[e] >= f[e]:
+      assert np.all(kept[chosen_e]), "rounding up keeps every chosen token"
+      added = kept & ~chosen_e
+      if added.any() and (~kept & ~chosen_e).any():
+        assert lg[added, e].min() >= lg[~kept & ~chosen_e, e].max(), "adds the best unchosen tokens"
+    else:
+      assert not np.any(kept & ~chosen_e), "rounding down adds no unchosen token"
+      dropped = chosen_e & ~kept
+      if dropped.any() and kept.any():
+        assert lg[dropped, e].max() <= lg[kept & chosen_e, e].min(), "drops the lowest scores"
+  assert np.all(scores[valid] > 0) and np.all(scores[valid] <= 1.0 + 1e-6)
+
+
+def test_stochastic_rounding_needs_key_and_is_reproducible():
+  logits = _logits(0, 256, 8)
+  with pytest.raises(ValueError, match="rng"):
+    sm.route(logits, k=2, rounding="stochastic", tile=16)
+  a = sm.route(logits, k=2, rounding="stochastic", tile=16, rng=jax.random.key(1))[1].expert_counts
+  b = sm.route(logits, k=2, rounding="stochastic", tile=16, rng=jax.random.key(1))[1].expert_counts
+  np.testing.assert_array_equal(a, b)
+  draws = [np.asarray(sm.route(logits, k=2, rounding="stochastic", tile=16,
+                               rng=jax.random.key(s))[1].expert_counts) for s in range(20)]
+  assert len({tuple(d) for d in draws}) > 1, "different keys give different roundings"
+
+
+def test_stochastic_rounding_is_unbiased():
+  counts = jnp.array([5, 21, 40, 63, 64], jnp.int32)
+  keys = jax.random.split(jax.random.key(0), 4000)
+  rounded = jax.vmap(lambda k: sm.round_counts(counts, tile=16, num_tokens=1000,
+                                               mode="stochastic", rng=k))(keys)
+  np.testing.assert_allclose(np.asarray(rounded).mean(0), np.asarray(counts), atol=1.0)
+
+
+def test_round_up_is_capped_by_token_count():
+  # f = 70 with tile 64 and T = 100: rounding up to 128 would need more tokens than exist.
+  counts = jnp.array([70, 30], jnp.int32)
+  out = sm.round_counts(counts, tile=64, num_tokens=100, mode="up")
+  np.testing.assert_array_equal(out, [64, 64])
+
+
+def test_rounding_under_jit():
+  logits = _logits(5, 128, 8)
+  f = jax.jit(lambda l: sm.route(l, k=2, rounding="nearest", tile=16)[0].group_sizes)
+  np.testing.assert_array_equal(f(logits), sm.route(logits, k=2, rounding="nearest", tile=16)[0].group_sizes)
+
+
+def test_aux_losses():
+  T, E = 64, 8
+  uniform = jnp.zeros((T, E))
+  # uniform router with perfectly balanced counts gives load-balancing loss 1
+  counts = jnp.full((E,), T * 2 // E, jnp.int32)
+  np.testing.assert_allclose(sm.load_balancing_loss(uniform, counts, 2), 1.0, rtol=1e-6)
+  np.testing.assert_allclose(sm.z_loss(uniform), np.log(E) ** 2, rtol=1e-6)
+  skewed = uniform.at[:, 0].set(10.0)
+  _, stats = sm.route(skewed, k=1)
+  assert float(stats.load_balancing_loss) > 5.0
