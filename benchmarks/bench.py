@@ -1,0 +1,281 @@
+"""Side-by-side MoE layer benchmark: our backends against the anchors, in one run on one GPU.
+
+  python -m benchmarks.bench                          # all anchor configs, every available impl
+  python -m benchmarks.bench --configs olmoe --impls xla,pallas,dense
+  python -m benchmarks.bench --custom 32768,4096,1024,256,4 --rounding nearest
+  python -m benchmarks.bench --tiny                   # CPU smoke run
+
+Impls: xla, pallas, cute (our layer, by backend), lax_ragged_dot and tokamax (the same math
+by plain autodiff over jax.lax.ragged_dot / tokamax.ragged_dot), torch_sonicmoe (PyPI sonic-moe,
+run in a subprocess when importable), dense (a bf16 matmul chain of equal FLOPs: the ceiling).
+Each record: impl, config, T, d, n, E, K, fwd_ms, bwd_ms, fwd_bwd_ms, fwd_tflops,
+fwd_bwd_tflops, act_bytes, status, gpu, date, versions. Failures are rows, not crashes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import sonicmoe_jax as sm
+from benchmarks import configs as C
+
+WEIGHT_ARGS = ("argument wr", "argument w1", "argument w2")
+
+
+def make_args(T, d, n, E, K, seed=0):
+  k = jax.random.split(jax.random.key(seed), 5)
+  bf = jnp.bfloat16
+  x = (jax.random.normal(k[0], (T, d), jnp.float32) * 0.5).astype(bf)
+  wr = (jax.random.normal(k[1], (d, E), jnp.float32) * 0.02).astype(bf)
+  w1 = (jax.random.normal(k[2], (E, d, 2 * n), jnp.float32) * 0.02).astype(bf)
+  w2 = (jax.random.normal(k[3], (E, n, d), jnp.float32) * 0.02).astype(bf)
+  dout = jax.random.normal(k[4], (T, d), jnp.float32).astype(bf)
+  return (x, wr, w1, w2), dout
+
+
+def ours(backend, K, rounding, tile):
+  def fn(x, wr, w1, w2):
+    return sm.moe(x, wr, w1, w2, k=K, rounding=rounding, tile=tile, backend=backend).out
+  return fn
+
+
+def plain_autodiff(rdot, K):
+  """argsort + gather + ragged_dot + SwiGLU + ragged_dot + scatter-add, differentiated by JAX."""
+  def fn(x, wr, w1, w2):
+    T, d = x.shape
+    n = w2.shape[1]
+    logits = jnp.dot(x, wr, preferred_element_type=jnp.float32)
+    top_v, top_i = jax.lax.top_k(logits, K)
+    s = jax.nn.softmax(top_v, axis=-1)
+    flat = top_i.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tok = order // K
+    sizes = jnp.bincount(flat, length=w1.shape[0]).astype(jnp.int32)
+    h = rdot(x[tok], w1, sizes)
+    a = (jax.nn.silu(h[:, :n].astype(jnp.float32)) * h[:, n:].astype(jnp.float32)).astype(x.dtype)
+    y = rdot(a, w2, sizes)
+    y = (y.astype(jnp.float32) * s.reshape(-1)[order][:, None]).astype(x.dtype)
+    return jnp.zeros((T, d), x.dtype).at[tok].add(y)
+  return fn
+
+
+def dense(K):
+  """T*K rows through one expert-sized MLP: the FLOPs of the MoE with no routing or gathers."""
+  def fn(x, wr, w1, w2):
+    T, d = x.shape
+    n = w2.shape[1]
+    h = jnp.tile(x, (K, 1)) @ w1[0]
+    a = (jax.nn.silu(h[:, :n].astype(jnp.float32)) * h[:, n:].astype(jnp.float32)).astype(x.dtype)
+    return (a @ w2[0]).reshape(K, T, d).sum(0)
+  return fn
+
+
+def time_ms(f, args, iters, reps):
+  jax.block_until_ready(f(*args))  # compile + warm up
+  jax.block_until_ready(f(*args))
+  samples = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      out = f(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / iters * 1e3)
+  return statistics.median(samples)
+
+
+def activation_bytes(fn, args):
+  res = sm.saved_residuals(fn, *args)
+  return sum(r.nbytes for r in res if r.source not in WEIGHT_ARGS)
+
+
+def measure(fn, args, dout, iters, reps):
+  fwd = jax.jit(fn)
+
+  def loss(*a):
+    return jnp.sum(fn(*a).astype(jnp.float32) * dout.astype(jnp.float32))
+  fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+  t_f = time_ms(fwd, args, iters, reps)
+  t_fb = time_ms(fwd_bwd, args, iters, reps)
+  return t_f, t_fb
+
+
+def impl_fn(impl, K, rounding, tile):
+  if impl in ("xla", "pallas", "cute") or "+" in impl:
+    backend = impl if "+" not in impl else dict(p.split("=") for p in impl.split("+"))
+    return ours(backend, K, rounding, tile)
+  if impl == "lax_ragged_dot":
+    return plain_autodiff(functools.partial(jax.lax.ragged_dot, preferred_element_type=None), K)
+  if impl == "tokamax":
+    import tokamax
+    return plain_autodiff(functools.partial(tokamax.ragged_dot, implementation="mosaic"), K)
+  if impl == "dense":
+    return dense(K)
+  raise ValueError(f"unknown impl {impl!r}")
+
+
+def versions():
+  v = {"jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
+       "sonicmoe_jax": sm.__version__, "python": sys.version.split()[0]}
+  try:
+    import tokamax
+    v["tokamax"] = tokamax.__version__
+  except Exception:
+    pass
+  return v
+
+
+def run_case(impl, name, cfg, args_ns, meta):
+  T, d, n, E, K = cfg
+  rec = dict(impl=impl, config=name, T=T, d=d, n=n, E=E, K=K, fwd_ms=None, bwd_ms=None,
+             fwd_bwd_ms=None, fwd_tflops=None, fwd_bwd_tflops=None, act_bytes=None,
+             status="ok", rounding=args_ns.rounding, **meta)
+  try:
+    fn = impl_fn(impl, K, args_ns.rounding, args_ns.tile)
+    args, dout = make_args(T, d, n, E, K)
+    t_f, t_fb = measure(fn, args, dout, args_ns.iters, args_ns.reps)
+    rec.update(fwd_ms=t_f, fwd_bwd_ms=t_fb, bwd_ms=t_fb - t_f,
+               fwd_tflops=C.fwd_flops(*cfg) / t_f / 1e9,
+               fwd_bwd_tflops=C.fwd_bwd_flops(*cfg) / t_fb / 1e9)
+    if impl != "dense":
+      rec["act_bytes"] = activation_bytes(fn, args)
+  except Exception as e:  # a failure is a row
+    msg = str(e).splitlines()[0] if str(e) else ""
+    rec["status"] = f"{type(e).__name__}: {msg[:300]}"
+  return rec
+
+
+def run_torch(names, cfgs, meta):
+  """PyPI sonic-moe in a subprocess (PyTorch and JAX share one GPU badly in one process)."""
+  script = os.path.join(os.path.dirname(__file__), "torch_sonicmoe.py")
+  try:
+    out = subprocess.run([sys.executable, script, json.dumps(dict(zip(names, cfgs)))],
+                         capture_output=True, text=True, timeout=3000)
+    recs = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
+    if not recs:
+      raise RuntimeError((out.stderr or out.stdout).strip().splitlines()[-1][:300])
+  except Exception as e:
+    recs = [dict(impl="torch_sonicmoe", config=nm, status=f"{type(e).__name__}: {e}") for nm in names]
+  for r, (nm, cfg) in zip(recs, zip(names, cfgs)):
+    T, d, n, E, K = cfg
+    r.update(meta, config=nm, T=T, d=d, n=n, E=E, K=K)
+    for key in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "act_bytes"):
+      r.setdefault(key, None)
+    if r.get("fwd_ms"):
+      r["fwd_tflops"] = C.fwd_flops(*cfg) / r["fwd_ms"] / 1e9
+      r["fwd_bwd_tflops"] = C.fwd_bwd_flops(*cfg) / r["fwd_bwd_ms"] / 1e9
+  return recs
+
+
+def available_impls():
+  impls = ["xla"]
+  for backend in ("pallas", "cute"):
+    try:
+      sm.resolve_backend(backend)
+      impls.append(backend)
+    except Exception:
+      pass
+  impls.append("lax_ragged_dot")
+  try:
+    import tokamax  # noqa: F401
+    impls.append("tokamax")
+  except Exception:
+    pass
+  try:
+    import sonicmoe  # noqa: F401
+    impls.append("torch_sonicmoe")
+  except Exception:
+    pass
+  return impls + ["dense"]
+
+
+def fmt(v, spec):
+  return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+
+def table(records):
+  lines = [f"{'config':12s} {'impl':15s} {'fwd ms':>9s} {'fwd TF/s':>9s} {'f+b ms':>9s} "
+           f"{'f+b TF/s':>9s} {'act MiB':>9s}  status"]
+  for r in records:
+    act = r.get("act_bytes")
+    lines.append(f"{r['config']:12s} {r['impl']:15s} {fmt(r.get('fwd_ms'), '9.3f')} "
+                 f"{fmt(r.get('fwd_tflops'), '9.0f')} {fmt(r.get('fwd_bwd_ms'), '9.3f')} "
+                 f"{fmt(r.get('fwd_bwd_tflops'), '9.0f')} "
+                 f"{fmt(act / 2**20 if act else None, '9.1f')}  {r['status'][:60]}")
+  return "\n".join(lines)
+
+
+def chart(records, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  ok = [r for r in records if r.get("fwd_bwd_tflops")]
+  if not ok:
+    return
+  cfgs = list(dict.fromkeys(r["config"] for r in ok))
+  impls = list(dict.fromkeys(r["impl"] for r in ok))
+  fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+  width = 0.8 / len(impls)
+  for ax, key, title in ((axes[0], "fwd_tflops", "forward"), (axes[1], "fwd_bwd_tflops", "forward+backward")):
+    for i, impl in enumerate(impls):
+      vals = [next((r[key] for r in ok if r["config"] == c and r["impl"] == impl), 0) or 0 for c in cfgs]
+      ax.bar([j + i * width for j in range(len(cfgs))], vals, width, label=impl)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cfgs))], cfgs, rotation=20)
+    ax.set_ylabel("model TF/s")
+    ax.set_title(f"{title} ({ok[0].get('gpu', '')})")
+  axes[0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--configs", default=",".join(C.ANCHORS))
+  p.add_argument("--custom", action="append", default=[], help="T,d,n,E,K (repeatable)")
+  p.add_argument("--impls", default=None, help="comma list; default: every available one")
+  p.add_argument("--rounding", default=None, help="token rounding for our impls (default: none)")
+  p.add_argument("--tile", type=int, default=128)
+  p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--tiny", action="store_true", help="one tiny config (CPU smoke run)")
+  p.add_argument("--out", default="benchmarks/results/latest")
+  a = p.parse_args(argv)
+
+  cases = dict(C.TINY) if a.tiny else {c: C.ANCHORS[c] for c in a.configs.split(",") if c}
+  cases.update(C.parse_config(c) for c in a.custom)
+  impls = a.impls.split(",") if a.impls else available_impls()
+  dev = jax.devices()[0]
+  meta = dict(gpu=dev.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              versions=versions())
+  print(f"devices {jax.devices()} | {meta['versions']} | impls {impls}", flush=True)
+  records = []
+  for name, cfg in cases.items():
+    for impl in impls:
+      if impl == "torch_sonicmoe":
+        continue
+      rec = run_case(impl, name, cfg, a, meta)
+      records.append(rec)
+      print(f"[{len(records)}] {name} {impl}: fwd {fmt(rec['fwd_ms'], '.3f')} ms, fwd+bwd "
+            f"{fmt(rec['fwd_bwd_ms'], '.3f')} ms, {rec['status'][:80]}", flush=True)
+  if "torch_sonicmoe" in impls:
+    records += run_torch(list(cases), list(cases.values()), meta)
+  os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+  with open(a.out + ".json", "w") as f:
+    json.dump(records, f, indent=1)
+  chart(records, a.out + ".png")
+  print(table(records))
+  return records
+
+
+if __name__ == "__main__":
+  main()

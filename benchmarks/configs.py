@@ -1,0 +1,26 @@
+"""Benchmark configurations (T, d, n, E, K) and FLOP formulas, from ../shared/bench/anchors-h200.md."""
+ANCHORS = {
+    "7B-n256": (24576, 1536, 256, 128, 8),
+    "7B-n1024": (24576, 1536, 1024, 32, 2),
+    "30B-n256": (32768, 4096, 256, 256, 16),
+    "120B-n1024": (32768, 4096, 1024, 128, 8),
+    "olmoe": (32768, 2048, 1024, 64, 8),
+}
+TINY = {"tiny": (256, 64, 32, 8, 2)}
+
+
+def fwd_flops(T, d, n, E, K):
+  """Model FLOPs of the forward: up-projection 4TKdn + down-projection 2TKnd."""
+  return 6 * T * n * K * d
+
+
+def fwd_bwd_flops(T, d, n, E, K):
+  return 18 * T * n * K * d
+
+
+def parse_config(text: str):
+  """'T,d,n,E,K' -> (name, (T, d, n, E, K))."""
+  vals = tuple(int(v) for v in text.split(","))
+  if len(vals) != 5:
+    raise ValueError(f"a config is T,d,n,E,K; got {text!r}")
+  return "T{}-d{}-n{}-E{}-K{}".format(*vals), vals
