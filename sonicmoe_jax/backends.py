@@ -9,8 +9,10 @@ Ops (signatures as in xla_ops.py):
   dw1(x, dH, plan) -> dW1                 varlen-K GEMM, X rows gathered
   dw2(A', dO, plan) -> dW2                varlen-K GEMM, dO rows gathered
 
-A backend is a module exposing OPS: {op name: function}, imported on first use. A backend may
-implement a subset of the ops. Users pick a backend by name for all ops ("xla", "pallas",
+A backend is a module exposing OPS: {op name: function}, imported on first use, and optionally
+ALIGN: the row alignment its kernels need for each expert's group of slots (the routing plan
+is built with the largest ALIGN among the chosen backends). A backend may implement a subset
+of the ops. Users pick a backend by name for all ops ("xla", "pallas",
 "cute"), "auto" for the platform default, or a mapping {op: backend} for a mix (ops left out
 use "auto").
 """
@@ -37,7 +39,8 @@ BackendSpec = Union[str, Mapping[str, str]]
 
 
 class Ops(NamedTuple):
-  """Resolved implementations, one per op (hashable: used as a static argument)."""
+  """Resolved implementations, one per op, and the plan alignment they need (hashable: used
+  as a static argument)."""
   up_proj: Callable
   down_proj: Callable
   aggregate: Callable
@@ -45,9 +48,10 @@ class Ops(NamedTuple):
   dx_tilde: Callable
   dw1: Callable
   dw2: Callable
+  align: int = 1
 
 
-def _backend_ops(name: str) -> Mapping[str, Callable]:
+def _backend_module(name: str):
   if name not in BACKEND_MODULES:
     known = ", ".join(map(repr, (*BACKEND_MODULES, "auto")))
     raise ValueError(f"backend must be one of {known} or a mapping of op name to backend; got {name!r}")
@@ -55,7 +59,7 @@ def _backend_ops(name: str) -> Mapping[str, Callable]:
     module = importlib.import_module(BACKEND_MODULES[name])
   except ImportError as e:
     raise ImportError(f"backend {name!r} is not available here: {e}") from e
-  return module.OPS
+  return module
 
 
 def default_backend(op: str, platform: str | None = None) -> str:
@@ -78,13 +82,14 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None) -> Ops:
     choice = {op: backend.get(op, "auto") for op in OP_NAMES}
   else:
     raise TypeError(f"backend must be a string or a mapping of op name to backend; got {type(backend).__name__}")
-  impls = {}
+  impls, align = {}, 1
   for op, name in choice.items():
     if name == "auto":
       name = default_backend(op, platform)
-    ops = _backend_ops(name)
-    if op not in ops:
+    module = _backend_module(name)
+    if op not in module.OPS:
       raise NotImplementedError(f"backend {name!r} has no implementation of op {op!r}; "
-                                f"it implements {sorted(ops)}. Use a mapping to mix backends.")
-    impls[op] = ops[op]
-  return Ops(**impls)
+                                f"it implements {sorted(module.OPS)}. Use a mapping to mix backends.")
+    impls[op] = module.OPS[op]
+    align = max(align, getattr(module, "ALIGN", 1))
+  return Ops(**impls, align=align)

@@ -112,7 +112,7 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
   ops = backends.resolve(backend)
   logits = routing.router_logits(x, router_w)
   plan, stats = routing.route(logits, k=k, score_fn=score_fn, renormalize=renormalize,
-                              rounding=rounding, tile=tile, rng=rng)
+                              rounding=rounding, tile=tile, rng=rng, align=ops.align)
   plan_arrays = dataclasses.replace(plan, scores=jax.lax.stop_gradient(plan.scores))
   out = expert_mlp(ops, x, plan.scores, w1, w2, plan_arrays)
   return MoEOutput(out=out, plan=plan, stats=stats)

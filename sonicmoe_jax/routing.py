@@ -9,11 +9,13 @@ pair gets the score s_te = exp(l_te - c_t):
 Pairs added by token rounding (experts a token did not choose) use the same formula, so their
 scores are smaller than the token's chosen scores.
 
-The plan. (token, expert, score) pairs live in P "slots" sorted by expert: expert e owns slots
-[group_offsets[e], group_offsets[e+1]). P is static so the plan works under jit:
-  * plain top-K: P = T*K, every slot valid;
-  * token rounding: P = min(T*K + E*(tile-1), T*E), an upper bound on the rounded total; the
-    slots past group_offsets[E] are padding (valid=False, token T, score 0).
+The plan. (token, expert, score) pairs live in P "slots" sorted by expert: expert e's pairs fill
+slots group_offsets[e] .. group_offsets[e] + group_sizes[e] - 1. With `align` > 1 (what the
+tiled GPU kernels ask for) every group starts at a multiple of `align`, so each M tile of a
+grouped GEMM belongs to one expert. P is static so the plan works under jit (see num_slots):
+  * plain top-K, align 1: P = T*K, every slot valid;
+  * otherwise P bounds the rounded and aligned total; the unused slots are padding
+    (valid=False, token T, expert E, score 0) and every kernel writes zeros for them.
 For aggregation, token_slots lists the slots ordered by token (padding last) and
 token_offsets[t] : token_offsets[t+1] are token t's slots: a token can end with any number
 of experts under token rounding.
@@ -38,13 +40,16 @@ class RoutingPlan:
     expert_index: [P] int32, the expert of each slot; E for padding slots.
     scores: [P] float32, the routing score of each slot; 0 for padding slots. Differentiable.
     valid: [P] bool, False for padding slots.
-    group_sizes: [E] int32, slots per expert (rounded counts under token rounding).
-    group_offsets: [E+1] int32, exclusive prefix sums of group_sizes.
+    group_sizes: [E] int32, pairs per expert (rounded counts under token rounding).
+    group_offsets: [E+1] int32, first slot of each expert's group (a multiple of align);
+      group_offsets[E] ends the last group. Equal to the prefix sums of group_sizes when
+      align is 1.
     token_slots: [P] int32, slot ids ordered by token, padding slots last.
     token_offsets: [T+1] int32, token t owns token_slots[token_offsets[t]:token_offsets[t+1]].
   Static fields:
     num_tokens (T), num_experts (E), k (top-K), fixed_k: True when every token has exactly k
-    slots and token_slots.reshape(T, k) lists them (plain top-K routing).
+    slots and token_slots.reshape(T, k) lists them (plain top-K routing), align: the
+    alignment of group starts.
   """
   token_index: jax.Array
   expert_index: jax.Array
@@ -58,10 +63,16 @@ class RoutingPlan:
   num_experts: int = dataclasses.field(metadata=dict(static=True))
   k: int = dataclasses.field(metadata=dict(static=True))
   fixed_k: bool = dataclasses.field(metadata=dict(static=True))
+  align: int = dataclasses.field(default=1, metadata=dict(static=True))
 
   @property
   def num_slots(self) -> int:
     return self.token_index.shape[0]
+
+  @property
+  def padded_group_sizes(self):
+    """[E] int32: slots from each group's start to the next one's (group_sizes when align=1)."""
+    return jnp.diff(self.group_offsets)
 
 
 jax.tree_util.register_dataclass(RoutingPlan)
@@ -120,7 +131,7 @@ def _score_matrix(logits, topk_logits, score_fn: str, renormalize: bool):
 
 
 def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool = False,
-          rounding: Optional[str] = None, tile: int = 128, rng=None):
+          rounding: Optional[str] = None, tile: int = 128, rng=None, align: int = 1):
   """Builds the routing plan from router logits.
 
   Args:
@@ -132,6 +143,7 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
       "stochastic", "up", "down", "balanced" (see token_rounding.round_counts).
     tile: the tile that rounded counts are multiples of; needs T >= tile.
     rng: PRNG key for rounding="stochastic".
+    align: every expert's group of slots starts at a multiple of this (a power of two).
 
   Returns:
     (RoutingPlan, RouterStats).
@@ -146,18 +158,19 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
     if num_tokens < tile:
       raise ValueError(f"token rounding needs at least one tile of tokens: T={num_tokens} < tile={tile}")
 
+  validation.check_tile(align, name="align")
   logits = logits.astype(jnp.float32)
   topk_logits, topk_experts = jax.lax.top_k(logits, k)
   scores = _score_matrix(logits, topk_logits, score_fn, renormalize)
   topk_counts = jnp.zeros((num_experts,), jnp.int32).at[topk_experts.reshape(-1)].add(1)
 
   if rounding is None:
-    plan = _topk_plan(scores, topk_experts, topk_counts)
+    plan = _topk_plan(scores, topk_experts, topk_counts, align)
     changed = jnp.zeros((), jnp.int32)
   else:
     targets = token_rounding.round_counts(topk_counts, tile=tile, num_tokens=num_tokens,
                                           mode=rounding, rng=rng)
-    plan = _rounded_plan(scores, topk_experts, targets, k, tile)
+    plan = _rounded_plan(scores, topk_experts, targets, k, tile, align)
     changed = jnp.sum(jnp.abs(targets - topk_counts))
 
   stats = RouterStats(
@@ -174,32 +187,61 @@ def _exclusive_cumsum(counts):
   return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
 
 
-def _topk_plan(scores, topk_experts, counts) -> RoutingPlan:
+def num_slots(num_tokens: int, num_experts: int, k: int, tile: int = 1, align: int = 1) -> int:
+  """Static slot count: T*K, plus fewer than `tile` added pairs per expert under token rounding
+  (tile=1 without), plus fewer than `align` padding slots per expert unless tile is a multiple
+  of align; never more than E aligned groups of T. A multiple of align."""
+  extra = num_experts * (tile - 1)
+  if tile % align:
+    extra += num_experts * (align - 1)
+  most = num_experts * _round_up(num_tokens, align)
+  return _round_up(min(num_tokens * k + extra, most), align)
+
+
+def _round_up(x, m):
+  return (x + m - 1) // m * m
+
+
+def _aligned_offsets(counts, align: int):
+  return _exclusive_cumsum(_round_up(counts, align) if align > 1 else counts)
+
+
+def _topk_plan(scores, topk_experts, counts, align: int) -> RoutingPlan:
   num_tokens, num_experts = scores.shape
   k = topk_experts.shape[1]
-  pair_expert = topk_experts.reshape(-1)                      # pair i = t * k + j
-  slot_pair = jnp.argsort(pair_expert, stable=True)           # slot -> pair
-  pair_slot = jnp.zeros_like(slot_pair).at[slot_pair].set(jnp.arange(slot_pair.shape[0]))
-  token_index = (slot_pair // k).astype(jnp.int32)
-  expert_index = pair_expert[slot_pair].astype(jnp.int32)
+  pair_expert = topk_experts.reshape(-1).astype(jnp.int32)    # pair i = t * k + j
+  order = jnp.argsort(pair_expert, stable=True)               # dense position -> pair
+  offsets = _aligned_offsets(counts, align)
+  size = num_slots(num_tokens, num_experts, k, 1, align)
+  if align == 1:
+    slot_pair = order
+    pair_slot = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
+    token_index = (slot_pair // k).astype(jnp.int32)
+    expert_index = pair_expert[slot_pair]
+    valid = jnp.ones((size,), bool)
+  else:  # move each expert's run of pairs to its aligned start
+    dense_offsets = _exclusive_cumsum(counts)
+    sorted_expert = pair_expert[order]
+    slot_of_sorted = offsets[sorted_expert] + jnp.arange(order.shape[0]) - dense_offsets[sorted_expert]
+    pair_slot = jnp.zeros_like(order).at[order].set(slot_of_sorted)
+    token_index = jnp.full((size,), num_tokens, jnp.int32).at[slot_of_sorted].set(order // k)
+    expert_index = jnp.full((size,), num_experts, jnp.int32).at[slot_of_sorted].set(sorted_expert)
+    valid = jnp.zeros((size,), bool).at[slot_of_sorted].set(True)
+  safe_token = jnp.minimum(token_index, num_tokens - 1)
+  safe_expert = jnp.minimum(expert_index, num_experts - 1)
   return RoutingPlan(
-      token_index=token_index,
-      expert_index=expert_index,
-      scores=scores[token_index, expert_index],
-      valid=jnp.ones(slot_pair.shape, bool),
+      token_index=token_index.astype(jnp.int32),
+      expert_index=expert_index.astype(jnp.int32),
+      scores=jnp.where(valid, scores[safe_token, safe_expert], 0.0),
+      valid=valid,
       group_sizes=counts,
-      group_offsets=_exclusive_cumsum(counts),
+      group_offsets=offsets,
       token_slots=pair_slot.astype(jnp.int32),
       token_offsets=jnp.arange(num_tokens + 1, dtype=jnp.int32) * k,
-      num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=True)
+      num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=True, align=align)
 
 
-def num_rounded_slots(num_tokens: int, num_experts: int, k: int, tile: int) -> int:
-  """Static slot count under token rounding: every expert adds fewer than `tile` tokens."""
-  return min(num_tokens * k + num_experts * (tile - 1), num_tokens * num_experts)
-
-
-def _rounded_plan(scores, topk_experts, targets, k: int, tile: int) -> RoutingPlan:
+def _rounded_plan(scores, topk_experts, targets, k: int, tile: int, align: int) -> RoutingPlan:
   num_tokens, num_experts = scores.shape
   chosen = jnp.zeros((num_tokens, num_experts), bool).at[
       jnp.arange(num_tokens)[:, None], topk_experts].set(True)
@@ -207,14 +249,14 @@ def _rounded_plan(scores, topk_experts, targets, k: int, tile: int) -> RoutingPl
   biased = jnp.where(chosen, scores, scores - 1.0)
   ranked_tokens = jnp.argsort(-biased.T, axis=1, stable=True).astype(jnp.int32)  # [E, T]
 
-  num_slots = num_rounded_slots(num_tokens, num_experts, k, tile)
-  offsets = _exclusive_cumsum(targets)
-  slot = jnp.arange(num_slots, dtype=jnp.int32)
+  size = num_slots(num_tokens, num_experts, k, tile, align)
+  offsets = _aligned_offsets(targets, align)
+  slot = jnp.arange(size, dtype=jnp.int32)
   expert = jnp.searchsorted(offsets[1:], slot, side="right").astype(jnp.int32)
-  valid = slot < offsets[-1]
   expert_c = jnp.minimum(expert, num_experts - 1)
-  rank = jnp.clip(slot - offsets[expert_c], 0, num_tokens - 1)
-  token = ranked_tokens[expert_c, rank]
+  rank = slot - offsets[expert_c]
+  valid = (expert < num_experts) & (rank < targets[expert_c])
+  token = ranked_tokens[expert_c, jnp.clip(rank, 0, num_tokens - 1)]
   token_index = jnp.where(valid, token, num_tokens)
   expert_index = jnp.where(valid, expert, num_experts)
   slot_scores = jnp.where(valid, scores[jnp.minimum(token, num_tokens - 1), expert_c], 0.0)
@@ -225,7 +267,7 @@ def _rounded_plan(scores, topk_experts, targets, k: int, tile: int) -> RoutingPl
       token_index=token_index, expert_index=expert_index, scores=slot_scores, valid=valid,
       group_sizes=targets, group_offsets=offsets, token_slots=token_slots,
       token_offsets=_exclusive_cumsum(per_token),
-      num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=False)
+      num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=False, align=align)
 
 
 def load_balancing_loss(logits, topk_counts, k: int):

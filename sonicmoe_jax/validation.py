@@ -32,11 +32,11 @@ def check_k(k, num_experts: int) -> None:
     raise ValueError(f"k must satisfy 1 <= k <= E (number of experts = {num_experts}); got k={k}")
 
 
-def check_tile(tile) -> None:
+def check_tile(tile, name: str = "tile") -> None:
   if not isinstance(tile, int) or isinstance(tile, bool):
-    raise TypeError(f"tile must be a Python int; got {type(tile).__name__}")
+    raise TypeError(f"{name} must be a Python int; got {type(tile).__name__}")
   if tile < 1 or tile > MAX_TILE or tile & (tile - 1):
-    raise ValueError(f"tile must be a power of two in [1, {MAX_TILE}]; got {tile}")
+    raise ValueError(f"{name} must be a power of two in [1, {MAX_TILE}]; got {tile}")
 
 
 def check_choice(name: str, value, choices) -> None:

@@ -22,7 +22,7 @@ def gather_rows(x, index):
 
 def _grouped_matmul(lhs, rhs, plan: RoutingPlan):
   """Varlen-M grouped GEMM: slot rows of expert e times rhs[e], fp32 result."""
-  return jax.lax.ragged_dot(lhs, rhs, plan.group_sizes, preferred_element_type=_F32)
+  return jax.lax.ragged_dot(lhs, rhs, plan.padded_group_sizes, preferred_element_type=_F32)
 
 
 def _grouped_weight_grad(lhs, rhs, plan: RoutingPlan):
@@ -30,7 +30,8 @@ def _grouped_weight_grad(lhs, rhs, plan: RoutingPlan):
   dims = jax.lax.RaggedDotDimensionNumbers(
       dot_dimension_numbers=(((0,), (0,)), ((), ())),
       lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-  return jax.lax.ragged_dot_general(lhs, rhs, plan.group_sizes, dims, preferred_element_type=_F32)
+  return jax.lax.ragged_dot_general(lhs, rhs, plan.padded_group_sizes, dims,
+                                    preferred_element_type=_F32)
 
 
 def up_proj(x, w1, plan: RoutingPlan):

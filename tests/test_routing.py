@@ -19,10 +19,12 @@ def _check_plan_structure(plan, T, E):
   valid = np.asarray(plan.valid)
   sizes = np.asarray(plan.group_sizes)
   offsets = np.asarray(plan.group_offsets)
-  assert offsets[0] == 0 and np.all(np.diff(offsets) == sizes)
-  assert valid.sum() == sizes.sum() and np.all(valid[: sizes.sum()])
+  align = plan.align
+  assert offsets[0] == 0 and np.all(np.diff(offsets) == -(-sizes // align) * align)
+  assert valid.sum() == sizes.sum()
   for e in range(E):
-    assert np.all(exp[offsets[e]:offsets[e + 1]] == e)
+    assert np.all(exp[offsets[e]:offsets[e] + sizes[e]] == e)
+    assert np.all(valid[offsets[e]:offsets[e] + sizes[e]])
   assert np.all(tok[~valid] == T) and np.all(exp[~valid] == E)
   assert np.all(np.asarray(plan.scores)[~valid] == 0)
   # (token, expert) pairs are unique
@@ -163,3 +165,36 @@ def test_aux_losses():
   skewed = uniform.at[:, 0].set(10.0)
   _, stats = sm.route(skewed, k=1)
   assert float(stats.load_balancing_loss) > 5.0
+
+
+@pytest.mark.parametrize("rounding,tile", [(None, 1), ("nearest", 16), ("up", 8)])
+@pytest.mark.parametrize("align", [8, 32])
+def test_aligned_plan(rounding, tile, align):
+  T, E, K = 150, 8, 2
+  logits = _logits(align + tile, T, E)
+  plan, stats = sm.route(logits, k=K, rounding=rounding, tile=max(tile, 1), align=align)
+  dense, _ = sm.route(logits, k=K, rounding=rounding, tile=max(tile, 1))
+  _check_plan_structure(plan, T, E)
+  offsets = np.asarray(plan.group_offsets)
+  assert np.all(offsets % align == 0) and plan.num_slots % align == 0
+  assert offsets[-1] <= plan.num_slots
+  np.testing.assert_array_equal(plan.group_sizes, dense.group_sizes)
+  # the same (token, expert, score) pairs, only moved
+  def pairs(p):
+    v = np.asarray(p.valid)
+    return sorted(zip(np.asarray(p.token_index)[v].tolist(), np.asarray(p.expert_index)[v].tolist(),
+                      np.round(np.asarray(p.scores)[v], 6).tolist()))
+  assert pairs(plan) == pairs(dense)
+
+
+def test_aligned_layer_matches_dense_layout():
+  from conftest import make_inputs, rel_err
+  from sonicmoe_jax import layer, backends
+  args = make_inputs(0, 96, 32, 16, 8)
+  ops = backends.resolve("xla")._replace(align=32)
+  x, r, w1, w2 = args
+
+  def run(ops):
+    plan, _ = sm.route(sm.router_logits(x, r), k=2, align=ops.align)
+    return layer.expert_mlp(ops, x, plan.scores, w1, w2, plan)
+  assert rel_err(run(ops), run(backends.resolve("xla"))) < 1e-5
