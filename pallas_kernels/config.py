@@ -1,0 +1,77 @@
+"""Tile configurations, shape limits and launch helpers shared by the Mosaic GPU kernels."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BLOCK_M = 128  # rows per M tile; also the plan alignment (pallas_kernels.ops.ALIGN)
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """One kernel's tiling: an M x N output tile, K consumed block_k at a time through a
+  `stages`-deep TMA pipeline."""
+  block_m: int = BLOCK_M
+  block_n: int = 128
+  block_k: int = 64
+  stages: int = 4
+
+
+UP_PROJ = TileConfig(block_n=64)     # two accumulators (gate, up): 2 x 128x64 fp32
+MATMUL = TileConfig(block_n=128)     # down-projection and dX~
+DH = TileConfig(block_n=64)          # one accumulator plus the heavy dSwiGLU epilogue
+WEIGHT_GRAD = TileConfig(block_m=128, block_n=128, block_k=64)
+
+
+def check_operands(op: str, **arrays) -> None:
+  for name, arr in arrays.items():
+    if not any(arr.dtype == jnp.dtype(d) for d in SUPPORTED_DTYPES):
+      raise TypeError(f"backend 'pallas' ({op}): {name} must be bfloat16 or float16; got {arr.dtype}. "
+                      "Use backend='xla' for float32.")
+
+
+def check_dims(d: int, n: int) -> None:
+  """The kernels tile d by 128 and n by 64."""
+  if d % 128:
+    raise ValueError(f"backend 'pallas' needs d (model width) to be a multiple of 128; got d={d}")
+  if n % 64:
+    raise ValueError(f"backend 'pallas' needs n (expert width) to be a multiple of 64; got n={n}")
+
+
+_LOWERING_FOR_GPU = False
+
+
+@contextlib.contextmanager
+def lowering_for_gpu():
+  """Trace the real GPU kernels even off the GPU (for jax.export with platforms=("cuda",))."""
+  global _LOWERING_FOR_GPU
+  old, _LOWERING_FOR_GPU = _LOWERING_FOR_GPU, True
+  try:
+    yield
+  finally:
+    _LOWERING_FOR_GPU = old
+
+
+def interpret_mode():
+  """Mosaic GPU interpret mode off the GPU (tests on CPU), None on the GPU."""
+  if _LOWERING_FOR_GPU or jax.default_backend() == "gpu":
+    return None
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  return InterpretGPUParams()
+
+
+def num_sms() -> int:
+  """Persistent grid size: one CTA per SM on the GPU (132 on an H200), a few when interpreted."""
+  dev = jax.devices()[0]
+  if dev.platform == "gpu":
+    return getattr(dev, "core_count", None) or 132
+  return 132 if _LOWERING_FOR_GPU else 4
+
+
+def compiler_params():
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)

@@ -1,0 +1,59 @@
+"""Backend "pallas": the expert ops on Pallas Mosaic GPU kernels (Hopper), run in Mosaic GPU
+interpret mode off the GPU.
+
+The plan is aligned to BLOCK_M rows per expert (ALIGN) so every M tile has one expert. Rows of
+X and dO are gathered by XLA before the GEMMs (Hopper has no TMA row gather); aggregation is
+XLA's gather-and-sum for now. Limits: bf16/f16 inputs, d a multiple of 128, n of 64.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels import config, grouped_gemm, schedule, weight_grad
+from sonicmoe_jax import xla_ops
+
+ALIGN = config.BLOCK_M
+
+
+def _tiles(plan):
+  return schedule.tile_experts(plan, config.BLOCK_M)
+
+
+def up_proj(x, w1, plan):
+  config.check_operands("up_proj", x=x, w1=w1)
+  config.check_dims(x.shape[1], w1.shape[2] // 2)
+  return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan))
+
+
+def down_proj(a, w2, plan):
+  config.check_operands("down_proj", a=a, w2=w2)
+  config.check_dims(w2.shape[2], w2.shape[1])
+  return grouped_gemm.matmul(a, w2, _tiles(plan), transpose_rhs=False)
+
+
+def dh(dout, w2, h, scores, plan):
+  config.check_operands("dh", dout=dout, w2=w2, h=h)
+  config.check_dims(w2.shape[2], w2.shape[1])
+  dout_g = xla_ops.gather_rows(dout, plan.token_index)
+  dh_, a_scaled, ds_parts = grouped_gemm.dh(dout_g, w2, h, scores, _tiles(plan))
+  return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
+
+
+def dx_tilde(dh_, w1, plan):
+  config.check_operands("dx_tilde", dh=dh_, w1=w1)
+  config.check_dims(w1.shape[1], w1.shape[2] // 2)
+  return grouped_gemm.matmul(dh_, w1, _tiles(plan), transpose_rhs=True)
+
+
+def dw1(x, dh_, plan):
+  return weight_grad.weight_grad(xla_ops.gather_rows(x, plan.token_index), dh_,
+                                 plan.group_offsets, plan.num_experts, x.dtype)
+
+
+def dw2(a_scaled, dout, plan):
+  return weight_grad.weight_grad(a_scaled, xla_ops.gather_rows(dout, plan.token_index),
+                                 plan.group_offsets, plan.num_experts, dout.dtype)
+
+
+OPS = dict(up_proj=up_proj, down_proj=down_proj, aggregate=xla_ops.aggregate, dh=dh,
+           dx_tilde=dx_tilde, dw1=dw1, dw2=dw2)
