@@ -1,0 +1,94 @@
+"""Per-op breakdown of one backend at the anchor configs: routing, gathers, each kernel.
+
+  python -m benchmarks.kernels --backend pallas --configs olmoe
+
+Each op is jitted alone on precomputed inputs (the routing plan included) and timed like
+bench.py. GEMM ops report model TF/s (padding rows not counted) and the TF/s of a dense
+matmul of the same M, K, N for comparison; memory-bound ops report GB/s (bytes read once +
+written once).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+import sonicmoe_jax as sm
+from benchmarks import configs as C
+from benchmarks.bench import make_args, time_ms
+from sonicmoe_jax import xla_ops
+
+
+def breakdown(name, cfg, backend, rounding, iters, reps):
+  T, d, n, E, K = cfg
+  (x, wr, w1, w2), dout = make_args(T, d, n, E, K)
+  ops = sm.resolve_backend(backend)
+  route = jax.jit(lambda x, wr: sm.route(sm.router_logits(x, wr), k=K, rounding=rounding,
+                                         tile=128, align=ops.align)[0])
+  plan = route(x, wr)
+  P = T * K
+  h, a = jax.jit(ops.up_proj)(x, w1, plan)
+  y = jax.jit(ops.down_proj)(a, w2, plan)
+  dh_, _, a_s = jax.jit(ops.dh)(dout, w2, h, plan.scores, plan)
+  dxt = jax.jit(ops.dx_tilde)(dh_, w1, plan)
+  bf = 2
+  rows = [
+      ("routing plan", route, (x, wr), None, T * d * bf + d * E * bf),
+      ("gather X rows (xla)", jax.jit(lambda x: xla_ops.gather_rows(x, plan.token_index)), (x,), None,
+       2 * P * d * bf),
+      ("up_proj", jax.jit(ops.up_proj), (x, w1, plan), (P, d, 2 * n), None),
+      ("down_proj", jax.jit(ops.down_proj), (a, w2, plan), (P, n, d), None),
+      ("aggregate", jax.jit(ops.aggregate), (y, plan.scores, plan), None, P * d * bf + T * d * bf),
+      ("dh", jax.jit(ops.dh), (dout, w2, h, plan.scores, plan), (P, d, n), None),
+      ("dx_tilde", jax.jit(ops.dx_tilde), (dh_, w1, plan), (P, 2 * n, d), None),
+      ("aggregate dX", jax.jit(lambda v: ops.aggregate(v, None, plan)), (dxt,), None,
+       P * d * bf + T * d * bf),
+      ("dw1", jax.jit(ops.dw1), (x, dh_, plan), (P, d, 2 * n), None),
+      ("dw2", jax.jit(ops.dw2), (a_s, dout, plan), (P, n, d), None),
+  ]
+  recs = []
+  for op, fn, args, gemm, nbytes in rows:
+    ms = time_ms(fn, args, iters, reps)
+    rec = dict(config=name, backend=backend, rounding=rounding, op=op, ms=ms)
+    if gemm:
+      m, kk, nn = gemm
+      rec["tflops"] = 2 * m * kk * nn / ms / 1e9
+      lhs = jax.random.normal(jax.random.key(0), (m, kk), jnp.bfloat16)
+      rhs = jax.random.normal(jax.random.key(1), (kk, nn), jnp.bfloat16)
+      dense_ms = time_ms(jax.jit(jnp.matmul), (lhs, rhs), iters, reps)
+      rec["dense_tflops"] = 2 * m * kk * nn / dense_ms / 1e9
+    else:
+      rec["gbps"] = nbytes / ms / 1e6
+    recs.append(rec)
+    print(json.dumps(rec), flush=True)
+  return recs
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser()
+  p.add_argument("--backend", default="pallas")
+  p.add_argument("--configs", default=",".join(C.ANCHORS))
+  p.add_argument("--rounding", default=None)
+  p.add_argument("--iters", type=int, default=5)
+  p.add_argument("--reps", type=int, default=3)
+  p.add_argument("--tiny", action="store_true")
+  p.add_argument("--out", default=None)
+  a = p.parse_args(argv)
+  cases = C.TINY if a.tiny else {c: C.ANCHORS[c] for c in a.configs.split(",")}
+  recs = []
+  for name, cfg in cases.items():
+    recs += breakdown(name, cfg, a.backend, a.rounding, a.iters, a.reps)
+  print(f"{'config':11s} {'op':22s} {'ms':>8s} {'TF/s':>6s} {'dense':>6s} {'GB/s':>6s}")
+  for r in recs:
+    print(f"{r['config']:11s} {r['op']:22s} {r['ms']:8.3f} {r.get('tflops', 0):6.0f} "
+          f"{r.get('dense_tflops', 0):6.0f} {r.get('gbps', 0):6.0f}")
+  if a.out:
+    with open(a.out, "w") as f:
+      json.dump(recs, f, indent=1)
+  return recs
+
+
+if __name__ == "__main__":
+  main()
