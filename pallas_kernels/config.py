@@ -28,6 +28,17 @@ DH = TileConfig(block_n=64)          # one accumulator plus the heavy dSwiGLU ep
 WEIGHT_GRAD = TileConfig(block_m=128, block_n=128, block_k=64)
 
 
+def unsupported(dtype, d: int, n: int):
+  """Why these kernels cannot run a layer of this dtype and widths, or None."""
+  if not any(jnp.dtype(dtype) == jnp.dtype(t) for t in SUPPORTED_DTYPES):
+    return f"dtype {jnp.dtype(dtype).name} (needs bfloat16 or float16)"
+  if d % 128:
+    return f"d={d} is not a multiple of 128"
+  if n % 64:
+    return f"n={n} is not a multiple of 64"
+  return None
+
+
 def check_operands(op: str, **arrays) -> None:
   for name, arr in arrays.items():
     if not any(arr.dtype == jnp.dtype(d) for d in SUPPORTED_DTYPES):

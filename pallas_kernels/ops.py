@@ -13,6 +13,7 @@ from pallas_kernels import config, grouped_gemm, schedule, weight_grad
 from sonicmoe_jax import xla_ops
 
 ALIGN = config.BLOCK_M
+unsupported = config.unsupported
 
 
 def _tiles(plan):

@@ -15,10 +15,16 @@ is built with the largest ALIGN among the chosen backends). A backend may implem
 of the ops. Users pick a backend by name for all ops ("xla", "pallas",
 "cute"), "auto" for the platform default, or a mapping {op: backend} for a mix (ops left out
 use "auto").
+
+"auto" picks the platform default (PLATFORM_DEFAULTS, from measurements: the pallas kernels
+on GPUs). When the default backend's `unsupported(dtype, d, n)` names a reason (for example
+float32 inputs for pallas), "auto" falls back to "xla" and says so with a warning; a backend
+asked for by name raises instead.
 """
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Mapping
 from typing import Callable, NamedTuple, Union
 
@@ -33,7 +39,11 @@ BACKEND_MODULES = {
 }
 
 # Default backend per op for each platform; a platform missing here uses "xla" everywhere.
-PLATFORM_DEFAULTS: dict[str, dict[str, str]] = {}
+# GPU: pallas for every op (benchmarks/results/2026-11-29-pallas-h200: XLA's ragged_dot fails
+# autotuning at 4 of 5 anchor configs; the pallas kernels run all of them).
+PLATFORM_DEFAULTS: dict[str, dict[str, str]] = {
+    "gpu": {op: "pallas" for op in ("up_proj", "down_proj", "dh", "dx_tilde", "dw1", "dw2")},
+}
 
 BackendSpec = Union[str, Mapping[str, str]]
 
@@ -67,8 +77,12 @@ def default_backend(op: str, platform: str | None = None) -> str:
   return PLATFORM_DEFAULTS.get(platform, {}).get(op, "xla")
 
 
-def resolve(backend: BackendSpec = "auto", platform: str | None = None) -> Ops:
+def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype=None,
+            d: int | None = None, n: int | None = None) -> Ops:
   """Resolves a backend spec to one implementation per op.
+
+  dtype, d, n (the layer's input dtype and widths) let "auto" skip a default backend that
+  cannot run them.
 
   Raises ValueError for an unknown backend or op name, ImportError when a backend's
   dependencies are missing, NotImplementedError when a backend lacks a requested op.
@@ -86,6 +100,12 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None) -> Ops:
   for op, name in choice.items():
     if name == "auto":
       name = default_backend(op, platform)
+      module = _backend_module(name)
+      reason = module.unsupported(dtype, d, n) if hasattr(module, "unsupported") and dtype is not None else None
+      if reason:
+        warnings.warn(f"backend 'auto': {name!r} cannot run this layer ({reason}); using 'xla' for {op}",
+                      stacklevel=3)
+        name = "xla"
     module = _backend_module(name)
     if op not in module.OPS:
       raise NotImplementedError(f"backend {name!r} has no implementation of op {op!r}; "

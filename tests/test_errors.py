@@ -87,3 +87,13 @@ def test_flax_layer_config_errors():
     sm.SonicMoE(16, 8, 4, 5, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="rounding must be one of"):
     sm.SonicMoE(16, 8, 4, 2, rounding="maybe", rngs=nnx.Rngs(0))
+
+
+def test_auto_backend_falls_back_explicitly_on_gpu_platform():
+  from sonicmoe_jax import backends, xla_ops
+  with pytest.warns(UserWarning, match="cannot run this layer .*float32.*using 'xla'"):
+    ops = backends.resolve("auto", platform="gpu", dtype=jnp.float32, d=128, n=64)
+  assert ops.up_proj is xla_ops.up_proj and ops.align == 1
+  ops = backends.resolve("auto", platform="gpu", dtype=jnp.bfloat16, d=128, n=64)
+  assert ops.up_proj is not xla_ops.up_proj and ops.align == 128
+  assert backends.resolve("auto", platform="cpu").up_proj is xla_ops.up_proj
