@@ -45,6 +45,7 @@ def parse_args(argv=None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--eval-every", type=int, default=50)
   p.add_argument("--out", default="runs/demo", help="folder for loss_curve.png and metrics.json")
+  p.add_argument("--quiet", action="store_true", help="no progress bar or per-eval lines")
   return p.parse_args(argv)
 
 
@@ -73,6 +74,20 @@ def moe_activation_report(cfg: LMConfig, tokens_per_step: int):
   slots = sm.moe(x, r, w1, w2, **kw).plan.num_slots
   return dict(measured=ours, bound=sm.activation_bytes_bound(t, d, n, slots, dt.itemsize),
               plain_autodiff=kept(plain))
+
+
+def routing_summary(stats, k: int, tile: int):
+  """Averages over layers: fraction of (token, expert) decisions changed by rounding, load
+  imbalance (max / mean top-K count) and the padding fraction plain top-K has at `tile`."""
+  changed, imbalance, waste = [], [], []
+  for st in stats:
+    f = np.asarray(st.topk_counts, np.float64)
+    changed.append(float(st.changed_pairs) / f.sum())
+    imbalance.append(f.max() / f.mean())
+    padded = np.ceil(f / tile) * tile
+    waste.append(float((padded - f).sum() / max(padded.sum(), 1)))
+  return dict(changed=float(np.mean(changed)), imbalance=float(np.mean(imbalance)),
+              tc_padding=float(np.mean(waste)))
 
 
 def plot(history, evals, floor, path):
@@ -128,9 +143,9 @@ def main(argv=None):
     model.train()
     return ce
 
-  history, evals = [], []
+  history, evals, routing = [], [], []
   t_start = None
-  bar = tqdm(range(args.steps), desc="training", unit="step", dynamic_ncols=True)
+  bar = tqdm(range(args.steps), desc="training", unit="step", dynamic_ncols=True, disable=args.quiet)
   for step in bar:
     batch = jnp.asarray(corpus.sample(args.batch, args.seq + 1, seed=args.seed * 1_000_003 + step))
     ce, stats = train_step(model, opt, batch)
@@ -139,14 +154,18 @@ def main(argv=None):
       t_start = time.perf_counter()  # exclude compilation from the throughput
     if step % 10 == 0 or step == args.steps - 1:
       history.append((step, float(ce)))
+      routing.append(routing_summary(stats, cfg.k, args.tile))
       bar.set_postfix(loss=f"{float(ce):.3f}")
     if step % args.eval_every == 0 or step == args.steps - 1:
       evals.append((step, evaluate()))
-      tqdm.write(f"step {step:5d}  train {float(ce):.4f}  held-out {evals[-1][1]:.4f}")
+      if not args.quiet:
+        tqdm.write(f"step {step:5d}  train {float(ce):.4f}  held-out {evals[-1][1]:.4f}")
   jax.block_until_ready(ce)
   elapsed = time.perf_counter() - t_start
   tok_s = tokens_per_step * max(args.steps - 1, 1) / max(elapsed, 1e-9)
 
+  if args.quiet:
+    return dict(history=history, evals=evals, floor=floor, tokens_per_s=tok_s, routing=routing)
   print(f"\nloss: first {history[0][1]:.3f} -> last {history[-1][1]:.3f} (train), "
         f"held-out {evals[-1][1]:.3f}, floor {floor:.3f}")
   print(f"throughput: {tok_s:,.0f} tokens/s ({tokens_per_step} tokens/step, compile excluded)")
@@ -168,7 +187,8 @@ def main(argv=None):
     json.dump(dict(config=vars(args), history=history, evals=evals, floor=floor,
                    tokens_per_s=tok_s, activation_bytes=mem), f, indent=1)
   print(f"wrote {png} and metrics.json")
-  return dict(history=history, evals=evals, floor=floor, tokens_per_s=tok_s, memory=mem)
+  return dict(history=history, evals=evals, floor=floor, tokens_per_s=tok_s, memory=mem,
+              routing=routing)
 
 
 if __name__ == "__main__":
