@@ -270,6 +270,37 @@ def _rounded_plan(scores, topk_experts, targets, k: int, tile: int, align: int) 
       num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=False, align=align)
 
 
+def plan_from_experts(expert_ids, scores, num_experts: int, align: int = 1) -> RoutingPlan:
+  """A plan from given assignments: expert_ids [T, J] int (num_experts marks "none"), scores
+  [T, J]. Used where routing happened elsewhere (rows received by expert parallelism)."""
+  num_tokens, j = expert_ids.shape
+  flat = expert_ids.reshape(-1).astype(jnp.int32)
+  valid_pair = flat < num_experts
+  key = jnp.where(valid_pair, flat, num_experts)
+  order = jnp.argsort(key, stable=True)                      # dense position -> pair
+  counts = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)[:num_experts]
+  offsets = _aligned_offsets(counts, align)
+  dense_offsets = _exclusive_cumsum(counts)
+  size = _round_up(num_tokens * j + (num_experts * (align - 1) if align > 1 else 0), align)
+  sorted_expert = key[order]
+  pos = jnp.arange(order.shape[0], dtype=jnp.int32)
+  e_c = jnp.minimum(sorted_expert, num_experts - 1)
+  slot_of_sorted = jnp.where(sorted_expert < num_experts, offsets[e_c] + pos - dense_offsets[e_c], size)
+  token_index = jnp.full((size,), num_tokens, jnp.int32).at[slot_of_sorted].set(
+      (order // j).astype(jnp.int32), mode="drop")
+  expert_index = jnp.full((size,), num_experts, jnp.int32).at[slot_of_sorted].set(sorted_expert, mode="drop")
+  valid = jnp.zeros((size,), bool).at[slot_of_sorted].set(True, mode="drop")
+  slot_scores = jnp.zeros((size,), jnp.float32).at[slot_of_sorted].set(
+      scores.reshape(-1)[order].astype(jnp.float32), mode="drop")
+  token_slots = jnp.argsort(token_index, stable=True).astype(jnp.int32)
+  per_token = jnp.zeros((num_tokens + 1,), jnp.int32).at[token_index].add(1)[:num_tokens]
+  return RoutingPlan(
+      token_index=token_index, expert_index=expert_index, scores=slot_scores, valid=valid,
+      group_sizes=counts, group_offsets=offsets, token_slots=token_slots,
+      token_offsets=_exclusive_cumsum(per_token), num_tokens=num_tokens,
+      num_experts=num_experts, k=j, fixed_k=False, align=align)
+
+
 def load_balancing_loss(logits, topk_counts, k: int):
   """Switch-Transformer load balancing: E * sum_e (f_e / (T k)) * mean_t softmax(l_t)_e."""
   num_tokens, num_experts = logits.shape

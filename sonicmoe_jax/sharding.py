@@ -1,0 +1,214 @@
+"""Expert parallelism on JAX's SPMD engine: the SonicMoE layer under `jax.shard_map`.
+
+Layout over a `jax.sharding.Mesh`: tokens are split over every mesh axis in `token_axes`
+(data axes plus the expert axis), experts over `expert_axis` (E / ep experts per shard, the
+expert weights replicated over the other axes), the router weight replicated.
+
+Per device: route the local tokens over all E experts (token rounding, when on, rounds the
+local counts, so every global count is a tile multiple too; each expert's global count then
+moves by less than tile x number of token shards); send each (token, expert) row to the shard
+owning the expert with a padded `all_to_all` (capacity per destination: every local pair by
+default, so nothing is ever dropped); run the local experts as a K=1 layer over the received
+rows (the same backend ops as the single-device layer); send the weighted rows back; sum each
+token's rows (gather-and-sum).
+
+The expert part is one custom_vjp per device, keeping X (local tokens), H (received rows) and
+the integer plans: the backward mirrors the forward (dO out, dX~ and dS back) and sends the X
+rows again for dW1 instead of keeping them, so no [T*K, d] array is kept here either.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from sonicmoe_jax import backends, layer, routing, xla_ops
+from sonicmoe_jax.routing import RoutingPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+  """Where each local slot goes: send_slot[j, r] is the local slot sent to expert shard j as
+  row r (num_slots = none); slot_dest / slot_row give each slot's (shard, row)."""
+  send_slot: jax.Array
+  slot_dest: jax.Array
+  slot_row: jax.Array
+
+
+jax.tree_util.register_dataclass(Dispatch)
+
+
+def _dispatch(plan: RoutingPlan, ep: int, experts_per_shard: int, capacity: int) -> Dispatch:
+  dest = jnp.where(plan.valid, plan.expert_index // experts_per_shard, ep)
+  order = jnp.argsort(dest, stable=True)
+  counts = jnp.zeros((ep + 1,), jnp.int32).at[dest].add(1)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts)[:-1]])
+  sorted_dest = dest[order]
+  row = jnp.arange(order.shape[0], dtype=jnp.int32) - starts[sorted_dest]
+  keep = (sorted_dest < ep) & (row < capacity)
+  send = jnp.full((ep, capacity), plan.num_slots, jnp.int32).at[
+      jnp.where(keep, sorted_dest, ep), jnp.where(keep, row, 0)].set(order.astype(jnp.int32), mode="drop")
+  slot_dest = jnp.full((plan.num_slots,), ep, jnp.int32).at[order].set(jnp.where(keep, sorted_dest, ep))
+  slot_row = jnp.zeros((plan.num_slots,), jnp.int32).at[order].set(jnp.where(keep, row, 0))
+  return Dispatch(send, slot_dest, slot_row)
+
+
+def _to_rows(values, disp: Dispatch):
+  """values [num_slots, ...] -> [ep, capacity, ...] send buffer (zeros where empty)."""
+  return values.at[disp.send_slot].get(mode="fill", fill_value=0)
+
+
+def _from_rows(rows, disp: Dispatch):
+  """[ep, capacity, ...] rows back at the source -> [num_slots, ...] (zeros for dropped slots)."""
+  return rows.at[disp.slot_dest, disp.slot_row].get(mode="fill", fill_value=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ep_experts(ops, axis, data_axes, x, scores, w1, w2, plan, disp, recv_plan):
+  return _ep_forward(ops, axis, x, scores, w1, w2, plan, disp, recv_plan)[0]
+
+
+def _exchange(v, axis):
+  return jax.lax.all_to_all(v, axis, 0, 0, tiled=True)
+
+
+def _flat(v):
+  return v.reshape(-1, *v.shape[2:])
+
+
+def _ep_forward(ops, axis, x, scores, w1, w2, plan, disp, recv_plan):
+  ep, cap = disp.send_slot.shape
+  x_rows = _flat(_exchange(_to_rows(xla_ops.gather_rows(x, plan.token_index), disp), axis))
+  s_rows = _flat(_exchange(_to_rows(scores, disp), axis))
+  s_recv = xla_ops.gather_rows(s_rows, recv_plan.token_index)    # per received slot
+  h, a = ops.up_proj(x_rows, w1, recv_plan)
+  y_rows = ops.aggregate(ops.down_proj(a, w2, recv_plan), s_recv, recv_plan)  # s * MLP(row)
+  y_back = _exchange(y_rows.reshape(ep, cap, -1), axis)
+  out = ops.aggregate(_from_rows(y_back, disp), None, plan)
+  return out, (x, h, s_recv, w1, w2, plan, disp, recv_plan)
+
+
+def _ep_fwd(ops, axis, data_axes, x, scores, w1, w2, plan, disp, recv_plan):
+  return _ep_forward(ops, axis, x, scores, w1, w2, plan, disp, recv_plan)
+
+
+def _ep_bwd(ops, axis, data_axes, res, dout):
+  x, h, s_recv, w1, w2, plan, disp, recv_plan = res
+  ep, cap = disp.send_slot.shape
+  dout = dout.astype(x.dtype)
+  d_rows = _flat(_exchange(_to_rows(xla_ops.gather_rows(dout, plan.token_index), disp), axis))
+  dh, ds_slot, a_scaled = ops.dh(d_rows, w2, h, s_recv, recv_plan)
+  num_rows = ep * cap
+  ds_rows = jnp.zeros((num_rows + 1,), jnp.float32).at[recv_plan.token_index].add(ds_slot)[:num_rows]
+  dx_rows = ops.aggregate(ops.dx_tilde(dh, w1, recv_plan), None, recv_plan)
+  dx = ops.aggregate(_from_rows(_exchange(dx_rows.reshape(ep, cap, -1), axis), disp), None, plan)
+  dscores = _from_rows(_exchange(ds_rows.reshape(ep, cap), axis), disp)
+  # dW1 needs the X rows again: send them once more rather than keeping them
+  x_rows = _flat(_exchange(_to_rows(xla_ops.gather_rows(x, plan.token_index), disp), axis))
+  dw1 = ops.dw1(x_rows, dh, recv_plan)
+  dw2 = ops.dw2(a_scaled, d_rows, recv_plan)
+  if data_axes:  # the expert weights are replicated over the data axes: sum their gradients
+    dw1, dw2 = (jax.lax.psum(g.astype(jnp.float32), data_axes) for g in (dw1, dw2))
+  dw1, dw2 = dw1.astype(w1.dtype), dw2.astype(w2.dtype)
+  none = lambda tree: jax.tree_util.tree_map(lambda _: None, tree)
+  return dx, dscores.astype(jnp.float32), dw1, dw2, none(plan), none(disp), none(recv_plan)
+
+
+_ep_experts.defvjp(_ep_fwd, _ep_bwd)
+
+
+def _varying(x, axes):
+  """Mark a replicated value as varying over `axes` (its gradient is then summed over them)."""
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, tuple(axes), to="varying")
+  return jax.lax.pvary(x, tuple(axes))
+
+
+def _ep_layer(x, router_w, w1, w2, rng, *, ops, k, expert_axis, token_axes, capacity_factor, route_kw):
+  ep = jax.lax.psum(1, expert_axis)
+  experts_per_shard = w1.shape[0]
+  logits = routing.router_logits(x, _varying(router_w, token_axes))
+  if rng is not None:  # a different stochastic-rounding draw on every token shard
+    for a in token_axes:
+      rng = jax.random.fold_in(rng, jax.lax.axis_index(a))
+  plan, stats = routing.route(logits, k=k, rng=rng, **route_kw)
+  capacity = plan.num_slots if capacity_factor is None else max(
+      1, int(capacity_factor * plan.num_slots / ep + 0.999))
+  disp = _dispatch(plan, ep, experts_per_shard, capacity)
+  recv_expert = _exchange(_to_rows(jnp.where(plan.valid, plan.expert_index % experts_per_shard,
+                                             experts_per_shard), disp).astype(jnp.int32), axis=expert_axis)
+  recv_expert = jnp.where(_exchange(_to_rows(plan.valid, disp), expert_axis), recv_expert, experts_per_shard)
+  recv_plan = routing.plan_from_experts(_flat(recv_expert)[:, None], jnp.zeros((ep * capacity, 1)),
+                                        experts_per_shard, align=ops.align)
+  arrays = dataclasses.replace(plan, scores=jax.lax.stop_gradient(plan.scores))
+  out = _ep_experts(ops, expert_axis, tuple(a for a in token_axes if a != expert_axis), x,
+                    plan.scores, w1, w2, arrays, disp, recv_plan)
+  dropped = jnp.sum(plan.valid & (disp.slot_dest >= ep))
+  global_stats = dataclasses.replace(
+      stats,
+      topk_counts=jax.lax.psum(stats.topk_counts, token_axes),
+      expert_counts=jax.lax.psum(stats.expert_counts, token_axes),
+      changed_pairs=jax.lax.psum(stats.changed_pairs, token_axes),
+      load_balancing_loss=jax.lax.pmean(stats.load_balancing_loss, token_axes),
+      z_loss=jax.lax.pmean(stats.z_loss, token_axes))
+  return out, global_stats, jax.lax.psum(dropped, token_axes)
+
+
+def moe_expert_parallel(x, router_w, w1, w2, *, mesh: jax.sharding.Mesh, k: int,
+                        expert_axis: str = "expert", data_axes: Sequence[str] = ("data",),
+                        score_fn: str = "softmax_topk", renormalize: bool = False,
+                        rounding: Optional[str] = None, tile: int = 128, rng=None,
+                        capacity_factor: Optional[float] = None,
+                        backend: backends.BackendSpec = "auto"):
+  """The SonicMoE layer with experts sharded over `expert_axis` of `mesh`.
+
+  Args are those of `sonicmoe_jax.moe` (global shapes: x [T, d], w1 [E, d, 2n], ...) plus
+    mesh: the device mesh; expert_axis: the axis experts are split over (E must be a multiple
+      of its size); data_axes: further axes tokens are split over (T must be a multiple of the
+      product of all token-axis sizes).
+    capacity_factor: rows each device may send to one expert shard, as a multiple of its
+      slots / ep. None (default) sends up to all of them: never drops, costs ep x the buffer.
+      With a factor, pairs beyond capacity are dropped and counted in `dropped_pairs`.
+  Returns:
+    (out [T, d], RouterStats with global counts, dropped_pairs).
+  """
+  layer._check_inputs(x, router_w, w1, w2)
+  names = mesh.axis_names
+  data_axes = tuple(a for a in data_axes if a != expert_axis)
+  for a in (expert_axis, *data_axes):
+    if a not in names:
+      raise ValueError(f"mesh has no axis {a!r}; its axes are {names}")
+  ep = mesh.shape[expert_axis]
+  num_experts = w1.shape[0]
+  if num_experts % ep:
+    raise ValueError(f"w1: E={num_experts} experts must be a multiple of the '{expert_axis}' "
+                     f"axis size {ep}")
+  token_axes = (*data_axes, expert_axis)
+  shards = 1
+  for a in token_axes:
+    shards *= mesh.shape[a]
+  if x.shape[0] % shards:
+    raise ValueError(f"x: T={x.shape[0]} tokens must be a multiple of the {shards} token shards "
+                     f"(mesh axes {token_axes})")
+  ops = backends.resolve(backend, dtype=x.dtype, d=x.shape[1], n=w2.shape[1])
+  route_kw = dict(score_fn=score_fn, renormalize=renormalize, rounding=rounding, tile=tile)
+  body = functools.partial(_ep_layer, ops=ops, k=k, expert_axis=expert_axis, token_axes=token_axes,
+                           capacity_factor=capacity_factor, route_kw=route_kw)
+  tok = P(token_axes)
+  rng_spec = None if rng is None else P()
+  fn = jax.shard_map(
+      body, mesh=mesh,
+      in_specs=(tok, P(), P(expert_axis), P(expert_axis), rng_spec),
+      out_specs=(tok, P(), P()))
+  return fn(x, router_w, w1, w2, rng)
+
+
+def expert_parallel_bytes_per_token(d: int, k: int, itemsize: int = 2) -> dict:
+  """Communication per token per layer (each direction of one all_to_all moves k rows of d):
+  forward sends X rows out and Y rows back; backward sends dO out, dX~ back and X out again."""
+  row = k * d * itemsize
+  return dict(forward=2 * row, backward=3 * row, total=5 * row)
