@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ class LMConfig:
   tile: int = 64
   backend: str = "auto"
   dtype: str = "float32"
+  mesh: Any = None           # a Mesh with an "expert" axis: the MoE layers run expert parallel
 
 
 class Block(nnx.Module):
@@ -33,8 +35,11 @@ class Block(nnx.Module):
     self.attn = nnx.MultiHeadAttention(cfg.num_heads, cfg.d_model, decode=False, dtype=dtype,
                                        rngs=rngs)
     self.moe_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+    moe_mesh = cfg.mesh if cfg.mesh is not None and "expert" in cfg.mesh.axis_names else None
+    data_axes = tuple(a for a in cfg.mesh.axis_names if a != "expert") if moe_mesh else ()
     self.moe = SonicMoE(cfg.d_model, cfg.d_expert, cfg.num_experts, cfg.k, rounding=cfg.rounding,
-                        tile=cfg.tile, backend=cfg.backend, dtype=dtype, rngs=rngs)
+                        tile=cfg.tile, backend=cfg.backend, dtype=dtype, mesh=moe_mesh,
+                        data_axes=data_axes, rngs=rngs)
 
   def __call__(self, x, mask):
     x = x + self.attn(self.attn_norm(x), mask=mask)

@@ -46,7 +46,32 @@ def parse_args(argv=None):
   p.add_argument("--eval-every", type=int, default=50)
   p.add_argument("--out", default="runs/demo", help="folder for loss_curve.png and metrics.json")
   p.add_argument("--quiet", action="store_true", help="no progress bar or per-eval lines")
+  p.add_argument("--mesh", default=None,
+                 help="device mesh, e.g. data=2,expert=4: tokens split over every axis, experts "
+                      "over 'expert', other parameters replicated (default: no mesh)")
   return p.parse_args(argv)
+
+
+def make_mesh(spec: str | None):
+  """'data=2,expert=4' -> Mesh over the first 8 devices (None for no mesh)."""
+  if not spec:
+    return None
+  axes = [kv.split("=") for kv in spec.split(",")]
+  names, sizes = tuple(a for a, _ in axes), tuple(int(v) for _, v in axes)
+  count = int(np.prod(sizes))
+  if count > jax.device_count():
+    raise ValueError(f"--mesh {spec} needs {count} devices; {jax.device_count()} available")
+  return jax.sharding.Mesh(np.array(jax.devices()[:count]).reshape(sizes), names)
+
+
+def shard_model(model, mesh):
+  """Place parameters by their partitioning metadata (unannotated ones replicated)."""
+  state = nnx.state(model)
+  specs = nnx.get_partition_spec(state)
+  shardings = jax.tree_util.tree_map(
+      lambda s: jax.sharding.NamedSharding(mesh, s if isinstance(s, jax.sharding.PartitionSpec)
+                                           else jax.sharding.PartitionSpec()), specs)
+  nnx.update(model, jax.device_put(state, shardings))
 
 
 def moe_activation_report(cfg: LMConfig, tokens_per_step: int):
@@ -111,9 +136,10 @@ def plot(history, evals, floor, path):
 def main(argv=None):
   args = parse_args(argv)
   rounding = None if args.rounding == "none" else args.rounding
+  mesh = make_mesh(args.mesh)
   cfg = LMConfig(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
                  num_experts=args.experts, k=args.k, d_expert=args.d_expert, rounding=rounding,
-                 tile=args.tile, backend=args.backend, dtype=args.dtype)
+                 tile=args.tile, backend=args.backend, dtype=args.dtype, mesh=mesh)
   tokens_per_step = args.batch * args.seq
   print(f"sonicmoe-jax {sm.__version__} | jax {jax.__version__} | device {jax.devices()[0].device_kind}")
   print(f"model: {cfg}")
@@ -123,6 +149,12 @@ def main(argv=None):
   print(f"data: order-2 Markov language, vocab {args.vocab}, best achievable loss {floor:.3f} nats/token")
 
   model = MoELM(cfg, nnx.Rngs(args.seed))
+  batch_sharding = None
+  if mesh is not None:
+    shard_model(model, mesh)
+    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(mesh.axis_names))
+    held_out = jax.device_put(held_out, batch_sharding)
+    print(f"mesh: {dict(mesh.shape)} over {mesh.devices.size} devices")
   opt = nnx.Optimizer(model, optax.adamw(optax.warmup_cosine_decay_schedule(
       0.0, args.lr, min(50, args.steps // 5 + 1), args.steps, args.lr * 0.1), weight_decay=0.01),
       wrt=nnx.Param)
@@ -148,6 +180,8 @@ def main(argv=None):
   bar = tqdm(range(args.steps), desc="training", unit="step", dynamic_ncols=True, disable=args.quiet)
   for step in bar:
     batch = jnp.asarray(corpus.sample(args.batch, args.seq + 1, seed=args.seed * 1_000_003 + step))
+    if batch_sharding is not None:
+      batch = jax.device_put(batch, batch_sharding)
     ce, stats = train_step(model, opt, batch)
     if step == 0:
       jax.block_until_ready(ce)
@@ -165,7 +199,8 @@ def main(argv=None):
   tok_s = tokens_per_step * max(args.steps - 1, 1) / max(elapsed, 1e-9)
 
   if args.quiet:
-    return dict(history=history, evals=evals, floor=floor, tokens_per_s=tok_s, routing=routing)
+    return dict(history=history, evals=evals, floor=floor, tokens_per_s=tok_s, routing=routing,
+                model=model)
   print(f"\nloss: first {history[0][1]:.3f} -> last {history[-1][1]:.3f} (train), "
         f"held-out {evals[-1][1]:.3f}, floor {floor:.3f}")
   print(f"throughput: {tok_s:,.0f} tokens/s ({tokens_per_step} tokens/step, compile excluded)")
@@ -188,7 +223,7 @@ def main(argv=None):
                    tokens_per_s=tok_s, activation_bytes=mem), f, indent=1)
   print(f"wrote {png} and metrics.json")
   return dict(history=history, evals=evals, floor=floor, tokens_per_s=tok_s, memory=mem,
-              routing=routing)
+              routing=routing, model=model)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,13 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from sonicmoe_jax import layer, validation
+from sonicmoe_jax import layer, sharding, validation
 from sonicmoe_jax.routing import RouterStats
+
+# Logical partitioning of the parameters (names of mesh axes; None = replicated). A pjit/jit
+# training loop gets NamedShardings from them with nnx.get_partition_spec (see models/train.py).
+ROUTER_AXES = (None, None)
+EXPERT_AXES = ("expert", None, None)
 
 
 def _init_fns():
@@ -34,11 +39,18 @@ def _check_config(num_experts, k, rounding, tile):
   validation.check_tile(tile)
 
 
-def _apply(x, router_w, w1, w2, dtype, deterministic, rng, rounding, **kw):
-  """Flattens leading axes, runs the functional layer (no rounding when deterministic)."""
+def _apply(x, router_w, w1, w2, dtype, deterministic, rng, rounding, mesh=None, data_axes=("data",),
+           **kw):
+  """Flattens leading axes, runs the functional layer (no rounding when deterministic); with a
+  mesh, the expert-parallel layer over its "expert" axis."""
   lead, d = x.shape[:-1], x.shape[-1]
-  out = layer.moe(x.reshape(-1, d).astype(dtype), router_w, w1.astype(dtype), w2.astype(dtype),
-                  rounding=None if deterministic else rounding, rng=rng, **kw)
+  args = (x.reshape(-1, d).astype(dtype), router_w, w1.astype(dtype), w2.astype(dtype))
+  rounding = None if deterministic else rounding
+  if mesh is not None:
+    out, stats, _ = sharding.moe_expert_parallel(*args, mesh=mesh, data_axes=data_axes,
+                                                 rounding=rounding, rng=rng, **kw)
+    return out.reshape(*lead, d), stats
+  out = layer.moe(*args, rounding=rounding, rng=rng, **kw)
   return out.out.reshape(*lead, d), out.stats
 
 
@@ -57,6 +69,12 @@ class SonicMoE(nnx.Module):
     param_dtype: storage dtype of the parameters (default float32).
     rngs: nnx.Rngs; its "params" stream initialises the weights, and a "rounding" stream (or
       the default stream) draws stochastic-rounding keys.
+    mesh: optional jax.sharding.Mesh with an "expert" axis: the layer then runs expert
+      parallel (sonicmoe_jax.sharding); tokens are split over "expert" and `data_axes`.
+    data_axes: the mesh axes tokens are split over besides "expert".
+
+  The parameters carry partitioning metadata (w1, w2 over "expert"; router replicated), so
+  nnx.get_partition_spec gives the shardings for a jit/pjit training loop.
 
   Call: `y, stats = layer(x)` with x [..., d]; stats is a RouterStats (counts and aux losses).
   """
@@ -64,13 +82,18 @@ class SonicMoE(nnx.Module):
   def __init__(self, d_model: int, d_expert: int, num_experts: int, k: int, *,
                rounding: Optional[str] = "nearest", tile: int = 128,
                score_fn: str = "softmax_topk", renormalize: bool = False, backend="auto",
-               dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               dtype=jnp.bfloat16, param_dtype=jnp.float32, mesh=None, data_axes=("data",),
+               rngs: nnx.Rngs):
     _check_config(num_experts, k, rounding, tile)
     init_router, init_w1, init_w2 = _init_fns()
     key = rngs.params
-    self.router_w = nnx.Param(init_router(key(), (d_model, num_experts), jnp.float32))
-    self.w1 = nnx.Param(init_w1(key(), (num_experts, d_model, 2 * d_expert), param_dtype))
-    self.w2 = nnx.Param(init_w2(key(), (num_experts, d_expert, d_model), param_dtype))
+    self.router_w = nnx.Param(init_router(key(), (d_model, num_experts), jnp.float32),
+                              out_sharding=ROUTER_AXES, eager_sharding=False)
+    self.w1 = nnx.Param(init_w1(key(), (num_experts, d_model, 2 * d_expert), param_dtype),
+                        out_sharding=EXPERT_AXES, eager_sharding=False)
+    self.w2 = nnx.Param(init_w2(key(), (num_experts, d_expert, d_model), param_dtype),
+                        out_sharding=EXPERT_AXES, eager_sharding=False)
+    self.mesh, self.data_axes = mesh, tuple(data_axes)
     self.k, self.rounding, self.tile = k, rounding, tile
     self.score_fn, self.renormalize, self.backend = score_fn, renormalize, backend
     self.dtype = dtype
@@ -83,7 +106,8 @@ class SonicMoE(nnx.Module):
       rng = self.rngs.rounding() if "rounding" in self.rngs else self.rngs()
     return _apply(x, self.router_w[...], self.w1[...], self.w2[...], self.dtype,
                   self.deterministic, rng, k=self.k, rounding=self.rounding, tile=self.tile,
-                  score_fn=self.score_fn, renormalize=self.renormalize, backend=self.backend)
+                  score_fn=self.score_fn, renormalize=self.renormalize, backend=self.backend,
+                  mesh=self.mesh, data_axes=self.data_axes)
 
 
 class SonicMoELinen(nn.Module):

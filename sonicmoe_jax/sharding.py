@@ -148,12 +148,16 @@ def _ep_layer(x, router_w, w1, w2, rng, *, ops, k, expert_axis, token_axes, capa
   out = _ep_experts(ops, expert_axis, tuple(a for a in token_axes if a != expert_axis), x,
                     plan.scores, w1, w2, arrays, disp, recv_plan)
   dropped = jnp.sum(plan.valid & (disp.slot_dest >= ep))
+  topk_counts = jax.lax.psum(stats.topk_counts, token_axes)
+  # the switch loss of the global batch: global expert fractions times global mean probabilities
+  mean_prob = jax.lax.pmean(jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0), token_axes)
+  fraction = topk_counts.astype(jnp.float32) / jnp.sum(topk_counts)
   global_stats = dataclasses.replace(
       stats,
-      topk_counts=jax.lax.psum(stats.topk_counts, token_axes),
+      topk_counts=topk_counts,
       expert_counts=jax.lax.psum(stats.expert_counts, token_axes),
       changed_pairs=jax.lax.psum(stats.changed_pairs, token_axes),
-      load_balancing_loss=jax.lax.pmean(stats.load_balancing_loss, token_axes),
+      load_balancing_loss=fraction.shape[0] * jnp.sum(fraction * mean_prob),
       z_loss=jax.lax.pmean(stats.z_loss, token_axes))
   return out, global_stats, jax.lax.psum(dropped, token_axes)
 

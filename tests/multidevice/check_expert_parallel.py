@@ -80,3 +80,12 @@ def test_errors():
     sharding.moe_expert_parallel(*args, mesh=mesh(2, 4), k=1)
   with pytest.raises(ValueError, match="mesh has no axis 'model'"):
     sharding.moe_expert_parallel(*make_inputs(0, 64, 32, 16, 8), mesh=mesh(2, 4), k=1, data_axes=("model",))
+
+
+def test_aux_losses_are_those_of_the_global_batch():
+  args = make_inputs(9, 64, 32, 16, 8)
+  _, stats, _ = sharding.moe_expert_parallel(*args, mesh=mesh(2, 4), k=2)
+  ref = sm.moe(*args, k=2).stats
+  np.testing.assert_allclose(stats.load_balancing_loss, ref.load_balancing_loss, rtol=1e-5)
+  np.testing.assert_allclose(stats.z_loss, ref.z_loss, rtol=1e-5)
+  np.testing.assert_array_equal(stats.topk_counts, ref.topk_counts)
