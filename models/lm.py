@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.omnimoe import OmniMoE
 from sonicmoe_jax import SonicMoE
 
 
@@ -26,6 +27,10 @@ class LMConfig:
   backend: str = "auto"
   dtype: str = "float32"
   mesh: Any = None           # a Mesh with an "expert" axis: the MoE layers run expert parallel
+  ffn: str = "sonicmoe"      # or "omnimoe": atomic experts (models/omnimoe.py)
+  omni_experts: int = 1024   # OmniMoE: N atomic experts (a perfect square)
+  omni_k: int = 64           # OmniMoE: experts per token
+  omni_group: int = 128      # OmniMoE: expert-centric group size B
 
 
 class Block(nnx.Module):
@@ -35,6 +40,12 @@ class Block(nnx.Module):
     self.attn = nnx.MultiHeadAttention(cfg.num_heads, cfg.d_model, decode=False, dtype=dtype,
                                        rngs=rngs)
     self.moe_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+    if cfg.ffn == "omnimoe":
+      self.moe = OmniMoE(cfg.d_model, cfg.omni_experts, cfg.omni_k, cfg.d_expert,
+                         group=cfg.omni_group, dtype=dtype, rngs=rngs)
+      return
+    if cfg.ffn != "sonicmoe":
+      raise ValueError(f"ffn must be 'sonicmoe' or 'omnimoe'; got {cfg.ffn!r}")
     moe_mesh = cfg.mesh if cfg.mesh is not None and "expert" in cfg.mesh.axis_names else None
     data_axes = tuple(a for a in cfg.mesh.axis_names if a != "expert") if moe_mesh else ()
     self.moe = SonicMoE(cfg.d_model, cfg.d_expert, cfg.num_experts, cfg.k, rounding=cfg.rounding,

@@ -46,6 +46,10 @@ def parse_args(argv=None):
   p.add_argument("--eval-every", type=int, default=50)
   p.add_argument("--out", default="runs/demo", help="folder for loss_curve.png and metrics.json")
   p.add_argument("--quiet", action="store_true", help="no progress bar or per-eval lines")
+  p.add_argument("--ffn", default="sonicmoe", choices=["sonicmoe", "omnimoe"],
+                 help="feed-forward layer: SonicMoE experts or OmniMoE atomic experts")
+  p.add_argument("--omni-experts", type=int, default=1024)
+  p.add_argument("--omni-k", type=int, default=64)
   p.add_argument("--mesh", default=None,
                  help="device mesh, e.g. data=2,expert=4: tokens split over every axis, experts "
                       "over 'expert', other parameters replicated (default: no mesh)")
@@ -139,7 +143,8 @@ def main(argv=None):
   mesh = make_mesh(args.mesh)
   cfg = LMConfig(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
                  num_experts=args.experts, k=args.k, d_expert=args.d_expert, rounding=rounding,
-                 tile=args.tile, backend=args.backend, dtype=args.dtype, mesh=mesh)
+                 tile=args.tile, backend=args.backend, dtype=args.dtype, mesh=mesh, ffn=args.ffn,
+                 omni_experts=args.omni_experts, omni_k=args.omni_k)
   tokens_per_step = args.batch * args.seq
   print(f"sonicmoe-jax {sm.__version__} | jax {jax.__version__} | device {jax.devices()[0].device_kind}")
   print(f"model: {cfg}")
@@ -204,14 +209,23 @@ def main(argv=None):
   print(f"\nloss: first {history[0][1]:.3f} -> last {history[-1][1]:.3f} (train), "
         f"held-out {evals[-1][1]:.3f}, floor {floor:.3f}")
   print(f"throughput: {tok_s:,.0f} tokens/s ({tokens_per_step} tokens/step, compile excluded)")
-  print("per-expert load in the last step (tokens per expert, after rounding):")
+  if args.ffn == "omnimoe":
+    print("atomic-expert usage in the last step:")
+    for i, (st, blk) in enumerate(zip(stats, model.blocks)):
+      used = float(np.mean(np.asarray(st.expert_counts) > 0))
+      print(f"  layer {i}: {used:.1%} of {args.omni_experts} experts used, "
+            f"unevenness KL(usage || uniform) = {float(blk.moe.last_unevenness[...]):.3f}")
+    stats = []
+  else:
+    print("per-expert load in the last step (tokens per expert, after rounding):")
   for i, st in enumerate(stats):
     counts = np.asarray(st.expert_counts)
     top = np.asarray(st.topk_counts)
     print(f"  layer {i}: {counts.tolist()}  (top-K: {top.tolist()}, "
           f"changed by rounding: {int(st.changed_pairs)} of {int(top.sum())} pairs)")
-  mem = moe_activation_report(cfg, tokens_per_step)
-  print(f"activation memory kept for backward per MoE layer (measured): {mem['measured']/2**20:.2f} MiB; "
+  mem = moe_activation_report(cfg, tokens_per_step) if args.ffn == "sonicmoe" else None
+  if mem:
+    print(f"activation memory kept for backward per MoE layer (measured): {mem['measured']/2**20:.2f} MiB; "
         f"SonicMoE bound X + H = {mem['bound']/2**20:.2f} MiB + routing plan; "
         f"plain autodiff of the same layer keeps {mem['plain_autodiff']/2**20:.2f} MiB")
 

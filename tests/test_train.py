@@ -19,3 +19,9 @@ def test_training_without_rounding_bf16(tmp_path):
   result = train.main(["--steps", "10", "--batch", "4", "--seq", "16", "--rounding", "none",
                        "--dtype", "bfloat16", "--out", str(tmp_path)])
   assert np.isfinite(result["history"][-1][1])
+
+
+def test_training_loop_trains_omnimoe(tmp_path):
+  result = train.main(["--ffn", "omnimoe", "--omni-experts", "64", "--omni-k", "8", "--steps", "30",
+                       "--eval-every", "15", "--batch", "8", "--seq", "32", "--out", str(tmp_path)])
+  assert result["history"][-1][1] < result["history"][0][1] - 0.2

@@ -1,0 +1,100 @@
+"""OmniMoE latency and memory, side by side (seed 003's setup): d = 1024, activated parameters
+swept 3M-28M, tokens 1K-16K; OmniMoE expert-centric, PEER-style token-centric, a coarse
+DeepSeekMoE layer and a dense SwiGLU MLP of equal activated parameters.
+
+  python -m benchmarks.omnimoe_bench                 # GPU
+  python -m benchmarks.omnimoe_bench --tiny          # CPU smoke run
+
+Activated parameters per token: OmniMoE 2dK (K rows of W and V) + 3 d d_mlp (shared MLP);
+DeepSeekMoE 3 d (d_shared + K_r d_expert); dense 3 d d_hidden. Latency: forward of the layer
+(median, block_until_ready); memory: XLA's temp + output bytes of the compiled forward.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.baselines import DeepSeekMoE, DenseMLP
+from models.omnimoe import OmniMoE
+
+
+def layers(d, active, n_atomic, tiny):
+  """Four layers with about `active` activated parameters per token."""
+  d_mlp = 4 * d if not tiny else 2 * d
+  k = max(16, (active - 3 * d * d_mlp) // (2 * d))
+  k = min(k, n_atomic)
+  routed_experts, k_r = 64, 6
+  d_expert = max(64, (active - 3 * d * d_mlp) // (3 * d * k_r) // 64 * 64)
+  rngs = nnx.Rngs(0)
+  return {
+      "omnimoe": (OmniMoE(d, n_atomic, k, d_mlp, group=128, dtype=jnp.bfloat16, rngs=rngs), 2 * d * k + 3 * d * d_mlp),
+      "peer_token_centric": (OmniMoE(d, n_atomic, k, d_mlp, execution="token_centric", dtype=jnp.bfloat16,
+                                     rngs=rngs), 2 * d * k + 3 * d * d_mlp),
+      "deepseekmoe": (DeepSeekMoE(d, d_mlp, routed_experts, k_r, d_expert, rngs=rngs),
+                      3 * d * (d_mlp + k_r * d_expert)),
+      "dense": (DenseMLP(d, active // (3 * d), rngs=rngs), active // (3 * d) * 3 * d),
+  }
+
+
+def measure(model, x, iters=10, reps=3):
+  graph, state = nnx.split(model)
+
+  @jax.jit
+  def fwd(state, x):
+    out = nnx.merge(graph, state)(x)
+    return out[0] if isinstance(out, tuple) else out
+
+  compiled = fwd.lower(state, x).compile()
+  mem = compiled.memory_analysis()
+  peak = None if mem is None else int(mem.temp_size_in_bytes + mem.output_size_in_bytes)
+  jax.block_until_ready(fwd(state, x))
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      out = fwd(state, x)
+    jax.block_until_ready(out)
+    ts.append((time.perf_counter() - t0) / iters * 1e3)
+  return statistics.median(ts), peak
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--d", type=int, default=1024)
+  p.add_argument("--atomic-experts", type=int, default=1024 * 1024)
+  p.add_argument("--active", default="3e6,7e6,14e6,28e6")
+  p.add_argument("--tokens", default="1024,4096,16384")
+  p.add_argument("--tiny", action="store_true")
+  p.add_argument("--out", default="benchmarks/results/omnimoe_latest.json")
+  a = p.parse_args(argv)
+  if a.tiny:
+    a.d, a.atomic_experts, a.active, a.tokens = 64, 256, "60000", "128"
+  meta = dict(gpu=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              jax=jax.__version__)
+  recs = []
+  for active in (int(float(v)) for v in a.active.split(",")):
+    for name, (model, params) in layers(a.d, active, a.atomic_experts, a.tiny).items():
+      for t in (int(v) for v in a.tokens.split(",")):
+        x = jax.random.normal(jax.random.key(0), (t, a.d), jnp.bfloat16)
+        try:
+          ms, peak = measure(model, x, iters=2 if a.tiny else 10)
+          status = "ok"
+        except Exception as e:
+          ms, peak, status = None, None, f"{type(e).__name__}: {str(e)[:200]}"
+        rec = dict(impl=name, tokens=t, active_params=params, ms=ms, temp_bytes=peak, status=status, **meta)
+        recs.append(rec)
+        print(json.dumps(rec), flush=True)
+  with open(a.out, "w") as f:
+    json.dump(recs, f, indent=1)
+  return recs
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,208 @@
+"""OmniMoE (seed 003): atomic experts, a Cartesian-product router, expert-centric scheduling.
+
+Atomic expert i is a pair of d-vectors (W[i], V[i]); a token x with routed experts I and
+weights g gets y = (g * silu(x W_I^T)) V_I + MLP(x) (Dynamic Expert Assembly; the seed's gated
+scalar activation is taken as silu), with a shared dense SwiGLU MLP.
+
+Router: N = Nr x Nc experts on a grid; row and column log-softmaxes p_r, p_c; expert (i, j)
+scores p_r[i] + p_c[j]. The exact top-K over the implicit grid never materialises N scores: the
+candidate at row rank a and column rank b is beaten by every (a' <= a, b' <= b) pair, so only
+pairs with (a+1)(b+1) <= K can be in the top K (about K ln K candidates). g = softmax over the
+selected scores.
+
+Execution (same math, two schedules):
+  * token-centric (PEER-style): gather each token's K rows of W and V;
+  * expert-centric: flatten (token, expert) tasks, number the active experts in ID order, split
+    them into groups of B, sort tasks by (group, token), merge tasks of one token in one group
+    into a row, and run each group as two dense GEMMs (rows x B scores, then rows x B times
+    B x d) through jax.lax.ragged_dot; rows are summed back per token. Its custom_vjp keeps only
+    the inputs and the schedule and recomputes the grouped forward in the backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sonicmoe_jax import swiglu
+from sonicmoe_jax.routing import RouterStats
+
+_F32 = jnp.float32
+
+
+def grid_shape(num_experts: int) -> tuple[int, int]:
+  side = math.isqrt(num_experts)
+  if side * side != num_experts:
+    raise ValueError(f"num_experts must be a perfect square (a sqrt(N) x sqrt(N) grid); got {num_experts}")
+  return side, side
+
+
+@functools.lru_cache(maxsize=None)
+def _candidate_ranks(k: int, rows: int, cols: int):
+  """(row rank, column rank) pairs that can hold a top-k entry: (a+1)(b+1) <= k."""
+  pairs = [(a, b) for a in range(min(k, rows)) for b in range(min(k // (a + 1), cols))]
+  a, b = zip(*pairs)
+  return np.array(a, np.int32), np.array(b, np.int32)
+
+
+def cartesian_topk(p_row, p_col, k: int):
+  """Exact top-k of p_row[:, i] + p_col[:, j] over the grid without materialising it.
+
+  Returns (scores [T, k], expert ids [T, k] = i * Nc + j), best first."""
+  rows, cols = p_row.shape[1], p_col.shape[1]
+  if not 1 <= k <= rows * cols:
+    raise ValueError(f"k must satisfy 1 <= k <= N = {rows * cols}; got {k}")
+  ra, cb = _candidate_ranks(k, rows, cols)
+  row_vals, row_idx = jax.lax.top_k(p_row, min(k, rows))
+  col_vals, col_idx = jax.lax.top_k(p_col, min(k, cols))
+  cand = row_vals[:, ra] + col_vals[:, cb]                      # [T, ~k ln k]
+  vals, pick = jax.lax.top_k(cand, k)
+  ids = row_idx[:, ra][jnp.arange(pick.shape[0])[:, None], pick] * cols + \
+      col_idx[:, cb][jnp.arange(pick.shape[0])[:, None], pick]
+  return vals, ids.astype(jnp.int32)
+
+
+def route(x, w_row, w_col, k: int):
+  """(g [T, k] softmax weights, ids [T, k]) from the Cartesian-product router."""
+  p_row = jax.nn.log_softmax(x.astype(_F32) @ w_row.astype(_F32), axis=-1)
+  p_col = jax.nn.log_softmax(x.astype(_F32) @ w_col.astype(_F32), axis=-1)
+  scores, ids = cartesian_topk(p_row, p_col, k)
+  return jax.nn.softmax(scores, axis=-1), ids
+
+
+def token_centric(x, w, v, g, ids):
+  """PEER-style: each token gathers its k rows of W and V."""
+  wx, vx = w[ids].astype(_F32), v[ids].astype(_F32)             # [T, k, d]
+  z = jnp.einsum("td,tkd->tk", x.astype(_F32), wx)
+  return jnp.einsum("tk,tkd->td", g * jax.nn.silu(z), vx).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Expert-centric schedule of the T*k tasks (static sizes: R = T*k rows, Q groups of B).
+
+    row_token [R]: token of each row (T for unused rows); row_group_sizes [Q]: rows per group;
+    group_experts [Q, B]: expert ids of each group (N for empty columns);
+    row_gate [R, B]: routing weight of (row's token, column's expert), 0 if not routed.
+  """
+  row_token: jax.Array
+  row_group_sizes: jax.Array
+  group_experts: jax.Array
+  task_row: jax.Array
+  task_col: jax.Array
+
+
+jax.tree_util.register_dataclass(Schedule)
+
+
+def schedule(ids, num_experts: int, group: int) -> Schedule:
+  num_tokens, k = ids.shape
+  m = num_tokens * k
+  num_groups = -(-min(num_experts, m) // group)
+  flat = ids.reshape(-1)
+  token = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), k)
+  active = jnp.zeros((num_experts,), bool).at[flat].set(True)
+  rank = jnp.cumsum(active) - 1                                 # index among active experts
+  task_group = rank[flat] // group
+  task_col = (rank[flat] % group).astype(jnp.int32)
+  order = jnp.lexsort((token, task_group))                       # by (group, token)
+  g_sorted, t_sorted = task_group[order], token[order]
+  new_row = jnp.concatenate([jnp.ones((1,), bool),
+                             (g_sorted[1:] != g_sorted[:-1]) | (t_sorted[1:] != t_sorted[:-1])])
+  row_sorted = jnp.cumsum(new_row) - 1
+  task_row = jnp.zeros((m,), jnp.int32).at[order].set(row_sorted.astype(jnp.int32))
+  row_token = jnp.full((m,), num_tokens, jnp.int32).at[row_sorted].set(t_sorted)
+  row_group = jnp.full((m,), num_groups, jnp.int32).at[row_sorted].set(g_sorted.astype(jnp.int32))
+  row_group_sizes = jnp.zeros((num_groups + 1,), jnp.int32).at[row_group].add(1)[:num_groups]
+  active_ids = jnp.nonzero(active, size=num_groups * group, fill_value=num_experts)[0]
+  return Schedule(row_token, row_group_sizes, active_ids.reshape(num_groups, group).astype(jnp.int32),
+                  task_row, task_col)
+
+
+def _grouped(x, w, v, g, sched: Schedule):
+  num_tokens = x.shape[0]
+  rows = x.at[sched.row_token].get(mode="fill", fill_value=0).astype(_F32)        # [R, d]
+  wq = w.at[sched.group_experts].get(mode="fill", fill_value=0).astype(_F32)      # [Q, B, d]
+  vq = v.at[sched.group_experts].get(mode="fill", fill_value=0).astype(_F32)
+  gate = jnp.zeros((rows.shape[0], wq.shape[1]), _F32).at[sched.task_row, sched.task_col].add(g.reshape(-1))
+  z = jax.lax.ragged_dot(rows, jnp.swapaxes(wq, 1, 2), sched.row_group_sizes)   # [R, B]
+  out_rows = jax.lax.ragged_dot(gate * jax.nn.silu(z), vq, sched.row_group_sizes)  # [R, d]
+  return jax.ops.segment_sum(out_rows, sched.row_token, num_segments=num_tokens).astype(x.dtype)
+
+
+@jax.custom_vjp
+def expert_centric(x, w, v, g, sched: Schedule):
+  """Expert-centric execution; the backward recomputes the grouped forward (keeps x, g, ids)."""
+  return _grouped(x, w, v, g, sched)
+
+
+def _ec_fwd(x, w, v, g, sched):
+  return _grouped(x, w, v, g, sched), (x, w, v, g, sched)
+
+
+def _ec_bwd(res, dout):
+  x, w, v, g, sched = res
+  _, vjp = jax.vjp(lambda *a: _grouped(*a, sched), x, w, v, g)
+  return (*vjp(dout), jax.tree_util.tree_map(lambda _: None, sched))
+
+
+expert_centric.defvjp(_ec_fwd, _ec_bwd)
+
+
+def usage_stats(ids, num_experts: int, k: int) -> RouterStats:
+  """Expert usage counts; `z_loss` carries the unevenness KL(usage || uniform) for logging."""
+  counts = jnp.zeros((num_experts,), jnp.int32).at[ids.reshape(-1)].add(1)
+  p = counts / jnp.maximum(counts.sum(), 1)
+  kl = jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.maximum(p, 1e-30) * num_experts), 0.0))
+  zero = jnp.zeros((), _F32)
+  return RouterStats(topk_counts=counts, expert_counts=counts, changed_pairs=jnp.zeros((), jnp.int32),
+                     load_balancing_loss=zero, z_loss=zero), kl
+
+
+class OmniMoE(nnx.Module):
+  """OmniMoE FFN: shared SwiGLU MLP + N atomic experts routed by a Cartesian-product router.
+
+  Args: d_model, num_experts (N, a perfect square), k (experts per token, up to thousands),
+  d_mlp (shared MLP width), group (B, experts per expert-centric group), execution
+  ("expert_centric" or "token_centric"), dtype, rngs.
+  Call: (y, RouterStats with expert usage counts); `last_unevenness` holds KL(usage || uniform).
+  """
+
+  def __init__(self, d_model: int, num_experts: int, k: int, d_mlp: int, *, group: int = 128,
+               execution: str = "expert_centric", dtype=jnp.float32, rngs: nnx.Rngs):
+    rows, cols = grid_shape(num_experts)
+    if not 1 <= k <= num_experts:
+      raise ValueError(f"k must satisfy 1 <= k <= num_experts = {num_experts}; got {k}")
+    if execution not in ("expert_centric", "token_centric"):
+      raise ValueError(f"execution must be 'expert_centric' or 'token_centric'; got {execution!r}")
+    if group < 1:
+      raise ValueError(f"group must be >= 1; got {group}")
+    key = rngs.params
+    init = jax.nn.initializers.normal(stddev=d_model ** -0.5)
+    self.w_row = nnx.Param(init(key(), (d_model, rows)))
+    self.w_col = nnx.Param(init(key(), (d_model, cols)))
+    self.w = nnx.Param(init(key(), (num_experts, d_model)))
+    self.v = nnx.Param(jax.nn.initializers.normal(stddev=k ** -0.5)(key(), (num_experts, d_model)))
+    self.mlp_in = nnx.Linear(d_model, 2 * d_mlp, use_bias=False, rngs=rngs)
+    self.mlp_out = nnx.Linear(d_mlp, d_model, use_bias=False, rngs=rngs)
+    self.num_experts, self.k, self.group, self.execution, self.dtype = num_experts, k, group, execution, dtype
+    self.last_unevenness = nnx.Variable(jnp.zeros((), _F32))
+
+  def __call__(self, x):
+    lead, d = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, d).astype(self.dtype)
+    g, ids = route(x2, self.w_row[...], self.w_col[...], self.k)
+    w, v = self.w[...].astype(self.dtype), self.v[...].astype(self.dtype)
+    if self.execution == "token_centric":
+      routed = token_centric(x2, w, v, g, ids)
+    else:
+      routed = expert_centric(x2, w, v, g, schedule(ids, self.num_experts, self.group))
+    shared = self.mlp_out(swiglu.forward(self.mlp_in(x2)).astype(x2.dtype))
+    stats, kl = usage_stats(ids, self.num_experts, self.k)
+    self.last_unevenness[...] = kl
+    return (routed + shared).reshape(*lead, d), stats
