@@ -52,7 +52,9 @@ def parse_args(argv=None):
   p.add_argument("--omni-k", type=int, default=64)
   p.add_argument("--mesh", default=None,
                  help="device mesh, e.g. data=2,expert=4: tokens split over every axis, experts "
-                      "over 'expert', other parameters replicated (default: no mesh)")
+                      "over 'expert', other parameters replicated or, with --fsdp, split over "
+                      "'data' (default: no mesh)")
+  p.add_argument("--fsdp", action="store_true", help="with --mesh: shard non-expert parameters over 'data'")
   return p.parse_args(argv)
 
 
@@ -68,13 +70,30 @@ def make_mesh(spec: str | None):
   return jax.sharding.Mesh(np.array(jax.devices()[:count]).reshape(sizes), names)
 
 
-def shard_model(model, mesh):
-  """Place parameters by their partitioning metadata (unannotated ones replicated)."""
+def fsdp_spec(shape, axis: str, size: int):
+  """Shard the largest dimension divisible by `size` over `axis` (replicate if none is)."""
+  dims = [i for i, n in enumerate(shape) if n % size == 0 and n >= size]
+  if not dims:
+    return jax.sharding.PartitionSpec()
+  best = max(dims, key=lambda i: shape[i])
+  return jax.sharding.PartitionSpec(*[axis if i == best else None for i in range(len(shape))])
+
+
+def shard_model(model, mesh, fsdp: bool = False):
+  """Place parameters by their partitioning metadata. Unannotated ones are replicated, or with
+  fsdp=True split over the "data" axis (XLA gathers them where they are used: FSDP-style)."""
   state = nnx.state(model)
   specs = nnx.get_partition_spec(state)
-  shardings = jax.tree_util.tree_map(
-      lambda s: jax.sharding.NamedSharding(mesh, s if isinstance(s, jax.sharding.PartitionSpec)
-                                           else jax.sharding.PartitionSpec()), specs)
+  data = mesh.shape.get("data", 1)
+
+  def placement(spec, value):
+    if isinstance(spec, jax.sharding.PartitionSpec) and any(a is not None for a in spec):
+      return jax.sharding.NamedSharding(mesh, spec)
+    if fsdp and data > 1 and hasattr(value, "shape"):
+      return jax.sharding.NamedSharding(mesh, fsdp_spec(value.shape, "data", data))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  shardings = jax.tree_util.tree_map(placement, specs, state)
   nnx.update(model, jax.device_put(state, shardings))
 
 
@@ -156,7 +175,7 @@ def main(argv=None):
   model = MoELM(cfg, nnx.Rngs(args.seed))
   batch_sharding = None
   if mesh is not None:
-    shard_model(model, mesh)
+    shard_model(model, mesh, fsdp=args.fsdp)
     batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(mesh.axis_names))
     held_out = jax.device_put(held_out, batch_sharding)
     print(f"mesh: {dict(mesh.shape)} over {mesh.devices.size} devices")

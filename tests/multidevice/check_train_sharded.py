@@ -42,3 +42,11 @@ def test_checkpoint_roundtrip_of_sharded_state(tmp_path):
   for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert a.sharding == b.sharding
+
+
+def test_fsdp_training_matches_single_device(tmp_path):
+  single = train.main(ARGS + [str(tmp_path / "a")])
+  fsdp = train.main(ARGS + [str(tmp_path / "b"), "--mesh", "data=4,expert=2", "--fsdp"])
+  np.testing.assert_allclose(_losses(fsdp), _losses(single), rtol=1e-4)
+  emb = fsdp["model"].embed.embedding[...]
+  assert "data" in tuple(emb.sharding.spec)
