@@ -55,6 +55,8 @@ def parse_args(argv=None):
                       "over 'expert', other parameters replicated or, with --fsdp, split over "
                       "'data' (default: no mesh)")
   p.add_argument("--fsdp", action="store_true", help="with --mesh: shard non-expert parameters over 'data'")
+  p.add_argument("--distributed", action="store_true",
+                 help="multi-host: call jax.distributed.initialize() first (one process per host)")
   return p.parse_args(argv)
 
 
@@ -159,6 +161,8 @@ def plot(history, evals, floor, path):
 def main(argv=None):
   args = parse_args(argv)
   rounding = None if args.rounding == "none" else args.rounding
+  if args.distributed:
+    jax.distributed.initialize()
   mesh = make_mesh(args.mesh)
   cfg = LMConfig(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
                  num_experts=args.experts, k=args.k, d_expert=args.d_expert, rounding=rounding,
