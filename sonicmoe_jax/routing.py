@@ -165,7 +165,7 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
   topk_counts = jnp.zeros((num_experts,), jnp.int32).at[topk_experts.reshape(-1)].add(1)
 
   if rounding is None:
-    plan = _topk_plan(scores, topk_experts, topk_counts, align)
+    plan = _topk_plan(scores, topk_experts, align)
     changed = jnp.zeros((), jnp.int32)
   else:
     targets = token_rounding.round_counts(topk_counts, tile=tile, num_tokens=num_tokens,
@@ -206,39 +206,47 @@ def _aligned_offsets(counts, align: int):
   return _exclusive_cumsum(_round_up(counts, align) if align > 1 else counts)
 
 
-def _topk_plan(scores, topk_experts, counts, align: int) -> RoutingPlan:
+def _topk_plan(scores, topk_experts, align: int) -> RoutingPlan:
   num_tokens, num_experts = scores.shape
   k = topk_experts.shape[1]
-  pair_expert = topk_experts.reshape(-1).astype(jnp.int32)    # pair i = t * k + j
-  order = jnp.argsort(pair_expert, stable=True)               # dense position -> pair
+  pair_score = jnp.take_along_axis(scores, topk_experts, axis=1)
+  return _pairs_to_plan(topk_experts, pair_score, num_experts, align,
+                        num_slots(num_tokens, num_experts, k, 1, align), fixed_k=True)
+
+
+def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: int,
+                   fixed_k: bool) -> RoutingPlan:
+  """Slots from per-token assignments pair_expert [T, J] (num_experts = none), pair_score [T, J]:
+  a stable sort by expert puts expert e's pairs at group_offsets[e] + rank."""
+  num_tokens, j = pair_expert.shape
+  flat = pair_expert.reshape(-1).astype(jnp.int32)             # pair i = t * j + column
+  order = jnp.argsort(flat, stable=True)                       # dense position -> pair
+  counts = jnp.zeros((num_experts + 1,), jnp.int32).at[flat].add(1)[:num_experts]
   offsets = _aligned_offsets(counts, align)
-  size = num_slots(num_tokens, num_experts, k, 1, align)
-  if align == 1:
-    slot_pair = order
-    pair_slot = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
-    token_index = (slot_pair // k).astype(jnp.int32)
-    expert_index = pair_expert[slot_pair]
-    valid = jnp.ones((size,), bool)
-  else:  # move each expert's run of pairs to its aligned start
-    dense_offsets = _exclusive_cumsum(counts)
-    sorted_expert = pair_expert[order]
-    slot_of_sorted = offsets[sorted_expert] + jnp.arange(order.shape[0]) - dense_offsets[sorted_expert]
-    pair_slot = jnp.zeros_like(order).at[order].set(slot_of_sorted)
-    token_index = jnp.full((size,), num_tokens, jnp.int32).at[slot_of_sorted].set(order // k)
-    expert_index = jnp.full((size,), num_experts, jnp.int32).at[slot_of_sorted].set(sorted_expert)
-    valid = jnp.zeros((size,), bool).at[slot_of_sorted].set(True)
-  safe_token = jnp.minimum(token_index, num_tokens - 1)
-  safe_expert = jnp.minimum(expert_index, num_experts - 1)
+  sorted_expert = flat[order]
+  e_c = jnp.minimum(sorted_expert, num_experts - 1)
+  rank = jnp.arange(order.shape[0], dtype=jnp.int32) - _exclusive_cumsum(counts)[e_c]
+  slot = jnp.where(sorted_expert < num_experts, offsets[e_c] + rank, size)
+
+  def put(fill, values, dtype):
+    return jnp.full((size,), fill, dtype).at[slot].set(values, mode="drop")
+
+  token_index = put(num_tokens, (order // j).astype(jnp.int32), jnp.int32)
+  if fixed_k:  # every token has exactly j slots: list them in token order
+    token_slots = jnp.zeros_like(order).at[order].set(slot).astype(jnp.int32)
+    token_offsets = jnp.arange(num_tokens + 1, dtype=jnp.int32) * j
+  else:
+    token_slots = jnp.argsort(token_index, stable=True).astype(jnp.int32)
+    per_token = jnp.zeros((num_tokens + 1,), jnp.int32).at[token_index].add(1)[:num_tokens]
+    token_offsets = _exclusive_cumsum(per_token)
   return RoutingPlan(
-      token_index=token_index.astype(jnp.int32),
-      expert_index=expert_index.astype(jnp.int32),
-      scores=jnp.where(valid, scores[safe_token, safe_expert], 0.0),
-      valid=valid,
-      group_sizes=counts,
-      group_offsets=offsets,
-      token_slots=pair_slot.astype(jnp.int32),
-      token_offsets=jnp.arange(num_tokens + 1, dtype=jnp.int32) * k,
-      num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=True, align=align)
+      token_index=token_index,
+      expert_index=put(num_experts, sorted_expert, jnp.int32),
+      scores=put(0.0, pair_score.reshape(-1)[order].astype(jnp.float32), jnp.float32),
+      valid=put(False, True, bool),
+      group_sizes=counts, group_offsets=offsets, token_slots=token_slots,
+      token_offsets=token_offsets, num_tokens=num_tokens, num_experts=num_experts, k=j,
+      fixed_k=fixed_k, align=align)
 
 
 def _rounded_plan(scores, topk_experts, targets, k: int, tile: int, align: int) -> RoutingPlan:
@@ -274,31 +282,8 @@ def plan_from_experts(expert_ids, scores, num_experts: int, align: int = 1) -> R
   """A plan from given assignments: expert_ids [T, J] int (num_experts marks "none"), scores
   [T, J]. Used where routing happened elsewhere (rows received by expert parallelism)."""
   num_tokens, j = expert_ids.shape
-  flat = expert_ids.reshape(-1).astype(jnp.int32)
-  valid_pair = flat < num_experts
-  key = jnp.where(valid_pair, flat, num_experts)
-  order = jnp.argsort(key, stable=True)                      # dense position -> pair
-  counts = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)[:num_experts]
-  offsets = _aligned_offsets(counts, align)
-  dense_offsets = _exclusive_cumsum(counts)
   size = _round_up(num_tokens * j + (num_experts * (align - 1) if align > 1 else 0), align)
-  sorted_expert = key[order]
-  pos = jnp.arange(order.shape[0], dtype=jnp.int32)
-  e_c = jnp.minimum(sorted_expert, num_experts - 1)
-  slot_of_sorted = jnp.where(sorted_expert < num_experts, offsets[e_c] + pos - dense_offsets[e_c], size)
-  token_index = jnp.full((size,), num_tokens, jnp.int32).at[slot_of_sorted].set(
-      (order // j).astype(jnp.int32), mode="drop")
-  expert_index = jnp.full((size,), num_experts, jnp.int32).at[slot_of_sorted].set(sorted_expert, mode="drop")
-  valid = jnp.zeros((size,), bool).at[slot_of_sorted].set(True, mode="drop")
-  slot_scores = jnp.zeros((size,), jnp.float32).at[slot_of_sorted].set(
-      scores.reshape(-1)[order].astype(jnp.float32), mode="drop")
-  token_slots = jnp.argsort(token_index, stable=True).astype(jnp.int32)
-  per_token = jnp.zeros((num_tokens + 1,), jnp.int32).at[token_index].add(1)[:num_tokens]
-  return RoutingPlan(
-      token_index=token_index, expert_index=expert_index, scores=slot_scores, valid=valid,
-      group_sizes=counts, group_offsets=offsets, token_slots=token_slots,
-      token_offsets=_exclusive_cumsum(per_token), num_tokens=num_tokens,
-      num_experts=num_experts, k=j, fixed_k=False, align=align)
+  return _pairs_to_plan(expert_ids, scores, num_experts, align, size, fixed_k=False)
 
 
 def load_balancing_loss(logits, topk_counts, k: int):
