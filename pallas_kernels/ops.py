@@ -16,34 +16,34 @@ ALIGN = config.BLOCK_M
 unsupported = config.unsupported
 
 
-def _tiles(plan):
+def tiles(plan):
   return schedule.tile_experts(plan, config.BLOCK_M)
 
 
 def up_proj(x, w1, plan):
   config.check_operands("up_proj", x=x, w1=w1)
   config.check_dims(x.shape[1], w1.shape[2] // 2)
-  return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan))
+  return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, tiles(plan))
 
 
 def down_proj(a, w2, plan):
   config.check_operands("down_proj", a=a, w2=w2)
   config.check_dims(w2.shape[2], w2.shape[1])
-  return grouped_gemm.matmul(a, w2, _tiles(plan), transpose_rhs=False)
+  return grouped_gemm.matmul(a, w2, tiles(plan), transpose_rhs=False)
 
 
 def dh(dout, w2, h, scores, plan):
   config.check_operands("dh", dout=dout, w2=w2, h=h)
   config.check_dims(w2.shape[2], w2.shape[1])
   dout_g = xla_ops.gather_rows(dout, plan.token_index)
-  dh_, a_scaled, ds_parts = grouped_gemm.dh(dout_g, w2, h, scores, _tiles(plan))
+  dh_, a_scaled, ds_parts = grouped_gemm.dh(dout_g, w2, h, scores, tiles(plan))
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
 
 
 def dx_tilde(dh_, w1, plan):
   config.check_operands("dx_tilde", dh=dh_, w1=w1)
   config.check_dims(w1.shape[1], w1.shape[2] // 2)
-  return grouped_gemm.matmul(dh_, w1, _tiles(plan), transpose_rhs=True)
+  return grouped_gemm.matmul(dh_, w1, tiles(plan), transpose_rhs=True)
 
 
 def dw1(x, dh_, plan):
