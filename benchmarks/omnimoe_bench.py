@@ -1,6 +1,8 @@
 """OmniMoE latency and memory, side by side (seed 003's setup): d = 1024, activated parameters
 swept 3M-28M, tokens 1K-16K; OmniMoE expert-centric, PEER-style token-centric, a coarse
-DeepSeekMoE layer and a dense SwiGLU MLP of equal activated parameters.
+DeepSeekMoE layer and a dense SwiGLU MLP of equal activated parameters. OmniMoE runs twice:
+its grouped GEMMs through XLA's ragged_dot ("omnimoe") and through our Pallas kernels
+("omnimoe_pallas", GPU only).
 
   python -m benchmarks.omnimoe_bench                 # GPU
   python -m benchmarks.omnimoe_bench --tiny          # CPU smoke run
@@ -33,8 +35,12 @@ def layers(d, active, n_atomic, tiny):
   routed_experts, k_r = 64, 6
   d_expert = max(64, (active - 3 * d * d_mlp) // (3 * d * k_r) // 64 * 64)
   rngs = nnx.Rngs(0)
+  omni_params = 2 * d * k + 3 * d * d_mlp
+  pallas = {} if tiny else {"omnimoe_pallas": (OmniMoE(d, n_atomic, k, d_mlp, group=128, grouped="pallas",
+                                                       dtype=jnp.bfloat16, rngs=rngs), omni_params)}
   return {
-      "omnimoe": (OmniMoE(d, n_atomic, k, d_mlp, group=128, dtype=jnp.bfloat16, rngs=rngs), 2 * d * k + 3 * d * d_mlp),
+      **pallas,
+      "omnimoe": (OmniMoE(d, n_atomic, k, d_mlp, group=128, dtype=jnp.bfloat16, rngs=rngs), omni_params),
       "peer_token_centric": (OmniMoE(d, n_atomic, k, d_mlp, execution="token_centric", dtype=jnp.bfloat16,
                                      rngs=rngs), 2 * d * k + 3 * d * d_mlp),
       "deepseekmoe": (DeepSeekMoE(d, d_mlp, routed_experts, k_r, d_expert, rngs=rngs),

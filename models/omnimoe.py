@@ -84,78 +84,157 @@ def token_centric(x, w, v, g, ids):
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """Expert-centric schedule of the T*k tasks (static sizes: R = T*k rows, Q groups of B).
+  """Expert-centric schedule of the T*k tasks. Rows are (group, token) pairs, sorted by group
+  then token; group q's rows start at row_offsets[q] (a multiple of `align`, so tiled kernels
+  see one group per row tile). R (rows) and Q (groups) are static bounds.
 
-    row_token [R]: token of each row (T for unused rows); row_group_sizes [Q]: rows per group;
-    group_experts [Q, B]: expert ids of each group (N for empty columns);
-    row_gate [R, B]: routing weight of (row's token, column's expert), 0 if not routed.
+    row_token [R]: token of each row (T for unused rows); row_offsets [Q+1];
+    group_experts [Q, B]: expert ids of each group's columns (N for empty columns);
+    task_row, task_col [T*k]: where each task's routing weight sits in the [R, B] gate matrix.
   """
   row_token: jax.Array
-  row_group_sizes: jax.Array
+  row_offsets: jax.Array
   group_experts: jax.Array
   task_row: jax.Array
   task_col: jax.Array
+
+  @property
+  def padded_group_sizes(self):
+    return jnp.diff(self.row_offsets)
 
 
 jax.tree_util.register_dataclass(Schedule)
 
 
-def schedule(ids, num_experts: int, group: int) -> Schedule:
+def _round_up(x, m):
+  return (x + m - 1) // m * m
+
+
+def schedule(ids, num_experts: int, group: int, align: int = 1) -> Schedule:
   num_tokens, k = ids.shape
   m = num_tokens * k
   num_groups = -(-min(num_experts, m) // group)
+  num_rows = _round_up(m + (num_groups * (align - 1) if align > 1 else 0), align)
   flat = ids.reshape(-1)
   token = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), k)
   active = jnp.zeros((num_experts,), bool).at[flat].set(True)
   rank = jnp.cumsum(active) - 1                                 # index among active experts
-  task_group = rank[flat] // group
+  task_group = (rank[flat] // group).astype(jnp.int32)
   task_col = (rank[flat] % group).astype(jnp.int32)
   order = jnp.lexsort((token, task_group))                       # by (group, token)
   g_sorted, t_sorted = task_group[order], token[order]
   new_row = jnp.concatenate([jnp.ones((1,), bool),
                              (g_sorted[1:] != g_sorted[:-1]) | (t_sorted[1:] != t_sorted[:-1])])
-  row_sorted = jnp.cumsum(new_row) - 1
-  task_row = jnp.zeros((m,), jnp.int32).at[order].set(row_sorted.astype(jnp.int32))
-  row_token = jnp.full((m,), num_tokens, jnp.int32).at[row_sorted].set(t_sorted)
-  row_group = jnp.full((m,), num_groups, jnp.int32).at[row_sorted].set(g_sorted.astype(jnp.int32))
-  row_group_sizes = jnp.zeros((num_groups + 1,), jnp.int32).at[row_group].add(1)[:num_groups]
+  dense_row = jnp.cumsum(new_row) - 1
+  rows_per_group = jnp.zeros((num_groups,), jnp.int32).at[g_sorted].add(new_row.astype(jnp.int32))
+  dense_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(rows_per_group)])
+  offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                             jnp.cumsum(_round_up(rows_per_group, align))]).astype(jnp.int32)
+  row_sorted = (offsets[g_sorted] + dense_row - dense_start[g_sorted]).astype(jnp.int32)
+  task_row = jnp.zeros((m,), jnp.int32).at[order].set(row_sorted)
+  row_token = jnp.full((num_rows,), num_tokens, jnp.int32).at[row_sorted].set(t_sorted)
   active_ids = jnp.nonzero(active, size=num_groups * group, fill_value=num_experts)[0]
-  return Schedule(row_token, row_group_sizes, active_ids.reshape(num_groups, group).astype(jnp.int32),
+  return Schedule(row_token, offsets, active_ids.reshape(num_groups, group).astype(jnp.int32),
                   task_row, task_col)
 
 
-def _grouped(x, w, v, g, sched: Schedule):
-  num_tokens = x.shape[0]
-  rows = x.at[sched.row_token].get(mode="fill", fill_value=0).astype(_F32)        # [R, d]
-  wq = w.at[sched.group_experts].get(mode="fill", fill_value=0).astype(_F32)      # [Q, B, d]
-  vq = v.at[sched.group_experts].get(mode="fill", fill_value=0).astype(_F32)
-  gate = jnp.zeros((rows.shape[0], wq.shape[1]), _F32).at[sched.task_row, sched.task_col].add(g.reshape(-1))
-  z = jax.lax.ragged_dot(rows, jnp.swapaxes(wq, 1, 2), sched.row_group_sizes)   # [R, B]
-  out_rows = jax.lax.ragged_dot(gate * jax.nn.silu(z), vq, sched.row_group_sizes)  # [R, d]
-  return jax.ops.segment_sum(out_rows, sched.row_token, num_segments=num_tokens).astype(x.dtype)
+class XlaGroupedOps:
+  """The two grouped GEMM shapes of expert-centric execution through jax.lax.ragged_dot."""
+  align = 1
+
+  @staticmethod
+  def matmul(lhs, rhs, sched: Schedule, transpose_rhs: bool):
+    """Per group q: lhs_q @ rhs[q] (rhs [Q, K, N]) or lhs_q @ rhs[q]^T (rhs [Q, N, K])."""
+    rhs = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    return jax.lax.ragged_dot(lhs, rhs, sched.padded_group_sizes, preferred_element_type=_F32)
+
+  @staticmethod
+  def weight_grad(lhs, rhs, sched: Schedule):
+    """Per group q: lhs_q^T rhs_q, [Q, lhs cols, rhs cols]."""
+    dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    return jax.lax.ragged_dot_general(lhs, rhs, sched.padded_group_sizes, dims,
+                                      preferred_element_type=_F32)
 
 
-@jax.custom_vjp
-def expert_centric(x, w, v, g, sched: Schedule):
-  """Expert-centric execution; the backward recomputes the grouped forward (keeps x, g, ids)."""
-  return _grouped(x, w, v, g, sched)
+class PallasGroupedOps:
+  """The same GEMMs on the Pallas Mosaic GPU kernels (needs bf16/f16, d % 128, B % 128)."""
+  align = 128
+
+  @staticmethod
+  def _tiles(sched: Schedule):
+    starts = jnp.arange(sched.row_token.shape[0] // 128, dtype=jnp.int32) * 128
+    return jnp.searchsorted(sched.row_offsets[1:], starts, side="right").astype(jnp.int32)
+
+  @classmethod
+  def matmul(cls, lhs, rhs, sched: Schedule, transpose_rhs: bool):
+    from pallas_kernels import grouped_gemm
+    return grouped_gemm.matmul(lhs, rhs, cls._tiles(sched), transpose_rhs=transpose_rhs)
+
+  @staticmethod
+  def weight_grad(lhs, rhs, sched: Schedule):
+    from pallas_kernels import weight_grad
+    return weight_grad.weight_grad(lhs, rhs, sched.row_offsets, sched.group_experts.shape[0], _F32)
 
 
-def _ec_fwd(x, w, v, g, sched):
-  return _grouped(x, w, v, g, sched), (x, w, v, g, sched)
+def _gathered(x, w, v, g, sched: Schedule):
+  rows = x.at[sched.row_token].get(mode="fill", fill_value=0)                      # [R, d]
+  wq = w.at[sched.group_experts].get(mode="fill", fill_value=0)                    # [Q, B, d]
+  vq = v.at[sched.group_experts].get(mode="fill", fill_value=0)
+  gate = jnp.zeros((rows.shape[0], wq.shape[1]), _F32).at[sched.task_row, sched.task_col].add(
+      g.reshape(-1).astype(_F32))
+  return rows, wq, vq, gate
 
 
-def _ec_bwd(res, dout):
+def _expert_centric_forward(ops, x, w, v, g, sched):
+  rows, wq, vq, gate = _gathered(x, w, v, g, sched)
+  z = ops.matmul(rows, wq, sched, transpose_rhs=True).astype(_F32)                 # [R, B]
+  a = (gate * jax.nn.silu(z)).astype(x.dtype)
+  out_rows = ops.matmul(a, vq, sched, transpose_rhs=False)                         # [R, d]
+  return jax.ops.segment_sum(out_rows.astype(_F32), sched.row_token,
+                             num_segments=x.shape[0]).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def expert_centric(ops, x, w, v, g, sched: Schedule):
+  """Expert-centric execution with grouped GEMMs from `ops` (XlaGroupedOps or
+  PallasGroupedOps). Keeps only x, g and the schedule; the backward recomputes the gathers and
+  the scores GEMM and runs four more grouped GEMMs."""
+  return _expert_centric_forward(ops, x, w, v, g, sched)
+
+
+def _ec_fwd(ops, x, w, v, g, sched):
+  return _expert_centric_forward(ops, x, w, v, g, sched), (x, w, v, g, sched)
+
+
+def _ec_bwd(ops, res, dout):
   x, w, v, g, sched = res
-  _, vjp = jax.vjp(lambda *a: _grouped(*a, sched), x, w, v, g)
-  return (*vjp(dout), jax.tree_util.tree_map(lambda _: None, sched))
+  rows, wq, vq, gate = _gathered(x, w, v, g, sched)
+  z = ops.matmul(rows, wq, sched, transpose_rhs=True).astype(_F32)
+  sig = jax.nn.sigmoid(z)
+  silu = z * sig
+  a = (gate * silu).astype(x.dtype)
+  dout_rows = dout.astype(x.dtype).at[sched.row_token].get(mode="fill", fill_value=0)
+  da = ops.matmul(dout_rows, vq, sched, transpose_rhs=True).astype(_F32)         # dO V^T
+  dgate = da * silu
+  dz = (da * gate * sig * (1.0 + z * (1.0 - sig))).astype(x.dtype)
+  drows = ops.matmul(dz, wq, sched, transpose_rhs=False)                          # dZ W
+  dwq = ops.weight_grad(dz, rows, sched)                                          # dZ^T X
+  dvq = ops.weight_grad(a, dout_rows, sched)                                      # A^T dO
+  dx = jax.ops.segment_sum(drows.astype(_F32), sched.row_token, num_segments=x.shape[0])
+  experts = sched.group_experts.reshape(-1)
+  dw = jnp.zeros(w.shape, _F32).at[experts].add(dwq.reshape(-1, w.shape[1]), mode="drop")
+  dv = jnp.zeros(v.shape, _F32).at[experts].add(dvq.reshape(-1, v.shape[1]), mode="drop")
+  dg = dgate[sched.task_row, sched.task_col].reshape(g.shape)
+  return (dx.astype(x.dtype), dw.astype(w.dtype), dv.astype(v.dtype), dg.astype(g.dtype),
+          jax.tree_util.tree_map(lambda _: None, sched))
 
 
 expert_centric.defvjp(_ec_fwd, _ec_bwd)
 
 
-def usage_stats(ids, num_experts: int, k: int) -> RouterStats:
-  """Expert usage counts; `z_loss` carries the unevenness KL(usage || uniform) for logging."""
+def usage_stats(ids, num_experts: int, k: int):
+  """(RouterStats with expert usage counts and zero aux losses, KL(usage || uniform))."""
   counts = jnp.zeros((num_experts,), jnp.int32).at[ids.reshape(-1)].add(1)
   p = counts / jnp.maximum(counts.sum(), 1)
   kl = jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.maximum(p, 1e-30) * num_experts), 0.0))
@@ -169,12 +248,14 @@ class OmniMoE(nnx.Module):
 
   Args: d_model, num_experts (N, a perfect square), k (experts per token, up to thousands),
   d_mlp (shared MLP width), group (B, experts per expert-centric group), execution
-  ("expert_centric" or "token_centric"), dtype, rngs.
+  ("expert_centric" or "token_centric"), grouped ("xla" or "pallas": the kernels of the
+  expert-centric GEMMs; pallas needs bf16, d and group multiples of 128), dtype, rngs.
   Call: (y, RouterStats with expert usage counts); `last_unevenness` holds KL(usage || uniform).
   """
 
   def __init__(self, d_model: int, num_experts: int, k: int, d_mlp: int, *, group: int = 128,
-               execution: str = "expert_centric", dtype=jnp.float32, rngs: nnx.Rngs):
+               execution: str = "expert_centric", grouped: str = "xla", dtype=jnp.float32,
+               rngs: nnx.Rngs):
     rows, cols = grid_shape(num_experts)
     if not 1 <= k <= num_experts:
       raise ValueError(f"k must satisfy 1 <= k <= num_experts = {num_experts}; got {k}")
@@ -182,6 +263,9 @@ class OmniMoE(nnx.Module):
       raise ValueError(f"execution must be 'expert_centric' or 'token_centric'; got {execution!r}")
     if group < 1:
       raise ValueError(f"group must be >= 1; got {group}")
+    if grouped not in ("xla", "pallas"):
+      raise ValueError(f"grouped must be 'xla' or 'pallas'; got {grouped!r}")
+    self.grouped_ops = PallasGroupedOps if grouped == "pallas" else XlaGroupedOps
     key = rngs.params
     init = jax.nn.initializers.normal(stddev=d_model ** -0.5)
     self.w_row = nnx.Param(init(key(), (d_model, rows)))
@@ -201,7 +285,8 @@ class OmniMoE(nnx.Module):
     if self.execution == "token_centric":
       routed = token_centric(x2, w, v, g, ids)
     else:
-      routed = expert_centric(x2, w, v, g, schedule(ids, self.num_experts, self.group))
+      ops = self.grouped_ops
+      routed = expert_centric(ops, x2, w, v, g, schedule(ids, self.num_experts, self.group, ops.align))
     shared = self.mlp_out(swiglu.forward(self.mlp_in(x2)).astype(x2.dtype))
     stats, kl = usage_stats(ids, self.num_experts, self.k)
     self.last_unevenness[...] = kl
