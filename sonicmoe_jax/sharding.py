@@ -26,96 +26,159 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from sonicmoe_jax import backends, layer, routing, xla_ops
+from sonicmoe_jax import backends, layer, routing, validation, xla_ops
 from sonicmoe_jax.routing import RoutingPlan
-
-
-@dataclasses.dataclass(frozen=True)
-class Dispatch:
-  """Where each local slot goes: send_slot[j, r] is the local slot sent to expert shard j as
-  row r (num_slots = none); slot_dest / slot_row give each slot's (shard, row)."""
-  send_slot: jax.Array
-  slot_dest: jax.Array
-  slot_row: jax.Array
-
-
-jax.tree_util.register_dataclass(Dispatch)
-
-
-def _dispatch(plan: RoutingPlan, ep: int, experts_per_shard: int, capacity: int) -> Dispatch:
-  dest = jnp.where(plan.valid, plan.expert_index // experts_per_shard, ep)
-  order = jnp.argsort(dest, stable=True)
-  counts = jnp.zeros((ep + 1,), jnp.int32).at[dest].add(1)
-  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts)[:-1]])
-  sorted_dest = dest[order]
-  row = jnp.arange(order.shape[0], dtype=jnp.int32) - starts[sorted_dest]
-  keep = (sorted_dest < ep) & (row < capacity)
-  send = jnp.full((ep, capacity), plan.num_slots, jnp.int32).at[
-      jnp.where(keep, sorted_dest, ep), jnp.where(keep, row, 0)].set(order.astype(jnp.int32), mode="drop")
-  slot_dest = jnp.full((plan.num_slots,), ep, jnp.int32).at[order].set(jnp.where(keep, sorted_dest, ep))
-  slot_row = jnp.zeros((plan.num_slots,), jnp.int32).at[order].set(jnp.where(keep, row, 0))
-  return Dispatch(send, slot_dest, slot_row)
-
-
-def _to_rows(values, disp: Dispatch):
-  """values [num_slots, ...] -> [ep, capacity, ...] send buffer (zeros where empty)."""
-  return values.at[disp.send_slot].get(mode="fill", fill_value=0)
-
-
-def _from_rows(rows, disp: Dispatch):
-  """[ep, capacity, ...] rows back at the source -> [num_slots, ...] (zeros for dropped slots)."""
-  return rows.at[disp.slot_dest, disp.slot_row].get(mode="fill", fill_value=0)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ep_experts(ops, axis, data_axes, x, scores, w1, w2, plan, disp, recv_plan):
-  return _ep_forward(ops, axis, x, scores, w1, w2, plan, disp, recv_plan)[0]
 
 
 def _exchange(v, axis):
   return jax.lax.all_to_all(v, axis, 0, 0, tiled=True)
 
 
-def _flat(v):
-  return v.reshape(-1, *v.shape[2:])
+def _sort_by_destination(plan: RoutingPlan, ep: int, experts_per_shard: int):
+  """(order: slots sorted by destination shard, invalid last; the sorted destinations; rows
+  per destination [ep])."""
+  dest = jnp.where(plan.valid, plan.expert_index // experts_per_shard, ep)
+  order = jnp.argsort(dest, stable=True).astype(jnp.int32)
+  counts = jnp.zeros((ep + 1,), jnp.int32).at[dest].add(1)[:ep]
+  return order, dest[order], counts
 
 
-def _ep_forward(ops, axis, x, scores, w1, w2, plan, disp, recv_plan):
-  ep, cap = disp.send_slot.shape
-  x_rows = _flat(_exchange(_to_rows(xla_ops.gather_rows(x, plan.token_index), disp), axis))
-  s_rows = _flat(_exchange(_to_rows(scores, disp), axis))
+def _exclusive_cumsum(v, axis=-1):
+  return jnp.cumsum(v, axis=axis) - v
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedTransport:
+  """Rows travel in a [ep, capacity] buffer per device through jax.lax.all_to_all.
+  send_slot[j, r]: the local slot sent to shard j as row r (num_slots = none);
+  slot_dest, slot_row: each slot's (shard, row), shard = ep when not sent."""
+  send_slot: jax.Array
+  slot_dest: jax.Array
+  slot_row: jax.Array
+  axis: str = dataclasses.field(metadata=dict(static=True))
+
+  @classmethod
+  def build(cls, plan, ep, experts_per_shard, capacity, axis):
+    order, sorted_dest, counts = _sort_by_destination(plan, ep, experts_per_shard)
+    starts = jnp.concatenate([_exclusive_cumsum(counts), jnp.zeros((1,), jnp.int32)])
+    row = jnp.arange(order.shape[0], dtype=jnp.int32) - starts[sorted_dest]
+    keep = (sorted_dest < ep) & (row < capacity)
+    send = jnp.full((ep, capacity), plan.num_slots, jnp.int32).at[
+        jnp.where(keep, sorted_dest, ep), jnp.where(keep, row, 0)].set(order, mode="drop")
+    slot_dest = jnp.full((plan.num_slots,), ep, jnp.int32).at[order].set(jnp.where(keep, sorted_dest, ep))
+    slot_row = jnp.zeros((plan.num_slots,), jnp.int32).at[order].set(jnp.where(keep, row, 0))
+    return cls(send, slot_dest, slot_row, axis)
+
+  @property
+  def num_rows(self):
+    return self.send_slot.size
+
+  def to_experts(self, values):
+    """values [num_slots, ...] at the token side -> [num_rows, ...] at the expert side."""
+    rows = values.at[self.send_slot].get(mode="fill", fill_value=0)
+    rows = _exchange(rows, self.axis)
+    return rows.reshape(-1, *rows.shape[2:])
+
+  def to_tokens(self, rows):
+    """[num_rows, ...] at the expert side -> [num_slots, ...] back at the token side."""
+    rows = _exchange(rows.reshape(*self.send_slot.shape, *rows.shape[1:]), self.axis)
+    return rows.at[self.slot_dest, self.slot_row].get(mode="fill", fill_value=0)
+
+  def dropped(self, plan):
+    return jnp.sum(plan.valid & (self.slot_dest >= self.send_slot.shape[0]))
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedTransport:
+  """Only real rows travel, through jax.lax.ragged_all_to_all (GPU/TPU; XLA:CPU lacks it).
+  Rows leave sorted by destination (order) and arrive grouped by source; the receive buffer
+  has room for every device's slots (ep x num_slots rows), so nothing is dropped."""
+  order: jax.Array
+  slot_pos: jax.Array
+  send_sizes: jax.Array
+  send_offsets: jax.Array
+  remote_offsets: jax.Array    # where my rows land in each receiver's buffer
+  recv_sizes: jax.Array
+  recv_offsets: jax.Array
+  return_offsets: jax.Array    # where each source's rows land back in its sorted buffer
+  axis: str = dataclasses.field(metadata=dict(static=True))
+
+  @classmethod
+  def build(cls, plan, ep, experts_per_shard, capacity, axis):
+    del capacity
+    order, _, counts = _sort_by_destination(plan, ep, experts_per_shard)
+    me = jax.lax.axis_index(axis)
+    sizes = jax.lax.all_gather(counts, axis)                     # [source, destination]
+    slot_pos = jnp.zeros((plan.num_slots,), jnp.int32).at[order].set(
+        jnp.arange(plan.num_slots, dtype=jnp.int32))
+    return cls(order=order, slot_pos=jnp.where(plan.valid, slot_pos, plan.num_slots),
+               send_sizes=counts, send_offsets=_exclusive_cumsum(counts),
+               remote_offsets=_exclusive_cumsum(sizes, axis=0)[me],
+               recv_sizes=sizes[:, me], recv_offsets=_exclusive_cumsum(sizes[:, me]),
+               return_offsets=_exclusive_cumsum(sizes, axis=1)[:, me], axis=axis)
+
+  @property
+  def num_rows(self):
+    return self.send_sizes.shape[0] * self.order.shape[0]
+
+  def to_experts(self, values):
+    out = jnp.zeros((self.num_rows, *values.shape[1:]), values.dtype)
+    return jax.lax.ragged_all_to_all(values[self.order], out, self.send_offsets, self.send_sizes,
+                                     self.remote_offsets, self.recv_sizes, axis_name=self.axis)
+
+  def to_tokens(self, rows):
+    out = jnp.zeros((self.order.shape[0], *rows.shape[1:]), rows.dtype)
+    back = jax.lax.ragged_all_to_all(rows, out, self.recv_offsets, self.recv_sizes,
+                                     self.return_offsets, self.send_sizes, axis_name=self.axis)
+    return back.at[self.slot_pos].get(mode="fill", fill_value=0)
+
+  def dropped(self, plan):
+    return jnp.zeros((), jnp.int32)
+
+
+jax.tree_util.register_dataclass(PaddedTransport)
+jax.tree_util.register_dataclass(RaggedTransport)
+TRANSPORTS = {"padded": PaddedTransport, "ragged": RaggedTransport}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ep_experts(ops, data_axes, x, scores, w1, w2, plan, transport, recv_plan):
+  return _ep_forward(ops, x, scores, w1, w2, plan, transport, recv_plan)[0]
+
+
+def _ep_forward(ops, x, scores, w1, w2, plan, transport, recv_plan):
+  x_rows = transport.to_experts(xla_ops.gather_rows(x, plan.token_index))
+  s_rows = transport.to_experts(scores)
   s_recv = xla_ops.gather_rows(s_rows, recv_plan.token_index)    # per received slot
   h, a = ops.up_proj(x_rows, w1, recv_plan)
   y_rows = ops.aggregate(ops.down_proj(a, w2, recv_plan), s_recv, recv_plan)  # s * MLP(row)
-  y_back = _exchange(y_rows.reshape(ep, cap, -1), axis)
-  out = ops.aggregate(_from_rows(y_back, disp), None, plan)
-  return out, (x, h, s_recv, w1, w2, plan, disp, recv_plan)
+  out = ops.aggregate(transport.to_tokens(y_rows), None, plan)
+  return out, (x, h, s_recv, w1, w2, plan, transport, recv_plan)
 
 
-def _ep_fwd(ops, axis, data_axes, x, scores, w1, w2, plan, disp, recv_plan):
-  return _ep_forward(ops, axis, x, scores, w1, w2, plan, disp, recv_plan)
+def _ep_fwd(ops, data_axes, x, scores, w1, w2, plan, transport, recv_plan):
+  return _ep_forward(ops, x, scores, w1, w2, plan, transport, recv_plan)
 
 
-def _ep_bwd(ops, axis, data_axes, res, dout):
-  x, h, s_recv, w1, w2, plan, disp, recv_plan = res
-  ep, cap = disp.send_slot.shape
+def _ep_bwd(ops, data_axes, res, dout):
+  x, h, s_recv, w1, w2, plan, transport, recv_plan = res
   dout = dout.astype(x.dtype)
-  d_rows = _flat(_exchange(_to_rows(xla_ops.gather_rows(dout, plan.token_index), disp), axis))
+  d_rows = transport.to_experts(xla_ops.gather_rows(dout, plan.token_index))
   dh, ds_slot, a_scaled = ops.dh(d_rows, w2, h, s_recv, recv_plan)
-  num_rows = ep * cap
+  num_rows = transport.num_rows
   ds_rows = jnp.zeros((num_rows + 1,), jnp.float32).at[recv_plan.token_index].add(ds_slot)[:num_rows]
   dx_rows = ops.aggregate(ops.dx_tilde(dh, w1, recv_plan), None, recv_plan)
-  dx = ops.aggregate(_from_rows(_exchange(dx_rows.reshape(ep, cap, -1), axis), disp), None, plan)
-  dscores = _from_rows(_exchange(ds_rows.reshape(ep, cap), axis), disp)
+  dx = ops.aggregate(transport.to_tokens(dx_rows), None, plan)
+  dscores = transport.to_tokens(ds_rows)
   # dW1 needs the X rows again: send them once more rather than keeping them
-  x_rows = _flat(_exchange(_to_rows(xla_ops.gather_rows(x, plan.token_index), disp), axis))
+  x_rows = transport.to_experts(xla_ops.gather_rows(x, plan.token_index))
   dw1 = ops.dw1(x_rows, dh, recv_plan)
   dw2 = ops.dw2(a_scaled, d_rows, recv_plan)
   if data_axes:  # the expert weights are replicated over the data axes: sum their gradients
     dw1, dw2 = (jax.lax.psum(g.astype(jnp.float32), data_axes) for g in (dw1, dw2))
   dw1, dw2 = dw1.astype(w1.dtype), dw2.astype(w2.dtype)
   none = lambda tree: jax.tree_util.tree_map(lambda _: None, tree)
-  return dx, dscores.astype(jnp.float32), dw1, dw2, none(plan), none(disp), none(recv_plan)
+  return dx, dscores.astype(jnp.float32), dw1, dw2, none(plan), none(transport), none(recv_plan)
 
 
 _ep_experts.defvjp(_ep_fwd, _ep_bwd)
@@ -128,7 +191,8 @@ def _varying(x, axes):
   return jax.lax.pvary(x, tuple(axes))
 
 
-def _ep_layer(x, router_w, w1, w2, rng, *, ops, k, expert_axis, token_axes, capacity_factor, route_kw):
+def _ep_layer(x, router_w, w1, w2, rng, *, ops, k, expert_axis, token_axes, capacity_factor,
+              transport, route_kw):
   ep = jax.lax.psum(1, expert_axis)
   experts_per_shard = w1.shape[0]
   logits = routing.router_logits(x, _varying(router_w, token_axes))
@@ -138,16 +202,17 @@ def _ep_layer(x, router_w, w1, w2, rng, *, ops, k, expert_axis, token_axes, capa
   plan, stats = routing.route(logits, k=k, rng=rng, **route_kw)
   capacity = plan.num_slots if capacity_factor is None else max(
       1, int(capacity_factor * plan.num_slots / ep + 0.999))
-  disp = _dispatch(plan, ep, experts_per_shard, capacity)
-  recv_expert = _exchange(_to_rows(jnp.where(plan.valid, plan.expert_index % experts_per_shard,
-                                             experts_per_shard), disp).astype(jnp.int32), axis=expert_axis)
-  recv_expert = jnp.where(_exchange(_to_rows(plan.valid, disp), expert_axis), recv_expert, experts_per_shard)
-  recv_plan = routing.plan_from_experts(_flat(recv_expert)[:, None], jnp.zeros((ep * capacity, 1)),
+  route_rows = TRANSPORTS[transport].build(plan, ep, experts_per_shard, capacity, expert_axis)
+  # each row's local expert + 1 (0 marks an empty row of the receive buffer)
+  tagged = jnp.where(plan.valid, plan.expert_index % experts_per_shard + 1, 0).astype(jnp.int32)
+  recv_tag = route_rows.to_experts(tagged)
+  recv_expert = jnp.where(recv_tag > 0, recv_tag - 1, experts_per_shard)
+  recv_plan = routing.plan_from_experts(recv_expert[:, None], jnp.zeros((route_rows.num_rows, 1)),
                                         experts_per_shard, align=ops.align)
   arrays = dataclasses.replace(plan, scores=jax.lax.stop_gradient(plan.scores))
-  out = _ep_experts(ops, expert_axis, tuple(a for a in token_axes if a != expert_axis), x,
-                    plan.scores, w1, w2, arrays, disp, recv_plan)
-  dropped = jnp.sum(plan.valid & (disp.slot_dest >= ep))
+  out = _ep_experts(ops, tuple(a for a in token_axes if a != expert_axis), x, plan.scores, w1, w2,
+                    arrays, route_rows, recv_plan)
+  dropped = route_rows.dropped(plan)
   topk_counts = jax.lax.psum(stats.topk_counts, token_axes)
   # the switch loss of the global batch: global expert fractions times global mean probabilities
   mean_prob = jax.lax.pmean(jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0), token_axes)
@@ -166,7 +231,7 @@ def moe_expert_parallel(x, router_w, w1, w2, *, mesh: jax.sharding.Mesh, k: int,
                         expert_axis: str = "expert", data_axes: Sequence[str] = ("data",),
                         score_fn: str = "softmax_topk", renormalize: bool = False,
                         rounding: Optional[str] = None, tile: int = 128, rng=None,
-                        capacity_factor: Optional[float] = None,
+                        capacity_factor: Optional[float] = None, transport: str = "padded",
                         backend: backends.BackendSpec = "auto"):
   """The SonicMoE layer with experts sharded over `expert_axis` of `mesh`.
 
@@ -177,6 +242,8 @@ def moe_expert_parallel(x, router_w, w1, w2, *, mesh: jax.sharding.Mesh, k: int,
     capacity_factor: rows each device may send to one expert shard, as a multiple of its
       slots / ep. None (default) sends up to all of them: never drops, costs ep x the buffer.
       With a factor, pairs beyond capacity are dropped and counted in `dropped_pairs`.
+    transport: "padded" (jax.lax.all_to_all of [ep, capacity] buffers; runs everywhere) or
+      "ragged" (jax.lax.ragged_all_to_all: only real rows travel; GPU/TPU only).
   Returns:
     (out [T, d], RouterStats with global counts, dropped_pairs).
   """
@@ -198,10 +265,11 @@ def moe_expert_parallel(x, router_w, w1, w2, *, mesh: jax.sharding.Mesh, k: int,
   if x.shape[0] % shards:
     raise ValueError(f"x: T={x.shape[0]} tokens must be a multiple of the {shards} token shards "
                      f"(mesh axes {token_axes})")
+  validation.check_choice("transport", transport, tuple(TRANSPORTS))
   ops = backends.resolve(backend, dtype=x.dtype, d=x.shape[1], n=w2.shape[1])
   route_kw = dict(score_fn=score_fn, renormalize=renormalize, rounding=rounding, tile=tile)
   body = functools.partial(_ep_layer, ops=ops, k=k, expert_axis=expert_axis, token_axes=token_axes,
-                           capacity_factor=capacity_factor, route_kw=route_kw)
+                           capacity_factor=capacity_factor, transport=transport, route_kw=route_kw)
   tok = P(token_axes)
   rng_spec = None if rng is None else P()
   fn = jax.shard_map(
