@@ -25,7 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import config as cfg_lib
 from pallas_kernels.config import TileConfig
-from pallas_kernels.grouped_gemm import _zeros, swiglu_epilogue
+from pallas_kernels.grouped_gemm import _zeros, for_each_tile, swiglu_epilogue
 
 
 def up_proj_gathered(x, w1, token_index, tile_expert, cfg: TileConfig = cfg_lib.UP_PROJ):
@@ -46,63 +46,58 @@ def up_proj_gathered(x, w1, token_index, tile_expert, cfg: TileConfig = cfg_lib.
   epilogue = swiglu_epilogue(cfg, n)
 
   def body(tile_expert_ref, token_ref, x_ref, w1_ref, h_ref, a_ref):
-    @plgpu.nd_loop((num_m_tiles * num_cols,), collective_axes="sm")
-    def _work_item(info):
-      m, col = info.index[0] // num_cols, info.index[0] % num_cols
-      expert = tile_expert_ref[m]
+    def run_tile(m, col, expert):
+      def scope(tok_smem, a_stage, wg_smem, wu_smem, tok_bar, rows_bar, w_bar):
+        plgpu.copy_gmem_to_smem(token_ref.at[pl.ds(m * bm, bm)], tok_smem, tok_bar.at[0])
+        plgpu.barrier_wait(tok_bar.at[0])
 
-      @pl.when(expert < num_experts)
-      def _():
-        def scope(tok_smem, a_stage, wg_smem, wu_smem, tok_bar, rows_bar, w_bar):
-          plgpu.copy_gmem_to_smem(token_ref.at[pl.ds(m * bm, bm)], tok_smem, tok_bar.at[0])
-          plgpu.barrier_wait(tok_bar.at[0])
+        def issue(kk, slot):
+          for r in range(bm):
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tok_smem[r], 1), pl.ds(kk * bk, bk)],
+                                    a_stage.at[slot, pl.ds(r, 1)], rows_bar.at[slot])
+          w_e = w1_ref.at[expert, pl.ds(kk * bk, bk)]
+          plgpu.copy_gmem_to_smem(w_e.at[:, pl.ds(col * bn, bn)], wg_smem.at[slot], w_bar.at[slot])
+          plgpu.copy_gmem_to_smem(w_e.at[:, pl.ds(n + col * bn, bn)], wu_smem.at[slot], w_bar.at[slot])
 
-          def issue(kk, slot):
-            for r in range(bm):
-              plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tok_smem[r], 1), pl.ds(kk * bk, bk)],
-                                      a_stage.at[slot, pl.ds(r, 1)], rows_bar.at[slot])
-            w_e = w1_ref.at[expert, pl.ds(kk * bk, bk)]
-            plgpu.copy_gmem_to_smem(w_e.at[:, pl.ds(col * bn, bn)], wg_smem.at[slot], w_bar.at[slot])
-            plgpu.copy_gmem_to_smem(w_e.at[:, pl.ds(n + col * bn, bn)], wu_smem.at[slot], w_bar.at[slot])
+        for s in range(stages):
+          issue(s, s)
 
-          for s in range(stages):
-            issue(s, s)
+        def acc_scope(gate_acc, up_acc):
+          def step(kk, carry):
+            slot = lax.rem(kk, stages)
+            plgpu.barrier_wait(rows_bar.at[slot])
+            plgpu.barrier_wait(w_bar.at[slot])
+            a = a_stage.at[slot][...]
+            plgpu.wgmma(gate_acc, a, wg_smem.at[slot])
+            plgpu.wgmma(up_acc, a, wu_smem.at[slot])
+            plgpu.wgmma_wait(0)
 
-          def acc_scope(gate_acc, up_acc):
-            def step(kk, carry):
-              slot = lax.rem(kk, stages)
-              plgpu.barrier_wait(rows_bar.at[slot])
-              plgpu.barrier_wait(w_bar.at[slot])
-              a = a_stage.at[slot][...]
-              plgpu.wgmma(gate_acc, a, wg_smem.at[slot])
-              plgpu.wgmma(up_acc, a, wu_smem.at[slot])
-              plgpu.wgmma_wait(0)
+            @pl.when(kk + stages < num_k)
+            def _():
+              issue(kk + stages, slot)
+            return carry
 
-              @pl.when(kk + stages < num_k)
-              def _():
-                issue(kk + stages, slot)
-              return carry
+          lax.fori_loop(0, num_k, step, None)
+          return gate_acc[...], up_acc[...]
 
-            lax.fori_loop(0, num_k, step, None)
-            return gate_acc[...], up_acc[...]
+        accs = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32),
+                             plgpu.ACC((bm, bn), jnp.float32))
+        epilogue(m, col, accs, (), (h_ref, a_ref))
 
-          accs = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32),
-                               plgpu.ACC((bm, bn), jnp.float32))
-          epilogue(m, col, accs, (), (h_ref, a_ref))
+      pl.run_scoped(
+          scope,
+          plgpu.SMEM((bm,), jnp.int32),
+          plgpu.SMEM((stages, bm, bk), x.dtype),
+          plgpu.SMEM((stages, bk, bn), w1.dtype, transforms=w_transforms),
+          plgpu.SMEM((stages, bk, bn), w1.dtype, transforms=w_transforms),
+          plgpu.Barrier(num_barriers=1),
+          plgpu.Barrier(num_arrivals=bm, num_barriers=stages),
+          plgpu.Barrier(num_arrivals=2, num_barriers=stages))
 
-        pl.run_scoped(
-            scope,
-            plgpu.SMEM((bm,), jnp.int32),
-            plgpu.SMEM((stages, bm, bk), x.dtype),
-            plgpu.SMEM((stages, bk, bn), w1.dtype, transforms=w_transforms),
-            plgpu.SMEM((stages, bk, bn), w1.dtype, transforms=w_transforms),
-            plgpu.Barrier(num_barriers=1),
-            plgpu.Barrier(num_arrivals=bm, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+    def empty_tile(m, col):
+      epilogue(m, col, (_zeros(cfg), _zeros(cfg)), (), (h_ref, a_ref))
 
-      @pl.when(expert >= num_experts)
-      def _():
-        epilogue(m, col, (_zeros(cfg), _zeros(cfg)), (), (h_ref, a_ref))
+    for_each_tile(tile_expert_ref, num_m_tiles, num_cols, num_experts, run_tile, empty_tile)
 
   out_types = (jax.ShapeDtypeStruct((num_slots, 2 * n), x.dtype),
                jax.ShapeDtypeStruct((num_slots, n), x.dtype))

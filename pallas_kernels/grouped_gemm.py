@@ -82,6 +82,19 @@ def _store_tiles(tiles_and_dsts):
   pl.run_scoped(scope, *[plgpu.SMEM(t.shape, dst.dtype) for t, dst in tiles_and_dsts])
 
 
+def for_each_tile(tile_expert_ref, num_m_tiles: int, num_col_tiles: int, num_experts: int,
+                  run_tile, empty_tile):
+  """The persistent loop over (m tile, column tile) work items, row-major (consecutive items
+  share the lhs rows and the expert): run_tile(m, col, expert) where the tile belongs to an
+  expert, empty_tile(m, col) for tiles past the last group."""
+  @plgpu.nd_loop((num_m_tiles * num_col_tiles,), collective_axes="sm")
+  def _work_item(info):
+    m, col = info.index[0] // num_col_tiles, info.index[0] % num_col_tiles
+    expert = tile_expert_ref[m]
+    pl.when(expert < num_experts)(lambda: run_tile(m, col, expert))
+    pl.when(expert >= num_experts)(lambda: empty_tile(m, col))
+
+
 def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_blocks: Callable,
              num_col_tiles: int, transpose_rhs: bool, epilogue: Callable, out_types,
              cfg: TileConfig):
@@ -96,20 +109,14 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
   def body(tile_expert_ref, lhs_ref, rhs_ref, *refs):
     extra_refs, out_refs = refs[:num_extra], refs[num_extra:]
 
-    @plgpu.nd_loop((num_m_tiles * num_col_tiles,), collective_axes="sm")
-    def _work_item(info):
-      m, col = info.index[0] // num_col_tiles, info.index[0] % num_col_tiles
-      expert = tile_expert_ref[m]
+    def run_tile(m, col, expert):
+      accs = _mainloop(lhs_ref, rhs_ref.at[expert], m, col_blocks(col), k_dim, cfg, transpose_rhs)
+      epilogue(m, col, accs, extra_refs, out_refs)
 
-      @pl.when(expert < num_experts)
-      def _():
-        accs = _mainloop(lhs_ref, rhs_ref.at[expert], m, col_blocks(col), k_dim, cfg,
-                         transpose_rhs)
-        epilogue(m, col, accs, extra_refs, out_refs)
+    def empty_tile(m, col):  # past the last group: no GEMM, zeros through the same epilogue
+      epilogue(m, col, tuple(_zeros(cfg) for _ in col_blocks(col)), extra_refs, out_refs)
 
-      @pl.when(expert >= num_experts)
-      def _():  # past the last group: no GEMM, zeros through the same epilogue
-        epilogue(m, col, tuple(_zeros(cfg) for _ in col_blocks(col)), extra_refs, out_refs)
+    for_each_tile(tile_expert_ref, num_m_tiles, num_col_tiles, num_experts, run_tile, empty_tile)
 
   kernel = plgpu.kernel(body, out_type=out_types, grid=(cfg_lib.num_sms(),), grid_names=("sm",),
                         compiler_params=cfg_lib.compiler_params(),
