@@ -26,8 +26,7 @@ def expert_mlp(ops: backends.Ops, x, scores, w1, w2, plan: RoutingPlan):
 
   `plan`'s own `scores` field is ignored: the differentiable scores come in `scores`.
   """
-  h, a = ops.up_proj(x, w1, plan)
-  return ops.aggregate(ops.down_proj(a, w2, plan), scores, plan)
+  return _expert_mlp_fwd(ops, x, scores, w1, w2, plan)[0]
 
 
 def _expert_mlp_fwd(ops, x, scores, w1, w2, plan):

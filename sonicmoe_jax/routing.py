@@ -202,6 +202,13 @@ def _round_up(x, m):
   return (x + m - 1) // m * m
 
 
+def _token_csr(token_index, num_tokens: int):
+  """(slots ordered by token with padding slots (token T) last, offsets [T+1] into them)."""
+  token_slots = jnp.argsort(token_index, stable=True).astype(jnp.int32)
+  per_token = jnp.zeros((num_tokens + 1,), jnp.int32).at[token_index].add(1)[:num_tokens]
+  return token_slots, _exclusive_cumsum(per_token)
+
+
 def _aligned_offsets(counts, align: int):
   return _exclusive_cumsum(_round_up(counts, align) if align > 1 else counts)
 
@@ -236,9 +243,7 @@ def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: 
     token_slots = jnp.zeros_like(order).at[order].set(slot).astype(jnp.int32)
     token_offsets = jnp.arange(num_tokens + 1, dtype=jnp.int32) * j
   else:
-    token_slots = jnp.argsort(token_index, stable=True).astype(jnp.int32)
-    per_token = jnp.zeros((num_tokens + 1,), jnp.int32).at[token_index].add(1)[:num_tokens]
-    token_offsets = _exclusive_cumsum(per_token)
+    token_slots, token_offsets = _token_csr(token_index, num_tokens)
   return RoutingPlan(
       token_index=token_index,
       expert_index=put(num_experts, sorted_expert, jnp.int32),
@@ -269,12 +274,11 @@ def _rounded_plan(scores, topk_experts, targets, k: int, tile: int, align: int) 
   expert_index = jnp.where(valid, expert, num_experts)
   slot_scores = jnp.where(valid, scores[jnp.minimum(token, num_tokens - 1), expert_c], 0.0)
 
-  token_slots = jnp.argsort(token_index, stable=True).astype(jnp.int32)
-  per_token = jnp.zeros((num_tokens + 1,), jnp.int32).at[token_index].add(1)[:num_tokens]
+  token_slots, token_offsets = _token_csr(token_index, num_tokens)
   return RoutingPlan(
       token_index=token_index, expert_index=expert_index, scores=slot_scores, valid=valid,
       group_sizes=targets, group_offsets=offsets, token_slots=token_slots,
-      token_offsets=_exclusive_cumsum(per_token),
+      token_offsets=token_offsets,
       num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=False, align=align)
 
 
