@@ -110,7 +110,7 @@ def measure(fn, args, dout, iters, reps):
 
 
 def impl_fn(impl, K, rounding, tile):
-  if impl in ("xla", "pallas", "pallas_gather", "cute") or "+" in impl:
+  if impl in ("xla", "pallas", "cute") or "+" in impl:
     backend = impl if "+" not in impl else dict(p.split("=") for p in impl.split("+"))
     return ours(backend, K, rounding, tile)
   if impl == "lax_ragged_dot":

@@ -35,7 +35,6 @@ OP_NAMES = ("up_proj", "down_proj", "aggregate", "dh", "dx_tilde", "dw1", "dw2")
 BACKEND_MODULES = {
     "xla": "sonicmoe_jax.xla_ops",
     "pallas": "pallas_kernels.ops",
-    "pallas_gather": "pallas_kernels.ops_gather",  # experimental: gather fused into up_proj
     "cute": "ffi.ops",
 }
 

@@ -178,7 +178,11 @@ def _ep_bwd(ops, data_axes, res, dout):
     dw1, dw2 = (jax.lax.psum(g.astype(jnp.float32), data_axes) for g in (dw1, dw2))
   dw1, dw2 = dw1.astype(w1.dtype), dw2.astype(w2.dtype)
   none = lambda tree: jax.tree_util.tree_map(lambda _: None, tree)
-  return dx, dscores.astype(jnp.float32), dw1, dw2, none(plan), none(transport), none(recv_plan)
+  grads = (dx, dscores.astype(jnp.float32), dw1, dw2)
+  # a Pallas kernel's outputs carry no varying-axes type under shard_map: restore the primals'
+  # (scores vary over the same token axes as x)
+  grads = tuple(_vary_like(g, p) for g, p in zip(grads, (x, x, w1, w2)))
+  return (*grads, none(plan), none(transport), none(recv_plan))
 
 
 _ep_experts.defvjp(_ep_fwd, _ep_bwd)
@@ -189,6 +193,13 @@ def _varying(x, axes):
   if hasattr(jax.lax, "pcast"):
     return jax.lax.pcast(x, tuple(axes), to="varying")
   return jax.lax.pvary(x, tuple(axes))
+
+
+def _vary_like(g, primal):
+  """g, marked varying over every mesh axis the primal varies over."""
+  want = getattr(jax.typeof(primal), "vma", frozenset())
+  missing = tuple(sorted(want - getattr(jax.typeof(g), "vma", frozenset())))
+  return _varying(g, missing) if missing else g
 
 
 def _ep_layer(x, router_w, w1, w2, rng, *, ops, k, expert_axis, token_axes, capacity_factor,

@@ -119,29 +119,3 @@ def test_weight_grad_long_pipelines(rows_per_expert):
   ref = jnp.einsum("erm,ern->emn", lhs.reshape(E, -1, m).astype(jnp.float32),
                    rhs.reshape(E, -1, n).astype(jnp.float32))
   assert rel_err(out, ref) < 1e-5
-
-
-def test_gather_fused_up_proj_lowers_for_cuda():
-  """The experimental gather-fused up-projection (backend "pallas_gather") lowers for CUDA;
-  interpret mode cannot run it, which the op says clearly."""
-  T, d, n, E, K = 256, 256, 128, 8, 2
-  args = make_inputs(0, T, d, n, E, jnp.bfloat16)
-  fwd = lambda *a: sm.moe(*a, k=K, backend="pallas_gather").out
-  with config.lowering_for_gpu():
-    exported = jax.export.export(jax.jit(fwd), platforms=("cuda",))(
-        *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args])
-  assert exported.mlir_module().count("mosaic_gpu") >= 2
-  with pytest.raises(NotImplementedError, match="runs only on the GPU"):
-    fwd(*args)
-
-
-@pytest.mark.gpu
-def test_gather_fused_up_proj_on_gpu_matches_pallas():
-  T, d, n, E, K = 4096, 1024, 256, 32, 4
-  args = make_inputs(3, T, d, n, E, jnp.bfloat16, dead_experts=2)
-  cot = jax.random.normal(jax.random.key(4), (T, d))
-  out_g, g_g = _grads("pallas_gather", args, cot, k=K)
-  out_p, g_p = _grads("pallas", args, cot, k=K)
-  assert rel_err(out_g, out_p) < 1e-3
-  for a, b in zip(g_g, g_p):
-    assert rel_err(a, b) < 1e-3
