@@ -5,24 +5,30 @@ Rows of `lhs` are the plan's slots; every M tile of `block_m` rows belongs to on
 stores full tiles (padding rows are zero in, zero out). Tiles past the last group run no GEMM
 and store zeros through the same epilogue.
 
-Tiling (one work item = one output tile):
+Tiling (one work item = one block_m x block_n output tile):
   grid      : (num_m_tiles * num_col_tiles,) work items, row-major (consecutive items share
               the lhs rows and the expert), visited by a persistent loop over the SMs
-  mainloop  : for kk in range(K // block_k): acc_j += lhs[m, kk] @ rhs_e[kk, col_j]
-              lhs and rhs blocks arrive by TMA through a `stages`-deep pipeline; one
-              accumulator per rhs column block (the up-projection uses two: gate and up)
-  epilogue  : a small function of (m, col tile, accumulators) that writes the outputs
+  warps     : warp-specialized: one memory warpgroup issues the TMA loads of lhs[m, kk] and
+              rhs_e[kk, col] through a `stages`-deep pipeline; NUM_CONSUMERS compute
+              warpgroups each own block_m / NUM_CONSUMERS rows of the tile:
+                acc_j[rows of wg] += lhs[rows of wg, kk] @ rhs_e[kk, col_j]
+              (one accumulator per rhs column block; the up-projection uses two: gate and up)
+  epilogue  : per compute warpgroup on its rows: `prefetch` (loads the epilogue needs, issued
+              before the mainloop so they overlap it) and `finish` (math and TMA stores; the
+              stores drain while the next tile's mainloop runs)
 
 Epilogues: `store` (Y = A W2, dX~ = dH W1^T), `swiglu` (H and A = silu(gate) * up) and
 `dswiglu` (the dH kernel: dS partials, dH, A' from dA', H and the scores).
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
+import math
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -30,34 +36,9 @@ from pallas_kernels import config as cfg_lib
 from pallas_kernels.config import TileConfig
 
 _F32 = jnp.float32
-
-
-def _mainloop(lhs_ref, rhs_ref, m, col_blocks: Sequence, k_dim: int, cfg: TileConfig,
-              transpose_rhs: bool):
-  """Accumulators [block_m, block_n] fp32, one per entry of col_blocks."""
-  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-
-  def rhs_spec(col):
-    if transpose_rhs:  # rhs_e is [N, K]: read a (block_n, block_k) block, transpose in wgmma
-      return plgpu.BlockSpec((bn, bk), lambda kk: (col, kk), delay_release=1)
-    return plgpu.BlockSpec((bk, bn), lambda kk: (kk, col), delay_release=1)
-
-  def scope(*acc_refs):
-    def step(_, lhs_smem, *rhs_smems):
-      for acc_ref, rhs_smem in zip(acc_refs, rhs_smems):
-        b = plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem
-        plgpu.wgmma(acc_ref, lhs_smem, b)
-
-    plgpu.emit_pipeline(
-        step,
-        grid=(k_dim // bk,),
-        in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (m, kk), delay_release=1),
-                  *[rhs_spec(c) for c in col_blocks]],
-        max_concurrent_steps=cfg.stages,
-    )(lhs_ref, *([rhs_ref] * len(col_blocks)))
-    return tuple(acc_ref[...] for acc_ref in acc_refs)
-
-  return pl.run_scoped(scope, *[plgpu.ACC((bm, bn), _F32) for _ in col_blocks])
+NUM_CONSUMERS = 2           # compute warpgroups per CTA, splitting the tile's rows
+MEMORY_REGISTERS = 40       # registers per thread of the memory (TMA-issuing) warpgroup
+SMEM_BYTES = 227 * 1024     # usable shared memory per CTA on Hopper
 
 
 def _annotate(x, layout):
@@ -82,6 +63,18 @@ def _store_tiles(tiles_and_dsts):
   pl.run_scoped(scope, *[plgpu.SMEM(t.shape, dst.dtype) for t, dst in tiles_and_dsts])
 
 
+def _store_async(bufs, tiles_and_dsts):
+  """TMA-store register tiles through dedicated SMEM buffers without waiting for the copies:
+  they drain during the next tile's mainloop. First waits until the previous tile's stores
+  have read these buffers."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  for buf, (tile, _) in zip(bufs, tiles_and_dsts):
+    buf[...] = tile.astype(buf.dtype)
+  plgpu.commit_smem()
+  for buf, (_, dst) in zip(bufs, tiles_and_dsts):
+    plgpu.copy_smem_to_gmem(buf, dst)
+
+
 def for_each_tile(tile_expert_ref, num_m_tiles: int, num_col_tiles: int, num_experts: int,
                   run_tile, empty_tile):
   """The persistent loop over (m tile, column tile) work items, row-major (consecutive items
@@ -95,30 +88,130 @@ def for_each_tile(tile_expert_ref, num_m_tiles: int, num_col_tiles: int, num_exp
     pl.when(expert >= num_experts)(lambda: empty_tile(m, col))
 
 
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+  """What a compute warpgroup does with its rows of a finished tile.
+
+  scratch: SMEM (shape, dtype) buffers the epilogue uses, one set per compute warpgroup;
+  num_barriers: barriers per warpgroup for its prefetches (passed as barriers(i));
+  prefetch(rows, col, extra_refs, scratch, barriers): issued before the tile's mainloop;
+  finish(rows, col, accs, extra_refs, out_refs, scratch, barriers): after it."""
+  scratch: tuple
+  finish: Callable
+  prefetch: Callable | None = None
+  num_barriers: int = 0
+
+
+def _smem_bytes(cfg: TileConfig, num_rhs: int, rhs_block: tuple, dtype, epilogue: Epilogue):
+  itemsize = jnp.dtype(dtype).itemsize
+  stage = cfg.block_m * cfg.block_k * itemsize + num_rhs * rhs_block[0] * rhs_block[1] * itemsize
+  scratch = sum(math.prod(shape) * jnp.dtype(dt).itemsize
+                for shape, dt in epilogue.scratch)
+  return cfg.stages * stage + NUM_CONSUMERS * scratch
+
+
 def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_blocks: Callable,
-             num_col_tiles: int, transpose_rhs: bool, epilogue: Callable, out_types,
+             num_col_tiles: int, transpose_rhs: bool, epilogue: Epilogue, out_types,
              cfg: TileConfig):
-  """Runs the persistent grouped GEMM; `epilogue(m, col, accs, extra_refs, out_refs)`."""
+  """Runs the persistent warp-specialized grouped GEMM (see the module docstring)."""
   num_slots, k_dim = lhs.shape
   num_experts = rhs.shape[0]
-  num_m_tiles = num_slots // cfg.block_m
-  if k_dim % cfg.block_k:
-    raise ValueError(f"contraction dim {k_dim} must be a multiple of block_k={cfg.block_k}")
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  wg_rows = bm // NUM_CONSUMERS
+  num_m_tiles, num_k = num_slots // bm, k_dim // bk
+  if k_dim % bk:
+    raise ValueError(f"contraction dim {k_dim} must be a multiple of block_k={bk}")
+  num_rhs = len(col_blocks(0))
+  rhs_block = (bn, bk) if transpose_rhs else (bk, bn)
+  smem = _smem_bytes(cfg, num_rhs, rhs_block, lhs.dtype, epilogue)
+  if smem > SMEM_BYTES:
+    raise ValueError(f"tile config {cfg} needs {smem} bytes of shared memory (limit {SMEM_BYTES})")
   num_extra = len(extra_inputs)
+
+  def mma(_, lhs_smem, *rhs_smems_and_accs):
+    *rhs_smems, accs = rhs_smems_and_accs
+    wg = lax.axis_index("wg")
+    a = lhs_smem.at[pl.ds(wg * wg_rows, wg_rows)]
+    for acc, rhs_smem in zip(accs, rhs_smems):
+      plgpu.wgmma(acc, a, plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem)
+    # Wait for this step's MMAs before the pipeline releases its buffers: with one warpgroup's
+    # MMA in flight the other's runs, and a delayed release would leave the last step's
+    # buffers unguarded when the next tile's pipeline starts refilling them.
+    plgpu.wgmma_wait(0)
+    return accs
+
+  def make_pipeline(body, compute_context):
+    spec = plgpu.BlockSpec
+    rhs_index = (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0))
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(num_k,), memory_registers=MEMORY_REGISTERS,
+        in_specs=[spec((bm, bk), lambda kk: (0, kk)), *[spec(rhs_block, rhs_index)] * num_rhs],
+        wg_axis="wg", num_compute_wgs=NUM_CONSUMERS, max_concurrent_steps=cfg.stages,
+        compute_context=compute_context)
+
+  def rhs_views(rhs_e, col):
+    cols = lambda c: pl.ds(c * bn, bn)
+    return [rhs_e.at[cols(c)] if transpose_rhs else rhs_e.at[:, cols(c)] for c in col_blocks(col)]
 
   def body(tile_expert_ref, lhs_ref, rhs_ref, *refs):
     extra_refs, out_refs = refs[:num_extra], refs[num_extra:]
+    ignore = lambda *_, **__: None
+    allocs = make_pipeline(ignore, ignore).get_allocations(
+        lhs_ref.at[pl.ds(0, bm)], *rhs_views(rhs_ref.at[0], 0))
 
-    def run_tile(m, col, expert):
-      accs = _mainloop(lhs_ref, rhs_ref.at[expert], m, col_blocks(col), k_dim, cfg, transpose_rhs)
-      epilogue(m, col, accs, extra_refs, out_refs)
+    def scope(pipeline_allocs, barriers, *scratch):
+      wg = lax.axis_index("wg")
+      is_compute = wg < NUM_CONSUMERS
 
-    def empty_tile(m, col):  # past the last group: no GEMM, zeros through the same epilogue
-      epilogue(m, col, tuple(_zeros(cfg) for _ in col_blocks(col)), extra_refs, out_refs)
+      def my_scratch():
+        return [buf.at[wg] for buf in scratch]
 
-    for_each_tile(tile_expert_ref, num_m_tiles, num_col_tiles, num_experts, run_tile, empty_tile)
+      def my_barriers():
+        return lambda i: barriers.at[wg * epilogue.num_barriers + i]
+
+      def wg_rows_of(m):
+        return pl.ds(m * bm + wg * wg_rows, wg_rows)
+
+      def prefetch(m, col):
+        if epilogue.prefetch is not None:
+          epilogue.prefetch(wg_rows_of(m), col, extra_refs, my_scratch(), my_barriers())
+
+      def run_tile(m, col, expert):
+        def compute_context(eval_pipeline):
+          prefetch(m, col)
+
+          def acc_scope(*acc_refs):
+            eval_pipeline(acc_refs)
+            return tuple(acc[...] for acc in acc_refs)
+          accs = pl.run_scoped(acc_scope, *[plgpu.ACC((wg_rows, bn), _F32)] * num_rhs)
+          epilogue.finish(wg_rows_of(m), col, accs, extra_refs, out_refs, my_scratch(),
+                          my_barriers())
+
+        make_pipeline(mma, compute_context)(
+            lhs_ref.at[pl.ds(m * bm, bm)], *rhs_views(rhs_ref.at[expert], col),
+            allocations=pipeline_allocs)
+
+      def empty_tile(m, col):  # past the last group: no GEMM, zeros through the same epilogue
+        @pl.when(is_compute)
+        def _():
+          prefetch(m, col)
+          zeros = tuple(jnp.zeros((wg_rows, bn), _F32) for _ in range(num_rhs))
+          epilogue.finish(wg_rows_of(m), col, zeros, extra_refs, out_refs, my_scratch(),
+                          my_barriers())
+
+      for_each_tile(tile_expert_ref, num_m_tiles, num_col_tiles, num_experts, run_tile, empty_tile)
+
+      @pl.when(is_compute)
+      def _():
+        plgpu.wait_smem_to_gmem(0)
+
+    num_bars = max(1, NUM_CONSUMERS * epilogue.num_barriers)
+    pl.run_scoped(scope, allocs, plgpu.Barrier(num_barriers=num_bars),
+                  *[plgpu.SMEM((NUM_CONSUMERS, *shape), dt) for shape, dt in epilogue.scratch],
+                  collective_axes="wg")
 
   kernel = plgpu.kernel(body, out_type=out_types, grid=(cfg_lib.num_sms(),), grid_names=("sm",),
+                        num_threads=NUM_CONSUMERS + 1, thread_name="wg",
                         compiler_params=cfg_lib.compiler_params(),
                         interpret=cfg_lib.interpret_mode())
   return kernel(tile_expert, lhs, rhs, *extra_inputs)
@@ -126,14 +219,15 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
 
 # ----------------------------------------------------------------------------- epilogues
 
-def store_epilogue(cfg: TileConfig):
-  """out[m tile, col tile] = acc."""
-  bm, bn = cfg.block_m, cfg.block_n
+def store_epilogue(cfg: TileConfig, out_dtype):
+  """out[rows, col tile] = acc."""
+  bn = cfg.block_n
+  rows_per_wg = cfg.block_m // NUM_CONSUMERS
 
-  def epilogue(m, col, accs, _extra, outs):
+  def finish(rows, col, accs, _extra, outs, scratch, _bars):
     (acc,), (out_ref,) = accs, outs
-    _store_tiles([(acc, out_ref.at[pl.ds(m * bm, bm), pl.ds(col * bn, bn)])])
-  return epilogue
+    _store_async(scratch, [(acc, out_ref.at[rows, pl.ds(col * bn, bn)])])
+  return Epilogue(scratch=(((rows_per_wg, bn), out_dtype),), finish=finish)
 
 
 def _silu_parts(gate):
@@ -141,59 +235,61 @@ def _silu_parts(gate):
   return sig, gate * sig
 
 
-def swiglu_epilogue(cfg: TileConfig, n: int):
+def swiglu_epilogue(cfg: TileConfig, n: int, out_dtype):
   """H[:, gate cols] = g, H[:, n + cols] = u, A[:, cols] = silu(g) * u."""
-  bm, bn = cfg.block_m, cfg.block_n
+  bn = cfg.block_n
+  tile = ((cfg.block_m // NUM_CONSUMERS, bn), out_dtype)
 
-  def epilogue(m, col, accs, _extra, outs):
+  def finish(rows, col, accs, _extra, outs, scratch, _bars):
     gate, up = accs
     h_ref, a_ref = outs
     _, silu = _silu_parts(gate)
-    rows = pl.ds(m * bm, bm)
-    _store_tiles([(gate, h_ref.at[rows, pl.ds(col * bn, bn)]),
-                  (up, h_ref.at[rows, pl.ds(n + col * bn, bn)]),
-                  (silu * up, a_ref.at[rows, pl.ds(col * bn, bn)])])
-  return epilogue
+    _store_async(scratch, [(gate, h_ref.at[rows, pl.ds(col * bn, bn)]),
+                           (up, h_ref.at[rows, pl.ds(n + col * bn, bn)]),
+                           (silu * up, a_ref.at[rows, pl.ds(col * bn, bn)])])
+  return Epilogue(scratch=(tile, tile, tile), finish=finish)
 
 
-def dswiglu_epilogue(cfg: TileConfig, n: int):
+def dswiglu_epilogue(cfg: TileConfig, n: int, out_dtype):
   """From dA' (the accumulator), H and the scores s of the tile's rows:
   dS partial = sum over the tile's columns of dA' * A (A recomputed from H),
-  dH = dSwiGLU(s dA', H) into both halves, A' = s A."""
-  bm, bn = cfg.block_m, cfg.block_n
+  dH = dSwiGLU(s dA', H) into both halves, A' = s A. H and s are prefetched during the
+  mainloop."""
+  bn = cfg.block_n
+  rows_per_wg = cfg.block_m // NUM_CONSUMERS
+  tile = ((rows_per_wg, bn), out_dtype)
+  column = ((rows_per_wg,), _F32)
 
-  def epilogue(m, col, accs, extra, outs):
-    (da_prime,) = accs
+  def prefetch(rows, col, extra, scratch, bars):
     h_ref, scores_ref = extra
+    gate_smem, up_smem, s_smem = scratch[:3]
+    plgpu.copy_gmem_to_smem(h_ref.at[rows, pl.ds(col * bn, bn)], gate_smem, bars(0))
+    plgpu.copy_gmem_to_smem(h_ref.at[rows, pl.ds(n + col * bn, bn)], up_smem, bars(1))
+    plgpu.copy_gmem_to_smem(scores_ref.at[rows], s_smem, bars(2))
+
+  def finish(rows, col, accs, _extra, outs, scratch, bars):
+    (da_prime,) = accs
     dh_ref, a_scaled_ref, ds_ref = outs
-    rows = pl.ds(m * bm, bm)
-    gate_cols, up_cols = pl.ds(col * bn, bn), pl.ds(n + col * bn, bn)
-
-    def load_scope(gate_smem, up_smem, s_smem, barriers):
-      plgpu.copy_gmem_to_smem(h_ref.at[rows, gate_cols], gate_smem, barriers.at[0])
-      plgpu.copy_gmem_to_smem(h_ref.at[rows, up_cols], up_smem, barriers.at[1])
-      plgpu.copy_gmem_to_smem(scores_ref.at[rows], s_smem, barriers.at[2])
-      for i in range(3):
-        plgpu.barrier_wait(barriers.at[i])
-      wgmma = plgpu.Layout.WGMMA
-      return (_annotate(gate_smem[...], wgmma).astype(_F32),
-              _annotate(up_smem[...], wgmma).astype(_F32),
-              _annotate(s_smem[...], wgmma.reduce(1)))
-
-    gate, up, s = pl.run_scoped(
-        load_scope, plgpu.SMEM((bm, bn), h_ref.dtype), plgpu.SMEM((bm, bn), h_ref.dtype),
-        plgpu.SMEM((bm,), _F32), plgpu.Barrier(num_barriers=3))
+    gate_smem, up_smem, s_smem, *out_bufs = scratch
+    for i in range(3):
+      plgpu.barrier_wait(bars(i))
+    wgmma = plgpu.Layout.WGMMA
+    gate = _annotate(gate_smem[...], wgmma).astype(_F32)
+    up = _annotate(up_smem[...], wgmma).astype(_F32)
+    s = _annotate(s_smem[...], wgmma.reduce(1))
     sig, silu = _silu_parts(gate)
     a = silu * up
-    s_tile = jax.lax.broadcast_in_dim(s, (bm, bn), [0])
+    s_tile = jax.lax.broadcast_in_dim(s, da_prime.shape, [0])
     ds = jnp.sum(da_prime * a, axis=1)
     da = s_tile * da_prime
     dgate = da * up * sig * (1.0 + gate * (1.0 - sig))
     dup = da * silu
-    _store_tiles([(dgate, dh_ref.at[rows, gate_cols]), (dup, dh_ref.at[rows, up_cols]),
-                  (s_tile * a, a_scaled_ref.at[rows, gate_cols]),
-                  (ds, ds_ref.at[col, rows])])
-  return epilogue
+    gate_cols, up_cols = pl.ds(col * bn, bn), pl.ds(n + col * bn, bn)
+    _store_async(out_bufs, [(dgate, dh_ref.at[rows, gate_cols]), (dup, dh_ref.at[rows, up_cols]),
+                            (s_tile * a, a_scaled_ref.at[rows, gate_cols]),
+                            (ds, ds_ref.at[col, rows])])
+  return Epilogue(scratch=(tile, tile, column, tile, tile, tile, column), prefetch=prefetch,
+                  finish=finish, num_barriers=3)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -207,7 +303,7 @@ def up_proj(xg, w1, tile_expert, cfg: TileConfig = cfg_lib.UP_PROJ):
                jax.ShapeDtypeStruct((num_slots, n), xg.dtype))
   return varlen_m(xg, w1, tile_expert, (), col_blocks=lambda c: (c, num_cols + c),
                   num_col_tiles=num_cols, transpose_rhs=False,
-                  epilogue=swiglu_epilogue(cfg, n), out_types=out_types, cfg=cfg)
+                  epilogue=swiglu_epilogue(cfg, n, xg.dtype), out_types=out_types, cfg=cfg)
 
 
 def _transposed_in_xla(rhs, transpose_rhs: bool):
@@ -224,7 +320,7 @@ def matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool, cfg: TileConfig = cfg_
   out_type = jax.ShapeDtypeStruct((lhs.shape[0], n_out), lhs.dtype)
   return varlen_m(lhs, rhs, tile_expert, (), col_blocks=lambda c: (c,),
                   num_col_tiles=n_out // cfg.block_n, transpose_rhs=transpose_rhs,
-                  epilogue=store_epilogue(cfg), out_types=out_type, cfg=cfg)
+                  epilogue=store_epilogue(cfg, lhs.dtype), out_types=out_type, cfg=cfg)
 
 
 def dh(dout_g, w2, h, scores, tile_expert, cfg: TileConfig = cfg_lib.DH):
@@ -239,4 +335,4 @@ def dh(dout_g, w2, h, scores, tile_expert, cfg: TileConfig = cfg_lib.DH):
   w2, transpose = _transposed_in_xla(w2, True)
   return varlen_m(dout_g, w2, tile_expert, (h, scores.astype(_F32)), col_blocks=lambda c: (c,),
                   num_col_tiles=num_cols, transpose_rhs=transpose,
-                  epilogue=dswiglu_epilogue(cfg, n), out_types=out_types, cfg=cfg)
+                  epilogue=dswiglu_epilogue(cfg, n, h.dtype), out_types=out_types, cfg=cfg)
