@@ -195,10 +195,16 @@ def _varying(x, axes):
   return jax.lax.pvary(x, tuple(axes))
 
 
+def _varying_axes(x) -> frozenset:
+  """The mesh axes a value inside shard_map varies over (its type's manual axis type)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)
+  return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
 def _vary_like(g, primal):
   """g, marked varying over every mesh axis the primal varies over."""
-  want = getattr(jax.typeof(primal), "vma", frozenset())
-  missing = tuple(sorted(want - getattr(jax.typeof(g), "vma", frozenset())))
+  missing = tuple(sorted(_varying_axes(primal) - _varying_axes(g)))
   return _varying(g, missing) if missing else g
 
 
