@@ -154,17 +154,23 @@ def run_case(impl, name, cfg, args_ns, meta):
   return rec
 
 
-def run_torch(names, cfgs, meta):
-  """PyPI sonic-moe in a subprocess (PyTorch and JAX share one GPU badly in one process)."""
+def run_torch(names, cfgs, meta, timeout_s):
+  """PyPI sonic-moe in a subprocess (PyTorch and JAX share one GPU badly in one process).
+  Configs it did not reach within timeout_s are rows with that status."""
   script = os.path.join(os.path.dirname(__file__), "torch_sonicmoe.py")
+  status = None
   try:
     out = subprocess.run([sys.executable, script, json.dumps(dict(zip(names, cfgs)))],
-                         capture_output=True, text=True, timeout=3000)
-    recs = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
-    if not recs:
-      raise RuntimeError((out.stderr or out.stdout).strip().splitlines()[-1][:300])
-  except Exception as e:
-    recs = [dict(impl="torch_sonicmoe", config=nm, status=f"{type(e).__name__}: {e}") for nm in names]
+                         capture_output=True, text=True, timeout=timeout_s)
+    stdout = out.stdout
+    if not any(l.startswith("{") for l in stdout.splitlines()):
+      status = "error: " + ((out.stderr or out.stdout).strip().splitlines() or ["no output"])[-1][:300]
+  except subprocess.TimeoutExpired as e:
+    stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    status = f"timeout: not reached within {timeout_s} s (first runs compile CuTe kernels)"
+  done = {r["config"]: r for r in (json.loads(l) for l in stdout.splitlines() if l.startswith("{"))}
+  recs = [done.get(nm, dict(impl="torch_sonicmoe", config=nm, status=status or "missing"))
+          for nm in names]
   for r, (nm, cfg) in zip(recs, zip(names, cfgs)):
     T, d, n, E, K = cfg
     r.update(meta, config=nm, T=T, d=d, n=n, E=E, K=K)
@@ -238,6 +244,11 @@ def chart(records, path):
   plt.close(fig)
 
 
+def save(records, out):
+  with open(out + ".json", "w") as f:
+    json.dump(records, f, indent=1)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--configs", default=",".join(C.ANCHORS))
@@ -249,6 +260,7 @@ def main(argv=None):
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--tiny", action="store_true", help="one tiny config (CPU smoke run)")
   p.add_argument("--out", default="benchmarks/results/latest")
+  p.add_argument("--torch-timeout", type=int, default=3000, help="seconds for the torch subprocess")
   a = p.parse_args(argv)
 
   cases = dict(C.TINY) if a.tiny else {c: C.ANCHORS[c] for c in a.configs.split(",") if c}
@@ -267,11 +279,11 @@ def main(argv=None):
       records.append(rec)
       print(f"[{len(records)}] {name} {impl}: fwd {fmt(rec['fwd_ms'], '.3f')} ms, fwd+bwd "
             f"{fmt(rec['fwd_bwd_ms'], '.3f')} ms, {rec['status'][:80]}", flush=True)
-  if "torch_sonicmoe" in impls:
-    records += run_torch(list(cases), list(cases.values()), meta)
   os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-  with open(a.out + ".json", "w") as f:
-    json.dump(records, f, indent=1)
+  save(records, a.out)  # the JAX rows are kept even if the torch subprocess is cut short
+  if "torch_sonicmoe" in impls:
+    records += run_torch(list(cases), list(cases.values()), meta, a.torch_timeout)
+    save(records, a.out)
   chart(records, a.out + ".png")
   print(table(records))
   return records

@@ -1,22 +1,34 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU work for the next session (see benchmarks/NOTES.md), writing
-# logs and JSON under $OUT. Usage on the device machine, from the repo root:
-#   bash benchmarks/gpu_session.sh [quick|full]
-# quick (~6 min): GPU-only tests (pallas, sharding mesh-of-one, cute if carried), and the per-op
-#                 breakdown of the pallas backend at 30B-n256 and 7B-n256.
-# full: also the side-by-side bench of every available impl at the five anchor configs.
+# GPU work for one device call, writing logs and JSON under $OUT (see benchmarks/NOTES.md).
+# Usage on the device machine, from the repo root:  bash benchmarks/gpu_session.sh MODE...
+#   check : GPU-only tests (pallas, sharding mesh-of-one, cute if carried) and the per-op
+#           breakdown of the pallas backend at 30B-n256 and 7B-n256          (~4 min)
+#   sweep : tile sweep of the varlen-M kernels at 30B-n256 and 7B-n256        (~3 min)
+#   bench : side by side at the five anchors: pallas, tokamax, dense, and the PyTorch SonicMoE
+#           when its wheels are staged (source /tmp/devsite-upstream/env.sh first)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-mode=${1:-quick}
-nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
-  tests/test_pallas.py tests/test_sharding.py tests/test_cute.py 2>&1 | tail -30 | tee "$OUT/pytest_gpu.log"
-for backend in pallas; do
-  timeout 200 python3 -m benchmarks.kernels --backend "$backend" --configs 30B-n256,7B-n256 \
-    --out "$OUT/kernels_$backend.json" 2>&1 | grep -v '^{' | tee "$OUT/kernels_$backend.log"
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())"; } | tee "$OUT/gpu.txt"
+for mode in "$@"; do
+  case "$mode" in
+    check)
+      XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/test_pallas.py tests/test_sharding.py tests/test_cute.py > "$OUT/pytest_gpu.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu.log" | tail -12
+      timeout 200 python3 -m benchmarks.kernels --backend pallas --configs 30B-n256,7B-n256 \
+        --out "$OUT/kernels_pallas.json" 2>&1 | grep -v '^{' | tail -22 ;;
+    sweep)
+      timeout 150 python3 -m benchmarks.tile_sweep --configs 30B-n256,7B-n256 --kernels up_proj,dh \
+        --block-n 64 --stages 2,3,4 --out "$OUT/sweep_up_dh.json" 2>&1 | grep -v '^{' | tail -13
+      timeout 200 python3 -m benchmarks.tile_sweep --configs 30B-n256,7B-n256 --kernels down_proj,dx_tilde \
+        --block-n 128,256 --stages 2,3,4 --out "$OUT/sweep_matmul.json" 2>&1 | grep -v '^{' | tail -25 ;;
+    bench)
+      impls=pallas,tokamax,dense
+      python3 -c "import sonicmoe" 2>/dev/null && impls=$impls,torch_sonicmoe
+      timeout 580 python3 -m benchmarks.bench --impls "$impls" --iters 5 --reps 3 --torch-timeout 300 \
+        --out "$OUT/bench" 2>&1 | tail -30 ;;
+    *) echo "unknown mode $mode" >&2; exit 2 ;;
+  esac
 done
-if [ "$mode" = full ]; then
-  timeout 420 python3 -m benchmarks.bench --iters 5 --reps 3 --out "$OUT/bench" 2>&1 | tail -25 | tee "$OUT/bench.log"
-fi

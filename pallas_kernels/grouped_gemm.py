@@ -78,13 +78,21 @@ def _store_async(bufs, tiles_and_dsts):
 def for_each_tile(tile_expert_ref, num_m_tiles: int, num_col_tiles: int, num_experts: int,
                   run_tile, empty_tile):
   """The persistent loop over (m tile, column tile) work items, row-major (consecutive items
-  share the lhs rows and the expert): run_tile(m, col, expert) where the tile belongs to an
-  expert, empty_tile(m, col) for tiles past the last group."""
-  @plgpu.nd_loop((num_m_tiles * num_col_tiles,), collective_axes="sm")
+  share the lhs rows and the expert): run_tile(m, col, expert, first, last) where the tile
+  belongs to an expert (first, last: this SM's first and last such tile), empty_tile(m, col)
+  for tiles past the last group (they come last, so an SM's real tiles precede its empty ones)."""
+  num_items = num_m_tiles * num_col_tiles
+
+  @plgpu.nd_loop((num_items,), collective_axes="sm")
   def _work_item(info):
-    m, col = info.index[0] // num_col_tiles, info.index[0] % num_col_tiles
+    item = info.index[0]
+    m, col = item // num_col_tiles, item % num_col_tiles
     expert = tile_expert_ref[m]
-    pl.when(expert < num_experts)(lambda: run_tile(m, col, expert))
+    following = item + lax.axis_size("sm")  # this SM's next item
+    following_m = jnp.minimum(following // num_col_tiles, num_m_tiles - 1)
+    first = info.local_index == 0
+    last = (following >= num_items) | (tile_expert_ref[following_m] >= num_experts)
+    pl.when(expert < num_experts)(lambda: run_tile(m, col, expert, first, last))
     pl.when(expert >= num_experts)(lambda: empty_tile(m, col))
 
 
@@ -100,6 +108,18 @@ class Epilogue:
   finish: Callable
   prefetch: Callable | None = None
   num_barriers: int = 0
+
+
+_START, _STEADY, _STOP = (int(s) for s in plgpu.PipelinePipeline)
+
+
+def _pipelined_stages(num_k: int, stages: int):
+  """Pipeline depth for chaining a tile's pipeline into the next (the depth must divide the
+  k steps), or None: then each tile's pipeline drains before the next starts."""
+  for s in range(stages, 1, -1):
+    if num_k % s == 0:
+      return s
+  return None
 
 
 def _smem_bytes(cfg: TileConfig, num_rhs: int, rhs_block: tuple, dtype, epilogue: Epilogue):
@@ -121,6 +141,8 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
   num_m_tiles, num_k = num_slots // bm, k_dim // bk
   if k_dim % bk:
     raise ValueError(f"contraction dim {k_dim} must be a multiple of block_k={bk}")
+  stages = _pipelined_stages(num_k, cfg.stages)
+  cfg = dataclasses.replace(cfg, stages=stages or cfg.stages)
   num_rhs = len(col_blocks(0))
   rhs_block = (bn, bk) if transpose_rhs else (bk, bn)
   smem = _smem_bytes(cfg, num_rhs, rhs_block, lhs.dtype, epilogue)
@@ -140,14 +162,14 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
     plgpu.wgmma_wait(0)
     return accs
 
-  def make_pipeline(body, compute_context):
+  def make_pipeline(body, compute_context, state=None):
     spec = plgpu.BlockSpec
     rhs_index = (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0))
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(num_k,), memory_registers=MEMORY_REGISTERS,
         in_specs=[spec((bm, bk), lambda kk: (0, kk)), *[spec(rhs_block, rhs_index)] * num_rhs],
         wg_axis="wg", num_compute_wgs=NUM_CONSUMERS, max_concurrent_steps=cfg.stages,
-        compute_context=compute_context)
+        compute_context=compute_context, pipeline_state=state)
 
   def rhs_views(rhs_e, col):
     cols = lambda c: pl.ds(c * bn, bn)
@@ -176,7 +198,7 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
         if epilogue.prefetch is not None:
           epilogue.prefetch(wg_rows_of(m), col, extra_refs, my_scratch(), my_barriers())
 
-      def run_tile(m, col, expert):
+      def run_tile(m, col, expert, first, last):
         def compute_context(eval_pipeline):
           prefetch(m, col)
 
@@ -187,9 +209,21 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
           epilogue.finish(wg_rows_of(m), col, accs, extra_refs, out_refs, my_scratch(),
                           my_barriers())
 
-        make_pipeline(mma, compute_context)(
-            lhs_ref.at[pl.ds(m * bm, bm)], *rhs_views(rhs_ref.at[expert], col),
-            allocations=pipeline_allocs)
+        def run_pipeline(state):
+          make_pipeline(mma, compute_context, state)(
+              lhs_ref.at[pl.ds(m * bm, bm)], *rhs_views(rhs_ref.at[expert], col),
+              allocations=pipeline_allocs)
+
+        # One pipeline across this SM's tiles (START, STEADY..., STOP): the memory warpgroup
+        # fetches the next tile's first blocks while the compute warpgroups finish this one.
+        # An SM with a single tile, or a depth that does not divide the k steps, drains per tile.
+        if stages is None:
+          run_pipeline(None)
+        else:
+          single = first & last
+          pl.when(single)(lambda: run_pipeline(None))
+          state = jnp.where(first, _START, jnp.where(last, _STOP, _STEADY)).astype(jnp.int32)
+          pl.when(~single)(lambda: run_pipeline(state))
 
       def empty_tile(m, col):  # past the last group: no GEMM, zeros through the same epilogue
         @pl.when(is_compute)
