@@ -97,8 +97,8 @@ def main(argv=None):
         rec = dict(impl=name, tokens=t, active_params=params, ms=ms, temp_bytes=peak, status=status, **meta)
         recs.append(rec)
         print(json.dumps(rec), flush=True)
-  with open(a.out, "w") as f:
-    json.dump(recs, f, indent=1)
+        with open(a.out, "w") as f:  # after every case: a run cut short keeps what it measured
+          json.dump(recs, f, indent=1)
   return recs
 
 
