@@ -14,14 +14,16 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 for mode in "$@"; do
   case "$mode" in
     check)
-      XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      # -m gpu, plus the varlen-K test with olmoe-length pipelines (it runs on any platform)
+      XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 300 python3 -m pytest \
+        -k "gpu or long_pipelines" -p no:cacheprovider \
         tests/test_pallas.py tests/test_sharding.py tests/test_cute.py > "$OUT/pytest_gpu.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu.log" | tail -12
       timeout 200 python3 -m benchmarks.kernels --backend pallas --configs 30B-n256,7B-n256 \
         --out "$OUT/kernels_pallas.json" 2>&1 | grep -v '^{' | tail -22 ;;
     sweep)
       timeout 150 python3 -m benchmarks.tile_sweep --configs 30B-n256,7B-n256 --kernels up_proj,dh \
-        --block-n 64 --stages 2,3,4 --out "$OUT/sweep_up_dh.json" 2>&1 | grep -v '^{' | tail -13
+        --block-n 64,128 --stages 2,4 --out "$OUT/sweep_up_dh.json" 2>&1 | grep -v '^{' | tail -13
       timeout 200 python3 -m benchmarks.tile_sweep --configs 30B-n256,7B-n256 --kernels down_proj,dx_tilde \
         --block-n 128,256 --stages 2,3,4 --out "$OUT/sweep_matmul.json" 2>&1 | grep -v '^{' | tail -25 ;;
     bench)

@@ -119,3 +119,35 @@ def test_weight_grad_long_pipelines(rows_per_expert):
   ref = jnp.einsum("erm,ern->emn", lhs.reshape(E, -1, m).astype(jnp.float32),
                    rhs.reshape(E, -1, n).astype(jnp.float32))
   assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_dh_kernel_against_float32(block_n):
+  """The dH kernel alone (dSwiGLU, A', dS partials; its outputs reuse the H prefetch buffers)
+  at both column tiles, against float32 math; a tile past the last group writes zero dH."""
+  from pallas_kernels import grouped_gemm
+  from pallas_kernels.config import TileConfig
+  E, bm, d, n = 2, 128, 128, 128
+  tile_expert = jnp.array([0, 0, 1, 1, 2], jnp.int32)
+  P = bm * tile_expert.shape[0]
+  keys = jax.random.split(jax.random.key(5), 4)
+  dout = jax.random.normal(keys[0], (P, d)).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(keys[1], (E, n, d)) / 8).astype(jnp.bfloat16)
+  h = jax.random.normal(keys[2], (P, 2 * n)).astype(jnp.bfloat16)
+  s = jax.random.uniform(keys[3], (P,))
+  dh, a_scaled, ds_parts = grouped_gemm.dh(dout, w2, h, s, tile_expert,
+                                           TileConfig(block_n=block_n, stages=2))
+  f32 = lambda v: v.astype(jnp.float32)
+  expert = jnp.repeat(tile_expert, bm)
+  valid = expert < E
+  w = jnp.where(valid[:, None, None], f32(w2)[jnp.minimum(expert, E - 1)], 0.0)
+  da_prime = jnp.einsum("pd,pnd->pn", f32(dout), w)
+  gate, up = f32(h[:, :n]), f32(h[:, n:])
+  sig = jax.nn.sigmoid(gate)
+  a = gate * sig * up
+  da = s[:, None] * da_prime
+  ref_dh = jnp.concatenate([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], axis=1)
+  assert rel_err(dh[valid], ref_dh[valid]) < 1e-2
+  assert rel_err(a_scaled[valid], (s[:, None] * a)[valid]) < 1e-2
+  assert rel_err(jnp.sum(ds_parts, axis=0)[valid], jnp.sum(da_prime * a, axis=1)[valid]) < 1e-2
+  assert bool(jnp.all(dh[~valid] == 0))
