@@ -46,23 +46,6 @@ def _annotate(x, layout):
   return x if cfg_lib.interpret_mode() is not None else plgpu.layout_cast(x, layout)
 
 
-def _zeros(cfg: TileConfig):
-  return jnp.zeros((cfg.block_m, cfg.block_n), _F32)
-
-
-def _store_tiles(tiles_and_dsts):
-  """Stage register tiles in SMEM and TMA-store them; tiles_and_dsts: [(array, gmem ref view)]."""
-  def scope(*smems):
-    for smem, (tile, _) in zip(smems, tiles_and_dsts):
-      smem[...] = tile.astype(smem.dtype)
-    plgpu.commit_smem()
-    for smem, (_, dst) in zip(smems, tiles_and_dsts):
-      plgpu.copy_smem_to_gmem(smem, dst)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-  pl.run_scoped(scope, *[plgpu.SMEM(t.shape, dst.dtype) for t, dst in tiles_and_dsts])
-
-
 def _store_async(bufs, tiles_and_dsts):
   """TMA-store register tiles through dedicated SMEM buffers without waiting for the copies:
   they drain during the next tile's mainloop. First waits until the previous tile's stores

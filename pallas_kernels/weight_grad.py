@@ -17,7 +17,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import config as cfg_lib
 from pallas_kernels.config import TileConfig
-from pallas_kernels.grouped_gemm import _store_tiles
+
+
+def _store_tile(tile, dst):
+  """Stage a register tile in SMEM and TMA-store it to the GMEM view dst."""
+  def scope(smem):
+    smem[...] = tile.astype(smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, dst)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  pl.run_scoped(scope, plgpu.SMEM(tile.shape, dst.dtype))
 
 
 def weight_grad(lhs, rhs, group_offsets, num_experts: int, out_dtype,
@@ -66,7 +76,7 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, out_dtype,
         return acc_ref[...]
 
       acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32))
-      _store_tiles([(acc, out_ref.at[e, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])])
+      _store_tile(acc, out_ref.at[e, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
 
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((num_experts, m_dim, n_dim), out_dtype),
