@@ -4,6 +4,8 @@
 #   check : GPU-only tests (pallas, sharding mesh-of-one, cute if carried) and the per-op
 #           breakdown of the pallas backend at 30B-n256 and 7B-n256          (~4 min)
 #   sweep : tile sweep of the varlen-M kernels at 30B-n256 and 7B-n256        (~3 min)
+#   rounding: token rounding (nearest) vs plain top-K throughput at T=32768, d=4096, n=1024,
+#           E=256, K=4 on the pallas backend                                   (~2 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, and the PyTorch SonicMoE
 #           when its wheels are staged (source /tmp/devsite-upstream/env.sh first)
 set -uo pipefail
@@ -31,6 +33,12 @@ for mode in "$@"; do
       python3 -c "import sonicmoe" 2>/dev/null && impls=$impls,torch_sonicmoe
       timeout 580 python3 -m benchmarks.bench --impls "$impls" --iters 5 --reps 3 --torch-timeout 300 \
         --out "$OUT/bench" 2>&1 | tail -30 ;;
+    rounding)  # token rounding vs plain top-K at a sparse config (issue #4), pallas backend
+      for r in none nearest; do
+        flag=(); [ "$r" = nearest ] && flag=(--rounding nearest)
+        timeout 200 python3 -m benchmarks.bench --configs "" --custom 32768,4096,1024,256,4 \
+          --impls pallas "${flag[@]}" --iters 5 --reps 3 --out "$OUT/bench_rounding_$r" 2>&1 | tail -3
+      done ;;
     *) echo "unknown mode $mode" >&2; exit 2 ;;
   esac
 done

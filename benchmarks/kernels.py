@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import sonicmoe_jax as sm
 from benchmarks import configs as C
 from benchmarks.bench import make_args, time_ms
-from sonicmoe_jax import xla_ops
+from sonicmoe_jax import routing, xla_ops
 
 
 def breakdown(name, cfg, backend, rounding, iters, reps):
@@ -34,8 +34,16 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
   dh_, _, a_s = jax.jit(ops.dh)(dout, w2, h, plan.scores, plan)
   dxt = jax.jit(ops.dx_tilde)(dh_, w1, plan)
   bf = 2
+  logits = jax.jit(sm.router_logits)(x, wr)
+  topk = jax.jit(lambda lg: jax.lax.top_k(lg, K))
+  top_logits, top_experts = topk(logits)
+  pair_scores = jnp.exp(top_logits - jax.nn.logsumexp(top_logits, axis=-1, keepdims=True))
+  scores = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], top_experts].set(pair_scores)
+  plan_only = jax.jit(lambda s, e: routing._topk_plan(s, e, ops.align))
   rows = [
       ("routing plan", route, (x, wr), None, T * d * bf + d * E * bf),
+      ("  of which top_k", topk, (logits,), None, T * E * 4),
+      ("  of which sort+scatter", plan_only, (scores, top_experts), None, T * K * 4 * 2),
       ("gather X rows (xla)", jax.jit(lambda x: xla_ops.gather_rows(x, plan.token_index)), (x,), None,
        2 * P * d * bf),
       ("up_proj", jax.jit(ops.up_proj), (x, w1, plan), (P, d, 2 * n), None),
