@@ -71,6 +71,17 @@ def measure(model, x, iters=10, reps=3):
   return statistics.median(ts), peak
 
 
+def active_experts(model, x):
+  """|E_active|: atomic experts chosen by at least one token of x (OmniMoE layers; None else).
+  Expert-centric scheduling reads each active expert's parameters once, so its saving over the
+  token-centric gather is (tokens x K) / |E_active|."""
+  if not isinstance(model, OmniMoE):
+    return None
+  graph, state = nnx.split(model)
+  counts = jax.jit(lambda st, x: nnx.merge(graph, st)(x)[1].topk_counts)(state, x)
+  return int(jnp.sum(counts > 0))
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--d", type=int, default=1024)
@@ -94,7 +105,8 @@ def main(argv=None):
           status = "ok"
         except Exception as e:
           ms, peak, status = None, None, f"{type(e).__name__}: {str(e)[:200]}"
-        rec = dict(impl=name, tokens=t, active_params=params, ms=ms, temp_bytes=peak, status=status, **meta)
+        rec = dict(impl=name, tokens=t, active_params=params, ms=ms, temp_bytes=peak, status=status,
+                   active_experts=active_experts(model, x) if status == "ok" else None, **meta)
         recs.append(rec)
         print(json.dumps(rec), flush=True)
         with open(a.out, "w") as f:  # after every case: a run cut short keeps what it measured

@@ -79,6 +79,9 @@ def test_omnimoe_benchmark_tiny(tmp_path):
   recs = omnimoe_bench.main(["--tiny", "--out", str(tmp_path / "o.json")])
   assert {r["impl"] for r in recs} == {"omnimoe", "peer_token_centric", "deepseekmoe", "dense"}
   assert all(r["status"] == "ok" and r["ms"] > 0 for r in recs), recs
+  for r in recs:  # |E_active| for the OmniMoE layers (256 atomic experts in the tiny setup)
+    assert (1 <= r["active_experts"] <= 256) if r["impl"] in ("omnimoe", "peer_token_centric") \
+        else r["active_experts"] is None
 
 
 @pytest.mark.parametrize("align", [1, 8])
