@@ -6,6 +6,7 @@
 #   sweep : tile sweep of the varlen-M kernels at 30B-n256 and 7B-n256        (~3 min)
 #   rounding: token rounding (nearest) vs plain top-K throughput at T=32768, d=4096, n=1024,
 #           E=256, K=4 on the pallas backend                                   (~2 min)
+#   omnimoe: OmniMoE tests and latency benchmark on the GPU
 #   bench : side by side at the five anchors: pallas, tokamax, dense, and the PyTorch SonicMoE
 #           when its wheels are staged (source /tmp/devsite-upstream/env.sh first)
 set -uo pipefail
@@ -39,6 +40,11 @@ for mode in "$@"; do
         timeout 200 python3 -m benchmarks.bench --configs "" --custom 32768,4096,1024,256,4 \
           --impls pallas "${flag[@]}" --iters 5 --reps 3 --out "$OUT/bench_rounding_$r" 2>&1 | tail -3
       done ;;
+    omnimoe)  # OmniMoE tests on the GPU and the latency benchmark (issue #8)      (~6 min)
+      XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 240 python3 -m pytest -p no:cacheprovider \
+        tests/test_omnimoe.py > "$OUT/pytest_omnimoe_gpu.log" 2>&1; tail -3 "$OUT/pytest_omnimoe_gpu.log"
+      timeout 200 python3 -m benchmarks.omnimoe_bench --active 7e6,28e6 --tokens 1024,4096 \
+        --out "$OUT/omnimoe.json" 2>&1 | grep -c '^{' ;;
     *) echo "unknown mode $mode" >&2; exit 2 ;;
   esac
 done
