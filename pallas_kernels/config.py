@@ -81,7 +81,7 @@ def num_sms() -> int:
   dev = jax.devices()[0]
   if dev.platform == "gpu":
     return getattr(dev, "core_count", None) or 132
-  return 132 if _LOWERING_FOR_GPU else 4
+  return 132 if _LOWERING_FOR_GPU else 2
 
 
 def compiler_params():
