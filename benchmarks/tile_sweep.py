@@ -41,11 +41,11 @@ def kernels(x, w1, w2, dout, plan, pairs):
   mm = jit(lambda c, lhs, rhs, t: grouped_gemm.matmul(lhs, rhs, t, transpose_rhs=False, cfg=c))
   mm_t = jit(lambda c, lhs, rhs, t: grouped_gemm.matmul(lhs, rhs, t, transpose_rhs=True, cfg=c))
   dh = jit(lambda c, dg, w2, h, s, t: grouped_gemm.dh(dg, w2, h, s, t, c))
-  return {  # name -> (fn(cfg, *args), args, model FLOPs)
-      "up_proj": (up, (xg, w1, tiles), 2 * P * d * 2 * n),
-      "down_proj": (mm, (a, w2, tiles), 2 * P * n * d),
-      "dx_tilde": (mm_t, (h, w1, tiles), 2 * P * 2 * n * d),
-      "dh": (dh, (dg, w2, h, plan.scores, tiles), 2 * P * n * d),
+  return {  # name -> (fn(cfg, *args), args, model FLOPs, contraction length)
+      "up_proj": (up, (xg, w1, tiles), 2 * P * d * 2 * n, d),
+      "down_proj": (mm, (a, w2, tiles), 2 * P * n * d, n),
+      "dx_tilde": (mm_t, (h, w1, tiles), 2 * P * 2 * n * d, 2 * n),
+      "dh": (dh, (dg, w2, h, plan.scores, tiles), 2 * P * n * d, d),
   }
 
 
@@ -68,10 +68,13 @@ def main(argv=None):
     plan = sm.route(sm.router_logits(x, wr), k=K, align=ops.ALIGN)[0]
     table = kernels(x, w1, w2, dout, plan, T * K)
     for kname in a.kernels.split(","):
-      fn, args, flops = table[kname]
+      fn, args, flops, k_len = table[kname]
       for bn, stages in itertools.product(_ints(a.block_n), _ints(a.stages)):
         cfg = TileConfig(block_n=bn, stages=stages)
-        rec = dict(config=name, kernel=kname, block_n=bn, stages=stages, ms=None, tflops=None)
+        # the depth the kernel runs: the largest <= stages dividing the k steps (chained pipelines)
+        chained = grouped_gemm._pipelined_stages(k_len // cfg.block_k, stages)
+        rec = dict(config=name, kernel=kname, block_n=bn, stages=stages, chained_stages=chained,
+                   ms=None, tflops=None)
         try:
           ms = time_ms(fn, (cfg, *args), a.iters, a.reps)
           rec.update(ms=ms, tflops=flops / ms / 1e9)
@@ -79,10 +82,11 @@ def main(argv=None):
           rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         recs.append(rec)
         print(json.dumps(rec), flush=True)
-  print(f"{'config':11s} {'kernel':10s} {'bn':>4s} {'st':>3s} {'ms':>8s} {'TF/s':>6s}")
+  print(f"{'config':11s} {'kernel':10s} {'bn':>4s} {'st':>3s} {'run':>3s} {'ms':>8s} {'TF/s':>6s}")
   for r in recs:
     if r["ms"] is not None:
       print(f"{r['config']:11s} {r['kernel']:10s} {r['block_n']:4d} {r['stages']:3d} "
+            f"{r['chained_stages'] or r['stages']:3d} "
             f"{r['ms']:8.3f} {r['tflops']:6.0f}")
   if a.out:
     with open(a.out, "w") as f:
