@@ -28,7 +28,7 @@ for mode in "$@"; do
       timeout 150 python3 -m benchmarks.tile_sweep --configs 30B-n256,7B-n256 --kernels up_proj,dh \
         --block-n 64,128 --stages 2,4 --out "$OUT/sweep_up_dh.json" 2>&1 | grep -v '^{' | tail -13
       timeout 200 python3 -m benchmarks.tile_sweep --configs 30B-n256,7B-n256 --kernels down_proj,dx_tilde \
-        --block-n 128,256 --stages 2,3,4 --out "$OUT/sweep_matmul.json" 2>&1 | grep -v '^{' | tail -25 ;;
+        --block-n 128,256 --stages 2,4 --out "$OUT/sweep_matmul.json" 2>&1 | grep -v '^{' | tail -25 ;;
     bench)
       impls=pallas,tokamax,dense
       python3 -c "import sonicmoe" 2>/dev/null && impls=$impls,torch_sonicmoe
