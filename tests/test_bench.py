@@ -20,3 +20,17 @@ def test_bench_tiny(tmp_path):
   assert by_impl["nosuch"]["status"].startswith("ValueError")  # a failure is a row
   # our layer keeps less for backward than plain autodiff of the same math
   assert by_impl["xla"]["act_bytes"] < by_impl["lax_ragged_dot"]["act_bytes"]
+
+
+def test_tile_sweep_custom_shape(tmp_path):
+  """The tile sweep on a small shape (interpret mode off the GPU): a tile that fits is timed and
+  records the depth its chained pipeline ran; one that does not fit is a row with its error."""
+  from benchmarks import tile_sweep
+  out = tmp_path / "sweep.json"
+  tile_sweep.main(["--configs", "", "--custom", "256,128,256,4,2", "--kernels", "down_proj,dh",
+                   "--block-n", "128,256", "--stages", "3", "--iters", "1", "--reps", "1", "--out", str(out)])
+  recs = {(r["kernel"], r["block_n"]): r for r in json.loads(out.read_text())}
+  down = recs[("down_proj", 128)]
+  assert down["ms"] > 0 and down["chained_stages"] == 2  # K = n = 256: 4 steps, 3 does not divide
+  dh_wide = recs[("dh", 256)]  # 2 stages x 48 KB + 2 warpgroups x 96.5 KB of epilogue buffers
+  assert dh_wide["ms"] is None and "shared memory" in dh_wide["error"]
