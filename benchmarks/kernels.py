@@ -46,8 +46,7 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
   logits = jax.jit(sm.router_logits)(x, wr)
   topk = jax.jit(lambda lg: jax.lax.top_k(lg, K))
   top_logits, top_experts = topk(logits)
-  pair_scores = jnp.exp(top_logits - jax.nn.logsumexp(top_logits, axis=-1, keepdims=True))
-  scores = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], top_experts].set(pair_scores)
+  scores = routing._score_matrix(logits, top_logits, "softmax_topk", False)
   plan_only = jax.jit(lambda s, e: routing._topk_plan(s, e, ops.align))
   rows = [
       ("routing plan", route, (x, wr), None, T * d * bf + d * E * bf),

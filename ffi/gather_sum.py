@@ -9,8 +9,6 @@ on a machine without a GPU) and runs as an XLA FFI custom call on XLA's stream.
 """
 from __future__ import annotations
 
-import functools
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.jax as cjax
@@ -50,7 +48,7 @@ def gather_sum(y, scores, token_slots, token_offsets, num_tokens: int):
   if scores is None:
     scores = jax.numpy.zeros((y.shape[0],), jax.numpy.float32)
   call = cjax.cutlass_call(
-      functools.partial(_gather_sum),
+      _gather_sum,
       output_shape_dtype=jax.ShapeDtypeStruct((num_tokens, y.shape[1]), y.dtype),
       weighted=weighted)
   return call(y, scores.astype(jax.numpy.float32), token_slots, token_offsets)

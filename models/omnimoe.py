@@ -161,15 +161,11 @@ class PallasGroupedOps:
   """The same GEMMs on the Pallas Mosaic GPU kernels (needs bf16/f16, d % 128, B % 128)."""
   align = 128
 
-  @staticmethod
-  def _tiles(sched: Schedule):
-    starts = jnp.arange(sched.row_token.shape[0] // 128, dtype=jnp.int32) * 128
-    return jnp.searchsorted(sched.row_offsets[1:], starts, side="right").astype(jnp.int32)
-
   @classmethod
   def matmul(cls, lhs, rhs, sched: Schedule, transpose_rhs: bool):
-    from pallas_kernels import grouped_gemm
-    return grouped_gemm.matmul(lhs, rhs, cls._tiles(sched), transpose_rhs=transpose_rhs)
+    from pallas_kernels import grouped_gemm, schedule as tiling
+    tiles = tiling.tile_owners(sched.row_offsets, sched.row_token.shape[0], cls.align)
+    return grouped_gemm.matmul(lhs, rhs, tiles, transpose_rhs=transpose_rhs)
 
   @staticmethod
   def weight_grad(lhs, rhs, sched: Schedule):

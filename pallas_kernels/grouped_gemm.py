@@ -181,6 +181,10 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
         if epilogue.prefetch is not None:
           epilogue.prefetch(wg_rows_of(m), col, extra_refs, my_scratch(), my_barriers())
 
+      def finish(m, col, accs):
+        epilogue.finish(wg_rows_of(m), col, accs, extra_refs, out_refs, my_scratch(),
+                        my_barriers())
+
       def run_tile(m, col, expert, first, last):
         def compute_context(eval_pipeline):
           prefetch(m, col)
@@ -188,9 +192,7 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
           def acc_scope(*acc_refs):
             eval_pipeline(acc_refs)
             return tuple(acc[...] for acc in acc_refs)
-          accs = pl.run_scoped(acc_scope, *[plgpu.ACC((wg_rows, bn), _F32)] * num_rhs)
-          epilogue.finish(wg_rows_of(m), col, accs, extra_refs, out_refs, my_scratch(),
-                          my_barriers())
+          finish(m, col, pl.run_scoped(acc_scope, *[plgpu.ACC((wg_rows, bn), _F32)] * num_rhs))
 
         def run_pipeline(state):
           make_pipeline(mma, compute_context, state)(
@@ -212,9 +214,7 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
         @pl.when(is_compute)
         def _():
           prefetch(m, col)
-          zeros = tuple(jnp.zeros((wg_rows, bn), _F32) for _ in range(num_rhs))
-          epilogue.finish(wg_rows_of(m), col, zeros, extra_refs, out_refs, my_scratch(),
-                          my_barriers())
+          finish(m, col, tuple(jnp.zeros((wg_rows, bn), _F32) for _ in range(num_rhs)))
 
       for_each_tile(tile_expert_ref, num_m_tiles, num_col_tiles, num_experts, run_tile, empty_tile)
 

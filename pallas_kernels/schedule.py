@@ -1,13 +1,19 @@
-"""Which expert owns each M tile: computed once per plan in XLA, read by the kernels."""
+"""Which group owns each M tile: computed once per plan in XLA, read by the kernels."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 
+def tile_owners(group_offsets, num_rows: int, block_m: int):
+  """[num_rows // block_m] int32: the group whose rows (group_offsets[g] .. group_offsets[g+1],
+  starts multiples of block_m) hold each tile, or G for tiles past the last group (the kernels
+  write zeros there)."""
+  starts = jnp.arange(num_rows // block_m, dtype=jnp.int32) * block_m
+  return jnp.searchsorted(group_offsets[1:], starts, side="right").astype(jnp.int32)
+
+
 def tile_experts(plan, block_m: int):
-  """[num_slots // block_m] int32: the expert whose aligned group holds each tile, or E for
-  tiles past the last group (the kernels write zeros there)."""
+  """tile_owners of a routing plan: the expert of each M tile, E past the last group."""
   if plan.align % block_m:
     raise ValueError(f"plan rows must be aligned to the kernel tile {block_m}; got align={plan.align}")
-  starts = jnp.arange(plan.num_slots // block_m, dtype=jnp.int32) * block_m
-  return jnp.searchsorted(plan.group_offsets[1:], starts, side="right").astype(jnp.int32)
+  return tile_owners(plan.group_offsets, plan.num_slots, block_m)

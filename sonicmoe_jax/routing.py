@@ -290,12 +290,17 @@ def plan_from_experts(expert_ids, scores, num_experts: int, align: int = 1) -> R
   return _pairs_to_plan(expert_ids, scores, num_experts, align, size, fixed_k=False)
 
 
+def switch_loss(fraction, mean_prob):
+  """E * sum_e f_e * P_e: f_e the fraction of top-K pairs at expert e, P_e its mean router
+  probability (both over the same batch, local or global)."""
+  return fraction.shape[0] * jnp.sum(fraction * mean_prob)
+
+
 def load_balancing_loss(logits, topk_counts, k: int):
   """Switch-Transformer load balancing: E * sum_e (f_e / (T k)) * mean_t softmax(l_t)_e."""
-  num_tokens, num_experts = logits.shape
-  fraction = topk_counts.astype(jnp.float32) / (num_tokens * k)
-  mean_prob = jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0)
-  return num_experts * jnp.sum(fraction * mean_prob)
+  num_tokens = logits.shape[0]
+  return switch_loss(topk_counts.astype(jnp.float32) / (num_tokens * k),
+                     jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0))
 
 
 def z_loss(logits):

@@ -231,15 +231,15 @@ def _ep_layer(x, router_w, w1, w2, rng, *, ops, k, expert_axis, token_axes, capa
                     arrays, route_rows, recv_plan)
   dropped = route_rows.dropped(plan)
   topk_counts = jax.lax.psum(stats.topk_counts, token_axes)
-  # the switch loss of the global batch: global expert fractions times global mean probabilities
   mean_prob = jax.lax.pmean(jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0), token_axes)
-  fraction = topk_counts.astype(jnp.float32) / jnp.sum(topk_counts)
   global_stats = dataclasses.replace(
       stats,
       topk_counts=topk_counts,
       expert_counts=jax.lax.psum(stats.expert_counts, token_axes),
       changed_pairs=jax.lax.psum(stats.changed_pairs, token_axes),
-      load_balancing_loss=fraction.shape[0] * jnp.sum(fraction * mean_prob),
+      # of the global batch: its T k pairs are what the global counts sum to
+      load_balancing_loss=routing.switch_loss(
+          topk_counts.astype(jnp.float32) / jnp.sum(topk_counts), mean_prob),
       z_loss=jax.lax.pmean(stats.z_loss, token_axes))
   return out, global_stats, jax.lax.psum(dropped, token_axes)
 
