@@ -21,15 +21,6 @@ from benchmarks.bench import make_args, time_ms
 from sonicmoe_jax import routing, xla_ops
 
 
-def gather_rows_u32(x, index):
-  """The same row gather on a view of each bf16 row as 32-bit words (a candidate for a faster
-  XLA gather: half as many, twice as wide elements; 64-bit words need jax_enable_x64)."""
-  rows, width = x.shape
-  words = jax.lax.bitcast_convert_type(x.reshape(rows, width // 2, 2), jnp.uint32)
-  out = xla_ops.gather_rows(words, index)
-  return jax.lax.bitcast_convert_type(out, x.dtype).reshape(index.shape[0], width)
-
-
 def breakdown(name, cfg, backend, rounding, iters, reps):
   T, d, n, E, K = cfg
   (x, wr, w1, w2), dout = make_args(T, d, n, E, K)
@@ -54,17 +45,15 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
       ("  of which sort+scatter", plan_only, (scores, top_experts), None, T * K * 4 * 2),
       ("gather X rows (xla)", jax.jit(lambda x: xla_ops.gather_rows(x, plan.token_index)), (x,), None,
        2 * P * d * bf),
-      ("gather X rows (xla, u32 view)", jax.jit(lambda x: gather_rows_u32(x, plan.token_index)), (x,),
-       None, 2 * P * d * bf),
-      ("up_proj", jax.jit(ops.up_proj), (x, w1, plan), (P, d, 2 * n), None),
+      ("up_proj (+ gather X)", jax.jit(ops.up_proj), (x, w1, plan), (P, d, 2 * n), None),
       ("down_proj", jax.jit(ops.down_proj), (a, w2, plan), (P, n, d), None),
       ("aggregate", jax.jit(ops.aggregate), (y, plan.scores, plan), None, P * d * bf + T * d * bf),
-      ("dh", jax.jit(ops.dh), (dout, w2, h, plan.scores, plan), (P, d, n), None),
+      ("dh (+ gather dO)", jax.jit(ops.dh), (dout, w2, h, plan.scores, plan), (P, d, n), None),
       ("dx_tilde", jax.jit(ops.dx_tilde), (dh_, w1, plan), (P, 2 * n, d), None),
       ("aggregate dX", jax.jit(lambda v: ops.aggregate(v, None, plan)), (dxt,), None,
        P * d * bf + T * d * bf),
-      ("dw1", jax.jit(ops.dw1), (x, dh_, plan), (P, d, 2 * n), None),
-      ("dw2", jax.jit(ops.dw2), (a_s, dout, plan), (P, n, d), None),
+      ("dw1 (+ gather X)", jax.jit(ops.dw1), (x, dh_, plan), (P, d, 2 * n), None),
+      ("dw2 (+ gather dO)", jax.jit(ops.dw2), (a_s, dout, plan), (P, n, d), None),
   ]
   recs = []
   for op, fn, args, gemm, nbytes in rows:

@@ -254,29 +254,64 @@ def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: 
       fixed_k=fixed_k, align=align)
 
 
+def _ordered_bits(x):
+  """uint32 keys ordered like the float32 values x (finite, no NaN; -0.0 ties with 0.0)."""
+  x = x.astype(jnp.float32)
+  bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
+  negative = (bits >> 31) == 1
+  return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _top_per_column(values, counts):
+  """select [T, E] bool: the counts[e] largest values of column e, ties to the lower row.
+
+  The same choice as a stable descending sort of each column, found without sorting: a
+  32-step bisection on the ordered bits finds each column's counts[e]-th largest key (one
+  pass over [T, E] per step), then ties at that key are taken in row order.
+  """
+  keys = _ordered_bits(values)
+  counts = counts.astype(jnp.int32)
+
+  def bisect(_, bounds):  # invariant: count(keys >= lo) >= counts; the answer is in [lo, hi]
+    lo, hi = bounds
+    gap = hi - lo
+    mid = lo + (gap >> 1) + (gap & 1)
+    ok = jnp.sum(keys >= mid[None, :], axis=0, dtype=jnp.int32) >= counts
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+  num_experts = values.shape[1]
+  start = (jnp.zeros((num_experts,), jnp.uint32), jnp.full((num_experts,), 0xFFFFFFFF, jnp.uint32))
+  threshold, _ = jax.lax.fori_loop(0, 32, bisect, start)
+  above = keys > threshold[None, :]
+  tie = keys == threshold[None, :]
+  ties_needed = counts - jnp.sum(above, axis=0, dtype=jnp.int32)
+  return above | (tie & (jnp.cumsum(tie, axis=0, dtype=jnp.int32) <= ties_needed[None, :]))
+
+
 def _rounded_plan(scores, topk_experts, targets, k: int, tile: int, align: int) -> RoutingPlan:
   num_tokens, num_experts = scores.shape
   chosen = jnp.zeros((num_tokens, num_experts), bool).at[
       jnp.arange(num_tokens)[:, None], topk_experts].set(True)
   # Chosen tokens rank before unchosen ones: unchosen scores are biased by -1 (scores <= 1).
   biased = jnp.where(chosen, scores, scores - 1.0)
-  ranked_tokens = jnp.argsort(-biased.T, axis=1, stable=True).astype(jnp.int32)  # [E, T]
+  selected = _top_per_column(biased, targets)                           # [T, E]
 
   size = num_slots(num_tokens, num_experts, k, tile, align)
   offsets = _aligned_offsets(targets, align)
-  slot = jnp.arange(size, dtype=jnp.int32)
-  expert = jnp.searchsorted(offsets[1:], slot, side="right").astype(jnp.int32)
-  expert_c = jnp.minimum(expert, num_experts - 1)
-  rank = slot - offsets[expert_c]
-  valid = (expert < num_experts) & (rank < targets[expert_c])
-  token = ranked_tokens[expert_c, jnp.clip(rank, 0, num_tokens - 1)]
-  token_index = jnp.where(valid, token, num_tokens)
-  expert_index = jnp.where(valid, expert, num_experts)
-  slot_scores = jnp.where(valid, scores[jnp.minimum(token, num_tokens - 1), expert_c], 0.0)
+  rank = jnp.cumsum(selected, axis=0, dtype=jnp.int32) - 1               # within the expert
+  slot = jnp.where(selected, offsets[None, :num_experts] + rank, size).reshape(-1)
+  token = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], selected.shape)
+  expert = jnp.broadcast_to(jnp.arange(num_experts, dtype=jnp.int32)[None, :], selected.shape)
 
+  def put(fill, values, dtype):
+    return jnp.full((size,), fill, dtype).at[slot].set(values.reshape(-1), mode="drop")
+
+  token_index = put(num_tokens, token, jnp.int32)
+  valid = token_index < num_tokens
   token_slots, token_offsets = _token_csr(token_index, num_tokens)
   return RoutingPlan(
-      token_index=token_index, expert_index=expert_index, scores=slot_scores, valid=valid,
+      token_index=token_index, expert_index=put(num_experts, expert, jnp.int32),
+      scores=put(0.0, scores, jnp.float32), valid=valid,
       group_sizes=targets, group_offsets=offsets, token_slots=token_slots,
       token_offsets=token_offsets,
       num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=False, align=align)

@@ -122,6 +122,33 @@ def test_rounding_properties(mode, T, E, K, tile):
   assert np.all(scores[valid] > 0) and np.all(scores[valid] <= 1.0 + 1e-6)
 
 
+def test_top_per_column_equals_stable_sort():
+  """The sort-free selection behind token rounding takes what a stable descending sort of
+  each column would: ties (values from a small set, both signs) go to the lower row."""
+  from sonicmoe_jax.routing import _top_per_column
+  rng = np.random.default_rng(0)
+  T, E = 97, 12
+  values = rng.choice(np.array([-0.75, -0.5, -0.0, 0.0, 0.25, 0.5, 1.0], np.float32), (T, E))
+  values[:, 0] = rng.normal(size=T)
+  counts = rng.integers(0, T + 1, E)
+  counts[1], counts[2] = 0, T
+  got = np.asarray(_top_per_column(jnp.asarray(values), jnp.asarray(counts)))
+  order = np.argsort(-values, axis=0, kind="stable")
+  for e in range(E):
+    want = np.zeros(T, bool)
+    want[order[:counts[e], e]] = True
+    np.testing.assert_array_equal(got[:, e], want, err_msg=f"column {e}, count {counts[e]}")
+
+
+@pytest.mark.parametrize("mode", ["up", "down"])
+def test_rounding_with_all_scores_tied(mode):
+  T, E, K, tile = 64, 4, 2, 16
+  logits = jnp.zeros((T, E)).at[:, 0].set(1.0)   # ties everywhere past expert 0
+  plan, stats = sm.route(logits, k=K, rounding=mode, tile=tile)
+  _check_plan_structure(plan, T, E)
+  assert np.all(np.asarray(stats.expert_counts) % tile == 0)
+
+
 def test_stochastic_rounding_needs_key_and_is_reproducible():
   logits = _logits(0, 256, 8)
   with pytest.raises(ValueError, match="rng"):
