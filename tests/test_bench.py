@@ -34,3 +34,18 @@ def test_tile_sweep_custom_shape(tmp_path):
   assert down["ms"] > 0 and down["chained_stages"] == 2  # K = n = 256: 4 steps, 3 does not divide
   dh_wide = recs[("dh", 256)]  # 2 stages x 48 KB + 2 warpgroups x 96.5 KB of epilogue buffers
   assert dh_wide["ms"] is None and "shared memory" in dh_wide["error"]
+
+
+def test_check_anchors_tiny(monkeypatch):
+  """The anchor correctness check on a tiny config with the xla backend: it passes, and it
+  fails when the per-token reference disagrees (here: scaled by 1.1)."""
+  from benchmarks import check_anchors
+  cfg = (512, 128, 64, 8, 2)
+  rec = check_anchors.check("tiny", cfg, "xla", None)
+  assert rec["ok"] and rec["out_rel_err_max"] < 1e-2 and rec["dw_rel_err_max"] < 1e-2
+  rounded = check_anchors.check("tiny", cfg, "xla", "nearest")
+  assert rounded["ok"] and rounded["dx_rel_err_max"] is None
+  real = check_anchors.token_output
+  monkeypatch.setattr(check_anchors, "token_output", lambda *a: 1.1 * real(*a))
+  check_anchors.token_references.clear_cache()
+  assert not check_anchors.check("tiny", cfg, "xla", None)["ok"]
