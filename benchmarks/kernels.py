@@ -21,6 +21,13 @@ from benchmarks.bench import make_args, time_ms
 from sonicmoe_jax import routing, xla_ops
 
 
+def segment_sum_aggregate(y, scores, plan):
+  """The aggregation as XLA's sorted segment_sum (a scatter-add), for comparison."""
+  rows = (y.astype(jnp.float32) * scores[:, None])[plan.token_slots]
+  return jax.ops.segment_sum(rows, plan.token_index[plan.token_slots], num_segments=plan.num_tokens,
+                             indices_are_sorted=True).astype(y.dtype)
+
+
 def breakdown(name, cfg, backend, rounding, iters, reps):
   T, d, n, E, K = cfg
   (x, wr, w1, w2), dout = make_args(T, d, n, E, K)
@@ -48,6 +55,8 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
       ("up_proj (+ gather X)", jax.jit(ops.up_proj), (x, w1, plan), (P, d, 2 * n), None),
       ("down_proj", jax.jit(ops.down_proj), (a, w2, plan), (P, n, d), None),
       ("aggregate", jax.jit(ops.aggregate), (y, plan.scores, plan), None, P * d * bf + T * d * bf),
+      ("  (as a sorted segment_sum)", jax.jit(segment_sum_aggregate), (y, plan.scores, plan), None,
+       P * d * bf + T * d * bf),
       ("dh (+ gather dO)", jax.jit(ops.dh), (dout, w2, h, plan.scores, plan), (P, d, n), None),
       ("dx_tilde", jax.jit(ops.dx_tilde), (dh_, w1, plan), (P, 2 * n, d), None),
       ("aggregate dX", jax.jit(lambda v: ops.aggregate(v, None, plan)), (dxt,), None,
@@ -77,13 +86,20 @@ def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--backend", default="pallas")
   p.add_argument("--configs", default=",".join(C.ANCHORS))
+  p.add_argument("--custom", default=None, help="T,d,n,E,K instead of the anchor configs")
   p.add_argument("--rounding", default=None)
   p.add_argument("--iters", type=int, default=5)
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--tiny", action="store_true")
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
-  cases = C.TINY if a.tiny else {c: C.ANCHORS[c] for c in a.configs.split(",")}
+  if a.tiny:
+    cases = C.TINY
+  elif a.custom:
+    cfg = tuple(int(v) for v in a.custom.split(","))
+    cases = {"T{}-d{}-n{}-E{}-K{}".format(*cfg): cfg}
+  else:
+    cases = {c: C.ANCHORS[c] for c in a.configs.split(",")}
   recs = []
   for name, cfg in cases.items():
     recs += breakdown(name, cfg, a.backend, a.rounding, a.iters, a.reps)

@@ -56,16 +56,33 @@ def down_proj(a, w2, plan: RoutingPlan):
 
 
 def aggregate(y, scores, plan: RoutingPlan):
-  """O_t = sum over token t's slots of score * Y_slot (fp32 sum); scores=None sums plainly."""
+  """O_t = sum over token t's slots of score * Y_slot (fp32 sum); scores=None sums plainly.
+
+  A gather-and-sum, never a scatter: with a variable slot count per token (token rounding),
+  tokens' slots are read in column blocks of k (slot j of token t in block j // k), as many
+  blocks as the busiest token needs (usually two: rounding adds fewer than a tile of tokens
+  per expert).
+  """
   rows = y.astype(_F32)
   if scores is not None:
     rows = rows * scores[:, None]
-  if plan.fixed_k:  # every token has exactly k slots: a pure gather-and-sum
+  if plan.fixed_k:  # every token has exactly k slots
     out = jnp.sum(rows[plan.token_slots].reshape(plan.num_tokens, plan.k, -1), axis=1)
-  else:  # variable slots per token (token rounding): sorted segment sum in token order
-    ordered = rows[plan.token_slots]
-    out = jax.ops.segment_sum(ordered, plan.token_index[plan.token_slots],
-                              num_segments=plan.num_tokens, indices_are_sorted=True)
+    return out.astype(y.dtype)
+  starts = plan.token_offsets[:-1]
+  counts = plan.token_offsets[1:] - starts
+  column = jnp.arange(plan.k, dtype=jnp.int32)
+  num_rows = rows.shape[0]
+
+  def add_block(b, out):
+    j = b * plan.k + column[None, :]                                      # [T, k]
+    slot = plan.token_slots[jnp.minimum(starts[:, None] + j, num_rows - 1)]
+    slot = jnp.where(j < counts[:, None], slot, num_rows)                # past the end: zero row
+    return out + jnp.sum(rows.at[slot].get(mode="fill", fill_value=0), axis=1)
+
+  num_blocks = (jnp.max(counts) + plan.k - 1) // plan.k
+  out = jax.lax.fori_loop(0, num_blocks, add_block,
+                          jnp.zeros((plan.num_tokens, rows.shape[1]), _F32))
   return out.astype(y.dtype)
 
 

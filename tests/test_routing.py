@@ -225,3 +225,19 @@ def test_aligned_layer_matches_dense_layout():
     plan, _ = sm.route(sm.router_logits(x, r), k=2, align=ops.align)
     return layer.expert_mlp(ops, x, plan.scores, w1, w2, plan)
   assert rel_err(run(ops), run(backends.resolve("xla"))) < 1e-5
+
+
+def test_aggregate_with_many_slots_per_token():
+  """Rounding up with K=1 and a wide tile gives tokens several slots (more than k): the
+  gather-and-sum reads every one of them, in as many column blocks as needed."""
+  from sonicmoe_jax import xla_ops
+  T, E, K, d = 96, 8, 1, 16
+  plan, _ = sm.route(_logits(5, T, E), k=K, rounding="up", tile=32)
+  per_token = np.bincount(np.asarray(plan.token_index)[np.asarray(plan.valid)], minlength=T)
+  assert per_token.max() > 2 * K, "the case needs tokens with more than two blocks of slots"
+  y = jax.random.normal(jax.random.key(1), (plan.num_slots, d))
+  got = xla_ops.aggregate(y, plan.scores, plan)
+  tok, valid, s = (np.asarray(a) for a in (plan.token_index, plan.valid, plan.scores))
+  want = np.zeros((T, d))
+  np.add.at(want, tok[valid], np.asarray(y, np.float64)[valid] * s[valid, None])
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
