@@ -157,6 +157,9 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
     validation.check_tile(tile)
     if num_tokens < tile:
       raise ValueError(f"token rounding needs at least one tile of tokens: T={num_tokens} < tile={tile}")
+    if num_tokens * num_experts >= 2**31:
+      raise ValueError(f"token rounding indexes (token, expert) pairs in int32: T * E = "
+                       f"{num_tokens} * {num_experts} must be below 2**31")
 
   validation.check_tile(align, name="align")
   logits = logits.astype(jnp.float32)
@@ -300,18 +303,17 @@ def _rounded_plan(scores, topk_experts, targets, k: int, tile: int, align: int) 
   offsets = _aligned_offsets(targets, align)
   rank = jnp.cumsum(selected, axis=0, dtype=jnp.int32) - 1               # within the expert
   slot = jnp.where(selected, offsets[None, :num_experts] + rank, size).reshape(-1)
-  token = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], selected.shape)
-  expert = jnp.broadcast_to(jnp.arange(num_experts, dtype=jnp.int32)[None, :], selected.shape)
-
-  def put(fill, values, dtype):
-    return jnp.full((size,), fill, dtype).at[slot].set(values.reshape(-1), mode="drop")
-
-  token_index = put(num_tokens, token, jnp.int32)
-  valid = token_index < num_tokens
+  # one scatter of each selected pair's flat index t * E + e; the rest follows by gathers
+  pair = jnp.full((size,), -1, jnp.int32).at[slot].set(
+      jnp.arange(num_tokens * num_experts, dtype=jnp.int32), mode="drop")
+  valid = pair >= 0
+  token_index = jnp.where(valid, pair // num_experts, num_tokens)
+  expert_index = jnp.where(valid, pair % num_experts, num_experts)
+  slot_scores = jnp.where(valid, scores.reshape(-1)[jnp.maximum(pair, 0)], 0.0)
   token_slots, token_offsets = _token_csr(token_index, num_tokens)
   return RoutingPlan(
-      token_index=token_index, expert_index=put(num_experts, expert, jnp.int32),
-      scores=put(0.0, scores, jnp.float32), valid=valid,
+      token_index=token_index, expert_index=expert_index,
+      scores=slot_scores.astype(jnp.float32), valid=valid,
       group_sizes=targets, group_offsets=offsets, token_slots=token_slots,
       token_offsets=token_offsets,
       num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=False, align=align)

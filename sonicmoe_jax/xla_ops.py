@@ -63,26 +63,29 @@ def aggregate(y, scores, plan: RoutingPlan):
   blocks as the busiest token needs (usually two: rounding adds fewer than a tile of tokens
   per expert).
   """
-  rows = y.astype(_F32)
-  if scores is not None:
-    rows = rows * scores[:, None]
   if plan.fixed_k:  # every token has exactly k slots
+    rows = y.astype(_F32)
+    if scores is not None:
+      rows = rows * scores[:, None]
     out = jnp.sum(rows[plan.token_slots].reshape(plan.num_tokens, plan.k, -1), axis=1)
     return out.astype(y.dtype)
   starts = plan.token_offsets[:-1]
   counts = plan.token_offsets[1:] - starts
   column = jnp.arange(plan.k, dtype=jnp.int32)
-  num_rows = rows.shape[0]
+  num_rows, width = y.shape
 
-  def add_block(b, out):
+  def add_block(b, out):  # reads y in its own dtype: nothing fp32 of size [slots, d] is kept
     j = b * plan.k + column[None, :]                                      # [T, k]
     slot = plan.token_slots[jnp.minimum(starts[:, None] + j, num_rows - 1)]
-    slot = jnp.where(j < counts[:, None], slot, num_rows)                # past the end: zero row
-    return out + jnp.sum(rows.at[slot].get(mode="fill", fill_value=0), axis=1)
+    slot = jnp.where(j < counts[:, None], slot, num_rows).reshape(-1)     # past the end: zero row
+    block = gather_rows(y, slot).reshape(plan.num_tokens, plan.k, width).astype(_F32)
+    if scores is not None:
+      block = block * scores.at[slot].get(mode="fill", fill_value=0).reshape(-1, plan.k, 1)
+    return out + jnp.sum(block, axis=1)
 
   num_blocks = (jnp.max(counts) + plan.k - 1) // plan.k
   out = jax.lax.fori_loop(0, num_blocks, add_block,
-                          jnp.zeros((plan.num_tokens, rows.shape[1]), _F32))
+                          jnp.zeros((plan.num_tokens, width), _F32))
   return out.astype(y.dtype)
 
 
