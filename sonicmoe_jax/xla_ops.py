@@ -72,20 +72,20 @@ def aggregate(y, scores, plan: RoutingPlan):
   starts = plan.token_offsets[:-1]
   counts = plan.token_offsets[1:] - starts
   column = jnp.arange(plan.k, dtype=jnp.int32)
-  num_rows, width = y.shape
+  num_rows = y.shape[0]
 
-  def add_block(b, out):  # reads y in its own dtype: nothing fp32 of size [slots, d] is kept
+  def block_sum(b):  # token t's slots b*k .. b*k+k-1 (zero rows past its count), summed
     j = b * plan.k + column[None, :]                                      # [T, k]
     slot = plan.token_slots[jnp.minimum(starts[:, None] + j, num_rows - 1)]
-    slot = jnp.where(j < counts[:, None], slot, num_rows).reshape(-1)     # past the end: zero row
-    block = gather_rows(y, slot).reshape(plan.num_tokens, plan.k, width).astype(_F32)
+    slot = jnp.where(j < counts[:, None], slot, num_rows)
+    block = y.at[slot].get(mode="fill", fill_value=0).astype(_F32)        # [T, k, d]
     if scores is not None:
-      block = block * scores.at[slot].get(mode="fill", fill_value=0).reshape(-1, plan.k, 1)
-    return out + jnp.sum(block, axis=1)
+      block = block * scores.at[slot].get(mode="fill", fill_value=0)[..., None]
+    return jnp.sum(block, axis=1)
 
+  # the first block covers every slot of most tokens; the loop only the busiest tokens' rest
   num_blocks = (jnp.max(counts) + plan.k - 1) // plan.k
-  out = jax.lax.fori_loop(0, num_blocks, add_block,
-                          jnp.zeros((plan.num_tokens, width), _F32))
+  out = jax.lax.fori_loop(1, num_blocks, lambda b, acc: acc + block_sum(b), block_sum(0))
   return out.astype(y.dtype)
 
 
