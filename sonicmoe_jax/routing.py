@@ -282,8 +282,9 @@ def _top_per_column(values, counts):
     ok = jnp.sum(keys >= mid[None, :], axis=0, dtype=jnp.int32) >= counts
     return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
 
-  num_experts = values.shape[1]
-  start = (jnp.zeros((num_experts,), jnp.uint32), jnp.full((num_experts,), 0xFFFFFFFF, jnp.uint32))
+  # bounds from the keys themselves (they also carry the keys' varying axes under shard_map);
+  # a column asked for 0 values ends at its largest key, of which ties_needed takes none
+  start = (jnp.min(keys, axis=0), jnp.max(keys, axis=0))
   threshold, _ = jax.lax.fori_loop(0, 32, bisect, start)
   above = keys > threshold[None, :]
   tie = keys == threshold[None, :]
