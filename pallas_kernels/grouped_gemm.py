@@ -138,7 +138,7 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
     wg = lax.axis_index("wg")
     a = lhs_smem.at[pl.ds(wg * wg_rows, wg_rows)]
     for acc, rhs_smem in zip(accs, rhs_smems):
-      plgpu.wgmma(acc, a, plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem)
+      plgpu.wgmma(acc, a, rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem)
     # Wait for this step's MMAs before the pipeline releases its buffers: with one warpgroup's
     # MMA in flight the other's runs, and a delayed release would leave the last step's
     # buffers unguarded when the next tile's pipeline starts refilling them.

@@ -56,7 +56,7 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, out_dtype,
 
       def acc_scope(acc_ref):
         def step(_, lhs_smem, rhs_smem):
-          a = lhs_smem if lhs_t else plgpu.transpose_ref(lhs_smem, (1, 0))
+          a = lhs_smem if lhs_t else lhs_smem.transpose((1, 0))
           plgpu.wgmma(acc_ref, a, rhs_smem)
 
         if lhs_t:
