@@ -227,31 +227,40 @@ def _topk_plan(scores, topk_experts, align: int) -> RoutingPlan:
 def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: int,
                    fixed_k: bool) -> RoutingPlan:
   """Slots from per-token assignments pair_expert [T, J] (num_experts = none), pair_score [T, J]:
-  a stable sort by expert puts expert e's pairs at group_offsets[e] + rank."""
+  a stable sort by expert puts expert e's pairs at group_offsets[e] + rank.
+
+  Counts come from the sorted list by binary search and every slot reads its pair by a gather
+  (slot -> expert -> position in the sorted list): no scatter-add, one scatter in all (the
+  token-order listing of a fixed-k plan).
+  """
   num_tokens, j = pair_expert.shape
   flat = pair_expert.reshape(-1).astype(jnp.int32)             # pair i = t * j + column
-  order = jnp.argsort(flat, stable=True)                       # dense position -> pair
-  counts = jnp.zeros((num_experts + 1,), jnp.int32).at[flat].add(1)[:num_experts]
-  offsets = _aligned_offsets(counts, align)
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)     # sorted position -> pair
   sorted_expert = flat[order]
-  e_c = jnp.minimum(sorted_expert, num_experts - 1)
-  rank = jnp.arange(order.shape[0], dtype=jnp.int32) - _exclusive_cumsum(counts)[e_c]
-  slot = jnp.where(sorted_expert < num_experts, offsets[e_c] + rank, size)
+  first = jnp.searchsorted(sorted_expert, jnp.arange(num_experts + 1, dtype=jnp.int32),
+                           side="left").astype(jnp.int32)      # expert e's pairs: first[e]..
+  counts = first[1:] - first[:-1]
+  offsets = _aligned_offsets(counts, align)
 
-  def put(fill, values, dtype):
-    return jnp.full((size,), fill, dtype).at[slot].set(values, mode="drop")
-
-  token_index = put(num_tokens, (order // j).astype(jnp.int32), jnp.int32)
+  slot = jnp.arange(size, dtype=jnp.int32)
+  expert = jnp.searchsorted(offsets[1:], slot, side="right").astype(jnp.int32)
+  expert_c = jnp.minimum(expert, num_experts - 1)
+  rank = slot - offsets[expert_c]
+  valid = (expert < num_experts) & (rank < counts[expert_c])
+  pair = order[jnp.clip(first[expert_c] + rank, 0, order.shape[0] - 1)]
+  token_index = jnp.where(valid, pair // j, num_tokens)
   if fixed_k:  # every token has exactly j slots: list them in token order
-    token_slots = jnp.zeros_like(order).at[order].set(slot).astype(jnp.int32)
+    e_sorted = jnp.minimum(sorted_expert, num_experts - 1)
+    slot_of_sorted = offsets[e_sorted] + jnp.arange(order.shape[0], dtype=jnp.int32) - first[e_sorted]
+    token_slots = jnp.zeros_like(order).at[order].set(slot_of_sorted)
     token_offsets = jnp.arange(num_tokens + 1, dtype=jnp.int32) * j
   else:
     token_slots, token_offsets = _token_csr(token_index, num_tokens)
   return RoutingPlan(
       token_index=token_index,
-      expert_index=put(num_experts, sorted_expert, jnp.int32),
-      scores=put(0.0, pair_score.reshape(-1)[order].astype(jnp.float32), jnp.float32),
-      valid=put(False, True, bool),
+      expert_index=jnp.where(valid, expert, num_experts),
+      scores=jnp.where(valid, pair_score.reshape(-1)[pair].astype(jnp.float32), 0.0),
+      valid=valid,
       group_sizes=counts, group_offsets=offsets, token_slots=token_slots,
       token_offsets=token_offsets, num_tokens=num_tokens, num_experts=num_experts, k=j,
       fixed_k=fixed_k, align=align)
