@@ -250,8 +250,8 @@ def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: 
   pair = order[jnp.clip(first[expert_c] + rank, 0, order.shape[0] - 1)]
   token_index = jnp.where(valid, pair // j, num_tokens)
   if fixed_k:  # every token has exactly j slots: list them in token order
-    e_sorted = jnp.minimum(sorted_expert, num_experts - 1)
-    slot_of_sorted = offsets[e_sorted] + jnp.arange(order.shape[0], dtype=jnp.int32) - first[e_sorted]
+    slot_of_sorted = (offsets[sorted_expert] - first[sorted_expert]
+                      + jnp.arange(order.shape[0], dtype=jnp.int32))
     token_slots = jnp.zeros_like(order).at[order].set(slot_of_sorted)
     token_offsets = jnp.arange(num_tokens + 1, dtype=jnp.int32) * j
   else:
@@ -323,7 +323,7 @@ def _rounded_plan(scores, topk_experts, targets, k: int, tile: int, align: int) 
   token_slots, token_offsets = _token_csr(token_index, num_tokens)
   return RoutingPlan(
       token_index=token_index, expert_index=expert_index,
-      scores=slot_scores.astype(jnp.float32), valid=valid,
+      scores=slot_scores, valid=valid,
       group_sizes=targets, group_offsets=offsets, token_slots=token_slots,
       token_offsets=token_offsets,
       num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=False, align=align)

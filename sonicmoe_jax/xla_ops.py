@@ -20,7 +20,7 @@ def gather_rows(x, index):
 
   Rows of 16-bit elements are gathered as 32-bit words (pairs of elements): XLA's gather then
   moves half as many, twice as wide elements, which the H200 measured 27% faster at 30B-n256
-  (3.2 -> 2.3 ms, benchmarks/results/2026-11-29-kernels-h200). Zero words are zero elements.
+  (3.2 -> 2.3 ms, benchmarks/results/2026-11-29-h200-session3). Zero words are zero elements.
   """
   if x.ndim != 2 or x.dtype.itemsize != 2 or x.shape[1] % 2:
     return x.at[index].get(mode="fill", fill_value=0)
@@ -78,6 +78,7 @@ def aggregate(y, scores, plan: RoutingPlan):
     j = b * plan.k + column[None, :]                                      # [T, k]
     slot = plan.token_slots[jnp.minimum(starts[:, None] + j, num_rows - 1)]
     slot = jnp.where(j < counts[:, None], slot, num_rows)
+    # a plain gather, not gather_rows: XLA fuses it into the sum (the word view it would not)
     block = y.at[slot].get(mode="fill", fill_value=0).astype(_F32)        # [T, k, d]
     if scores is not None:
       block = block * scores.at[slot].get(mode="fill", fill_value=0)[..., None]
