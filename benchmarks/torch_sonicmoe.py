@@ -5,6 +5,7 @@ argv[1]: JSON {config name: [T, d, n, E, K]}. Prints one JSON record per config.
 import json
 import statistics
 import sys
+import time
 
 import torch
 
@@ -46,6 +47,11 @@ def main():
       def fwd_bwd():
         layer(x, kernel_backend_moe=backend)[0].backward(dout)
 
+      start = time.perf_counter()
+      fwd_bwd()  # first calls compile and autotune the CuTe / Triton kernels (cached on disk)
+      torch.cuda.synchronize()
+      rec["first_call_s"] = time.perf_counter() - start
+      print(f"{name}: first forward+backward took {rec['first_call_s']:.1f} s", file=sys.stderr, flush=True)
       rec["fwd_ms"] = time_ms(fwd)
       rec["fwd_bwd_ms"] = time_ms(fwd_bwd)
       rec["bwd_ms"] = rec["fwd_bwd_ms"] - rec["fwd_ms"]
