@@ -270,6 +270,7 @@ def main(argv=None):
   meta = dict(gpu=dev.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               versions=versions())
   print(f"devices {jax.devices()} | {meta['versions']} | impls {impls}", flush=True)
+  os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
   records = []
   for name, cfg in cases.items():
     for impl in impls:
@@ -279,8 +280,7 @@ def main(argv=None):
       records.append(rec)
       print(f"[{len(records)}] {name} {impl}: fwd {fmt(rec['fwd_ms'], '.3f')} ms, fwd+bwd "
             f"{fmt(rec['fwd_bwd_ms'], '.3f')} ms, {rec['status'][:80]}", flush=True)
-  os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-  save(records, a.out)  # the JAX rows are kept even if the torch subprocess is cut short
+      save(records, a.out)  # after every case: a run cut short keeps what it measured
   if "torch_sonicmoe" in impls:
     records += run_torch(list(cases), list(cases.values()), meta, a.torch_timeout)
     save(records, a.out)

@@ -33,7 +33,7 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
   (x, wr, w1, w2), dout = make_args(T, d, n, E, K)
   ops = sm.resolve_backend(backend)
   route = jax.jit(lambda x, wr: sm.route(sm.router_logits(x, wr), k=K, rounding=rounding,
-                                         tile=128, align=ops.align)[0])
+                                         tile=128, align=ops.align, top_k=ops.top_k)[0])
   plan = route(x, wr)
   P = T * K
   h, a = jax.jit(ops.up_proj)(x, w1, plan)
@@ -42,14 +42,16 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
   dxt = jax.jit(ops.dx_tilde)(dh_, w1, plan)
   bf = 2
   logits = jax.jit(sm.router_logits)(x, wr)
-  topk = jax.jit(lambda lg: jax.lax.top_k(lg, K))
+  topk_xla = jax.jit(lambda lg: jax.lax.top_k(lg, K))
+  topk = jax.jit(lambda lg: ops.top_k(lg, K))
   top_logits, top_experts = topk(logits)
   scores = routing._score_matrix(logits, top_logits, "softmax_topk", False)
   plan_only = jax.jit(lambda s, e: routing._topk_plan(s, e, ops.align))
   rows = [
       ("routing plan", route, (x, wr), None, T * d * bf + d * E * bf),
-      ("  of which top_k", topk, (logits,), None, T * E * 4),
-      ("  of which sort+scatter", plan_only, (scores, top_experts), None, T * K * 4 * 2),
+      (f"  of which top_k ({backend})", topk, (logits,), None, T * E * 4),
+      ("  (top_k as jax.lax.top_k)", topk_xla, (logits,), None, T * E * 4),
+      ("  of which sort, counts, slots", plan_only, (scores, top_experts), None, T * K * 4 * 2),
       ("gather X rows (xla)", jax.jit(lambda x: xla_ops.gather_rows(x, plan.token_index)), (x,), None,
        2 * P * d * bf),
       ("up_proj (+ gather X)", jax.jit(ops.up_proj), (x, w1, plan), (P, d, 2 * n), None),

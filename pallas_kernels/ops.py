@@ -7,9 +7,12 @@ XLA's gather-and-sum for now. Limits: bf16/f16 inputs, d a multiple of 128, n of
 """
 from __future__ import annotations
 
+import warnings
+
+import jax
 import jax.numpy as jnp
 
-from pallas_kernels import config, grouped_gemm, schedule, weight_grad
+from pallas_kernels import config, grouped_gemm, schedule, topk, weight_grad
 from sonicmoe_jax import xla_ops
 
 ALIGN = config.BLOCK_M
@@ -18,6 +21,16 @@ unsupported = config.unsupported
 
 def tiles(plan):
   return schedule.tile_experts(plan, config.BLOCK_M)
+
+
+def top_k(logits, k):
+  """The Mosaic GPU top-K kernel; logits it cannot take (E not a multiple of 8, or above 512)
+  go to jax.lax.top_k with a warning (the result is the same)."""
+  reason = topk.unsupported(logits.shape[1], k)
+  if reason:
+    warnings.warn(f"backend 'pallas' top_k: {reason}; using jax.lax.top_k", stacklevel=2)
+    return jax.lax.top_k(logits, k)
+  return topk.top_k(logits, k)
 
 
 def up_proj(x, w1, plan):
@@ -56,5 +69,5 @@ def dw2(a_scaled, dout, plan):
                                  plan.group_offsets, plan.num_experts, dout.dtype)
 
 
-OPS = dict(up_proj=up_proj, down_proj=down_proj, aggregate=xla_ops.aggregate, dh=dh,
+OPS = dict(top_k=top_k, up_proj=up_proj, down_proj=down_proj, aggregate=xla_ops.aggregate, dh=dh,
            dx_tilde=dx_tilde, dw1=dw1, dw2=dw2)

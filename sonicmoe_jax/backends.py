@@ -1,6 +1,7 @@
 """The one dispatch table: which implementation runs each expert op.
 
 Ops (signatures as in xla_ops.py):
+  top_k(logits, k) -> (values, experts)   router top-K over fp32 logits [T, E], as jax.lax.top_k
   up_proj(x, w1, plan) -> (H, A)          gather-fused varlen-M GEMM + SwiGLU
   down_proj(a, w2, plan) -> Y             varlen-M GEMM, contiguous store
   aggregate(y, scores|None, plan) -> O    per-token gather-and-sum
@@ -30,7 +31,7 @@ from typing import Callable, NamedTuple, Union
 
 import jax
 
-OP_NAMES = ("up_proj", "down_proj", "aggregate", "dh", "dx_tilde", "dw1", "dw2")
+OP_NAMES = ("top_k", "up_proj", "down_proj", "aggregate", "dh", "dx_tilde", "dw1", "dw2")
 
 BACKEND_MODULES = {
     "xla": "sonicmoe_jax.xla_ops",
@@ -42,7 +43,7 @@ BACKEND_MODULES = {
 # GPU: pallas for every op (benchmarks/results/2026-11-29-pallas-h200: XLA's ragged_dot fails
 # autotuning at 4 of 5 anchor configs; the pallas kernels run all of them).
 PLATFORM_DEFAULTS: dict[str, dict[str, str]] = {
-    "gpu": {op: "pallas" for op in ("up_proj", "down_proj", "dh", "dx_tilde", "dw1", "dw2")},
+    "gpu": {op: "pallas" for op in ("top_k", "up_proj", "down_proj", "dh", "dx_tilde", "dw1", "dw2")},
 }
 
 BackendSpec = Union[str, Mapping[str, str]]
@@ -51,6 +52,7 @@ BackendSpec = Union[str, Mapping[str, str]]
 class Ops(NamedTuple):
   """Resolved implementations, one per op, and the plan alignment they need (hashable: used
   as a static argument)."""
+  top_k: Callable
   up_proj: Callable
   down_proj: Callable
   aggregate: Callable

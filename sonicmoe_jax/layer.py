@@ -111,7 +111,8 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
   ops = backends.resolve(backend, dtype=x.dtype, d=x.shape[1], n=w2.shape[1])
   logits = routing.router_logits(x, router_w)
   plan, stats = routing.route(logits, k=k, score_fn=score_fn, renormalize=renormalize,
-                              rounding=rounding, tile=tile, rng=rng, align=ops.align)
+                              rounding=rounding, tile=tile, rng=rng, align=ops.align,
+                              top_k=ops.top_k)
   plan_arrays = dataclasses.replace(plan, scores=jax.lax.stop_gradient(plan.scores))
   out = expert_mlp(ops, x, plan.scores, w1, w2, plan_arrays)
   return MoEOutput(out=out, plan=plan, stats=stats)

@@ -131,7 +131,8 @@ def _score_matrix(logits, topk_logits, score_fn: str, renormalize: bool):
 
 
 def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool = False,
-          rounding: Optional[str] = None, tile: int = 128, rng=None, align: int = 1):
+          rounding: Optional[str] = None, tile: int = 128, rng=None, align: int = 1,
+          top_k=jax.lax.top_k):
   """Builds the routing plan from router logits.
 
   Args:
@@ -144,6 +145,8 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
     tile: the tile that rounded counts are multiples of; needs T >= tile.
     rng: PRNG key for rounding="stochastic".
     align: every expert's group of slots starts at a multiple of this (a power of two).
+    top_k: the top-K implementation, (logits, k) -> (values, experts) as jax.lax.top_k (the
+      layer passes its backend's, for example the Pallas kernel on GPUs).
 
   Returns:
     (RoutingPlan, RouterStats).
@@ -163,17 +166,20 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
 
   validation.check_tile(align, name="align")
   logits = logits.astype(jnp.float32)
-  topk_logits, topk_experts = jax.lax.top_k(logits, k)
+  # the implementation picks the experts; the logits are re-read here so gradients reach them
+  _, topk_experts = top_k(jax.lax.stop_gradient(logits), k)
+  topk_logits = jnp.take_along_axis(logits, topk_experts, axis=1)
   scores = _score_matrix(logits, topk_logits, score_fn, renormalize)
-  topk_counts = jnp.zeros((num_experts,), jnp.int32).at[topk_experts.reshape(-1)].add(1)
-
   if rounding is None:
     plan = _topk_plan(scores, topk_experts, align)
+    topk_counts = plan.group_sizes
     changed = jnp.zeros((), jnp.int32)
   else:
+    chosen = _chosen_mask(topk_experts, num_experts)
+    topk_counts = jnp.sum(chosen, axis=0, dtype=jnp.int32)
     targets = token_rounding.round_counts(topk_counts, tile=tile, num_tokens=num_tokens,
                                           mode=rounding, rng=rng)
-    plan = _rounded_plan(scores, topk_experts, targets, k, tile, align)
+    plan = _rounded_plan(scores, chosen, targets, k, tile, align)
     changed = jnp.sum(jnp.abs(targets - topk_counts))
 
   stats = RouterStats(
@@ -237,13 +243,13 @@ def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: 
   flat = pair_expert.reshape(-1).astype(jnp.int32)             # pair i = t * j + column
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)     # sorted position -> pair
   sorted_expert = flat[order]
-  first = jnp.searchsorted(sorted_expert, jnp.arange(num_experts + 1, dtype=jnp.int32),
-                           side="left").astype(jnp.int32)      # expert e's pairs: first[e]..
+  first = _count_below(sorted_expert, jnp.arange(num_experts + 1, dtype=jnp.int32),
+                       inclusive=False)                        # expert e's pairs: first[e]..
   counts = first[1:] - first[:-1]
   offsets = _aligned_offsets(counts, align)
 
   slot = jnp.arange(size, dtype=jnp.int32)
-  expert = jnp.searchsorted(offsets[1:], slot, side="right").astype(jnp.int32)
+  expert = _count_below(offsets[1:], slot, inclusive=True)     # groups ending at or before
   expert_c = jnp.minimum(expert, num_experts - 1)
   rank = slot - offsets[expert_c]
   valid = (expert < num_experts) & (rank < counts[expert_c])
@@ -264,6 +270,25 @@ def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: 
       group_sizes=counts, group_offsets=offsets, token_slots=token_slots,
       token_offsets=token_offsets, num_tokens=num_tokens, num_experts=num_experts, k=j,
       fixed_k=fixed_k, align=align)
+
+
+def _count_below(sorted_values, queries, *, inclusive: bool):
+  """For each query, how many of the ascending sorted_values are < it (<= it if inclusive).
+
+  jnp.searchsorted's binary search is a loop, which on the GPU runs as a while loop with a
+  host round trip per step (0.6 ms more for a 7B-n256 plan, results/2026-11-29-h200-session4).
+  The steps here are unrolled in Python: one fused elementwise pass of ~log2(n) gathers.
+  """
+  n = sorted_values.shape[0]
+  below = jnp.zeros(queries.shape, jnp.int32)
+  step = 1 << (n.bit_length() - 1) if n else 0
+  while step:  # invariant: the first `below` values are < query (<= if inclusive)
+    probe = jnp.minimum(below + step, n)
+    value = sorted_values[probe - 1]
+    fits = (value <= queries) if inclusive else (value < queries)
+    below = jnp.where((below + step <= n) & fits, probe, below)
+    step >>= 1
+  return below
 
 
 def _ordered_bits(x):
@@ -294,17 +319,22 @@ def _top_per_column(values, counts):
   # bounds from the keys themselves (they also carry the keys' varying axes under shard_map);
   # a column asked for 0 values ends at its largest key, of which ties_needed takes none
   start = (jnp.min(keys, axis=0), jnp.max(keys, axis=0))
-  threshold, _ = jax.lax.fori_loop(0, 32, bisect, start)
+  # unrolled: a rolled loop is a GPU while loop with a host round trip per step
+  threshold, _ = jax.lax.fori_loop(0, 32, bisect, start, unroll=True)
   above = keys > threshold[None, :]
   tie = keys == threshold[None, :]
   ties_needed = counts - jnp.sum(above, axis=0, dtype=jnp.int32)
   return above | (tie & (jnp.cumsum(tie, axis=0, dtype=jnp.int32) <= ties_needed[None, :]))
 
 
-def _rounded_plan(scores, topk_experts, targets, k: int, tile: int, align: int) -> RoutingPlan:
+def _chosen_mask(topk_experts, num_experts: int):
+  """[T, E] bool, True where the token chose the expert (a fused compare, no scatter)."""
+  experts = jnp.arange(num_experts, dtype=topk_experts.dtype)
+  return jnp.any(topk_experts[:, :, None] == experts, axis=1)
+
+
+def _rounded_plan(scores, chosen, targets, k: int, tile: int, align: int) -> RoutingPlan:
   num_tokens, num_experts = scores.shape
-  chosen = jnp.zeros((num_tokens, num_experts), bool).at[
-      jnp.arange(num_tokens)[:, None], topk_experts].set(True)
   # Chosen tokens rank before unchosen ones: unchosen scores are biased by -1 (scores <= 1).
   biased = jnp.where(chosen, scores, scores - 1.0)
   selected = _top_per_column(biased, targets)                           # [T, E]

@@ -44,6 +44,11 @@ def _grouped_weight_grad(lhs, rhs, plan: RoutingPlan):
                                     preferred_element_type=_F32)
 
 
+def top_k(logits, k: int):
+  """The router's top-K: (values [T, k], experts [T, k] int32), ties to the lower expert."""
+  return jax.lax.top_k(logits, k)
+
+
 def up_proj(x, w1, plan: RoutingPlan):
   """H = X_e W1_e and A = SwiGLU(H) per expert, rows gathered by plan.token_index."""
   h = _grouped_matmul(gather_rows(x, plan.token_index), w1, plan)
@@ -114,5 +119,5 @@ def dw2(a_scaled, dout, plan: RoutingPlan):
   return _grouped_weight_grad(a_scaled, gather_rows(dout, plan.token_index), plan)
 
 
-OPS = dict(up_proj=up_proj, down_proj=down_proj, aggregate=aggregate, dh=dh,
+OPS = dict(top_k=top_k, up_proj=up_proj, down_proj=down_proj, aggregate=aggregate, dh=dh,
            dx_tilde=dx_tilde, dw1=dw1, dw2=dw2)

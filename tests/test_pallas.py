@@ -151,3 +151,47 @@ def test_dh_kernel_against_float32(block_n):
   assert rel_err(a_scaled[valid], (s[:, None] * a)[valid]) < 1e-2
   assert rel_err(jnp.sum(ds_parts, axis=0)[valid], jnp.sum(da_prime * a, axis=1)[valid]) < 1e-2
   assert bool(jnp.all(dh[~valid] == 0))
+
+
+def _router_logits_with_ties(T, E, seed):
+  x = jax.random.normal(jax.random.key(seed), (T, E))
+  x = x.at[1].set(0.5)                    # a row of ties: the lower experts first
+  x = x.at[2, : E // 2].set(-jnp.inf)     # -inf logits stay selectable
+  return x.at[3, E - 1].set(jnp.inf)
+
+
+@pytest.mark.parametrize("T,E,K", [(100, 32, 2), (64, 8, 1), (128, 128, 8), (70, 24, 3), (64, 256, 16)])
+def test_topk_kernel_matches_lax_top_k_interpret(T, E, K):
+  from pallas_kernels import topk
+  logits = _router_logits_with_ties(T, E, T + E)
+  values, experts = topk.top_k(logits, K)
+  want_values, want_experts = jax.lax.top_k(logits, K)
+  np.testing.assert_array_equal(experts, want_experts)
+  np.testing.assert_array_equal(values, want_values)
+
+
+def test_topk_kernel_lowers_for_cuda_and_refuses_bad_shapes():
+  from pallas_kernels import ops, topk
+  with config.lowering_for_gpu():
+    exported = jax.export.export(jax.jit(lambda l: topk.top_k(l, 16)), platforms=("cuda",))(
+        jax.ShapeDtypeStruct((32768, 256), jnp.float32))
+  assert "mosaic_gpu" in exported.mlir_module()
+  with pytest.raises(ValueError, match="E=12 is not a multiple of 8"):
+    topk.top_k(jnp.zeros((64, 12)), 2)
+  with pytest.raises(TypeError, match="logits must be float32"):
+    topk.top_k(jnp.zeros((64, 16), jnp.bfloat16), 2)
+  logits = _router_logits_with_ties(64, 12, 0)
+  with pytest.warns(UserWarning, match="E=12 is not a multiple of 8; using jax.lax.top_k"):
+    _, experts = ops.top_k(logits, 3)
+  np.testing.assert_array_equal(experts, jax.lax.top_k(logits, 3)[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K", [(24576, 128, 8), (32768, 256, 16), (24576, 32, 2), (1000, 64, 8)])
+def test_topk_kernel_on_gpu_matches_lax_top_k(T, E, K):
+  from pallas_kernels import topk
+  logits = _router_logits_with_ties(T, E, E)
+  values, experts = topk.top_k(logits, K)
+  want_values, want_experts = jax.lax.top_k(logits, K)
+  np.testing.assert_array_equal(experts, want_experts)
+  np.testing.assert_array_equal(values, want_values)
