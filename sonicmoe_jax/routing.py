@@ -241,8 +241,7 @@ def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: 
   """
   num_tokens, j = pair_expert.shape
   flat = pair_expert.reshape(-1).astype(jnp.int32)             # pair i = t * j + column
-  order = jnp.argsort(flat, stable=True).astype(jnp.int32)     # sorted position -> pair
-  sorted_expert = flat[order]
+  order, sorted_expert = _sort_pairs_by_expert(flat, num_experts)
   first = _count_below(sorted_expert, jnp.arange(num_experts + 1, dtype=jnp.int32),
                        inclusive=False)                        # expert e's pairs: first[e]..
   counts = first[1:] - first[:-1]
@@ -270,6 +269,22 @@ def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: 
       group_sizes=counts, group_offsets=offsets, token_slots=token_slots,
       token_offsets=token_offsets, num_tokens=num_tokens, num_experts=num_experts, k=j,
       fixed_k=fixed_k, align=align)
+
+
+def _sort_pairs_by_expert(flat_expert, num_experts: int):
+  """(order, sorted experts): a stable sort of the pairs by expert (sorted position -> pair).
+
+  Each pair's expert and index are packed into one uint32 key, expert * P + pair, so one
+  key-only sort (a radix sort on the GPU) does it: a stable argsort sorts (key, index) tuples,
+  which cost 0.3 ms for 7B-n256's 196,608 pairs (results/2026-11-29-h200-session4).
+  """
+  num_pairs = flat_expert.shape[0]
+  if (num_experts + 1) * num_pairs >= 2**32:
+    order = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)
+    return order, flat_expert[order]
+  packed = flat_expert.astype(jnp.uint32) * jnp.uint32(num_pairs) + jnp.arange(num_pairs, dtype=jnp.uint32)
+  packed = jnp.sort(packed)
+  return (packed % num_pairs).astype(jnp.int32), (packed // num_pairs).astype(jnp.int32)
 
 
 def _count_below(sorted_values, queries, *, inclusive: bool):

@@ -261,3 +261,13 @@ def test_routing_plan_has_no_device_loops(rounding):
   logits = _logits(3, 256, 16)
   text = jax.jit(lambda l: sm.route(l, k=2, rounding=rounding, tile=64, align=64)).lower(logits).as_text()
   assert "stablehlo.while" not in text
+
+
+@pytest.mark.parametrize("num_experts", [1, 7, 300])
+def test_sort_pairs_by_expert_is_a_stable_argsort(num_experts):
+  from sonicmoe_jax.routing import _sort_pairs_by_expert
+  flat = np.random.default_rng(num_experts).integers(0, num_experts + 1, 5000).astype(np.int32)
+  order, sorted_expert = _sort_pairs_by_expert(jnp.asarray(flat), num_experts)
+  want = np.argsort(flat, kind="stable")
+  np.testing.assert_array_equal(order, want)
+  np.testing.assert_array_equal(sorted_expert, flat[want])
