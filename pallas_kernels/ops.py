@@ -24,7 +24,7 @@ def tiles(plan):
 
 
 def top_k(logits, k):
-  """The Mosaic GPU top-K kernel; logits it cannot take (E not a multiple of 8, or above 512)
+  """The Mosaic GPU top-K kernel; logits it cannot take (E not a multiple of 8, or above 256)
   go to jax.lax.top_k with a warning (the result is the same)."""
   reason = topk.unsupported(logits.shape[1], k)
   if reason:

@@ -21,7 +21,8 @@ from pallas_kernels import config as cfg_lib
 
 BLOCK_T = 64          # tokens per CTA: the rows of one warpgroup's wgmma layout
 COLUMN_TILE = 8       # the layout's column tile: E and the output width are multiples of it
-MAX_EXPERTS = 512     # a [64, E] fp32 block is E / 2 registers per thread
+MAX_EXPERTS = 256     # a [64, E] block is E / 2 registers per thread (keys) plus the
+                      # expert iota; 256 is the largest E run on the H200
 _INT_MIN = jnp.iinfo(jnp.int32).min
 
 
@@ -85,7 +86,7 @@ def _place_column(tile, column, j, row_values):
 def top_k(logits, k: int):
   """(values [T, k] f32, experts [T, k] int32) of the k largest logits per row, as jax.lax.top_k.
 
-  logits: [T, E] float32, E a multiple of 8 and at most 512 (see `unsupported`).
+  logits: [T, E] float32, E a multiple of 8 and at most 256 (see `unsupported`).
   """
   num_tokens, num_experts = logits.shape
   reason = unsupported(num_experts, k)

@@ -37,7 +37,7 @@ def test_missing_extra_gives_clear_error(monkeypatch):
   monkeypatch.delitem(sys.modules, "ffi.ops", raising=False)
   with pytest.raises(ImportError, match=r"pip install 'sonicmoe-jax\[cute\]'"):
     sm.resolve_backend({"aggregate": "cute"})
-  with pytest.raises(NotImplementedError, match="has no implementation of op 'up_proj'"):
+  with pytest.raises(NotImplementedError, match="has no implementation of op 'top_k'"):
     monkeypatch.setattr(builtins, "__import__", real_import)
     sm.resolve_backend("cute")
 
