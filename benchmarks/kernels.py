@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import sonicmoe_jax as sm
 from benchmarks import configs as C
 from benchmarks.bench import make_args, time_ms
+from pallas_kernels import row_gather
 from sonicmoe_jax import routing, xla_ops
 
 
@@ -54,6 +55,8 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
       ("  of which sort, counts, slots", plan_only, (scores, top_experts), None, T * K * 4 * 2),
       ("gather X rows (xla)", jax.jit(lambda x: xla_ops.gather_rows(x, plan.token_index)), (x,), None,
        2 * P * d * bf),
+      ("gather X rows (pallas cp.async, experimental)",
+       jax.jit(lambda x: row_gather.gather_rows(x, plan.token_index)), (x,), None, 2 * P * d * bf),
       ("up_proj (+ gather X)", jax.jit(ops.up_proj), (x, w1, plan), (P, d, 2 * n), None),
       ("down_proj", jax.jit(ops.down_proj), (a, w2, plan), (P, n, d), None),
       ("aggregate", jax.jit(ops.aggregate), (y, plan.scores, plan), None, P * d * bf + T * d * bf),

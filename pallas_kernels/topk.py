@@ -10,8 +10,6 @@ TMA store writes back. Same result as jax.lax.top_k, ties included (the lower ex
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -82,7 +80,6 @@ def _place_column(tile, column, j, row_values):
   return jnp.where(column == j, jax.lax.broadcast_in_dim(row_values, tile.shape, (0,)), tile)
 
 
-@functools.partial(jax.jit, static_argnames="k")
 def top_k(logits, k: int):
   """(values [T, k] f32, experts [T, k] int32) of the k largest logits per row, as jax.lax.top_k.
 

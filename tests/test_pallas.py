@@ -195,3 +195,33 @@ def test_topk_kernel_on_gpu_matches_lax_top_k(T, E, K):
   want_values, want_experts = jax.lax.top_k(logits, K)
   np.testing.assert_array_equal(experts, want_experts)
   np.testing.assert_array_equal(values, want_values)
+
+
+def _gather_case(seed, num_source, width, num_rows):
+  x = jax.random.normal(jax.random.key(seed), (num_source, width)).astype(jnp.bfloat16)
+  index = jax.random.randint(jax.random.key(seed + 1), (num_rows,), 0, num_source)
+  index = index.at[::37].set(num_source).at[5].set(-1)   # padding slots and a negative: zeros
+  want = x.at[index].get(mode="fill", fill_value=0, wrap_negative_indices=False)
+  return x, index, want
+
+
+def test_cp_async_row_gather_lowers_for_cuda_and_checks_args():
+  from pallas_kernels import row_gather
+  x, index, want = _gather_case(0, 50, 128, 300)
+  np.testing.assert_array_equal(row_gather.gather_rows(x, index), want)   # interpret: XLA fallback
+  with config.lowering_for_gpu():
+    exported = jax.export.export(jax.jit(row_gather.gather_rows), platforms=("cuda",))(
+        jax.ShapeDtypeStruct((4096, 1536), jnp.bfloat16), jax.ShapeDtypeStruct((1000,), jnp.int32))
+  assert "mosaic_gpu" in exported.mlir_module()
+  with pytest.raises(ValueError, match="d a multiple of 64"):
+    row_gather.gather_rows(jnp.zeros((8, 96), jnp.bfloat16), index)
+  with pytest.raises(ValueError, match="bfloat16 or float16"):
+    row_gather.gather_rows(jnp.zeros((8, 128)), index)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(24576, 1536, 196608), (3000, 4096, 1000), (64, 64, 1)])
+def test_cp_async_row_gather_on_gpu(shape):
+  from pallas_kernels import row_gather
+  x, index, want = _gather_case(1, *shape)
+  np.testing.assert_array_equal(row_gather.gather_rows(x, index), want)
