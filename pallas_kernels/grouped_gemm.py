@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import config as cfg_lib
+from pallas_kernels import row_gather
 from pallas_kernels.config import TileConfig
 
 _F32 = jnp.float32
@@ -115,9 +116,16 @@ def _smem_bytes(cfg: TileConfig, num_rhs: int, rhs_block: tuple, dtype, epilogue
 
 def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_blocks: Callable,
              num_col_tiles: int, transpose_rhs: bool, epilogue: Epilogue, out_types,
-             cfg: TileConfig):
-  """Runs the persistent warp-specialized grouped GEMM (see the module docstring)."""
-  num_slots, k_dim = lhs.shape
+             cfg: TileConfig, gather_index=None):
+  """Runs the persistent warp-specialized grouped GEMM (see the module docstring).
+
+  gather_index (EXPERIMENTAL, GPU only, not yet run): lhs is then the source [N, K] and slot
+  row r reads lhs[gather_index[r]]. Each compute warpgroup gathers its own rows by cp.async
+  (row_gather.py) into a ring of `stages` swizzled tiles, stages - 1 k steps ahead of its
+  wgmma; only the rhs goes through the TMA pipeline."""
+  gathering = gather_index is not None
+  num_slots = gather_index.shape[0] if gathering else lhs.shape[0]
+  k_dim = lhs.shape[1]
   num_experts = rhs.shape[0]
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   wg_rows = bm // NUM_CONSUMERS
@@ -133,10 +141,7 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
     raise ValueError(f"tile config {cfg} needs {smem} bytes of shared memory (limit {SMEM_BYTES})")
   num_extra = len(extra_inputs)
 
-  def mma(_, lhs_smem, *rhs_smems_and_accs):
-    *rhs_smems, accs = rhs_smems_and_accs
-    wg = lax.axis_index("wg")
-    a = lhs_smem.at[pl.ds(wg * wg_rows, wg_rows)]
+  def mma(a, rhs_smems, accs):
     for acc, rhs_smem in zip(accs, rhs_smems):
       plgpu.wgmma(acc, a, rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem)
     # Wait for this step's MMAs before the pipeline releases its buffers: with one warpgroup's
@@ -145,12 +150,32 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
     plgpu.wgmma_wait(0)
     return accs
 
+  def piped_lhs_step(_, lhs_smem, *rhs_smems_and_accs):
+    *rhs_smems, accs = rhs_smems_and_accs
+    wg = lax.axis_index("wg")
+    return mma(lhs_smem.at[pl.ds(wg * wg_rows, wg_rows)], rhs_smems, accs)
+
+  ring = cfg.stages  # gathered lhs tiles per compute warpgroup
+
+  def gathered_lhs_step(gather, lhs_ring):
+    """The pipeline body when lhs rows are gathered: gather(kk) issues step kk's rows into
+    lhs_ring[kk % ring] as one cp.async group (an empty group past the last step)."""
+    def step(indices, *rhs_smems_and_accs):
+      *rhs_smems, accs = rhs_smems_and_accs
+      kk = indices[0]
+      gather(kk + ring - 1)
+      row_gather.wait_gathers(ring - 1)   # of the ring - 1 + kk + 1 groups, step kk's landed
+      plgpu.commit_smem()                 # cp.async writes -> visible to wgmma (async proxy)
+      return mma(lhs_ring.at[kk % ring], rhs_smems, accs)
+    return step
+
   def make_pipeline(body, compute_context, state=None):
     spec = plgpu.BlockSpec
     rhs_index = (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0))
+    lhs_specs = [] if gathering else [spec((bm, bk), lambda kk: (0, kk))]
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(num_k,), memory_registers=MEMORY_REGISTERS,
-        in_specs=[spec((bm, bk), lambda kk: (0, kk)), *[spec(rhs_block, rhs_index)] * num_rhs],
+        in_specs=[*lhs_specs, *[spec(rhs_block, rhs_index)] * num_rhs],
         wg_axis="wg", num_compute_wgs=NUM_CONSUMERS, max_concurrent_steps=cfg.stages,
         compute_context=compute_context, pipeline_state=state)
 
@@ -159,12 +184,15 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
     return [rhs_e.at[cols(c)] if transpose_rhs else rhs_e.at[:, cols(c)] for c in col_blocks(col)]
 
   def body(tile_expert_ref, lhs_ref, rhs_ref, *refs):
+    index_ref, refs = (refs[0], refs[1:]) if gathering else (None, refs)
     extra_refs, out_refs = refs[:num_extra], refs[num_extra:]
     ignore = lambda *_, **__: None
-    allocs = make_pipeline(ignore, ignore).get_allocations(
-        lhs_ref.at[pl.ds(0, bm)], *rhs_views(rhs_ref.at[0], 0))
+    piped_lhs = [] if gathering else [lhs_ref.at[pl.ds(0, bm)]]
+    allocs = make_pipeline(ignore, ignore).get_allocations(*piped_lhs, *rhs_views(rhs_ref.at[0], 0))
 
     def scope(pipeline_allocs, barriers, *scratch):
+      if gathering:
+        *scratch, lhs_rings = scratch
       wg = lax.axis_index("wg")
       is_compute = wg < NUM_CONSUMERS
 
@@ -185,9 +213,26 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
         epilogue.finish(wg_rows_of(m), col, accs, extra_refs, out_refs, my_scratch(),
                         my_barriers())
 
+      def gatherer(m):
+        """gather(kk): this warpgroup's rows of tile m, k step kk, into its ring slot kk % ring
+        (the slot is static in each branch: inline Mosaic GPU code takes static SMEM views)."""
+        def gather(kk):
+          for slot in range(ring):
+            @pl.when((kk < num_k) & (kk % ring == slot))
+            def _():
+              row_gather.issue_gather(lhs_ref.at[:, pl.ds(kk * bk, bk)], index_ref.at[wg_rows_of(m)],
+                                      lhs_rings.at[wg, slot], lhs.shape[0])
+          pl.when(kk >= num_k)(row_gather.commit_empty_group)
+        return gather
+
       def run_tile(m, col, expert, first, last):
+        gather = gatherer(m) if gathering else None
+
         def compute_context(eval_pipeline):
           prefetch(m, col)
+          if gathering:  # the ring's first ring - 1 steps, before the pipeline's first step
+            for kk in range(ring - 1):
+              gather(jnp.int32(kk))
 
           def acc_scope(*acc_refs):
             eval_pipeline(acc_refs)
@@ -195,9 +240,10 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
           finish(m, col, pl.run_scoped(acc_scope, *[plgpu.ACC((wg_rows, bn), _F32)] * num_rhs))
 
         def run_pipeline(state):
-          make_pipeline(mma, compute_context, state)(
-              lhs_ref.at[pl.ds(m * bm, bm)], *rhs_views(rhs_ref.at[expert], col),
-              allocations=pipeline_allocs)
+          step = gathered_lhs_step(gather, lhs_rings.at[wg]) if gathering else piped_lhs_step
+          piped = [] if gathering else [lhs_ref.at[pl.ds(m * bm, bm)]]
+          make_pipeline(step, compute_context, state)(
+              *piped, *rhs_views(rhs_ref.at[expert], col), allocations=pipeline_allocs)
 
         # One pipeline across this SM's tiles (START, STEADY..., STOP): the memory warpgroup
         # fetches the next tile's first blocks while the compute warpgroups finish this one.
@@ -223,15 +269,18 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
         plgpu.wait_smem_to_gmem(0)
 
     num_bars = max(1, NUM_CONSUMERS * epilogue.num_barriers)
+    rings = [plgpu.SMEM((NUM_CONSUMERS, ring, wg_rows, bk), lhs.dtype,
+                        transforms=row_gather.TILE_TRANSFORMS)] if gathering else []
     pl.run_scoped(scope, allocs, plgpu.Barrier(num_barriers=num_bars),
                   *[plgpu.SMEM((NUM_CONSUMERS, *shape), dt) for shape, dt in epilogue.scratch],
-                  collective_axes="wg")
+                  *rings, collective_axes="wg")
 
   kernel = plgpu.kernel(body, out_type=out_types, grid=(cfg_lib.num_sms(),), grid_names=("sm",),
                         num_threads=NUM_CONSUMERS + 1, thread_name="wg",
                         compiler_params=cfg_lib.compiler_params(),
                         interpret=cfg_lib.interpret_mode())
-  return kernel(tile_expert, lhs, rhs, *extra_inputs)
+  index = [gather_index.astype(jnp.int32)] if gathering else []
+  return kernel(tile_expert, lhs, rhs, *index, *extra_inputs)
 
 
 # ----------------------------------------------------------------------------- epilogues
@@ -313,16 +362,21 @@ def dswiglu_epilogue(cfg: TileConfig, n: int, out_dtype):
 
 # ----------------------------------------------------------------------------- kernels
 
-def up_proj(xg, w1, tile_expert, cfg: TileConfig = cfg_lib.UP_PROJ):
-  """H = Xg W1_e (both halves) and A = SwiGLU(H); Xg: [P, d] rows in slot order."""
-  num_slots = xg.shape[0]
+def up_proj(xg, w1, tile_expert, cfg: TileConfig = cfg_lib.UP_PROJ, gather_index=None):
+  """H = Xg W1_e (both halves) and A = SwiGLU(H); Xg: [P, d] rows in slot order, or with
+  gather_index (experimental, see varlen_m) X [T, d] and Xg = X[gather_index] gathered in the
+  kernel (off the GPU: by XLA first)."""
+  if gather_index is not None and cfg_lib.interpret_mode() is not None:
+    xg, gather_index = xg.at[gather_index].get(mode="fill", fill_value=0), None
+  num_slots = xg.shape[0] if gather_index is None else gather_index.shape[0]
   n = w1.shape[2] // 2
   num_cols = n // cfg.block_n
   out_types = (jax.ShapeDtypeStruct((num_slots, 2 * n), xg.dtype),
                jax.ShapeDtypeStruct((num_slots, n), xg.dtype))
   return varlen_m(xg, w1, tile_expert, (), col_blocks=lambda c: (c, num_cols + c),
                   num_col_tiles=num_cols, transpose_rhs=False,
-                  epilogue=swiglu_epilogue(cfg, n, xg.dtype), out_types=out_types, cfg=cfg)
+                  epilogue=swiglu_epilogue(cfg, n, xg.dtype), out_types=out_types, cfg=cfg,
+                  gather_index=gather_index)
 
 
 def _transposed_in_xla(rhs, transpose_rhs: bool):

@@ -48,9 +48,10 @@ def _swizzled_chunk_offset(row, chunk):
                     arith.muli(swizzled, c(CHUNK_BYTES)))
 
 
-def _issue_row_copies(num_source_rows, _, x_ref, index_ref, tile_ref):
-  """Every thread: its 8 chunks (one per pass of 16 rows) via cp.async, then wait for them.
-  An index outside [0, num_source_rows) copies 0 bytes of row 0: cp.async zero-fills."""
+def _issue_row_copies(num_source_rows, num_rows, _, x_ref, index_ref, tile_ref):
+  """Every thread of the warpgroup: its num_rows / 16 chunks (one per pass of 16 rows) by
+  cp.async, committed as one group. An index outside [0, num_source_rows) copies 0 bytes of
+  row 0: cp.async zero-fills the chunk."""
   i32 = ir.IntegerType.get_signless(32)
   i64 = ir.IntegerType.get_signless(64)
   i8 = ir.IntegerType.get_signless(8)
@@ -61,7 +62,7 @@ def _issue_row_copies(num_source_rows, _, x_ref, index_ref, tile_ref):
   row_stride_bytes = ir.MemRefType(x_ref.type).get_strides_and_offset()[0][0] * 2
   x_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(x_ref))
   tile_base = mgpu_utils.memref_ptr(tile_ref)
-  for j in range(BLOCK_ROWS // ROWS_PER_PASS):
+  for j in range(num_rows // ROWS_PER_PASS):
     row = arith.addi(first_row, c(j * ROWS_PER_PASS))
     token = memref.load(index_ref, [arith.index_cast(ir.IndexType.get(), row)])
     valid = arith.cmpi(arith.CmpIPredicate.ult, token, c(num_source_rows))
@@ -73,7 +74,39 @@ def _issue_row_copies(num_source_rows, _, x_ref, index_ref, tile_ref):
     nvvm.cp_async_shared_global(dst, src, CHUNK_BYTES, nvvm.LoadCacheModifierKind.CG,
                                 cp_size=arith.select(valid, c(CHUNK_BYTES), c(0)))
   nvvm.cp_async_commit_group()
-  nvvm.cp_async_wait_group(0)
+
+
+TILE_TRANSFORMS = (plgpu.TilingTransform((8, BLOCK_COLS)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+def issue_gather(x_ref, index_ref, tile_ref, num_source_rows: int):
+  """From one warpgroup: tile_ref[r] = x_ref[index_ref[r]] (zeros for indices outside
+  [0, num_source_rows)) by cp.async, as one commit group; wait with wait_gathers.
+
+  x_ref: a GMEM [N, 64] 16-bit column block; index_ref: a GMEM [rows] int32 slice;
+  tile_ref: an SMEM [rows, 64] tile with TILE_TRANSFORMS, rows a multiple of 16."""
+  num_rows = tile_ref.shape[0]
+  if num_rows % ROWS_PER_PASS or tile_ref.shape[1] != BLOCK_COLS:
+    raise ValueError(f"row_gather: tile must be [16k, {BLOCK_COLS}]; got {tile_ref.shape}")
+  copy = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(TILE_TRANSFORMS)))
+  copy(functools.partial(_issue_row_copies, num_source_rows, num_rows))(x_ref, index_ref, tile_ref)
+
+
+def commit_empty_group():
+  """A commit group with no copies (keeps a fixed number of groups per pipeline step)."""
+  @plgpu.inline_mgpu()
+  def commit(_):
+    nvvm.cp_async_commit_group()
+  commit()
+
+
+def wait_gathers(outstanding: int):
+  """Waits until at most `outstanding` of this thread's gather groups are in flight; follow
+  with plgpu.commit_smem() before a wgmma or TMA store reads the tiles."""
+  @plgpu.inline_mgpu()
+  def wait(_):
+    nvvm.cp_async_wait_group(outstanding)
+  wait()
 
 
 def unsupported(x, index):
@@ -97,19 +130,15 @@ def gather_rows(x, index):
   num_rows, width = index.shape[0], x.shape[1]
   padded = pl.cdiv(num_rows, BLOCK_ROWS) * BLOCK_ROWS
   index = jnp.pad(index.astype(jnp.int32), (0, padded - num_rows))
-  tile = plgpu.SMEM((BLOCK_ROWS, BLOCK_COLS), x.dtype,
-                    transforms=(plgpu.TilingTransform((8, BLOCK_COLS)), plgpu.SwizzleTransform(SWIZZLE)))
+  tile = plgpu.SMEM((BLOCK_ROWS, BLOCK_COLS), x.dtype, transforms=TILE_TRANSFORMS)
 
   def body(x_gmem, index_gmem, out_gmem):
     rows = pl.ds(jax.lax.axis_index("rows") * BLOCK_ROWS, BLOCK_ROWS)
     cols = pl.ds(jax.lax.axis_index("cols") * BLOCK_COLS, BLOCK_COLS)
 
     def scoped(tile_smem):
-      copy = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(),
-                                          plgpu.RefType((plgpu.TilingTransform((8, BLOCK_COLS)),
-                                                         plgpu.SwizzleTransform(SWIZZLE)))))
-      copy(functools.partial(_issue_row_copies, x.shape[0]))(x_gmem.at[:, cols], index_gmem.at[rows],
-                                                             tile_smem)
+      issue_gather(x_gmem.at[:, cols], index_gmem.at[rows], tile_smem, x.shape[0])
+      wait_gathers(0)
       plgpu.commit_smem()   # the cp.async writes, visible to the TMA store (async proxy)
       plgpu.copy_smem_to_gmem(tile_smem, out_gmem.at[rows, cols])
       plgpu.wait_smem_to_gmem(0)
