@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 import sonicmoe_jax as sm
 from benchmarks import configs as C
+from pallas_kernels import config as pallas_config
 
 WEIGHT_ARGS = ("argument wr", "argument w1", "argument w2")
 
@@ -261,14 +262,17 @@ def main(argv=None):
   p.add_argument("--tiny", action="store_true", help="one tiny config (CPU smoke run)")
   p.add_argument("--out", default="benchmarks/results/latest")
   p.add_argument("--torch-timeout", type=int, default=3000, help="seconds for the torch subprocess")
+  p.add_argument("--pallas-gather", choices=("xla", "kernel"), default="xla",
+                 help="pallas: gather rows by XLA first (default) or inside the kernels (experimental)")
   a = p.parse_args(argv)
+  pallas_config.GATHER_IN_KERNEL = a.pallas_gather == "kernel"
 
   cases = dict(C.TINY) if a.tiny else {c: C.ANCHORS[c] for c in a.configs.split(",") if c}
   cases.update(C.parse_config(c) for c in a.custom)
   impls = a.impls.split(",") if a.impls else available_impls()
   dev = jax.devices()[0]
   meta = dict(gpu=dev.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              versions=versions())
+              versions=versions(), pallas_gather=a.pallas_gather)
   print(f"devices {jax.devices()} | {meta['versions']} | impls {impls}", flush=True)
   os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
   records = []

@@ -22,6 +22,11 @@ class TileConfig:
   stages: int = 4
 
 
+# EXPERIMENTAL (not yet run on a GPU): gather X / dO rows inside the up-projection and dH
+# kernels by cp.async (grouped_gemm.varlen_m's gather_index) instead of an XLA gather first.
+# benchmarks.bench --pallas-gather kernel turns it on for a run; make it the default once measured.
+GATHER_IN_KERNEL = False
+
 UP_PROJ = TileConfig(block_n=64)     # two accumulators (gate, up): 2 x 128x64 fp32
 MATMUL = TileConfig(block_n=128)     # down-projection and dX~
 DH = TileConfig(block_n=64)          # one accumulator plus the heavy dSwiGLU epilogue

@@ -362,12 +362,18 @@ def dswiglu_epilogue(cfg: TileConfig, n: int, out_dtype):
 
 # ----------------------------------------------------------------------------- kernels
 
+def _gather_off_gpu(rows, gather_index):
+  """Interpret mode cannot run the in-kernel gather (inline Mosaic GPU code): gather in XLA."""
+  if gather_index is not None and cfg_lib.interpret_mode() is not None:
+    return rows.at[gather_index].get(mode="fill", fill_value=0), None
+  return rows, gather_index
+
+
 def up_proj(xg, w1, tile_expert, cfg: TileConfig = cfg_lib.UP_PROJ, gather_index=None):
   """H = Xg W1_e (both halves) and A = SwiGLU(H); Xg: [P, d] rows in slot order, or with
   gather_index (experimental, see varlen_m) X [T, d] and Xg = X[gather_index] gathered in the
-  kernel (off the GPU: by XLA first)."""
-  if gather_index is not None and cfg_lib.interpret_mode() is not None:
-    xg, gather_index = xg.at[gather_index].get(mode="fill", fill_value=0), None
+  kernel."""
+  xg, gather_index = _gather_off_gpu(xg, gather_index)
   num_slots = xg.shape[0] if gather_index is None else gather_index.shape[0]
   n = w1.shape[2] // 2
   num_cols = n // cfg.block_n
@@ -396,10 +402,12 @@ def matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool, cfg: TileConfig = cfg_
                   epilogue=store_epilogue(cfg, lhs.dtype), out_types=out_type, cfg=cfg)
 
 
-def dh(dout_g, w2, h, scores, tile_expert, cfg: TileConfig = cfg_lib.DH):
+def dh(dout_g, w2, h, scores, tile_expert, cfg: TileConfig = cfg_lib.DH, gather_index=None):
   """dA' = dOg W2_e^T fused with dSwiGLU: returns dH [P, 2n], A' [P, n], dS partials
-  [n // block_n, P] fp32 (sum over axis 0 gives dS)."""
-  num_slots = dout_g.shape[0]
+  [n // block_n, P] fp32 (sum over axis 0 gives dS). dOg: [P, d] rows in slot order, or with
+  gather_index (experimental) dO [T, d] gathered in the kernel."""
+  dout_g, gather_index = _gather_off_gpu(dout_g, gather_index)
+  num_slots = h.shape[0]
   n = w2.shape[1]
   num_cols = n // cfg.block_n
   out_types = (jax.ShapeDtypeStruct((num_slots, 2 * n), h.dtype),
@@ -408,4 +416,5 @@ def dh(dout_g, w2, h, scores, tile_expert, cfg: TileConfig = cfg_lib.DH):
   w2, transpose = _transposed_in_xla(w2, True)
   return varlen_m(dout_g, w2, tile_expert, (h, scores.astype(_F32)), col_blocks=lambda c: (c,),
                   num_col_tiles=num_cols, transpose_rhs=transpose,
-                  epilogue=dswiglu_epilogue(cfg, n, h.dtype), out_types=out_types, cfg=cfg)
+                  epilogue=dswiglu_epilogue(cfg, n, h.dtype), out_types=out_types, cfg=cfg,
+                  gather_index=gather_index)

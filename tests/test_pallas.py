@@ -259,3 +259,47 @@ def test_up_proj_with_gather_in_kernel_on_gpu(shape):
   fused = jax.jit(lambda x, w, i, t: grouped_gemm.up_proj(x, w, t, gather_index=i))
   for got, want in zip(fused(x, w1, plan.token_index, tiles), jax.jit(grouped_gemm.up_proj)(xg, w1, tiles)):
     np.testing.assert_array_equal(got, want)
+
+
+def test_dh_with_gather_in_kernel_lowers_for_cuda():
+  from pallas_kernels import grouped_gemm
+  x, w1, plan, tiles = _up_proj_case(256, 128, 64, 4, 2)
+  h, _ = grouped_gemm.up_proj(x, w1, tiles, gather_index=plan.token_index)
+  dout = x  # any [T, d] rows
+  w2 = jnp.swapaxes(w1[:, :, :64], 1, 2)  # [E, n, d]
+  dout_g = dout.at[plan.token_index].get(mode="fill", fill_value=0)
+  for got, want in zip(grouped_gemm.dh(dout, w2, h, plan.scores, tiles, gather_index=plan.token_index),
+                       grouped_gemm.dh(dout_g, w2, h, plan.scores, tiles)):
+    np.testing.assert_array_equal(got, want)
+  with config.lowering_for_gpu():
+    exported = jax.export.export(
+        jax.jit(lambda d, w, h, s, i, t: grouped_gemm.dh(d, w, h, s, t, gather_index=i)),
+        platforms=("cuda",))(*[jax.ShapeDtypeStruct(a.shape, a.dtype)
+                               for a in (dout, w2, h, plan.scores, plan.token_index, tiles)])
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_layer_with_gather_in_kernel_flag_matches(monkeypatch):
+  # the flag routes up_proj and dh through gather_index (XLA-gathered off the GPU)
+  T, d, n, E, K = 128, 128, 64, 8, 2
+  args = make_inputs(5, T, d, n, E, jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(6), (T, d))
+  out_a, g_a = _grads("pallas", args, cot, k=K)
+  monkeypatch.setattr(config, "GATHER_IN_KERNEL", True)
+  out_b, g_b = _grads("pallas", args, cot, k=K)
+  np.testing.assert_array_equal(out_a, out_b)
+  for a, b in zip(g_a, g_b):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+def test_layer_with_gather_in_kernel_on_gpu(monkeypatch):
+  T, d, n, E, K = 4096, 1024, 256, 32, 4
+  args = make_inputs(9, T, d, n, E, jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(10), (T, d))
+  out_a, g_a = _grads("pallas", args, cot, k=K)
+  monkeypatch.setattr(config, "GATHER_IN_KERNEL", True)
+  out_b, g_b = _grads("pallas", args, cot, k=K)
+  np.testing.assert_array_equal(out_a, out_b)
+  for a, b in zip(g_a, g_b):
+    np.testing.assert_array_equal(a, b)
