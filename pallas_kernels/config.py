@@ -33,6 +33,14 @@ DH = TileConfig(block_n=64)          # one accumulator plus the heavy dSwiGLU ep
 WEIGHT_GRAD = TileConfig(block_m=128, block_n=128, block_k=64)
 
 
+def swizzled_tile(row_elems: int, dtype):
+  """SMEM transforms for [rows, row_elems] tiles that wgmma layouts and TMA read without bank
+  conflicts: (8, w) tiles with the widest swizzle (128, 64 or 32 bytes) dividing a row."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = next(s for s in (128, 64, 32) if row_elems * itemsize % s == 0)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
 def unsupported(dtype, d: int, n: int):
   """Why these kernels cannot run a layer of this dtype and widths, or None."""
   if not any(jnp.dtype(dtype) == jnp.dtype(t) for t in SUPPORTED_DTYPES):

@@ -35,6 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import config as cfg_lib
 from pallas_kernels import row_gather
 from pallas_kernels.config import TileConfig
+from sonicmoe_jax import xla_ops
 
 _F32 = jnp.float32
 NUM_CONSUMERS = 2           # compute warpgroups per CTA, splitting the tile's rows
@@ -365,7 +366,7 @@ def dswiglu_epilogue(cfg: TileConfig, n: int, out_dtype):
 def _gather_off_gpu(rows, gather_index):
   """Interpret mode cannot run the in-kernel gather (inline Mosaic GPU code): gather in XLA."""
   if gather_index is not None and cfg_lib.interpret_mode() is not None:
-    return rows.at[gather_index].get(mode="fill", fill_value=0), None
+    return xla_ops.gather_rows(rows, gather_index), None
   return rows, gather_index
 
 

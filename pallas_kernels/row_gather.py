@@ -34,7 +34,6 @@ CHUNK_BYTES = 16                         # one cp.async
 CHUNKS_PER_ROW = BLOCK_COLS * 2 // CHUNK_BYTES   # 8
 THREADS = 128
 ROWS_PER_PASS = THREADS // CHUNKS_PER_ROW        # 16
-SWIZZLE = 128
 
 
 def _swizzled_chunk_offset(row, chunk):
@@ -76,7 +75,7 @@ def _issue_row_copies(num_source_rows, num_rows, _, x_ref, index_ref, tile_ref):
   nvvm.cp_async_commit_group()
 
 
-TILE_TRANSFORMS = (plgpu.TilingTransform((8, BLOCK_COLS)), plgpu.SwizzleTransform(SWIZZLE))
+TILE_TRANSFORMS = cfg_lib.swizzled_tile(BLOCK_COLS, jnp.bfloat16)   # (8, 64) tiles, 128B swizzle
 
 
 def issue_gather(x_ref, index_ref, tile_ref, num_source_rows: int):

@@ -48,15 +48,10 @@ def _key_value(key):
 
 
 def _smem(shape, dtype):
-  """An SMEM tile the wgmma layout can load and store without bank conflicts: swizzled with
-  the widest swizzle (32, 64 or 128 bytes) that divides its rows (4-byte elements here)."""
+  """An SMEM tile the wgmma layout loads and stores without bank conflicts (swizzled)."""
   if cfg_lib.interpret_mode() is not None:
     return plgpu.SMEM(shape, dtype)
-  row_bytes = shape[1] * jnp.dtype(dtype).itemsize
-  swizzle = next(s for s in (128, 64, 32) if row_bytes % s == 0)
-  elems = swizzle // jnp.dtype(dtype).itemsize
-  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)),
-                                              plgpu.SwizzleTransform(swizzle)))
+  return plgpu.SMEM(shape, dtype, transforms=cfg_lib.swizzled_tile(shape[1], dtype))
 
 
 def _iota(shape, dim):

@@ -216,6 +216,7 @@ def _ep_layer(x, router_w, w1, w2, rng, *, ops, k, expert_axis, token_axes, capa
   if rng is not None:  # a different stochastic-rounding draw on every token shard
     for a in token_axes:
       rng = jax.random.fold_in(rng, jax.lax.axis_index(a))
+  # XLA's top_k here, not ops.top_k: Pallas outputs carry no varying-axis type under shard_map
   plan, stats = routing.route(logits, k=k, rng=rng, **route_kw)
   capacity = plan.num_slots if capacity_factor is None else max(
       1, int(capacity_factor * plan.num_slots / ep + 0.999))
