@@ -9,7 +9,9 @@ Impls: xla, pallas, cute (our layer, by backend), lax_ragged_dot and tokamax (th
 by plain autodiff over jax.lax.ragged_dot / tokamax.ragged_dot), torch_sonicmoe (PyPI sonic-moe,
 run in a subprocess when importable), dense (a bf16 matmul chain of equal FLOPs: the ceiling).
 Each record: impl, config, T, d, n, E, K, fwd_ms, bwd_ms, fwd_bwd_ms, fwd_tflops,
-fwd_bwd_tflops, act_bytes, status, gpu, date, versions. Failures are rows, not crashes.
+fwd_bwd_tflops, act_bytes (what the layer keeps for the backward), step_bytes (the memory a
+forward+backward step needs beyond its inputs: temporaries at their peak plus gradients), status,
+gpu, date, versions. Failures are rows, not crashes.
 """
 from __future__ import annotations
 
@@ -107,7 +109,18 @@ def measure(fn, args, dout, iters, reps):
   fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
   t_f = time_ms(fwd, args, iters, reps)
   t_fb = time_ms(fwd_bwd, args, iters, reps)
-  return t_f, t_fb
+  return t_f, t_fb, step_bytes(fwd_bwd, args)
+
+
+def step_bytes(jitted, args):
+  """Device memory one forward+backward step needs beyond its inputs: XLA's temporaries at
+  their peak plus the gradients it returns (compiled memory analysis), or None where the
+  backend gives none. Unlike act_bytes this sees what XLA itself keeps from the forward to
+  the backward (for example a gather it shares between them)."""
+  stats = jitted.lower(*args).compile().memory_analysis()
+  if stats is None:
+    return None
+  return stats.temp_size_in_bytes + stats.output_size_in_bytes
 
 
 def impl_fn(impl, K, rounding, tile):
@@ -139,12 +152,12 @@ def run_case(impl, name, cfg, args_ns, meta):
   T, d, n, E, K = cfg
   rec = dict(impl=impl, config=name, T=T, d=d, n=n, E=E, K=K, fwd_ms=None, bwd_ms=None,
              fwd_bwd_ms=None, fwd_tflops=None, fwd_bwd_tflops=None, act_bytes=None,
-             status="ok", rounding=args_ns.rounding, **meta)
+             step_bytes=None, status="ok", rounding=args_ns.rounding, **meta)
   try:
     fn = impl_fn(impl, K, args_ns.rounding, args_ns.tile)
     args, dout = make_args(T, d, n, E, K)
-    t_f, t_fb = measure(fn, args, dout, args_ns.iters, args_ns.reps)
-    rec.update(fwd_ms=t_f, fwd_bwd_ms=t_fb, bwd_ms=t_fb - t_f,
+    t_f, t_fb, step = measure(fn, args, dout, args_ns.iters, args_ns.reps)
+    rec.update(fwd_ms=t_f, fwd_bwd_ms=t_fb, bwd_ms=t_fb - t_f, step_bytes=step,
                fwd_tflops=C.fwd_flops(*cfg) / t_f / 1e9,
                fwd_bwd_tflops=C.fwd_bwd_flops(*cfg) / t_fb / 1e9)
     if impl != "dense":
@@ -175,7 +188,8 @@ def run_torch(names, cfgs, meta, timeout_s):
   for r, (nm, cfg) in zip(recs, zip(names, cfgs)):
     T, d, n, E, K = cfg
     r.update(meta, config=nm, T=T, d=d, n=n, E=E, K=K)
-    for key in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "act_bytes"):
+    for key in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "act_bytes",
+                "step_bytes"):
       r.setdefault(key, None)
     if r.get("fwd_ms"):
       r["fwd_tflops"] = C.fwd_flops(*cfg) / r["fwd_ms"] / 1e9
@@ -211,13 +225,13 @@ def fmt(v, spec):
 
 def table(records):
   lines = [f"{'config':12s} {'impl':15s} {'fwd ms':>9s} {'fwd TF/s':>9s} {'f+b ms':>9s} "
-           f"{'f+b TF/s':>9s} {'act MiB':>9s}  status"]
+           f"{'f+b TF/s':>9s} {'act MiB':>9s} {'step MiB':>9s}  status"]
+  mib = lambda v: v / 2**20 if v else None
   for r in records:
-    act = r.get("act_bytes")
     lines.append(f"{r['config']:12s} {r['impl']:15s} {fmt(r.get('fwd_ms'), '9.3f')} "
                  f"{fmt(r.get('fwd_tflops'), '9.0f')} {fmt(r.get('fwd_bwd_ms'), '9.3f')} "
-                 f"{fmt(r.get('fwd_bwd_tflops'), '9.0f')} "
-                 f"{fmt(act / 2**20 if act else None, '9.1f')}  {r['status'][:60]}")
+                 f"{fmt(r.get('fwd_bwd_tflops'), '9.0f')} {fmt(mib(r.get('act_bytes')), '9.1f')} "
+                 f"{fmt(mib(r.get('step_bytes')), '9.1f')}  {r['status'][:60]}")
   return "\n".join(lines)
 
 
@@ -262,10 +276,10 @@ def main(argv=None):
   p.add_argument("--tiny", action="store_true", help="one tiny config (CPU smoke run)")
   p.add_argument("--out", default="benchmarks/results/latest")
   p.add_argument("--torch-timeout", type=int, default=3000, help="seconds for the torch subprocess")
-  p.add_argument("--pallas-gather", choices=("xla", "kernel"), default="xla",
-                 help="pallas: gather rows by XLA first (default) or inside the kernels (experimental)")
+  p.add_argument("--pallas-gather", choices=("kernel", "xla"), default="kernel",
+                 help="pallas up-projection: gather X's rows inside the kernel (default) or by XLA")
   a = p.parse_args(argv)
-  pallas_config.GATHER_IN_KERNEL = a.pallas_gather == "kernel"
+  pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
 
   cases = dict(C.TINY) if a.tiny else {c: C.ANCHORS[c] for c in a.configs.split(",") if c}
   cases.update(C.parse_config(c) for c in a.custom)

@@ -49,7 +49,9 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
   top_logits, top_experts = topk(logits)
   scores = routing._score_matrix(logits, top_logits, "softmax_topk", False)
   plan_only = jax.jit(lambda s, e: routing._topk_plan(s, e, ops.align))
-  experimental = lambda rows: rows if backend == "pallas" else []  # kernels not yet defaults
+  pallas_only = lambda rows: rows if backend == "pallas" else []
+  up_proj_tiles = lambda **kw: jax.jit(lambda x, w1: grouped_gemm.up_proj(
+      x, w1, pallas_ops.tiles(plan), **kw))
   rows = [
       ("routing plan", route, (x, wr), None, T * d * bf + d * E * bf),
       (f"  of which top_k ({backend})", topk, (logits,), None, T * E * 4),
@@ -57,14 +59,14 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
       ("  of which sort, counts, slots", plan_only, (scores, top_experts), None, T * K * 4 * 2),
       ("gather X rows (xla)", jax.jit(lambda x: xla_ops.gather_rows(x, plan.token_index)), (x,), None,
        2 * P * d * bf),
-      *experimental([("gather X rows (pallas cp.async, experimental)",
+      *pallas_only([("gather X rows (pallas cp.async)",
                       jax.jit(lambda x: row_gather.gather_rows(x, plan.token_index)), (x,), None,
                       2 * P * d * bf)]),
       ("up_proj (+ gather X)", jax.jit(ops.up_proj), (x, w1, plan), (P, d, 2 * n), None),
-      *experimental([("up_proj (gather in kernel, experimental)",
-                      jax.jit(lambda x, w1: grouped_gemm.up_proj(x, w1, pallas_ops.tiles(plan),
-                                                                 gather_index=plan.token_index)),
-                      (x, w1), (P, d, 2 * n), None)]),
+      *pallas_only([("  up_proj (gather in kernel)", up_proj_tiles(gather_index=plan.token_index),
+                     (x, w1), (P, d, 2 * n), None),
+                    ("  up_proj (on rows gathered first)", up_proj_tiles(),
+                     (xla_ops.gather_rows(x, plan.token_index), w1), (P, d, 2 * n), None)]),
       ("down_proj", jax.jit(ops.down_proj), (a, w2, plan), (P, n, d), None),
       ("aggregate", jax.jit(ops.aggregate), (y, plan.scores, plan), None, P * d * bf + T * d * bf),
       ("  (as a sorted segment_sum)", jax.jit(segment_sum_aggregate), (y, plan.scores, plan), None,

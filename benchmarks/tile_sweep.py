@@ -1,5 +1,6 @@
 """Tile-configuration sweep of the Pallas varlen-M kernels (up_proj, down_proj, dx_tilde, dh)
-on the GPU, on pre-gathered inputs of an anchor config's routing plan.
+on the GPU, on pre-gathered inputs of an anchor config's routing plan (up_proj_gather: the
+up-projection gathering X's rows in the kernel).
 
   python -m benchmarks.tile_sweep --configs 30B-n256,7B-n256
 
@@ -38,11 +39,13 @@ def kernels(x, w1, w2, dout, plan, pairs):
   n = w2.shape[1]
   jit = lambda f: jax.jit(f, static_argnums=0)
   up = jit(lambda c, xg, w1, t: grouped_gemm.up_proj(xg, w1, t, c))
+  up_gather = jit(lambda c, x, w1, i, t: grouped_gemm.up_proj(x, w1, t, c, gather_index=i))
   mm = jit(lambda c, lhs, rhs, t: grouped_gemm.matmul(lhs, rhs, t, transpose_rhs=False, cfg=c))
   mm_t = jit(lambda c, lhs, rhs, t: grouped_gemm.matmul(lhs, rhs, t, transpose_rhs=True, cfg=c))
   dh = jit(lambda c, dg, w2, h, s, t: grouped_gemm.dh(dg, w2, h, s, t, c))
   return {  # name -> (fn(cfg, *args), args, model FLOPs, contraction length)
       "up_proj": (up, (xg, w1, tiles), 2 * P * d * 2 * n, d),
+      "up_proj_gather": (up_gather, (x, w1, plan.token_index, tiles), 2 * P * d * 2 * n, d),
       "down_proj": (mm, (a, w2, tiles), 2 * P * n * d, n),
       "dx_tilde": (mm_t, (h, w1, tiles), 2 * P * 2 * n * d, 2 * n),
       "dh": (dh, (dg, w2, h, plan.scores, tiles), 2 * P * n * d, d),

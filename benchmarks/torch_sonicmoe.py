@@ -64,6 +64,16 @@ def main():
       torch.cuda.synchronize()
       rec["act_bytes"] = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
       del out
+      # step_bytes: the peak one forward+backward allocates beyond its inputs (gradients included)
+      x.grad = None
+      for prm in layer.parameters():
+        prm.grad = None
+      torch.cuda.synchronize()
+      torch.cuda.reset_peak_memory_stats()
+      base = torch.cuda.memory_allocated()
+      fwd_bwd()
+      torch.cuda.synchronize()
+      rec["step_bytes"] = torch.cuda.max_memory_allocated() - base
     except Exception as e:
       rec["status"] = f"{type(e).__name__}: {str(e)[:300]}"
     print(json.dumps(rec), flush=True)

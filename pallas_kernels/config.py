@@ -22,15 +22,25 @@ class TileConfig:
   stages: int = 4
 
 
-# EXPERIMENTAL (not yet run on a GPU): gather X / dO rows inside the up-projection and dH
-# kernels by cp.async (grouped_gemm.varlen_m's gather_index) instead of an XLA gather first.
-# benchmarks.bench --pallas-gather kernel turns it on for a run; make it the default once measured.
-GATHER_IN_KERNEL = False
+# The up-projection gathers X's rows inside the kernel by cp.async (grouped_gemm.varlen_m's
+# gather_index): no gathered copy of X in HBM, so none for XLA to keep from the forward to the
+# backward either. H200 (benchmarks/results/2026-11-29-h200-session5), up_proj ms with its
+# gather, 7B-n256 / 30B-n256 / 7B-n1024 / 120B-n1024 / olmoe: in the kernel at block_n 128,
+# 2 stages 0.69 / 4.24 / 0.67 / 8.26 / 4.04; XLA gather + TMA kernel 1.03 / 5.92 / ~0.66 /
+# ~9.0 / ~4.2. False gathers by XLA first (benchmarks.bench --pallas-gather xla).
+UP_PROJ_GATHER_IN_KERNEL = True
 
 UP_PROJ = TileConfig(block_n=64)     # two accumulators (gate, up): 2 x 128x64 fp32
 MATMUL = TileConfig(block_n=128)     # down-projection and dX~
 DH = TileConfig(block_n=64)          # one accumulator plus the heavy dSwiGLU epilogue
 WEIGHT_GRAD = TileConfig(block_m=128, block_n=128, block_k=64)
+
+
+def up_proj_gather_tiles(n: int) -> TileConfig:
+  """The up-projection's tiling when it gathers X's rows (their ring of tiles is in SMEM too):
+  block_n 128 with 2 stages measured fastest (see UP_PROJ_GATHER_IN_KERNEL); 64 with 4 stages
+  when n is not a multiple of 128."""
+  return TileConfig(block_n=128, stages=2) if n % 128 == 0 else TileConfig(block_n=64, stages=4)
 
 
 def swizzled_tile(row_elems: int, dtype):

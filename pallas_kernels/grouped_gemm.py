@@ -13,6 +13,9 @@ Tiling (one work item = one block_m x block_n output tile):
               warpgroups each own block_m / NUM_CONSUMERS rows of the tile:
                 acc_j[rows of wg] += lhs[rows of wg, kk] @ rhs_e[kk, col_j]
               (one accumulator per rhs column block; the up-projection uses two: gate and up)
+  gather    : with gather_index (the up-projection), lhs rows are not in the TMA pipeline:
+              each compute warpgroup cp.async-copies its rows lhs[gather_index[r], kk] into a
+              ring of `stages` swizzled tiles, stages - 1 k steps ahead (row_gather.py)
   epilogue  : per compute warpgroup on its rows: `prefetch` (loads the epilogue needs, issued
               before the mainloop so they overlap it) and `finish` (math and TMA stores; the
               stores drain while the next tile's mainloop runs)
@@ -120,7 +123,7 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
              cfg: TileConfig, gather_index=None):
   """Runs the persistent warp-specialized grouped GEMM (see the module docstring).
 
-  gather_index (EXPERIMENTAL, GPU only, not yet run): lhs is then the source [N, K] and slot
+  gather_index (GPU only): lhs is then the source [N, K] and slot
   row r reads lhs[gather_index[r]]. Each compute warpgroup gathers its own rows by cp.async
   (row_gather.py) into a ring of `stages` swizzled tiles, stages - 1 k steps ahead of its
   wgmma; only the rhs goes through the TMA pipeline."""
@@ -372,8 +375,7 @@ def _gather_off_gpu(rows, gather_index):
 
 def up_proj(xg, w1, tile_expert, cfg: TileConfig = cfg_lib.UP_PROJ, gather_index=None):
   """H = Xg W1_e (both halves) and A = SwiGLU(H); Xg: [P, d] rows in slot order, or with
-  gather_index (experimental, see varlen_m) X [T, d] and Xg = X[gather_index] gathered in the
-  kernel."""
+  gather_index (see varlen_m) X [T, d] and Xg = X[gather_index] gathered in the kernel."""
   xg, gather_index = _gather_off_gpu(xg, gather_index)
   num_slots = xg.shape[0] if gather_index is None else gather_index.shape[0]
   n = w1.shape[2] // 2
@@ -403,11 +405,9 @@ def matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool, cfg: TileConfig = cfg_
                   epilogue=store_epilogue(cfg, lhs.dtype), out_types=out_type, cfg=cfg)
 
 
-def dh(dout_g, w2, h, scores, tile_expert, cfg: TileConfig = cfg_lib.DH, gather_index=None):
+def dh(dout_g, w2, h, scores, tile_expert, cfg: TileConfig = cfg_lib.DH):
   """dA' = dOg W2_e^T fused with dSwiGLU: returns dH [P, 2n], A' [P, n], dS partials
-  [n // block_n, P] fp32 (sum over axis 0 gives dS). dOg: [P, d] rows in slot order, or with
-  gather_index (experimental) dO [T, d] gathered in the kernel."""
-  dout_g, gather_index = _gather_off_gpu(dout_g, gather_index)
+  [n // block_n, P] fp32 (sum over axis 0 gives dS). dOg: [P, d] rows in slot order."""
   num_slots = h.shape[0]
   n = w2.shape[1]
   num_cols = n // cfg.block_n
@@ -417,5 +417,4 @@ def dh(dout_g, w2, h, scores, tile_expert, cfg: TileConfig = cfg_lib.DH, gather_
   w2, transpose = _transposed_in_xla(w2, True)
   return varlen_m(dout_g, w2, tile_expert, (h, scores.astype(_F32)), col_blocks=lambda c: (c,),
                   num_col_tiles=num_cols, transpose_rhs=transpose,
-                  epilogue=dswiglu_epilogue(cfg, n, h.dtype), out_types=out_types, cfg=cfg,
-                  gather_index=gather_index)
+                  epilogue=dswiglu_epilogue(cfg, n, h.dtype), out_types=out_types, cfg=cfg)

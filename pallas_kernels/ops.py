@@ -2,9 +2,9 @@
 interpret mode off the GPU.
 
 The plan is aligned to BLOCK_M rows per expert (ALIGN) so every M tile has one expert. Rows of
-X and dO are gathered by XLA before the GEMMs (Hopper has no TMA row gather; the experimental
-config.GATHER_IN_KERNEL gathers them inside the up-projection and dH kernels instead); aggregation is
-XLA's gather-and-sum for now. Limits: bf16/f16 inputs, d a multiple of 128, n of 64.
+X are gathered inside the up-projection kernel by cp.async (Hopper has no TMA row gather;
+config.UP_PROJ_GATHER_IN_KERNEL); rows of dO, and of X for dW1, are gathered by XLA (inside the
+dH kernel it measured slower); aggregation is XLA's gather-and-sum. Limits: bf16/f16 inputs, d a multiple of 128, n of 64.
 """
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ def top_k(logits, k):
 def up_proj(x, w1, plan):
   config.check_operands("up_proj", x=x, w1=w1)
   config.check_dims(x.shape[1], w1.shape[2] // 2)
-  if config.GATHER_IN_KERNEL:
-    return grouped_gemm.up_proj(x, w1, tiles(plan), gather_index=plan.token_index)
+  if config.UP_PROJ_GATHER_IN_KERNEL:
+    return grouped_gemm.up_proj(x, w1, tiles(plan), config.up_proj_gather_tiles(w1.shape[2] // 2),
+                                gather_index=plan.token_index)
   return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, tiles(plan))
 
 
@@ -51,12 +52,8 @@ def down_proj(a, w2, plan):
 def dh(dout, w2, h, scores, plan):
   config.check_operands("dh", dout=dout, w2=w2, h=h)
   config.check_dims(w2.shape[2], w2.shape[1])
-  if config.GATHER_IN_KERNEL:
-    dh_, a_scaled, ds_parts = grouped_gemm.dh(dout, w2, h, scores, tiles(plan),
-                                              gather_index=plan.token_index)
-  else:
-    dh_, a_scaled, ds_parts = grouped_gemm.dh(xla_ops.gather_rows(dout, plan.token_index), w2, h,
-                                              scores, tiles(plan))
+  dh_, a_scaled, ds_parts = grouped_gemm.dh(xla_ops.gather_rows(dout, plan.token_index), w2, h,
+                                            scores, tiles(plan))
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
 
 

@@ -4,7 +4,7 @@ import json
 from benchmarks import bench
 
 KEYS = {"impl", "config", "T", "d", "n", "E", "K", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops",
-        "fwd_bwd_tflops", "act_bytes", "status", "gpu", "date", "versions"}
+        "fwd_bwd_tflops", "act_bytes", "step_bytes", "status", "gpu", "date", "versions"}
 
 
 def test_bench_tiny(tmp_path):
@@ -20,6 +20,9 @@ def test_bench_tiny(tmp_path):
   assert by_impl["nosuch"]["status"].startswith("ValueError")  # a failure is a row
   # our layer keeps less for backward than plain autodiff of the same math
   assert by_impl["xla"]["act_bytes"] < by_impl["lax_ragged_dot"]["act_bytes"]
+  # a step needs at least its gradients: x, router, w1, w2 in float32 here
+  T, d, n, E = (by_impl["xla"][k] for k in "TdnE")
+  assert by_impl["xla"]["step_bytes"] >= 4 * (T * d + d * E + E * d * 2 * n + E * n * d)
 
 
 def test_tile_sweep_custom_shape(tmp_path):

@@ -261,31 +261,16 @@ def test_up_proj_with_gather_in_kernel_on_gpu(shape):
     np.testing.assert_array_equal(got, want)
 
 
-def test_dh_with_gather_in_kernel_lowers_for_cuda():
-  from pallas_kernels import grouped_gemm
-  x, w1, plan, tiles = _up_proj_case(256, 128, 64, 4, 2)
-  h, _ = grouped_gemm.up_proj(x, w1, tiles, gather_index=plan.token_index)
-  dout = x  # any [T, d] rows
-  w2 = jnp.swapaxes(w1[:, :, :64], 1, 2)  # [E, n, d]
-  dout_g = dout.at[plan.token_index].get(mode="fill", fill_value=0)
-  for got, want in zip(grouped_gemm.dh(dout, w2, h, plan.scores, tiles, gather_index=plan.token_index),
-                       grouped_gemm.dh(dout_g, w2, h, plan.scores, tiles)):
-    np.testing.assert_array_equal(got, want)
-  with config.lowering_for_gpu():
-    exported = jax.export.export(
-        jax.jit(lambda d, w, h, s, i, t: grouped_gemm.dh(d, w, h, s, t, gather_index=i)),
-        platforms=("cuda",))(*[jax.ShapeDtypeStruct(a.shape, a.dtype)
-                               for a in (dout, w2, h, plan.scores, plan.token_index, tiles)])
-  assert "mosaic_gpu" in exported.mlir_module()
-
-
 def _layer_with_and_without_gather_in_kernel(monkeypatch, T, d, n, E, K, seed):
-  """The layer's output and gradients with config.GATHER_IN_KERNEL off and on: bitwise equal
-  (the same rows reach the same kernels)."""
+  """The layer's output and gradients with X's rows gathered by XLA and inside the
+  up-projection kernel (config.UP_PROJ_GATHER_IN_KERNEL), at one tiling: bitwise equal (the
+  same rows reach the same wgmmas)."""
   args = make_inputs(seed, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(seed + 1), (T, d))
+  monkeypatch.setattr(config, "up_proj_gather_tiles", lambda n: config.UP_PROJ)
+  monkeypatch.setattr(config, "UP_PROJ_GATHER_IN_KERNEL", False)
   out_a, g_a = _grads("pallas", args, cot, k=K)
-  monkeypatch.setattr(config, "GATHER_IN_KERNEL", True)
+  monkeypatch.setattr(config, "UP_PROJ_GATHER_IN_KERNEL", True)
   out_b, g_b = _grads("pallas", args, cot, k=K)
   np.testing.assert_array_equal(out_a, out_b)
   for a, b in zip(g_a, g_b):
@@ -293,7 +278,7 @@ def _layer_with_and_without_gather_in_kernel(monkeypatch, T, d, n, E, K, seed):
 
 
 def test_layer_with_gather_in_kernel_flag_matches(monkeypatch):
-  # off the GPU the flag's path gathers in XLA inside up_proj / dh: checks the plumbing
+  # off the GPU the in-kernel path gathers in XLA inside up_proj: checks the plumbing
   _layer_with_and_without_gather_in_kernel(monkeypatch, 128, 128, 64, 8, 2, seed=5)
 
 
