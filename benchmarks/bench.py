@@ -278,15 +278,19 @@ def main(argv=None):
   p.add_argument("--torch-timeout", type=int, default=3000, help="seconds for the torch subprocess")
   p.add_argument("--pallas-gather", choices=("kernel", "xla"), default="kernel",
                  help="pallas up-projection: gather X's rows inside the kernel (default) or by XLA")
+  p.add_argument("--pallas-dw1-gather", choices=("xla", "kernel"), default="xla",
+                 help="pallas dW1: gather X's rows by XLA (default) or inside the kernel (experimental)")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
+  pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
 
   cases = dict(C.TINY) if a.tiny else {c: C.ANCHORS[c] for c in a.configs.split(",") if c}
   cases.update(C.parse_config(c) for c in a.custom)
   impls = a.impls.split(",") if a.impls else available_impls()
   dev = jax.devices()[0]
   meta = dict(gpu=dev.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              versions=versions(), pallas_gather=a.pallas_gather)
+              versions=versions(), pallas_gather=a.pallas_gather,
+              pallas_dw1_gather=a.pallas_dw1_gather)
   print(f"devices {jax.devices()} | {meta['versions']} | impls {impls}", flush=True)
   os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
   records = []

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import sonicmoe_jax as sm
 from benchmarks import configs as C
 from benchmarks.bench import make_args, time_ms
-from pallas_kernels import grouped_gemm, row_gather
+from pallas_kernels import grouped_gemm, row_gather, weight_grad
 from pallas_kernels import ops as pallas_ops
 from sonicmoe_jax import routing, xla_ops
 
@@ -76,6 +76,10 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
       ("aggregate dX", jax.jit(lambda v: ops.aggregate(v, None, plan)), (dxt,), None,
        P * d * bf + T * d * bf),
       ("dw1 (+ gather X)", jax.jit(ops.dw1), (x, dh_, plan), (P, d, 2 * n), None),
+      *pallas_only([("  dw1 (gather in kernel, experimental)",
+                     jax.jit(lambda x, g: weight_grad.weight_grad(
+                         x, g, plan.group_offsets, E, x.dtype, gather_index=plan.token_index)),
+                     (x, dh_), (P, d, 2 * n), None)]),
       ("dw2 (+ gather dO)", jax.jit(ops.dw2), (a_s, dout, plan), (P, n, d), None),
   ]
   recs = []

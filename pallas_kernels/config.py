@@ -29,6 +29,11 @@ class TileConfig:
 # 2 stages 0.69 / 4.24 / 0.67 / 8.26 / 4.04; XLA gather + TMA kernel 1.03 / 5.92 / ~0.66 /
 # ~9.0 / ~4.2. False gathers by XLA first (benchmarks.bench --pallas-gather xla).
 UP_PROJ_GATHER_IN_KERNEL = True
+# EXPERIMENTAL (written after session 5's GPU budget, lowered for CUDA, not yet run): dW1 gathers
+# X's rows inside the weight-gradient kernel (weight_grad's gather_index) instead of XLA first.
+# benchmarks.bench --pallas-dw1-gather kernel turns it on for a run; make it the default once
+# measured correct and faster.
+DW1_GATHER_IN_KERNEL = False
 
 UP_PROJ = TileConfig(block_n=64)     # two accumulators (gate, up): 2 x 128x64 fp32
 MATMUL = TileConfig(block_n=128)     # down-projection and dX~

@@ -4,7 +4,8 @@ interpret mode off the GPU.
 The plan is aligned to BLOCK_M rows per expert (ALIGN) so every M tile has one expert. Rows of
 X are gathered inside the up-projection kernel by cp.async (Hopper has no TMA row gather;
 config.UP_PROJ_GATHER_IN_KERNEL); rows of dO, and of X for dW1, are gathered by XLA (inside the
-dH kernel it measured slower); aggregation is XLA's gather-and-sum. Limits: bf16/f16 inputs, d a multiple of 128, n of 64.
+dH kernel it measured slower; inside dW1's kernel it is written, config.DW1_GATHER_IN_KERNEL);
+aggregation is XLA's gather-and-sum. Limits: bf16/f16 inputs, d a multiple of 128, n of 64.
 """
 from __future__ import annotations
 
@@ -64,6 +65,9 @@ def dx_tilde(dh_, w1, plan):
 
 
 def dw1(x, dh_, plan):
+  if config.DW1_GATHER_IN_KERNEL:
+    return weight_grad.weight_grad(x, dh_, plan.group_offsets, plan.num_experts, x.dtype,
+                                   gather_index=plan.token_index)
   return weight_grad.weight_grad(xla_ops.gather_rows(x, plan.token_index), dh_,
                                  plan.group_offsets, plan.num_experts, x.dtype)
 

@@ -7,6 +7,10 @@ group_offsets[e] .. group_offsets[e+1] (padding rows are zero), so its pipeline 
 
 Tiling: work items (e, m tile of lhs columns, n tile of rhs columns) over a persistent loop;
   acc[bm, bn] += lhs[rows kk, m tile]^T @ rhs[rows kk, n tile], rows block_k at a time by TMA.
+With gather_index (dW1 on X itself, no gathered copy in HBM), lhs rows are not in the TMA
+pipeline: the warpgroup cp.async-copies lhs[gather_index[rows kk], m tile] as bm / 64 column
+blocks of [block_k, 64] into a ring of `stages` swizzled tiles, stages - 1 k steps ahead
+(row_gather.py), one accumulator [64, bn] per column block.
 """
 from __future__ import annotations
 
@@ -16,7 +20,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import config as cfg_lib
+from pallas_kernels import row_gather
 from pallas_kernels.config import TileConfig
+from sonicmoe_jax import xla_ops
+
+GATHER_COLS = row_gather.BLOCK_COLS   # lhs columns per gathered tile (128 bytes of bf16)
 
 
 def _store_tile(tile, dst):
@@ -31,8 +39,15 @@ def _store_tile(tile, dst):
 
 
 def weight_grad(lhs, rhs, group_offsets, num_experts: int, out_dtype,
-                cfg: TileConfig = cfg_lib.WEIGHT_GRAD):
-  """[E, lhs cols, rhs cols] in out_dtype (fp32 accumulation)."""
+                cfg: TileConfig = cfg_lib.WEIGHT_GRAD, gather_index=None):
+  """[E, lhs cols, rhs cols] in out_dtype (fp32 accumulation).
+
+  gather_index (GPU only; off the GPU it gathers in XLA first): lhs is then the source [N, m]
+  and slot row r reads lhs[gather_index[r]], zeros for indices outside [0, N)."""
+  if gather_index is not None and cfg_lib.interpret_mode() is not None:
+    lhs, gather_index = xla_ops.gather_rows(lhs, gather_index), None
+  if gather_index is not None:
+    return _gathered_weight_grad(lhs, rhs, gather_index, group_offsets, num_experts, out_dtype, cfg)
   num_slots, m_dim = lhs.shape
   n_dim = rhs.shape[1]
   bm = cfg.block_m if m_dim % cfg.block_m == 0 else 64
@@ -83,3 +98,80 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, out_dtype,
       grid=(cfg_lib.num_sms(),), grid_names=("sm",), compiler_params=cfg_lib.compiler_params(),
       interpret=cfg_lib.interpret_mode())
   return kernel(group_offsets.astype(jnp.int32), lhs, rhs)
+
+
+def _gathered_weight_grad(source, rhs, gather_index, group_offsets, num_experts, out_dtype,
+                          cfg: TileConfig):
+  """weight_grad with lhs = source[gather_index] gathered inside the kernel (module docstring)."""
+  num_source, m_dim = source.shape
+  num_slots, n_dim = rhs.shape
+  bm, bn, bk, ring = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
+  if m_dim % bm or n_dim % bn:
+    raise ValueError(f"weight gradient dims ({m_dim}, {n_dim}) must be multiples of ({bm}, {bn})")
+  if bm % GATHER_COLS or bk % row_gather.ROWS_PER_PASS:
+    raise ValueError(f"gathered weight gradient needs block_m % {GATHER_COLS} == 0 and block_k "
+                     f"% {row_gather.ROWS_PER_PASS} == 0; got {cfg}")
+  num_blocks = bm // GATHER_COLS   # gathered column blocks (and accumulators) per lhs tile
+  grid_m, grid_n = m_dim // bm, n_dim // bn
+
+  def body(offsets_ref, source_ref, index_ref, rhs_ref, out_ref):
+    pl.run_scoped(lambda ring_ref: work(offsets_ref, source_ref, index_ref, rhs_ref, out_ref, ring_ref),
+                  plgpu.SMEM((ring, num_blocks, bk, GATHER_COLS), source.dtype,
+                             transforms=row_gather.TILE_TRANSFORMS))
+
+  def work(offsets_ref, source_ref, index_ref, rhs_ref, out_ref, ring_ref):
+    @plgpu.nd_loop((num_experts, grid_m * grid_n), collective_axes="sm")
+    def _work_item(info):
+      e = info.index[0]
+      mi, ni = info.index[1] // grid_n, info.index[1] % grid_n
+      start = pl.multiple_of(offsets_ref[e], bk)
+      num_steps = (offsets_ref[e + 1] - offsets_ref[e]) // bk
+
+      def gather(kk):
+        """Step kk's rows into ring slot kk % ring: num_blocks cp.async groups, empty ones past
+        the last step (a fixed count per step keeps wait_gathers' arithmetic right). The slot is
+        static in each branch: inline Mosaic GPU code takes static SMEM views."""
+        rows = index_ref.at[pl.ds(start + kk * bk, bk)]
+        for slot in range(ring):
+          @pl.when((kk < num_steps) & (kk % ring == slot))
+          def _():
+            for j in range(num_blocks):
+              cols = pl.ds(mi * bm + j * GATHER_COLS, GATHER_COLS)
+              row_gather.issue_gather(source_ref.at[:, cols], rows, ring_ref.at[slot, j], num_source)
+
+        @pl.when(kk >= num_steps)
+        def _():
+          for _ in range(num_blocks):
+            row_gather.commit_empty_group()
+
+      def step(indices, rhs_smem, accs):
+        kk = indices[0]
+        gather(kk + ring - 1)    # into the slot step kk - 1 read: its wgmma has completed
+        row_gather.wait_gathers(num_blocks * (ring - 1))   # step kk's groups have landed
+        plgpu.commit_smem()      # cp.async writes -> visible to wgmma (async proxy)
+        for j, acc in enumerate(accs):
+          plgpu.wgmma(acc, ring_ref.at[kk % ring, j].transpose((1, 0)), rhs_smem)
+        plgpu.wgmma_wait(0)
+        return accs
+
+      def acc_scope(*accs):
+        @pl.when(num_steps > 0)
+        def _():
+          for kk in range(ring - 1):
+            gather(jnp.int32(kk))
+          plgpu.emit_pipeline(
+              lambda indices, rhs_smem: step(indices, rhs_smem, accs), grid=(num_steps,),
+              in_specs=[plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni))],
+              max_concurrent_steps=ring,
+          )(rhs_ref.at[pl.ds(start, num_slots)])
+        return [acc[...] for acc in accs]
+
+      tiles = pl.run_scoped(acc_scope, *[plgpu.ACC((GATHER_COLS, bn), jnp.float32)] * num_blocks)
+      for j, tile in enumerate(tiles):
+        _store_tile(tile, out_ref.at[e, pl.ds(mi * bm + j * GATHER_COLS, GATHER_COLS),
+                                     pl.ds(ni * bn, bn)])
+
+  kernel = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((num_experts, m_dim, n_dim), out_dtype),
+      grid=(cfg_lib.num_sms(),), grid_names=("sm",), compiler_params=cfg_lib.compiler_params())
+  return kernel(group_offsets.astype(jnp.int32), source, gather_index.astype(jnp.int32), rhs)

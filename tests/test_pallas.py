@@ -121,6 +121,51 @@ def test_weight_grad_long_pipelines(rows_per_expert):
   assert rel_err(out, ref) < 1e-5
 
 
+def _dw1_gather_case(seed, num_source, d, n2, group_rows):
+  """X [num_source, d], a plan-like index (padding slots hold num_source: zero rows), dH rows
+  and aligned group offsets for experts owning group_rows rows each (0 = an empty expert)."""
+  offsets = jnp.cumsum(jnp.array([0, *group_rows], jnp.int32))
+  P = int(offsets[-1])
+  x = jax.random.normal(jax.random.key(seed), (num_source, d)).astype(jnp.bfloat16)
+  index = jax.random.randint(jax.random.key(seed + 1), (P,), 0, num_source).at[::5].set(num_source)
+  dh_ = jax.random.normal(jax.random.key(seed + 2), (P, n2)).astype(jnp.bfloat16)
+  return x, index, dh_, offsets
+
+
+def _dw1_both_ways(x, index, dh_, offsets):
+  from pallas_kernels import weight_grad
+  E = offsets.shape[0] - 1
+  fused = jax.jit(lambda x, g, i, o: weight_grad.weight_grad(x, g, o, E, jnp.float32, gather_index=i))
+  xg = x.at[index].get(mode="fill", fill_value=0)
+  return fused(x, dh_, index, offsets), jax.jit(
+      lambda a, g, o: weight_grad.weight_grad(a, g, o, E, jnp.float32))(xg, dh_, offsets)
+
+
+def test_weight_grad_with_gather_in_kernel_lowers_for_cuda():
+  from pallas_kernels import weight_grad
+  x, index, dh_, offsets = _dw1_gather_case(0, 300, 256, 128, (128, 0, 256))
+  got, want = _dw1_both_ways(x, index, dh_, offsets)   # off the GPU: XLA gathers first
+  np.testing.assert_array_equal(got, want)
+  with config.lowering_for_gpu():
+    exported = jax.export.export(
+        jax.jit(lambda x, g, o, i: weight_grad.weight_grad(x, g, o, 3, jnp.bfloat16, gather_index=i)),
+        platforms=("cuda",))(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, dh_, offsets, index)])
+  assert "mosaic_gpu" in exported.mlir_module()
+  with config.lowering_for_gpu(), pytest.raises(ValueError, match="block_m % 64"):
+    weight_grad.weight_grad(x, dh_, offsets, 3, jnp.float32, gather_index=index,
+                            cfg=config.TileConfig(block_m=32, block_n=128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_rows,d,n2", [((128, 0, 256, 4096), 512, 256), ((8192,) * 4, 1536, 512),
+                                             ((128,), 128, 128)])
+def test_weight_grad_with_gather_in_kernel_on_gpu(group_rows, d, n2):
+  # the same rows reach the same wgmmas, in the same k order: bitwise equal to the pre-gather
+  x, index, dh_, offsets = _dw1_gather_case(4, 3000, d, n2, group_rows)
+  got, want = _dw1_both_ways(x, index, dh_, offsets)
+  np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("block_n", [64, 128])
 def test_dh_kernel_against_float32(block_n):
   """The dH kernel alone (dSwiGLU, A', dS partials; its outputs reuse the H prefetch buffers)
@@ -261,27 +306,32 @@ def test_up_proj_with_gather_in_kernel_on_gpu(shape):
     np.testing.assert_array_equal(got, want)
 
 
-def _layer_with_and_without_gather_in_kernel(monkeypatch, T, d, n, E, K, seed):
-  """The layer's output and gradients with X's rows gathered by XLA and inside the
-  up-projection kernel (config.UP_PROJ_GATHER_IN_KERNEL), at one tiling: bitwise equal (the
+GATHER_FLAGS = {"up_proj": "UP_PROJ_GATHER_IN_KERNEL", "dw1": "DW1_GATHER_IN_KERNEL"}
+
+
+def _layer_unchanged_by_gather_in_kernel(monkeypatch, op, T, d, n, E, K, seed):
+  """The layer's output and gradients with op's rows of X gathered by XLA and inside its
+  kernel (config flag GATHER_FLAGS[op]), the up-projection at one tiling: bitwise equal (the
   same rows reach the same wgmmas)."""
   args = make_inputs(seed, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(seed + 1), (T, d))
   monkeypatch.setattr(config, "up_proj_gather_tiles", lambda n: config.UP_PROJ)
-  monkeypatch.setattr(config, "UP_PROJ_GATHER_IN_KERNEL", False)
+  monkeypatch.setattr(config, GATHER_FLAGS[op], False)
   out_a, g_a = _grads("pallas", args, cot, k=K)
-  monkeypatch.setattr(config, "UP_PROJ_GATHER_IN_KERNEL", True)
+  monkeypatch.setattr(config, GATHER_FLAGS[op], True)
   out_b, g_b = _grads("pallas", args, cot, k=K)
   np.testing.assert_array_equal(out_a, out_b)
   for a, b in zip(g_a, g_b):
     np.testing.assert_array_equal(a, b)
 
 
-def test_layer_with_gather_in_kernel_flag_matches(monkeypatch):
-  # off the GPU the in-kernel path gathers in XLA inside up_proj: checks the plumbing
-  _layer_with_and_without_gather_in_kernel(monkeypatch, 128, 128, 64, 8, 2, seed=5)
+@pytest.mark.parametrize("op", GATHER_FLAGS)
+def test_layer_with_gather_in_kernel_flag_matches(monkeypatch, op):
+  # off the GPU the in-kernel paths gather in XLA inside the op: checks the plumbing
+  _layer_unchanged_by_gather_in_kernel(monkeypatch, op, 128, 128, 64, 8, 2, seed=5)
 
 
 @pytest.mark.gpu
-def test_layer_with_gather_in_kernel_on_gpu(monkeypatch):
-  _layer_with_and_without_gather_in_kernel(monkeypatch, 4096, 1024, 256, 32, 4, seed=9)
+@pytest.mark.parametrize("op", GATHER_FLAGS)
+def test_layer_with_gather_in_kernel_on_gpu(monkeypatch, op):
+  _layer_unchanged_by_gather_in_kernel(monkeypatch, op, 4096, 1024, 256, 32, 4, seed=9)
