@@ -1,17 +1,15 @@
-"""Backend "cute": the ops written as CuTe DSL kernels so far (aggregation: gather_sum.py).
+"""Backend "cute": the ops written as CuTe DSL kernels so far: aggregation (gather_sum.py) and the
+plain varlen-M grouped GEMMs, down_proj and dx_tilde (grouped_gemm.py; written and compiled for
+sm_90a, not yet run on a GPU).
 
 Implements a subset of the dispatch table; mix it with others, e.g.
-backend={"aggregate": "cute"} (other ops default). On a machine without a GPU the kernels are
+backend={"aggregate": "cute"} (other ops default). The GEMMs need the plan aligned to
+grouped_gemm.BLOCK_M rows per expert (ALIGN). On a machine without a GPU the kernels are
 compiled for sm_90a (CUTE_DSL_ARCH), so programs using them lower and export there too.
 """
 from __future__ import annotations
 
-import os
-
 try:
-  import jax
-  if jax.default_backend() != "gpu":
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
   import cutlass  # noqa: F401
   import cutlass.jax  # noqa: F401
 except ImportError as e:  # the optional extra is missing
@@ -19,9 +17,14 @@ except ImportError as e:  # the optional extra is missing
       "backend 'cute' needs NVIDIA's CuTe DSL: pip install 'sonicmoe-jax[cute]' "
       f"(nvidia-cutlass-dsl>=4.8.1); import failed with: {e}") from e
 
-from ffi import gather_sum
+from ffi import gather_sum, grouped_gemm
+from pallas_kernels import schedule
 
-ALIGN = 1
+ALIGN = grouped_gemm.BLOCK_M
+
+
+def _tiles(plan):
+  return schedule.tile_experts(plan, grouped_gemm.BLOCK_M)
 
 
 def aggregate(y, scores, plan):
@@ -29,4 +32,14 @@ def aggregate(y, scores, plan):
   return gather_sum.gather_sum(y, scores, plan.token_slots, plan.token_offsets, plan.num_tokens)
 
 
-OPS = dict(aggregate=aggregate)
+def down_proj(a, w2, plan):
+  """Y = A W2_e per expert group (rows in slot order)."""
+  return grouped_gemm.grouped_matmul(a, w2, _tiles(plan))
+
+
+def dx_tilde(dh, w1, plan):
+  """dX~ = dH W1_e^T per expert group (W1 read K-major, not transposed in memory)."""
+  return grouped_gemm.grouped_matmul(dh, w1, _tiles(plan), transpose_rhs=True)
+
+
+OPS = dict(aggregate=aggregate, down_proj=down_proj, dx_tilde=dx_tilde)

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# CuTe DSL reads its target once, when first used: Hopper, also on machines without a GPU
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 
 def has_gpu() -> bool:

@@ -74,3 +74,77 @@ def test_cute_aggregate_matches_xla_on_gpu(rounding):
   assert rel_err(out_c, out_x) < 1e-2
   for a, b in zip(g_c, g_x):
     assert rel_err(a, b) < 1e-2
+
+
+CUTE_GEMMS = {"down_proj": "cute", "dx_tilde": "cute", "aggregate": "cute"}
+
+
+@needs_cute
+def test_cute_gemms_compile_and_lower_for_cuda():
+  """The layer's forward and gradients with the CuTe grouped GEMMs: the kernels compile for
+  sm_90a here and the program exports for CUDA with them as FFI calls (forward: down_proj and
+  aggregate; backward adds dx_tilde)."""
+  T, d, n, E, K = 256, 256, 128, 8, 2
+  args = make_inputs(0, T, d, n, E, jnp.bfloat16)
+
+  def loss(*a):
+    return jnp.sum(sm.moe(*a, k=K, backend=CUTE_GEMMS).out.astype(jnp.float32))
+
+  exported = jax.export.export(
+      jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3))), platforms=("cuda",),
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("CuteDSLRT_NvJaxCutlassCall_v2")],
+  )(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args])
+  assert exported.mlir_module().count("CuteDSLRT_NvJaxCutlassCall_v2") >= 4
+
+
+@needs_cute
+def test_cute_gemm_rejects_unsupported_operands():
+  from ffi import grouped_gemm
+  tiles = jnp.zeros((2,), jnp.int32)
+  with pytest.raises(ValueError, match="multiple of 64"):
+    grouped_gemm.grouped_matmul(jnp.zeros((256, 96), jnp.bfloat16), jnp.zeros((2, 96, 128), jnp.bfloat16), tiles)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    grouped_gemm.grouped_matmul(jnp.zeros((200, 64), jnp.bfloat16), jnp.zeros((2, 64, 128), jnp.bfloat16), tiles)
+  with pytest.raises(ValueError, match="bfloat16 or float16"):
+    grouped_gemm.grouped_matmul(jnp.zeros((256, 64)), jnp.zeros((2, 64, 128)), tiles)
+  with pytest.raises(ValueError, match="block_n=128"):
+    grouped_gemm.grouped_matmul(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 96), jnp.bfloat16), tiles)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_cute_grouped_matmul_against_float32_on_gpu(transpose_rhs):
+  """Tiles of experts 0, 2, 3 (1 has none), then two tiles past the last group (zeros)."""
+  from ffi import grouped_gemm
+  E, K, N = 4, 512, 384
+  tile_expert = jnp.array([0, 0, 2, 3, 3, 3, E, E], jnp.int32)
+  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
+  lhs = jax.random.normal(jax.random.key(0), (P, K)).astype(jnp.bfloat16)
+  rhs = jax.random.normal(jax.random.key(1), (E, K, N)).astype(jnp.bfloat16)
+  rhs_arg = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+  out = jax.jit(lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, transpose_rhs=transpose_rhs))(
+      lhs, rhs_arg, tile_expert)
+  row_expert = jnp.repeat(tile_expert, grouped_gemm.BLOCK_M)
+  w = rhs.astype(jnp.float32)[jnp.minimum(row_expert, E - 1)]
+  ref = jnp.where((row_expert < E)[:, None], jnp.einsum("pk,pkn->pn", lhs.astype(jnp.float32), w), 0.0)
+  assert rel_err(out, ref) < 1e-2
+  np.testing.assert_array_equal(out[row_expert >= E], 0)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("shape", [(1000, 512, 256, 16, 4), (4096, 1536, 256, 128, 8)])
+def test_cute_gemms_match_xla_on_gpu(shape):
+  T, d, n, E, K = shape
+  args = make_inputs(3, T, d, n, E, jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(4), (T, d))
+
+  def grads(backend):
+    f = lambda *a: jnp.sum(sm.moe(*a, k=K, backend=backend).out.astype(jnp.float32) * cot)
+    return sm.moe(*args, k=K, backend=backend).out, jax.grad(f, argnums=(0, 1, 2, 3))(*args)
+  out_c, g_c = grads(CUTE_GEMMS)
+  out_x, g_x = grads("xla")
+  assert rel_err(out_c, out_x) < 1e-2
+  for a, b in zip(g_c, g_x):
+    assert rel_err(a, b) < 1e-2
