@@ -151,8 +151,7 @@ def _gathered_weight_grad(source, rhs, gather_index, group_offsets, num_experts,
         plgpu.commit_smem()      # cp.async writes -> visible to wgmma (async proxy)
         for j, acc in enumerate(accs):
           plgpu.wgmma(acc, ring_ref.at[kk % ring, j].transpose((1, 0)), rhs_smem)
-        plgpu.wgmma_wait(0)
-        return accs
+        plgpu.wgmma_wait(0)   # before the pipeline refills rhs_smem and the next gather this slot
 
       def acc_scope(*accs):
         @pl.when(num_steps > 0)
