@@ -8,6 +8,10 @@
 #           E=256, K=4 on the pallas backend                                   (~2 min)
 #   anchors: check_anchors (pallas vs float32 references) at the five paper configs  (~6 min)
 #   omnimoe: OmniMoE tests and latency benchmark on the GPU
+#   gathers: the in-kernel row gathers (up-projection default, dW1 experimental): bitwise GPU
+#           tests, then the per-op rows of benchmarks.kernels at 30B-n256 and 7B-n256    (~4 min)
+#   cute  : the CuTe kernels' GPU tests and per-op choice (carry the cute wheels first,
+#           ../shared/tools/device-wheels cute; source their env.sh)                  (~5 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, and the PyTorch SonicMoE
 #           when its wheels are staged (source /tmp/devsite-upstream/env.sh first)
 set -uo pipefail
@@ -35,6 +39,18 @@ for mode in "$@"; do
       python3 -c "import sonicmoe" 2>/dev/null && impls=$impls,torch_sonicmoe
       timeout 580 python3 -m benchmarks.bench --impls "$impls" --iters 5 --reps 3 --torch-timeout 300 \
         --out "$OUT/bench" 2>&1 | tail -30 ;;
+    gathers)
+      timeout 240 python3 -m pytest -p no:cacheprovider -rA -k "gather" tests/test_pallas.py \
+        tests/test_residuals.py > "$OUT/pytest_gathers.log" 2>&1
+      grep -E "^(PASSED|FAILED|ERROR)" "$OUT/pytest_gathers.log" | tail -20
+      timeout 200 python3 -m benchmarks.kernels --backend pallas --configs 30B-n256,7B-n256 \
+        --out "$OUT/kernels_pallas.json" 2>&1 | grep -v '^{' | tail -40 ;;
+    cute)
+      timeout 300 python3 -m pytest -p no:cacheprovider -rA tests/test_cute.py \
+        > "$OUT/pytest_cute.log" 2>&1
+      grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest_cute.log" | tail -12
+      timeout 280 python3 -m benchmarks.bench --impls pallas,down_proj=cute+dx_tilde=cute \
+        --iters 5 --reps 3 --out "$OUT/bench_cute" 2>&1 | tail -12 ;;
     rounding)  # token rounding vs plain top-K at a sparse config (issue #4), pallas backend
       for r in none nearest; do
         flag=(); [ "$r" = nearest ] && flag=(--rounding nearest)
