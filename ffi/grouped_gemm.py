@@ -7,8 +7,9 @@ tile_expert >= E, store zeros). lhs [P, K] rows in slot order, rhs [E, K, N], ou
 Tiling (one CTA per BLOCK_M x block_n output tile, grid (P / BLOCK_M, N / block_n)):
   warps    : WARPGROUPS consumer warpgroups, each owning BLOCK_M / WARPGROUPS rows of the tile;
              warp 0 also issues the TMA loads (not warp-specialized)
-  mainloop : lhs[m, kk] (K-major) and rhs_e[kk, n] (N-major) tiles of BLOCK_K by TMA through a
-             `stages`-deep mbarrier pipeline, `stages` k steps ahead of the wgmmas
+  mainloop : lhs[m, kk] (K-major) and rhs_e[kk, n] (N- or K-major) tiles of BLOCK_K by TMA
+             through a `stages`-deep mbarrier pipeline; one k step's wgmmas stay in flight
+             while the next step's are issued, and a stage is refilled once its wgmmas are done
   epilogue : the fp32 accumulators converted to out's dtype and stored from registers
              (_store_accumulators)
 """
@@ -105,25 +106,30 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
 
   produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
   consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+  release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
 
   if warp == 0:
     for _ in cutlass.range(cutlass.min(stages, num_k), unroll=1):
       _load_stage(loads, produce, (tma_a, t_a_g, t_a_s), (tma_b, t_b_g, t_b_s))
       produce.advance()
 
-  for _ in cutlass.range(num_k, unroll=1):
+  for kk in cutlass.range(num_k, unroll=1):
     loads.consumer_wait(consume)
     warpgroup.fence()
     for kb in cutlass.range(cute.size(frag_a, mode=[2]), unroll_full=True):
       cute.gemm(tiled_mma, acc, frag_a[None, None, kb, consume.index],
                 frag_b[None, None, kb, consume.index], acc)
     warpgroup.commit_group()
-    warpgroup.wait_group(0)
-    loads.consumer_release(consume)
     consume.advance()
-    if warp == 0 and produce.count < num_k:
-      _load_stage(loads, produce, (tma_a, t_a_g, t_a_s), (tma_b, t_b_g, t_b_s))
-      produce.advance()
+    # one step's wgmmas stay in flight: the previous step's are done, so its stage is free
+    warpgroup.wait_group(1)
+    if kk > 0:
+      loads.consumer_release(release)
+      release.advance()
+      if warp == 0 and produce.count < num_k:
+        _load_stage(loads, produce, (tma_a, t_a_g, t_a_s), (tma_b, t_b_g, t_b_s))
+        produce.advance()
+  warpgroup.wait_group(0)
 
   _store_accumulators(acc, g_out, thr_mma)
 
