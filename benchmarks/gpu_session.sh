@@ -49,7 +49,7 @@ for mode in "$@"; do
       timeout 300 python3 -m pytest -p no:cacheprovider -rA tests/test_cute.py \
         > "$OUT/pytest_cute.log" 2>&1
       grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest_cute.log" | tail -12
-      timeout 280 python3 -m benchmarks.bench --impls pallas,down_proj=cute+dx_tilde=cute \
+      timeout 280 python3 -m benchmarks.bench --impls pallas,up_proj=cute+down_proj=cute+dx_tilde=cute \
         --iters 5 --reps 3 --out "$OUT/bench_cute" 2>&1 | tail -12 ;;
     rounding)  # token rounding vs plain top-K at a sparse config (issue #4), pallas backend
       for r in none nearest; do

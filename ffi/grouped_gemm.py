@@ -1,6 +1,7 @@
-"""Varlen-M grouped GEMM for Hopper as a CuTe DSL kernel behind an XLA FFI call.
+"""Varlen-M grouped GEMMs for Hopper as CuTe DSL kernels behind XLA FFI calls.
 
-out[rows of M tile m] = lhs[rows of M tile m] @ rhs[tile_expert[m]], for a routing plan aligned
+out[rows of M tile m] = lhs[rows of M tile m] @ rhs[tile_expert[m]] (grouped_matmul), or with
+the SwiGLU epilogue H = [gate | up] and A = silu(gate) * up (up_proj), for a routing plan aligned
 to BLOCK_M rows per expert (every M tile has one expert; tiles past the last group, marked
 tile_expert >= E, store zeros). lhs [P, K] rows in slot order, rhs [E, K, N], out [P, N].
 
@@ -10,8 +11,9 @@ Tiling (one CTA per BLOCK_M x block_n output tile, grid (P / BLOCK_M, N / block_
   mainloop : lhs[m, kk] (K-major) and rhs_e[kk, n] (N- or K-major) tiles of BLOCK_K by TMA
              through a `stages`-deep mbarrier pipeline; one k step's wgmmas stay in flight
              while the next step's are issued, and a stage is refilled once its wgmmas are done
-  epilogue : the fp32 accumulators converted to out's dtype and stored from registers
-             (_store_accumulators)
+  epilogue : from registers, in out's dtype: _store_epilogue (out = acc) or _swiglu_epilogue
+             (two accumulators: W1's gate columns c and up columns n + c, loaded as two rhs
+             tiles per stage)
 """
 from __future__ import annotations
 
@@ -32,13 +34,14 @@ THREADS = 128 * WARPGROUPS
 SMEM_BYTES = 227 * 1024
 
 
-def _stages(block_n: int, itemsize: int) -> int:
-  """Pipeline depth: as many lhs + rhs stages as fit in SMEM (at most 8), 1 KiB for barriers."""
-  per_stage = (BLOCK_M + block_n) * BLOCK_K * itemsize
+def _stages(block_n: int, num_rhs: int, itemsize: int) -> int:
+  """Pipeline depth: as many stages (an lhs tile and num_rhs rhs tiles) as fit in SMEM (at most
+  8), 1 KiB left for the barriers."""
+  per_stage = (BLOCK_M + num_rhs * block_n) * BLOCK_K * itemsize
   return min(8, (SMEM_BYTES - 1024) // per_stage)
 
 
-def _load_stage(loads, state, *operands):
+def _load_stage(loads, state, operands):
   """Warp 0: TMA loads of k step state.count of each (atom, gmem tiles, smem stages) operand
   into stage state.index, completing on that stage's mbarrier."""
   loads.producer_acquire(state)
@@ -49,22 +52,38 @@ def _load_stage(loads, state, *operands):
 
 
 @cute.jit
-def _store_accumulators(acc, out_tile, thr_mma):
-  """Epilogue: this thread's accumulator fragment, in out's dtype, to its elements of the tile."""
+def _store_tile(values, out_tile, thr_mma):
+  """This thread's fragment of a tile (fp32 TensorSSA), in out's dtype, to its elements."""
   dst = thr_mma.partition_C(out_tile)
   frag = cute.make_rmem_tensor(dst.shape, out_tile.element_type)
-  frag.store(acc.load().to(out_tile.element_type))
+  frag.store(values.to(out_tile.element_type))
   cute.autovec_copy(frag, dst)
+
+
+@cute.jit
+def _store_epilogue(accs, out_tiles, thr_mma):
+  """Plain epilogue: out = acc."""
+  _store_tile(accs[0].load(), out_tiles[0], thr_mma)
+
+
+@cute.jit
+def _swiglu_epilogue(accs, out_tiles, thr_mma):
+  """SwiGLU epilogue: H's gate and up tiles = the two accumulators, A = silu(gate) * up."""
+  gate, up = accs[0].load(), accs[1].load()
+  _store_tile(gate, out_tiles[0], thr_mma)
+  _store_tile(up, out_tiles[1], thr_mma)
+  _store_tile(gate / (1.0 + cute.math.exp(-gate)) * up, out_tiles[2], thr_mma)
 
 
 @cute.kernel
 def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
-            m_out: cute.Tensor, tile_expert: cute.Tensor, tiled_mma: cute.TiledMma,
-            a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
-            num_experts: cutlass.Int32, shared_storage: cutlass.Constexpr,
-            block_n: cutlass.Constexpr, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr):
+            m_out: cute.Tensor, m_out2: cute.Tensor, tile_expert: cute.Tensor,
+            tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout,
+            b_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
+            shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
+            stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, swiglu: cutlass.Constexpr):
   tidx, _, _ = cute.arch.thread_idx()
-  m_tile, n_tile, _ = cute.arch.block_idx()
+  m_tile, n_tile, num_n_tiles = cute.arch.block_idx()[0], cute.arch.block_idx()[1], cute.arch.grid_dim()[1]
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
   if warp == 0:
     cpasync.prefetch_descriptor(tma_a)
@@ -74,9 +93,16 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   has_group = owner < num_experts
   expert = cutlass.min(owner, num_experts - 1)   # a valid coordinate; unused past the groups
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
-  g_a = cute.local_tile(m_a, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, None, 1))    # (bM, bK, k)
-  g_b = cute.local_tile(m_b, tile_mnk, (m_tile, n_tile, None, expert), proj=(None, 1, 1))  # (bN, bK, k)
-  g_out = cute.local_tile(m_out, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, 1, None))  # (bM, bN)
+  tile_of = lambda t, n, l, proj: cute.local_tile(t, tile_mnk, (m_tile, n, None, l), proj=proj)
+  g_a = tile_of(m_a, n_tile, 0, (1, None, 1))                     # (bM, bK, k)
+  # rhs column blocks: one, or SwiGLU's gate and up blocks (columns c and n + c of W1)
+  rhs_cols = [n_tile, n_tile + num_n_tiles] if cutlass.const_expr(swiglu) else [n_tile]
+  g_bs = [tile_of(m_b, c, expert, (None, 1, 1)) for c in rhs_cols]   # (bN, bK, k) each
+  if cutlass.const_expr(swiglu):   # H's gate and up tiles, A's tile
+    out_tiles = [tile_of(m_out, c, 0, (1, 1, None)) for c in rhs_cols] + \
+                [tile_of(m_out2, n_tile, 0, (1, 1, None))]
+  else:
+    out_tiles = [tile_of(m_out, n_tile, 0, (1, 1, None))]
   num_k = cutlass.Int32(0)   # k steps: none for a tile past the last group
   if has_group:
     num_k = cute.size(g_a, mode=[2])
@@ -84,23 +110,27 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   smem = cutlass.utils.SmemAllocator()
   storage = smem.allocate(shared_storage)
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
-  s_b = storage.s_b.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+  s_bs = [buf.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+          for buf in ([storage.s_b, storage.s_b2] if cutlass.const_expr(swiglu) else [storage.s_b])]
   loads = pipeline.PipelineTmaAsync.create(
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
       producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
       consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
       tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
 
-  t_a_s, t_a_g = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(s_a, 0, 2),
-                                       cute.group_modes(g_a, 0, 2))
-  t_b_s, t_b_g = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(s_b, 0, 2),
-                                       cute.group_modes(g_b, 0, 2))
+  def tma_operand(atom, smem, gmem):
+    s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                           cute.group_modes(gmem, 0, 2))
+    return atom, g_part, s_part
+  operands = [tma_operand(tma_a, s_a, g_a)] + [tma_operand(tma_b, sb, gb) for sb, gb in zip(s_bs, g_bs)]
 
   thr_mma = tiled_mma.get_slice(tidx)
   frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
-  frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-  acc = cute.make_rmem_tensor(thr_mma.partition_C(g_out).shape, cutlass.Float32)
-  acc.fill(0.0)
+  frag_bs = [tiled_mma.make_fragment_B(thr_mma.partition_B(sb)) for sb in s_bs]
+  accs = [cute.make_rmem_tensor(thr_mma.partition_C(out_tiles[0]).shape, cutlass.Float32)
+          for _ in s_bs]
+  for acc in accs:
+    acc.fill(0.0)
   tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
   cute.arch.sync_threads()   # barriers initialised before anyone waits on them
 
@@ -110,15 +140,16 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
 
   if warp == 0:
     for _ in cutlass.range(cutlass.min(stages, num_k), unroll=1):
-      _load_stage(loads, produce, (tma_a, t_a_g, t_a_s), (tma_b, t_b_g, t_b_s))
+      _load_stage(loads, produce, operands)
       produce.advance()
 
   for kk in cutlass.range(num_k, unroll=1):
     loads.consumer_wait(consume)
     warpgroup.fence()
     for kb in cutlass.range(cute.size(frag_a, mode=[2]), unroll_full=True):
-      cute.gemm(tiled_mma, acc, frag_a[None, None, kb, consume.index],
-                frag_b[None, None, kb, consume.index], acc)
+      for acc, frag_b in zip(accs, frag_bs):
+        cute.gemm(tiled_mma, acc, frag_a[None, None, kb, consume.index],
+                  frag_b[None, None, kb, consume.index], acc)
     warpgroup.commit_group()
     consume.advance()
     # one step's wgmmas stay in flight: the previous step's are done, so its stage is free
@@ -127,20 +158,40 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       loads.consumer_release(release)
       release.advance()
       if warp == 0 and produce.count < num_k:
-        _load_stage(loads, produce, (tma_a, t_a_g, t_a_s), (tma_b, t_b_g, t_b_s))
+        _load_stage(loads, produce, operands)
         produce.advance()
   warpgroup.wait_group(0)
 
-  _store_accumulators(acc, g_out, thr_mma)
+  if cutlass.const_expr(swiglu):
+    _swiglu_epilogue(accs, out_tiles, thr_mma)
+  else:
+    _store_epilogue(accs, out_tiles, thr_mma)
 
 
 @cute.jit
-def _grouped_gemm(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
-                  out: cute.Tensor, block_n: cutlass.Constexpr):
+def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
+            out: cute.Tensor, block_n: cutlass.Constexpr):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, N, 1) (logical modes)."""
+  _launch(stream, lhs, rhs, tile_expert, out, out, block_n, False)
+
+
+@cute.jit
+def _up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor, h: cute.Tensor,
+             a: cute.Tensor, block_n: cutlass.Constexpr):
+  """x (P, d, 1), w1 (2n, d, E) N-major, H (P, 2n, 1), A (P, n, 1) (logical modes)."""
+  _launch(stream, x, w1, tile_expert, h, a, block_n, True)
+
+
+@cute.jit
+def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
+            out: cute.Tensor, out2: cute.Tensor, block_n: cutlass.Constexpr,
+            swiglu: cutlass.Constexpr):
+  """The grid over (M tiles, output column tiles) and the kernel's static configuration; with
+  swiglu out is H (P, N) and out2 A (P, N / 2), the grid covering N / 2 (gate) columns."""
   dtype = lhs.element_type
+  num_rhs = 2 if swiglu else 1
   a_major, b_major = LayoutEnum.from_tensor(lhs), LayoutEnum.from_tensor(rhs)
-  stages = _stages(block_n, dtype.width // 8)
+  stages = _stages(block_n, num_rhs, dtype.width // 8)
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   tiled_mma = sm90_utils.make_trivial_tiled_mma(
       dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
@@ -153,19 +204,28 @@ def _grouped_gemm(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.
   tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
                                            cute.slice_(b_smem_staged, (None, None, 0)),
                                            (block_n, BLOCK_K))
+  b_elems = cute.cosize(b_smem_staged)
 
   @cute.struct
   class SharedStorage:
     barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
     s_a: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(a_smem_staged)], 1024]
-    s_b: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(b_smem_staged)], 1024]
+    s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
+
+  @cute.struct
+  class SwigluSharedStorage:
+    barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
+    s_a: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(a_smem_staged)], 1024]
+    s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
+    s_b2: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
 
   stage_bytes = (cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
-                 + cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0))))
+                 + num_rhs * cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0))))
   num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
-  num_n_tiles = cute.size(out, mode=[1]) // block_n
-  _kernel(tma_a, m_a, tma_b, m_b, out, tile_expert, tiled_mma, a_smem_staged, b_smem_staged,
-          cute.size(rhs, mode=[2]), SharedStorage, block_n, stages, stage_bytes).launch(
+  num_n_tiles = cute.size(out, mode=[1]) // (num_rhs * block_n)
+  _kernel(tma_a, m_a, tma_b, m_b, out, out2, tile_expert, tiled_mma, a_smem_staged, b_smem_staged,
+          cute.size(rhs, mode=[2]), SwigluSharedStorage if swiglu else SharedStorage, block_n,
+          stages, stage_bytes, swiglu).launch(
               grid=(num_m_tiles, num_n_tiles, 1), block=(THREADS, 1, 1), stream=stream)
 
 
@@ -197,9 +257,28 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major
   rhs_mode = (1, 2, 0) if transpose_rhs else (2, 1, 0)
   call = cjax.cutlass_call(
-      _grouped_gemm,
+      _matmul,
       output_shape_dtype=jax.ShapeDtypeStruct((1, num_slots, n_out), lhs.dtype),
       input_spec=[cjax.TensorSpec(mode=(1, 2, 0)), cjax.TensorSpec(mode=rhs_mode), None],
       output_spec=cjax.TensorSpec(mode=(1, 2, 0)),
       block_n=block_n)
   return call(lhs[None], rhs, tile_expert.astype(jnp.int32))[0]
+
+
+def up_proj(xg, w1, tile_expert, block_n: int = 128):
+  """H = Xg W1_e (gate and up halves) and A = silu(gate) * up per M tile: xg [P, d] rows in
+  slot order, w1 [E, d, 2n]; returns H [P, 2n], A [P, n] (the SwiGLU epilogue)."""
+  n = w1.shape[2] // 2
+  reason = unsupported(xg, jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n)
+  if reason:
+    raise ValueError(f"cute up_proj: {reason}")
+  num_slots = xg.shape[0]
+  rows = cjax.TensorSpec(mode=(1, 2, 0))
+  call = cjax.cutlass_call(
+      _up_proj,
+      output_shape_dtype=(jax.ShapeDtypeStruct((1, num_slots, 2 * n), xg.dtype),
+                          jax.ShapeDtypeStruct((1, num_slots, n), xg.dtype)),
+      input_spec=[rows, cjax.TensorSpec(mode=(2, 1, 0)), None], output_spec=[rows, rows],
+      block_n=block_n)
+  h, a = call(xg[None], w1, tile_expert.astype(jnp.int32))
+  return h[0], a[0]

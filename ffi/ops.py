@@ -1,6 +1,6 @@
 """Backend "cute": the ops written as CuTe DSL kernels so far: aggregation (gather_sum.py) and the
-plain varlen-M grouped GEMMs, down_proj and dx_tilde (grouped_gemm.py; written and compiled for
-sm_90a, not yet run on a GPU).
+varlen-M grouped GEMMs up_proj (SwiGLU epilogue; X's rows gathered by XLA first), down_proj and
+dx_tilde (grouped_gemm.py; written and compiled for sm_90a, not yet run on a GPU).
 
 Implements a subset of the dispatch table; mix it with others, e.g.
 backend={"aggregate": "cute"} (other ops default). The GEMMs need the plan aligned to
@@ -19,6 +19,7 @@ except ImportError as e:  # the optional extra is missing
 
 from ffi import gather_sum, grouped_gemm
 from pallas_kernels import schedule
+from sonicmoe_jax import xla_ops
 
 ALIGN = grouped_gemm.BLOCK_M
 
@@ -32,6 +33,11 @@ def aggregate(y, scores, plan):
   return gather_sum.gather_sum(y, scores, plan.token_slots, plan.token_offsets, plan.num_tokens)
 
 
+def up_proj(x, w1, plan):
+  """H = X_e W1_e and A = SwiGLU(H) per expert group; X's rows gathered by XLA first."""
+  return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan))
+
+
 def down_proj(a, w2, plan):
   """Y = A W2_e per expert group (rows in slot order)."""
   return grouped_gemm.grouped_matmul(a, w2, _tiles(plan))
@@ -42,4 +48,4 @@ def dx_tilde(dh, w1, plan):
   return grouped_gemm.grouped_matmul(dh, w1, _tiles(plan), transpose_rhs=True)
 
 
-OPS = dict(aggregate=aggregate, down_proj=down_proj, dx_tilde=dx_tilde)
+OPS = dict(up_proj=up_proj, down_proj=down_proj, aggregate=aggregate, dx_tilde=dx_tilde)

@@ -76,14 +76,14 @@ def test_cute_aggregate_matches_xla_on_gpu(rounding):
     assert rel_err(a, b) < 1e-2
 
 
-CUTE_GEMMS = {"down_proj": "cute", "dx_tilde": "cute", "aggregate": "cute"}
+CUTE_GEMMS = {"up_proj": "cute", "down_proj": "cute", "dx_tilde": "cute", "aggregate": "cute"}
 
 
 @needs_cute
 def test_cute_gemms_compile_and_lower_for_cuda():
   """The layer's forward and gradients with the CuTe grouped GEMMs: the kernels compile for
-  sm_90a here and the program exports for CUDA with them as FFI calls (forward: down_proj and
-  aggregate; backward adds dx_tilde)."""
+  sm_90a here and the program exports for CUDA with them as FFI calls (forward: up_proj,
+  down_proj and aggregate; backward adds dx_tilde and aggregate)."""
   T, d, n, E, K = 256, 256, 128, 8, 2
   args = make_inputs(0, T, d, n, E, jnp.bfloat16)
 
@@ -94,7 +94,7 @@ def test_cute_gemms_compile_and_lower_for_cuda():
       jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3))), platforms=("cuda",),
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("CuteDSLRT_NvJaxCutlassCall_v2")],
   )(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args])
-  assert exported.mlir_module().count("CuteDSLRT_NvJaxCutlassCall_v2") >= 4
+  assert exported.mlir_module().count("CuteDSLRT_NvJaxCutlassCall_v2") >= 5
 
 
 @needs_cute
@@ -109,6 +109,8 @@ def test_cute_gemm_rejects_unsupported_operands():
     grouped_gemm.grouped_matmul(jnp.zeros((256, 64)), jnp.zeros((2, 64, 128)), tiles)
   with pytest.raises(ValueError, match="block_n=128"):
     grouped_gemm.grouped_matmul(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 96), jnp.bfloat16), tiles)
+  with pytest.raises(ValueError, match=r"cute up_proj: output columns N=64 must be a multiple of block_n=128"):
+    grouped_gemm.up_proj(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 128), jnp.bfloat16), tiles)
 
 
 @pytest.mark.gpu
@@ -130,6 +132,27 @@ def test_cute_grouped_matmul_against_float32_on_gpu(transpose_rhs):
   ref = jnp.where((row_expert < E)[:, None], jnp.einsum("pk,pkn->pn", lhs.astype(jnp.float32), w), 0.0)
   assert rel_err(out, ref) < 1e-2
   np.testing.assert_array_equal(out[row_expert >= E], 0)
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_cute_up_proj_against_float32_on_gpu():
+  """H = [gate | up] and A = silu(gate) * up, tiles of experts 0, 2 and past the last group."""
+  from ffi import grouped_gemm
+  E, d, n = 3, 384, 256
+  tile_expert = jnp.array([0, 2, 2, E], jnp.int32)
+  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
+  x = jax.random.normal(jax.random.key(5), (P, d)).astype(jnp.bfloat16)
+  w1 = (jax.random.normal(jax.random.key(6), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
+  h, a = jax.jit(grouped_gemm.up_proj)(x, w1, tile_expert)
+  row_expert = jnp.repeat(tile_expert, grouped_gemm.BLOCK_M)
+  valid = (row_expert < E)[:, None]
+  h_ref = jnp.where(valid, jnp.einsum("pk,pkn->pn", x.astype(jnp.float32),
+                                      w1.astype(jnp.float32)[jnp.minimum(row_expert, E - 1)]), 0.0)
+  gate, up = h_ref[:, :n], h_ref[:, n:]
+  assert rel_err(h, h_ref) < 1e-2
+  assert rel_err(a, jax.nn.silu(gate) * up) < 1e-2
+  np.testing.assert_array_equal(a[row_expert >= E], 0)
 
 
 @pytest.mark.gpu
