@@ -134,6 +134,41 @@ def test_cute_grouped_matmul_against_float32_on_gpu(transpose_rhs):
   np.testing.assert_array_equal(out[row_expert >= E], 0)
 
 
+@needs_cute
+def test_cute_up_proj_with_gather_compiles_for_cuda():
+  from ffi import grouped_gemm
+  T, P, d, n, E = 300, 512, 256, 128, 4
+  fn = jax.jit(lambda x, w, t, i: grouped_gemm.up_proj(x, w, t, gather_index=i))
+  exported = jax.export.export(
+      fn, platforms=("cuda",),
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("CuteDSLRT_NvJaxCutlassCall_v2")],
+  )(jax.ShapeDtypeStruct((T, d), jnp.bfloat16), jax.ShapeDtypeStruct((E, d, 2 * n), jnp.bfloat16),
+    jax.ShapeDtypeStruct((P // 128,), jnp.int32), jax.ShapeDtypeStruct((P,), jnp.int32))
+  assert "CuteDSLRT_NvJaxCutlassCall_v2" in exported.mlir_module()
+  with pytest.raises(ValueError, match="rows P=200 must be a multiple of 128"):
+    grouped_gemm.up_proj(jnp.zeros((T, d), jnp.bfloat16), jnp.zeros((E, d, 2 * n), jnp.bfloat16),
+                         jnp.zeros((2,), jnp.int32), gather_index=jnp.zeros((200,), jnp.int32))
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_cute_up_proj_with_gather_matches_pregathered_on_gpu():
+  """Gathering X's rows in the kernel (padding slots: index T, zero rows) gives the bitwise
+  same H and A as the kernel on rows gathered by XLA first."""
+  from ffi import grouped_gemm
+  T, d, n, E = 1000, 512, 256, 4
+  tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
+  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
+  x = jax.random.normal(jax.random.key(7), (T, d)).astype(jnp.bfloat16)
+  w1 = (jax.random.normal(jax.random.key(8), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
+  index = jax.random.randint(jax.random.key(9), (P,), 0, T).at[::7].set(T)
+  fused = jax.jit(lambda x, w, t, i: grouped_gemm.up_proj(x, w, t, gather_index=i))(
+      x, w1, tile_expert, index)
+  xg = x.at[index].get(mode="fill", fill_value=0)
+  for got, want in zip(fused, jax.jit(grouped_gemm.up_proj)(xg, w1, tile_expert)):
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.gpu
 @needs_cute
 def test_cute_up_proj_against_float32_on_gpu():
