@@ -336,16 +336,12 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None):
   if reason:
     raise ValueError(f"cute up_proj: {reason}")
   rows = cjax.TensorSpec(mode=(1, 2, 0))
-  outs = (jax.ShapeDtypeStruct((1, num_slots, 2 * n), xg.dtype),
-          jax.ShapeDtypeStruct((1, num_slots, n), xg.dtype))
-  if gather_index is None:
-    call = cjax.cutlass_call(_up_proj, output_shape_dtype=outs,
-                             input_spec=[rows, cjax.TensorSpec(mode=(2, 1, 0)), None],
-                             output_spec=[rows, rows], block_n=block_n)
-    h, a = call(xg[None], w1, tile_expert.astype(jnp.int32))
-  else:
-    call = cjax.cutlass_call(_gathered_up_proj, output_shape_dtype=outs,
-                             input_spec=[rows, cjax.TensorSpec(mode=(2, 1, 0)), None, None],
-                             output_spec=[rows, rows], block_n=block_n)
-    h, a = call(xg[None], w1, tile_expert.astype(jnp.int32), gather_index.astype(jnp.int32))
+  fn, index = (_up_proj, ()) if gather_index is None else \
+      (_gathered_up_proj, (gather_index.astype(jnp.int32),))
+  call = cjax.cutlass_call(
+      fn, output_shape_dtype=(jax.ShapeDtypeStruct((1, num_slots, 2 * n), xg.dtype),
+                              jax.ShapeDtypeStruct((1, num_slots, n), xg.dtype)),
+      input_spec=[rows, cjax.TensorSpec(mode=(2, 1, 0)), None, *[None] * len(index)],
+      output_spec=[rows, rows], block_n=block_n)
+  h, a = call(xg[None], w1, tile_expert.astype(jnp.int32), *index)
   return h[0], a[0]

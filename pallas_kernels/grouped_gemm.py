@@ -38,7 +38,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import config as cfg_lib
 from pallas_kernels import row_gather
 from pallas_kernels.config import TileConfig
-from sonicmoe_jax import xla_ops
 
 _F32 = jnp.float32
 NUM_CONSUMERS = 2           # compute warpgroups per CTA, splitting the tile's rows
@@ -218,15 +217,11 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_bl
                         my_barriers())
 
       def gatherer(m):
-        """gather(kk): this warpgroup's rows of tile m, k step kk, into its ring slot kk % ring
-        (the slot is static in each branch: inline Mosaic GPU code takes static SMEM views)."""
+        """gather(kk): this warpgroup's rows of tile m, k step kk, into its ring slot kk % ring."""
         def gather(kk):
-          for slot in range(ring):
-            @pl.when((kk < num_k) & (kk % ring == slot))
-            def _():
-              row_gather.issue_gather(lhs_ref.at[:, pl.ds(kk * bk, bk)], index_ref.at[wg_rows_of(m)],
-                                      lhs_rings.at[wg, slot], lhs.shape[0])
-          pl.when(kk >= num_k)(row_gather.commit_empty_group)
+          row_gather.issue_ring_step(kk, num_k, ring, lambda slot: row_gather.issue_gather(
+              lhs_ref.at[:, pl.ds(kk * bk, bk)], index_ref.at[wg_rows_of(m)],
+              lhs_rings.at[wg, slot], lhs.shape[0]))
         return gather
 
       def run_tile(m, col, expert, first, last):
@@ -366,17 +361,10 @@ def dswiglu_epilogue(cfg: TileConfig, n: int, out_dtype):
 
 # ----------------------------------------------------------------------------- kernels
 
-def _gather_off_gpu(rows, gather_index):
-  """Interpret mode cannot run the in-kernel gather (inline Mosaic GPU code): gather in XLA."""
-  if gather_index is not None and cfg_lib.interpret_mode() is not None:
-    return xla_ops.gather_rows(rows, gather_index), None
-  return rows, gather_index
-
-
 def up_proj(xg, w1, tile_expert, cfg: TileConfig = cfg_lib.UP_PROJ, gather_index=None):
   """H = Xg W1_e (both halves) and A = SwiGLU(H); Xg: [P, d] rows in slot order, or with
   gather_index (see varlen_m) X [T, d] and Xg = X[gather_index] gathered in the kernel."""
-  xg, gather_index = _gather_off_gpu(xg, gather_index)
+  xg, gather_index = row_gather.gather_off_gpu(xg, gather_index)
   num_slots = xg.shape[0] if gather_index is None else gather_index.shape[0]
   n = w1.shape[2] // 2
   num_cols = n // cfg.block_n

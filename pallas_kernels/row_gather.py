@@ -29,6 +29,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import config as cfg_lib
+from sonicmoe_jax import xla_ops
 
 BLOCK_ROWS = 128
 BLOCK_COLS = 64                          # 64 bf16 = 128 bytes: one swizzle row
@@ -99,6 +100,28 @@ def commit_empty_group():
   def commit(_):
     nvvm.cp_async_commit_group()
   commit()
+
+
+def issue_ring_step(kk, num_steps, ring: int, issue_into, groups_per_step: int = 1):
+  """A kernel's k step kk into its ring of gathered tiles: issue_into(slot) issues the step's
+  groups_per_step gather groups into ring slot kk % ring, or, past the last of num_steps steps,
+  as many empty groups (a fixed count per step keeps wait_gathers' arithmetic right). The slot
+  is static in each branch: inline Mosaic GPU code takes static SMEM views."""
+  for slot in range(ring):
+    pl.when((kk < num_steps) & (kk % ring == slot))(functools.partial(issue_into, slot))
+
+  @pl.when(kk >= num_steps)
+  def _():
+    for _ in range(groups_per_step):
+      commit_empty_group()
+
+
+def gather_off_gpu(rows, gather_index):
+  """(rows, gather_index) for a kernel taking gather_index; interpret mode cannot run the
+  in-kernel gather (inline Mosaic GPU code), so off the GPU: (rows gathered by XLA, None)."""
+  if gather_index is not None and cfg_lib.interpret_mode() is not None:
+    return xla_ops.gather_rows(rows, gather_index), None
+  return rows, gather_index
 
 
 def wait_gathers(outstanding: int):

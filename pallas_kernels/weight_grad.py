@@ -22,7 +22,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import config as cfg_lib
 from pallas_kernels import row_gather
 from pallas_kernels.config import TileConfig
-from sonicmoe_jax import xla_ops
 
 GATHER_COLS = row_gather.BLOCK_COLS   # lhs columns per gathered tile (128 bytes of bf16)
 
@@ -44,8 +43,7 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, out_dtype,
 
   gather_index (GPU only; off the GPU it gathers in XLA first): lhs is then the source [N, m]
   and slot row r reads lhs[gather_index[r]], zeros for indices outside [0, N)."""
-  if gather_index is not None and cfg_lib.interpret_mode() is not None:
-    lhs, gather_index = xla_ops.gather_rows(lhs, gather_index), None
+  lhs, gather_index = row_gather.gather_off_gpu(lhs, gather_index)
   if gather_index is not None:
     return _gathered_weight_grad(lhs, rhs, gather_index, group_offsets, num_experts, out_dtype, cfg)
   num_slots, m_dim = lhs.shape
@@ -128,21 +126,15 @@ def _gathered_weight_grad(source, rhs, gather_index, group_offsets, num_experts,
       num_steps = (offsets_ref[e + 1] - offsets_ref[e]) // bk
 
       def gather(kk):
-        """Step kk's rows into ring slot kk % ring: num_blocks cp.async groups, empty ones past
-        the last step (a fixed count per step keeps wait_gathers' arithmetic right). The slot is
-        static in each branch: inline Mosaic GPU code takes static SMEM views."""
+        """Step kk's rows into ring slot kk % ring: num_blocks cp.async groups, one per
+        GATHER_COLS columns."""
         rows = index_ref.at[pl.ds(start + kk * bk, bk)]
-        for slot in range(ring):
-          @pl.when((kk < num_steps) & (kk % ring == slot))
-          def _():
-            for j in range(num_blocks):
-              cols = pl.ds(mi * bm + j * GATHER_COLS, GATHER_COLS)
-              row_gather.issue_gather(source_ref.at[:, cols], rows, ring_ref.at[slot, j], num_source)
 
-        @pl.when(kk >= num_steps)
-        def _():
-          for _ in range(num_blocks):
-            row_gather.commit_empty_group()
+        def issue_into(slot):
+          for j in range(num_blocks):
+            cols = pl.ds(mi * bm + j * GATHER_COLS, GATHER_COLS)
+            row_gather.issue_gather(source_ref.at[:, cols], rows, ring_ref.at[slot, j], num_source)
+        row_gather.issue_ring_step(kk, num_steps, ring, issue_into, groups_per_step=num_blocks)
 
       def step(indices, rhs_smem, accs):
         kk = indices[0]

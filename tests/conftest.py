@@ -1,5 +1,4 @@
 """Shared test helpers: random inputs and the float32 plain-autodiff oracle."""
-import os
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +6,6 @@ import numpy as np
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
-# CuTe DSL reads its target once, when first used: Hopper, also on machines without a GPU
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 
 def has_gpu() -> bool:

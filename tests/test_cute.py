@@ -15,7 +15,8 @@ from conftest import make_inputs, rel_err
 
 
 def _have_cute():
-  try:
+  try:   # ffi first: it sets CuTe DSL's target (sm_90a) before CuTe DSL's first use
+    importlib.import_module("ffi")
     importlib.import_module("cutlass.jax")
     return True
   except ImportError:
@@ -23,6 +24,15 @@ def _have_cute():
 
 
 needs_cute = pytest.mark.skipif(not _have_cute(), reason="nvidia-cutlass-dsl not installed")
+FFI_TARGET = "CuteDSLRT_NvJaxCutlassCall_v2"   # the XLA FFI target cutlass.jax calls
+
+
+def _cuda_module(fn, *args):
+  """fn jitted and exported for CUDA (its CuTe kernels compiled for sm_90a): the module text."""
+  return jax.export.export(
+      jax.jit(fn), platforms=("cuda",),
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET)],
+  )(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]).mlir_module()
 
 
 def test_missing_extra_gives_clear_error(monkeypatch):
@@ -50,11 +60,7 @@ def test_cute_aggregate_compiles_and_lowers_for_cuda():
   def layer(*a):
     return sm.moe(*a, k=K, backend={"aggregate": "cute"}).out
 
-  exported = jax.export.export(
-      jax.jit(layer), platforms=("cuda",),
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("CuteDSLRT_NvJaxCutlassCall_v2")],
-  )(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args])
-  assert "CuteDSLRT_NvJaxCutlassCall_v2" in exported.mlir_module()
+  assert FFI_TARGET in _cuda_module(layer, *args)
 
 
 @pytest.mark.gpu
@@ -90,11 +96,7 @@ def test_cute_gemms_compile_and_lower_for_cuda():
   def loss(*a):
     return jnp.sum(sm.moe(*a, k=K, backend=CUTE_GEMMS).out.astype(jnp.float32))
 
-  exported = jax.export.export(
-      jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3))), platforms=("cuda",),
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("CuteDSLRT_NvJaxCutlassCall_v2")],
-  )(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args])
-  assert exported.mlir_module().count("CuteDSLRT_NvJaxCutlassCall_v2") >= 5
+  assert _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args).count(FFI_TARGET) >= 5
 
 
 @needs_cute
@@ -113,6 +115,16 @@ def test_cute_gemm_rejects_unsupported_operands():
     grouped_gemm.up_proj(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 128), jnp.bfloat16), tiles)
 
 
+def _per_tile_reference(lhs, rhs, tile_expert):
+  """(expert of each row, float32 lhs_e rhs_e per 128-row tile; zeros past the last group)."""
+  from ffi import grouped_gemm
+  E = rhs.shape[0]
+  row_expert = jnp.repeat(tile_expert, grouped_gemm.BLOCK_M)
+  w = rhs.astype(jnp.float32)[jnp.minimum(row_expert, E - 1)]
+  out = jnp.einsum("pk,pkn->pn", lhs.astype(jnp.float32), w)
+  return row_expert, jnp.where((row_expert < E)[:, None], out, 0.0)
+
+
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("transpose_rhs", [False, True])
@@ -127,9 +139,7 @@ def test_cute_grouped_matmul_against_float32_on_gpu(transpose_rhs):
   rhs_arg = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
   out = jax.jit(lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, transpose_rhs=transpose_rhs))(
       lhs, rhs_arg, tile_expert)
-  row_expert = jnp.repeat(tile_expert, grouped_gemm.BLOCK_M)
-  w = rhs.astype(jnp.float32)[jnp.minimum(row_expert, E - 1)]
-  ref = jnp.where((row_expert < E)[:, None], jnp.einsum("pk,pkn->pn", lhs.astype(jnp.float32), w), 0.0)
+  row_expert, ref = _per_tile_reference(lhs, rhs, tile_expert)
   assert rel_err(out, ref) < 1e-2
   np.testing.assert_array_equal(out[row_expert >= E], 0)
 
@@ -138,13 +148,10 @@ def test_cute_grouped_matmul_against_float32_on_gpu(transpose_rhs):
 def test_cute_up_proj_with_gather_compiles_for_cuda():
   from ffi import grouped_gemm
   T, P, d, n, E = 300, 512, 256, 128, 4
-  fn = jax.jit(lambda x, w, t, i: grouped_gemm.up_proj(x, w, t, gather_index=i))
-  exported = jax.export.export(
-      fn, platforms=("cuda",),
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("CuteDSLRT_NvJaxCutlassCall_v2")],
-  )(jax.ShapeDtypeStruct((T, d), jnp.bfloat16), jax.ShapeDtypeStruct((E, d, 2 * n), jnp.bfloat16),
-    jax.ShapeDtypeStruct((P // 128,), jnp.int32), jax.ShapeDtypeStruct((P,), jnp.int32))
-  assert "CuteDSLRT_NvJaxCutlassCall_v2" in exported.mlir_module()
+  fn = lambda x, w, t, i: grouped_gemm.up_proj(x, w, t, gather_index=i)
+  shapes = [jax.ShapeDtypeStruct((T, d), jnp.bfloat16), jax.ShapeDtypeStruct((E, d, 2 * n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((P // 128,), jnp.int32), jax.ShapeDtypeStruct((P,), jnp.int32)]
+  assert FFI_TARGET in _cuda_module(fn, *shapes)
   with pytest.raises(ValueError, match="rows P=200 must be a multiple of 128"):
     grouped_gemm.up_proj(jnp.zeros((T, d), jnp.bfloat16), jnp.zeros((E, d, 2 * n), jnp.bfloat16),
                          jnp.zeros((2,), jnp.int32), gather_index=jnp.zeros((200,), jnp.int32))
@@ -180,10 +187,7 @@ def test_cute_up_proj_against_float32_on_gpu():
   x = jax.random.normal(jax.random.key(5), (P, d)).astype(jnp.bfloat16)
   w1 = (jax.random.normal(jax.random.key(6), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
   h, a = jax.jit(grouped_gemm.up_proj)(x, w1, tile_expert)
-  row_expert = jnp.repeat(tile_expert, grouped_gemm.BLOCK_M)
-  valid = (row_expert < E)[:, None]
-  h_ref = jnp.where(valid, jnp.einsum("pk,pkn->pn", x.astype(jnp.float32),
-                                      w1.astype(jnp.float32)[jnp.minimum(row_expert, E - 1)]), 0.0)
+  row_expert, h_ref = _per_tile_reference(x, w1, tile_expert)
   gate, up = h_ref[:, :n], h_ref[:, n:]
   assert rel_err(h, h_ref) < 1e-2
   assert rel_err(a, jax.nn.silu(gate) * up) < 1e-2
