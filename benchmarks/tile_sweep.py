@@ -1,8 +1,9 @@
-"""Tile-configuration sweep of the Pallas varlen-M kernels (up_proj, down_proj, dx_tilde, dh)
-on the GPU, on pre-gathered inputs of an anchor config's routing plan (up_proj_gather: the
-up-projection gathering X's rows in the kernel).
+"""Tile-configuration sweep of the varlen-M kernels (up_proj, down_proj, dx_tilde, dh) on the
+GPU, on pre-gathered inputs of an anchor config's routing plan (up_proj_gather: the
+up-projection gathering X's rows in the kernel). --impl pallas (Pallas Mosaic GPU kernels) or
+cute (ffi/grouped_gemm.py's CuTe DSL kernels).
 
-  python -m benchmarks.tile_sweep --configs 30B-n256,7B-n256
+  python -m benchmarks.tile_sweep --configs 30B-n256,7B-n256 [--impl cute]
 
 Prints one JSON record per (config, kernel, tile) and a table last; a tile that does not fit
 or fails to compile is a row with its error. Model TF/s (padding rows not counted).
@@ -10,6 +11,7 @@ or fails to compile is a row with its error. Model TF/s (padding rows not counte
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 
@@ -19,46 +21,86 @@ import jax.numpy as jnp
 import sonicmoe_jax as sm
 from benchmarks import configs as C
 from benchmarks.bench import make_args, time_ms
-from pallas_kernels import grouped_gemm, ops
+from pallas_kernels import grouped_gemm, ops, schedule
 from pallas_kernels.config import TileConfig
 from sonicmoe_jax import xla_ops
 
+
+
+@dataclasses.dataclass(frozen=True)
+class CuteTile:
+  """A CuTe grouped GEMM's tiling: block_n, pipeline stages (None: as many as fit), epilogue."""
+  block_n: int
+  stages: int | None
+  epilogue: str
 
 
 def _ints(csv):
   return [int(v) for v in csv.split(",")]
 
 
-def kernels(x, w1, w2, dout, plan, pairs):
-  """name -> (jitted fn(cfg, *args), args, model FLOPs of the `pairs` valid rows)."""
-  tiles = ops.tiles(plan)
+def _gemm_rows(up, up_gather, mm, mm_t, x, w1, w2, plan, tiles, pairs, up_proj):
+  """name -> (jitted fn(cfg, *args), args, model FLOPs of the `pairs` valid rows, contraction
+  length) of the four varlen-M GEMMs, given each one's fn(cfg, *args)."""
   xg = xla_ops.gather_rows(x, plan.token_index)
-  dg = xla_ops.gather_rows(dout, plan.token_index)
-  h, a = grouped_gemm.up_proj(xg, w1, tiles)
-  P, d = pairs, xg.shape[1]
-  n = w2.shape[1]
+  h, a = up_proj(xg, w1, tiles)
+  P, d, n = pairs, xg.shape[1], w2.shape[1]
   jit = lambda f: jax.jit(f, static_argnums=0)
-  up = jit(lambda c, xg, w1, t: grouped_gemm.up_proj(xg, w1, t, c))
-  up_gather = jit(lambda c, x, w1, i, t: grouped_gemm.up_proj(x, w1, t, c, gather_index=i))
-  mm = jit(lambda c, lhs, rhs, t: grouped_gemm.matmul(lhs, rhs, t, transpose_rhs=False, cfg=c))
-  mm_t = jit(lambda c, lhs, rhs, t: grouped_gemm.matmul(lhs, rhs, t, transpose_rhs=True, cfg=c))
-  dh = jit(lambda c, dg, w2, h, s, t: grouped_gemm.dh(dg, w2, h, s, t, c))
-  return {  # name -> (fn(cfg, *args), args, model FLOPs, contraction length)
-      "up_proj": (up, (xg, w1, tiles), 2 * P * d * 2 * n, d),
-      "up_proj_gather": (up_gather, (x, w1, plan.token_index, tiles), 2 * P * d * 2 * n, d),
-      "down_proj": (mm, (a, w2, tiles), 2 * P * n * d, n),
-      "dx_tilde": (mm_t, (h, w1, tiles), 2 * P * 2 * n * d, 2 * n),
-      "dh": (dh, (dg, w2, h, plan.scores, tiles), 2 * P * n * d, d),
+  return {
+      "up_proj": (jit(up), (xg, w1, tiles), 2 * P * d * 2 * n, d),
+      "up_proj_gather": (jit(up_gather), (x, w1, plan.token_index, tiles), 2 * P * d * 2 * n, d),
+      "down_proj": (jit(mm), (a, w2, tiles), 2 * P * n * d, n),
+      "dx_tilde": (jit(mm_t), (h, w1, tiles), 2 * P * 2 * n * d, 2 * n),
   }
+
+
+def kernels(x, w1, w2, dout, plan, pairs):
+  """The Pallas kernels' rows (_gemm_rows, and dh)."""
+  tiles = ops.tiles(plan)
+  rows = _gemm_rows(
+      lambda c, xg, w1, t: grouped_gemm.up_proj(xg, w1, t, c),
+      lambda c, x, w1, i, t: grouped_gemm.up_proj(x, w1, t, c, gather_index=i),
+      lambda c, lhs, rhs, t: grouped_gemm.matmul(lhs, rhs, t, transpose_rhs=False, cfg=c),
+      lambda c, lhs, rhs, t: grouped_gemm.matmul(lhs, rhs, t, transpose_rhs=True, cfg=c),
+      x, w1, w2, plan, tiles, pairs, grouped_gemm.up_proj)
+  return _with_dh_row(rows, lambda c, dg, w2, h, s, t: grouped_gemm.dh(dg, w2, h, s, t, c), x,
+                      w2, dout, plan, tiles, pairs)
+
+
+def _with_dh_row(rows, dh, x, w2, dout, plan, tiles, pairs):
+  """rows plus the dH kernel's, dh(cfg, dOg, W2, H, scores, tiles), on _gemm_rows' H."""
+  dg = xla_ops.gather_rows(dout, plan.token_index)
+  h = rows["dx_tilde"][1][0]
+  d, n = x.shape[1], w2.shape[1]
+  rows["dh"] = (jax.jit(dh, static_argnums=0), (dg, w2, h, plan.scores, tiles), 2 * pairs * n * d, d)
+  return rows
+
+
+def cute_kernels(x, w1, w2, dout, plan, pairs):
+  """The CuTe DSL kernels' rows (_gemm_rows and dh; cfg a CuteTile, dh's epilogue is always
+  from registers)."""
+  from ffi import grouped_gemm as cute_gemm  # optional extra
+  tiles = schedule.tile_experts(plan, cute_gemm.BLOCK_M)
+  rows = _gemm_rows(
+      lambda c, xg, w1, t: cute_gemm.up_proj(xg, w1, t, **dataclasses.asdict(c)),
+      lambda c, x, w1, i, t: cute_gemm.up_proj(x, w1, t, gather_index=i, **dataclasses.asdict(c)),
+      lambda c, lhs, rhs, t: cute_gemm.grouped_matmul(lhs, rhs, t, **dataclasses.asdict(c)),
+      lambda c, lhs, rhs, t: cute_gemm.grouped_matmul(lhs, rhs, t, transpose_rhs=True,
+                                                      **dataclasses.asdict(c)),
+      x, w1, w2, plan, tiles, pairs, cute_gemm.up_proj)
+  return _with_dh_row(rows, lambda c, dg, w2, h, s, t: cute_gemm.dh(
+      dg, w2, h, s, t, block_n=c.block_n, stages=c.stages), x, w2, dout, plan, tiles, pairs)
 
 
 def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--configs", default="30B-n256,7B-n256")
   p.add_argument("--custom", action="append", default=[], help="T,d,n,E,K (repeatable)")
+  p.add_argument("--impl", choices=("pallas", "cute"), default="pallas")
   p.add_argument("--kernels", default="up_proj,down_proj,dx_tilde,dh")
   p.add_argument("--block-n", default="64,128,256")
-  p.add_argument("--stages", default="3,4")
+  p.add_argument("--stages", default="3,4", help="0: (cute) as many as fit in SMEM")
+  p.add_argument("--epilogues", default="tma", help="(cute) tma and/or registers")
   p.add_argument("--iters", type=int, default=5)
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--out", default=None)
@@ -69,15 +111,19 @@ def main(argv=None):
   for name, (T, d, n, E, K) in cases.items():
     (x, wr, w1, w2), dout = make_args(T, d, n, E, K)
     plan = sm.route(sm.router_logits(x, wr), k=K, align=ops.ALIGN)[0]
-    table = kernels(x, w1, w2, dout, plan, T * K)
+    table = (kernels if a.impl == "pallas" else cute_kernels)(x, w1, w2, dout, plan, T * K)
     for kname in a.kernels.split(","):
       fn, args, flops, k_len = table[kname]
-      for bn, stages in itertools.product(_ints(a.block_n), _ints(a.stages)):
-        cfg = TileConfig(block_n=bn, stages=stages)
-        # the depth the kernel runs: the largest <= stages dividing the k steps (chained pipelines)
-        chained = grouped_gemm._pipelined_stages(k_len // cfg.block_k, stages)
-        rec = dict(config=name, kernel=kname, block_n=bn, stages=stages, chained_stages=chained,
-                   ms=None, tflops=None)
+      epilogues = a.epilogues.split(",") if a.impl == "cute" else [None]
+      for bn, stages, epi in itertools.product(_ints(a.block_n), _ints(a.stages), epilogues):
+        if a.impl == "pallas":
+          cfg = TileConfig(block_n=bn, stages=stages)
+          # the depth it runs: the largest <= stages dividing the k steps (chained pipelines)
+          chained = grouped_gemm._pipelined_stages(k_len // cfg.block_k, stages)
+        else:
+          cfg, chained = CuteTile(bn, stages or None, epi), None
+        rec = dict(config=name, impl=a.impl, kernel=kname, block_n=bn, stages=stages,
+                   chained_stages=chained, epilogue=epi, ms=None, tflops=None)
         try:
           ms = time_ms(fn, (cfg, *args), a.iters, a.reps)
           rec.update(ms=ms, tflops=flops / ms / 1e9)
@@ -85,11 +131,12 @@ def main(argv=None):
           rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         recs.append(rec)
         print(json.dumps(rec), flush=True)
-  print(f"{'config':11s} {'kernel':10s} {'bn':>4s} {'st':>3s} {'run':>3s} {'ms':>8s} {'TF/s':>6s}")
+  print(f"{'config':11s} {'kernel':14s} {'bn':>4s} {'st':>3s} {'run':>3s} {'epilogue':9s} "
+        f"{'ms':>8s} {'TF/s':>6s}")
   for r in recs:
     if r["ms"] is not None:
-      print(f"{r['config']:11s} {r['kernel']:10s} {r['block_n']:4d} {r['stages']:3d} "
-            f"{r['chained_stages'] or r['stages']:3d} "
+      print(f"{r['config']:11s} {r['kernel']:14s} {r['block_n']:4d} {r['stages']:3d} "
+            f"{r['chained_stages'] or r['stages']:3d} {r['epilogue'] or '':9s} "
             f"{r['ms']:8.3f} {r['tflops']:6.0f}")
   if a.out:
     with open(a.out, "w") as f:

@@ -5,13 +5,14 @@ the SwiGLU epilogue H = [gate | up] and A = silu(gate) * up (up_proj), for a rou
 to BLOCK_M rows per expert (every M tile has one expert; tiles past the last group, marked
 tile_expert >= E, store zeros). lhs [P, K] rows in slot order, rhs [E, K, N], out [P, N].
 
-Tiling (one CTA per BLOCK_M x block_n output tile, grid (P / BLOCK_M, N / block_n)):
+Tiling (one CTA per BLOCK_M x block_n output tile, grid (N / block_n, P / BLOCK_M): an M tile's
+column tiles run next to each other, so its lhs rows are read from HBM once and then from L2):
   warps    : WARPGROUPS consumer warpgroups, each owning BLOCK_M / WARPGROUPS rows of the tile;
              warp 0 also issues the TMA loads (not warp-specialized)
   mainloop : lhs[m, kk] (K-major) and rhs_e[kk, n] (N- or K-major) tiles of BLOCK_K by TMA
              through a `stages`-deep mbarrier pipeline; one k step's wgmmas stay in flight
              while the next step's are issued, and a stage is refilled once its wgmmas are done
-  gather   : up_proj with gather_index (not yet run on a GPU): lhs is X and A's stages leave
+  gather   : up_proj with gather_index: lhs is X and A's stages leave
              the TMA pipeline; each warpgroup cp.async-copies its own rows of step kk + stages
              - 1 into the stage step kk - 1 read, once that step's wgmmas are done
              (_gather_step), then waits, fences (async proxy) and syncs before its wgmmas
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 import cutlass.jax as cjax
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -36,15 +38,32 @@ BLOCK_K = 64
 WARPGROUPS = 2
 THREADS = 128 * WARPGROUPS
 SMEM_BYTES = 227 * 1024
+EPI_TILE = (BLOCK_M, 64)    # the TMA-store epilogue's SMEM buffer: a (BLOCK_M, 64) column slice
+EPI_STAGES = 2              # its buffers (they reuse A's pipeline stages, at least 2)
+MAX_GRID_Y = 65535          # CUDA's limit on the grid's second dimension (the M tiles)
+EPILOGUE_BARRIER = 3        # named barrier ids 1, 2: the gather's per-warpgroup syncs
 GATHER_CHUNKS = BLOCK_K * 2 // 16                      # 16-byte cp.async chunks per bf16 row
 GATHER_ROWS_PER_THREAD = (BLOCK_M // WARPGROUPS) * GATHER_CHUNKS // 128
 
 
-def _stages(block_n: int, num_rhs: int, itemsize: int) -> int:
-  """Pipeline depth: as many stages (an lhs tile and num_rhs rhs tiles) as fit in SMEM (at most
-  8), 1 KiB left for the barriers."""
+def _stages_that_fit(block_n: int, num_rhs: int, itemsize: int) -> int:
+  """How many pipeline stages (an lhs tile and num_rhs rhs tiles each) fit in SMEM, 1 KiB left
+  for the barriers."""
   per_stage = (BLOCK_M + num_rhs * block_n) * BLOCK_K * itemsize
-  return min(8, (SMEM_BYTES - 1024) // per_stage)
+  return (SMEM_BYTES - 1024) // per_stage
+
+
+def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, stages) -> int:
+  """The stages a kernel runs: `stages` if given (fewer leave SMEM for a second CTA per SM),
+  else as many as fit, at most 8 and at most the k steps (at least 2). Raises ValueError,
+  naming the limit, if the given ones do not fit."""
+  fit = _stages_that_fit(block_n, num_rhs, itemsize)
+  if stages is None:
+    return max(2, min(8, fit, k_steps))
+  if not 2 <= stages <= fit:
+    raise ValueError(f"stages={stages} must be between 2 and {fit} (what fits in SMEM at "
+                     f"block_n={block_n})")
+  return stages
 
 
 def _load_stage(loads, state, operands):
@@ -58,27 +77,112 @@ def _load_stage(loads, state, operands):
 
 
 @cute.jit
-def _store_tile(values, out_tile, thr_mma):
-  """This thread's fragment of a tile (fp32 TensorSSA), in out's dtype, to its elements."""
-  dst = thr_mma.partition_C(out_tile)
-  frag = cute.make_rmem_tensor(dst.shape, out_tile.element_type)
-  frag.store(values.to(out_tile.element_type))
-  cute.autovec_copy(frag, dst)
+def _epilogue_values(vals, swiglu: cutlass.Constexpr):
+  """The output tiles' values (fp32) from the accumulators' (matching out_tiles' order):
+  plain, out = acc; SwiGLU, H's gate and up tiles = the two accumulators and
+  A = silu(gate) * up."""
+  if cutlass.const_expr(swiglu):
+    gate, up = vals
+    return [gate, up, gate / (1.0 + cute.math.exp(-gate)) * up]
+  return [vals[0]]
 
 
 @cute.jit
-def _store_epilogue(accs, out_tiles, thr_mma):
-  """Plain epilogue: out = acc."""
-  _store_tile(accs[0].load(), out_tiles[0], thr_mma)
+def _register_epilogue(accs, out_tiles, thr_mma, swiglu: cutlass.Constexpr):
+  """Each thread stores its accumulator fragments' outputs straight to global memory."""
+  for values, out_tile in zip(_epilogue_values([acc.load() for acc in accs], swiglu), out_tiles):
+    dst = thr_mma.partition_C(out_tile)
+    frag = cute.make_rmem_tensor(dst.shape, out_tile.element_type)
+    frag.store(values.to(out_tile.element_type))
+    cute.autovec_copy(frag, dst)
 
 
 @cute.jit
-def _swiglu_epilogue(accs, out_tiles, thr_mma):
-  """SwiGLU epilogue: H's gate and up tiles = the two accumulators, A = silu(gate) * up."""
-  gate, up = accs[0].load(), accs[1].load()
-  _store_tile(gate, out_tiles[0], thr_mma)
-  _store_tile(up, out_tiles[1], thr_mma)
-  _store_tile(gate / (1.0 + cute.math.exp(-gate)) * up, out_tiles[2], thr_mma)
+def _fragment_fp32(tile, thr_mma):
+  """This thread's fragment of a (BLOCK_M, block_n) global tile, loaded, in fp32."""
+  src = thr_mma.partition_C(tile)
+  frag = cute.make_rmem_tensor(src.shape, tile.element_type)
+  cute.autovec_copy(src, frag)
+  return frag.load().to(cutlass.Float32)
+
+
+@cute.jit
+def _dh_epilogue(acc, h_tiles, score_tile, out_tiles, m_ds, thr_mma, tidx, m_tile, n_tile,
+                 block_n: cutlass.Constexpr):
+  """dH's epilogue on acc = dA' = dO_e W2_e^T for H's gate and up tiles and each row's score s:
+  dH = dSwiGLU(s dA', H) (its gate and up tiles), A' = s A with A = silu(gate) up, and this
+  column tile's part of dS = rowsum(dA' A), written to m_ds[n_tile, row] (fp32)."""
+  gate, up = _fragment_fp32(h_tiles[0], thr_mma), _fragment_fp32(h_tiles[1], thr_mma)
+  s = _fragment_fp32(score_tile, thr_mma)
+  da = acc.load()
+  sig = 1.0 / (1.0 + cute.math.exp(-gate))
+  silu = gate * sig
+  a = silu * up
+  da_s = s * da
+  outs = [da_s * up * sig * (1.0 + gate * (1.0 - sig)), da_s * silu, s * a]
+  for values, out_tile in zip(outs, out_tiles):
+    dst = thr_mma.partition_C(out_tile)
+    frag = cute.make_rmem_tensor(dst.shape, out_tile.element_type)
+    frag.store(values.to(out_tile.element_type))
+    cute.autovec_copy(frag, dst)
+  # dS part: the fragment is ((2 columns, 2 rows r and r + 8, block_n / 8 column groups), 1, 1);
+  # sum each row over this thread's columns, then over the 4 threads (a quad) sharing it
+  prod = cute.make_rmem_tensor(acc.shape, cutlass.Float32)
+  prod.store(da * a)
+  rows = thr_mma.partition_C(cute.make_identity_tensor((BLOCK_M, block_n)))
+  for j in cutlass.range_constexpr(2):
+    total = cutlass.Float32(0.0)
+    for i in cutlass.range_constexpr(2):
+      for k in cutlass.range_constexpr(block_n // 8):
+        total += prod[(i, j, k), 0, 0]
+    total = cute.arch.warp_reduction_sum(total, threads_in_group=4)
+    if tidx % 4 == 0:
+      m_ds[n_tile, m_tile * BLOCK_M + rows[(0, j, 0), 0, 0][0]] = total
+
+
+@cute.jit
+def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, warp, swiglu: cutlass.Constexpr):
+  """The output tiles through SMEM: EPI_TILE column slices at a time, each thread writes its
+  fragments' outputs to an SMEM buffer (stmatrix, swizzled; EPI_STAGES buffers over A's
+  stages), then warp 0 stores the buffer by TMA and waits before a buffer is reused.
+  stores: (TMA atom, that output's (BLOCK_M, block_n) tile of its TMA tensor) per output."""
+  dtype = s_c.element_type
+  r2s = cute.make_tiled_copy_S(
+      sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dtype, cutlass.Float32),
+      cute.make_tiled_copy_C_atom(
+          cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), dtype), tiled_mma))
+  thr_r2s = r2s.get_slice(tidx)
+  s_dst = thr_r2s.partition_D(s_c)                       # (R2S, R2S_M, R2S_N, EPI_STAGES)
+  chunk_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(s_c))[:3])
+  chunk_size = cute.size(chunk_layout)
+  acc_views = [r2s.retile(acc) for acc in accs]
+  gmem_parts = [cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2),
+                                      cute.zipped_divide(tile, EPI_TILE)) for atom, tile in stores]
+  buffers = pipeline.PipelineTmaStore.create(
+      num_stages=EPI_STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS))
+  for chunk in cutlass.range_constexpr(cute.size(stores[0][1], mode=[1]) // EPI_TILE[1]):
+    vals = []
+    for view in acc_views:
+      frag = cute.make_rmem_tensor_like(chunk_layout, cutlass.Float32)
+      for v in cutlass.range_constexpr(chunk_size):
+        frag[v] = view[chunk * chunk_size + v]
+      vals.append(frag.load())
+    outs = _epilogue_values(vals, swiglu)
+    for j in cutlass.range_constexpr(len(stores)):
+      buf = (chunk * len(stores) + j) % EPI_STAGES
+      frag = cute.make_rmem_tensor_like(chunk_layout, dtype)
+      frag.store(outs[j].to(dtype))
+      cute.copy(r2s, frag, s_dst[None, None, None, buf])
+      cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA engine
+      cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
+      if warp == 0:
+        s_part, g_part = gmem_parts[j]
+        cute.copy(stores[j][0], s_part[None, buf], g_part[None, (0, chunk)])
+        buffers.producer_commit()
+        buffers.producer_acquire()   # the next buffer's last store has read it
+      cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
+  if warp == 0:
+    buffers.producer_tail()
 
 
 @cute.jit
@@ -104,14 +208,19 @@ def _gather_step(x, gather_index, a_stage, m_tile, k0, tidx):
 
 @cute.kernel
 def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
-            m_out: cute.Tensor, m_out2: cute.Tensor, tile_expert: cute.Tensor,
-            gather_index: cute.Tensor, tiled_mma: cute.TiledMma,
+            m_out: cute.Tensor, m_out2: cute.Tensor, tma_out: cute.CopyAtom,
+            m_out_tma: cute.Tensor, tma_out2: cute.CopyAtom, m_out2_tma: cute.Tensor,
+            m_h: cute.Tensor, m_scores: cute.Tensor, m_ds: cute.Tensor,
+            tile_expert: cute.Tensor, gather_index: cute.Tensor, tiled_mma: cute.TiledMma,
             a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
-            num_experts: cutlass.Int32, shared_storage: cutlass.Constexpr,
-            block_n: cutlass.Constexpr, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
-            swiglu: cutlass.Constexpr, gather: cutlass.Constexpr):
+            c_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
+            shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
+            stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
+            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr):
+  swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
-  m_tile, n_tile, num_n_tiles = cute.arch.block_idx()[0], cute.arch.block_idx()[1], cute.arch.grid_dim()[1]
+  n_tile, m_tile, _ = cute.arch.block_idx()
+  num_n_tiles = cute.arch.grid_dim()[0]
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
   if warp == 0:
     if cutlass.const_expr(not gather):
@@ -125,18 +234,19 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   tile_of = lambda t, n, l, proj: cute.local_tile(t, tile_mnk, (m_tile, n, None, l), proj=proj)
   g_a = tile_of(m_a, n_tile, 0, (1, None, 1))                     # (bM, bK, k)
   # rhs column blocks: one, or SwiGLU's gate and up blocks (columns c and n + c of W1)
-  rhs_cols = [n_tile, n_tile + num_n_tiles] if cutlass.const_expr(swiglu) else [n_tile]
+  half_cols = [n_tile, n_tile + num_n_tiles]   # a [P, 2n] tensor's gate and up column tiles
+  rhs_cols = half_cols if cutlass.const_expr(swiglu) else [n_tile]
   g_bs = [tile_of(m_b, c, expert, (None, 1, 1)) for c in rhs_cols]   # (bN, bK, k) each
-  if cutlass.const_expr(swiglu):   # H's gate and up tiles, A's tile
-    out_tiles = [tile_of(m_out, c, 0, (1, 1, None)) for c in rhs_cols] + \
-                [tile_of(m_out2, n_tile, 0, (1, 1, None))]
-  else:
+  if cutlass.const_expr(kind == "store"):
     out_tiles = [tile_of(m_out, n_tile, 0, (1, 1, None))]
+  else:   # H's (or dH's) gate and up tiles, A's (or A''s) tile
+    out_tiles = [tile_of(m_out, c, 0, (1, 1, None)) for c in half_cols] + \
+                [tile_of(m_out2, n_tile, 0, (1, 1, None))]
   num_k = cutlass.Int32(0)   # k steps: none for a tile past the last group
   if has_group:
     num_k = cute.size(m_a, mode=[1]) // BLOCK_K
 
-  smem = cutlass.utils.SmemAllocator()
+  smem = cutlass.memory.SmemAllocator()
   storage = smem.allocate(shared_storage)
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
   s_bs = [buf.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
@@ -210,45 +320,80 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
         produce.advance()
   warpgroup.wait_group(0)
 
-  if cutlass.const_expr(swiglu):
-    _swiglu_epilogue(accs, out_tiles, thr_mma)
+  if cutlass.const_expr(kind == "dh"):
+    h_tiles = [tile_of(m_h, c, 0, (1, 1, None)) for c in half_cols]
+    # each row's score broadcast along the tile's columns (stride 0)
+    scores = cute.make_tensor(m_scores.iterator, cute.make_layout(
+        (cute.size(m_scores), block_n, 1), stride=(1, 0, 0)))
+    _dh_epilogue(accs[0], h_tiles, tile_of(scores, 0, 0, (1, 1, None)), out_tiles,
+                 m_ds, thr_mma, tidx, m_tile, n_tile, block_n)
+  elif cutlass.const_expr(tma_store):
+    cute.arch.sync_threads()   # every warpgroup's wgmmas are done with A's stages: reuse them
+    s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, c_smem_staged.inner, dtype=m_out.element_type),
+                           c_smem_staged.outer)
+    out_cols = [(tma_out, m_out_tma, c) for c in rhs_cols]
+    if cutlass.const_expr(swiglu):
+      out_cols = out_cols + [(tma_out2, m_out2_tma, n_tile)]
+    stores = [(atom, tile_of(t, c, 0, (1, 1, None))) for atom, t, c in out_cols]
+    _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, warp, swiglu)
   else:
-    _store_epilogue(accs, out_tiles, thr_mma)
+    _register_epilogue(accs, out_tiles, thr_mma, swiglu)
 
 
 @cute.jit
 def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
-            out: cute.Tensor, block_n: cutlass.Constexpr):
+            out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+            tma_store: cutlass.Constexpr):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, N, 1) (logical modes)."""
-  _launch(stream, lhs, rhs, tile_expert, tile_expert, out, out, block_n, False, False)
+  _launch(stream, lhs, rhs, tile_expert, tile_expert, out, out, None, block_n, stages, "store",
+          False, tma_store)
 
 
 @cute.jit
 def _up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor, h: cute.Tensor,
-             a: cute.Tensor, block_n: cutlass.Constexpr):
+             a: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+             tma_store: cutlass.Constexpr):
   """x (P, d, 1), w1 (2n, d, E) N-major, H (P, 2n, 1), A (P, n, 1) (logical modes)."""
-  _launch(stream, x, w1, tile_expert, tile_expert, h, a, block_n, True, False)
+  _launch(stream, x, w1, tile_expert, tile_expert, h, a, None, block_n, stages, "swiglu", False,
+          tma_store)
 
 
 @cute.jit
 def _gathered_up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor,
                       gather_index: cute.Tensor, h: cute.Tensor, a: cute.Tensor,
-                      block_n: cutlass.Constexpr):
+                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+                      tma_store: cutlass.Constexpr):
   """_up_proj with x (T, d, 1) the source rows and slot r reading x[gather_index[r]]."""
-  _launch(stream, x, w1, tile_expert, gather_index, h, a, block_n, True, True)
+  _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True,
+          tma_store)
+
+
+@cute.jit
+def _dh(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor, h: cute.Tensor,
+        scores: cute.Tensor, dh: cute.Tensor, a_scaled: cute.Tensor, ds_parts: cute.Tensor,
+        block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+  """dOg (P, d, 1), w2 (n, d, E) K-major, H (P, 2n, 1), scores (P,), dH (P, 2n, 1), A' (P, n, 1),
+  dS parts (n / block_n, P)."""
+  _launch(stream, dout_g, w2, tile_expert, tile_expert, dh, a_scaled, (h, scores, ds_parts),
+          block_n, stages, "dh", False, False)
 
 
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
-            gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor,
-            block_n: cutlass.Constexpr, swiglu: cutlass.Constexpr, gather: cutlass.Constexpr):
-  """The grid over (M tiles, output column tiles) and the kernel's static configuration; with
-  swiglu out is H (P, N) and out2 A (P, N / 2), the grid covering N / 2 (gate) columns; with
-  gather lhs is the source of the rows gather_index names (A's stages not in the TMA pipeline)."""
+            gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
+            block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
+            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr):
+  """The grid over (output column tiles, M tiles) and the kernel's static configuration. kind:
+  "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs W1's gate and up
+  columns) or "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS parts)); for the
+  last two the grid covers n's columns. With gather lhs is the source of the rows gather_index
+  names (A's stages not in the TMA pipeline); with tma_store the epilogue stores through SMEM
+  by TMA (else from registers; dh always)."""
   dtype = lhs.element_type
+  swiglu = kind == "swiglu"
   num_rhs = 2 if swiglu else 1
+  m_h, m_scores, m_ds = dh_inputs if kind == "dh" else (out, tile_expert, out)   # unused
   a_major, b_major = LayoutEnum.from_tensor(lhs), LayoutEnum.from_tensor(rhs)
-  stages = _stages(block_n, num_rhs, dtype.width // 8)
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   tiled_mma = sm90_utils.make_trivial_tiled_mma(
       dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
@@ -262,6 +407,13 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
                                            cute.slice_(b_smem_staged, (None, None, 0)),
                                            (block_n, BLOCK_K))
   b_elems = cute.cosize(b_smem_staged)
+  # the TMA-store epilogue's SMEM buffers (over A's stages) and its TMA atoms for out and out2
+  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, EPI_TILE, EPI_STAGES)
+  c_tile = cute.slice_(c_smem_staged, (None, None, 0))
+  tma_out, m_out_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out, c_tile,
+                                                   EPI_TILE)
+  tma_out2, m_out2_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out2,
+                                                     c_tile, EPI_TILE)
 
   @cute.struct
   class SharedStorage:
@@ -280,12 +432,19 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   if cutlass.const_expr(not gather):   # TMA brings A's tile too
     stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
-  num_n_tiles = cute.size(out, mode=[1]) // (num_rhs * block_n)
-  _kernel(tma_a, lhs if gather else m_a, tma_b, m_b, out, out2, tile_expert, gather_index,
-          tiled_mma, a_smem_staged, b_smem_staged, cute.size(rhs, mode=[2]),
-          SwigluSharedStorage if swiglu else SharedStorage, block_n, stages, stage_bytes, swiglu,
-          gather).launch(
-              grid=(num_m_tiles, num_n_tiles, 1), block=(THREADS, 1, 1), stream=stream)
+  num_n_tiles = cute.size(out, mode=[1]) // ((1 if kind == "store" else 2) * block_n)
+  _kernel(tma_a, lhs if gather else m_a, tma_b, m_b, out, out2, tma_out, m_out_tma, tma_out2,
+          m_out2_tma, m_h, m_scores, m_ds, tile_expert, gather_index, tiled_mma, a_smem_staged,
+          b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]),
+          SwigluSharedStorage if swiglu else SharedStorage, block_n, stages, stage_bytes, kind,
+          gather, tma_store).launch(
+              grid=(num_n_tiles, num_m_tiles, 1), block=(THREADS, 1, 1), stream=stream)
+
+
+def _tma_store(epilogue: str) -> bool:
+  if epilogue not in ("tma", "registers"):
+    raise ValueError(f"epilogue must be 'tma' or 'registers'; got {epilogue!r}")
+  return epilogue == "tma"
 
 
 def unsupported(lhs, rhs, block_n: int):
@@ -300,18 +459,27 @@ def unsupported(lhs, rhs, block_n: int):
     return f"contraction K={lhs.shape[1]} must be a multiple of {BLOCK_K}"
   if rhs.shape[2] % block_n:
     return f"output columns N={rhs.shape[2]} must be a multiple of block_n={block_n}"
+  if block_n % EPI_TILE[1]:
+    return f"block_n={block_n} must be a multiple of {EPI_TILE[1]}"
+  if lhs.shape[0] // BLOCK_M > MAX_GRID_Y:
+    return f"rows P={lhs.shape[0]} exceed {MAX_GRID_Y * BLOCK_M} (the grid's M tiles)"
   return None
 
 
-def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128):
+def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
+                   stages: int | None = None, epilogue: str = "tma"):
   """out [P, N] = lhs_e rhs_e per M tile (module docstring), rhs [E, K, N]; with transpose_rhs
   rhs is [E, N, K] and out = lhs_e rhs_e^T (read K-major, no transposed copy).
-  tile_expert: [P / BLOCK_M] int32, E or more past the last group."""
+  tile_expert: [P / BLOCK_M] int32, E or more past the last group. stages: the TMA pipeline's
+  depth (default: as many as fit in SMEM). epilogue: "tma" (through SMEM, TMA stores) or
+  "registers" (each thread stores its fragments)."""
   rhs_ekn = jax.ShapeDtypeStruct((rhs.shape[0], rhs.shape[2], rhs.shape[1]), rhs.dtype) \
       if transpose_rhs else rhs
   reason = unsupported(lhs, rhs_ekn, block_n)
   if reason:
     raise ValueError(f"cute grouped_matmul: {reason}")
+  stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K, stages)
+  tma_store = _tma_store(epilogue)
   num_slots, n_out = lhs.shape[0], rhs_ekn.shape[2]
   # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major
   rhs_mode = (1, 2, 0) if transpose_rhs else (2, 1, 0)
@@ -320,21 +488,24 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
       output_shape_dtype=jax.ShapeDtypeStruct((1, num_slots, n_out), lhs.dtype),
       input_spec=[cjax.TensorSpec(mode=(1, 2, 0)), cjax.TensorSpec(mode=rhs_mode), None],
       output_spec=cjax.TensorSpec(mode=(1, 2, 0)),
-      block_n=block_n)
+      block_n=block_n, stages=stages, tma_store=tma_store)
   return call(lhs[None], rhs, tile_expert.astype(jnp.int32))[0]
 
 
-def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None):
+def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
+            stages: int | None = None, epilogue: str = "tma"):
   """H = Xg W1_e (gate and up halves) and A = silu(gate) * up per M tile: xg [P, d] rows in
   slot order, w1 [E, d, 2n]; returns H [P, 2n], A [P, n] (the SwiGLU epilogue). With
-  gather_index [P] (NOT yet run on a GPU), xg is X [T, d] and slot r reads X[gather_index[r]]
-  (zeros where it is T or more), gathered inside the kernel by cp.async."""
+  gather_index [P], xg is X [T, d] and slot r reads X[gather_index[r]] (zeros where it is T or
+  more), gathered inside the kernel by cp.async. stages, epilogue: as grouped_matmul's."""
   n = w1.shape[2] // 2
   num_slots = xg.shape[0] if gather_index is None else gather_index.shape[0]
   slots = jax.ShapeDtypeStruct((num_slots, *xg.shape[1:]), xg.dtype)   # the rows the GEMM reads
   reason = unsupported(slots, jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n)
   if reason:
     raise ValueError(f"cute up_proj: {reason}")
+  stages = _pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)
+  tma_store = _tma_store(epilogue)
   rows = cjax.TensorSpec(mode=(1, 2, 0))
   fn, index = (_up_proj, ()) if gather_index is None else \
       (_gathered_up_proj, (gather_index.astype(jnp.int32),))
@@ -342,6 +513,32 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None):
       fn, output_shape_dtype=(jax.ShapeDtypeStruct((1, num_slots, 2 * n), xg.dtype),
                               jax.ShapeDtypeStruct((1, num_slots, n), xg.dtype)),
       input_spec=[rows, cjax.TensorSpec(mode=(2, 1, 0)), None, *[None] * len(index)],
-      output_spec=[rows, rows], block_n=block_n)
+      output_spec=[rows, rows], block_n=block_n, stages=stages, tma_store=tma_store)
   h, a = call(xg[None], w1, tile_expert.astype(jnp.int32), *index)
   return h[0], a[0]
+
+
+def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None):
+  """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
+  (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
+  and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
+  Epilogue from registers; stages as grouped_matmul's."""
+  n = w2.shape[1]
+  reason = unsupported(dout_g, jax.ShapeDtypeStruct((w2.shape[0], w2.shape[2], n), w2.dtype), block_n)
+  if reason:
+    raise ValueError(f"cute dh: {reason}")
+  if h.shape != (dout_g.shape[0], 2 * n) or h.dtype != dout_g.dtype or scores.shape != (dout_g.shape[0],):
+    raise ValueError(f"cute dh: need H [{dout_g.shape[0]}, {2 * n}] in {dout_g.dtype} and scores "
+                     f"[{dout_g.shape[0]}]; got {h.shape} {h.dtype} and {scores.shape}")
+  stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, dout_g.shape[1] // BLOCK_K, stages)
+  num_slots = dout_g.shape[0]
+  rows = cjax.TensorSpec(mode=(1, 2, 0))
+  call = cjax.cutlass_call(
+      _dh, output_shape_dtype=(jax.ShapeDtypeStruct((1, num_slots, 2 * n), h.dtype),
+                               jax.ShapeDtypeStruct((1, num_slots, n), h.dtype),
+                               jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)),
+      input_spec=[rows, cjax.TensorSpec(mode=(1, 2, 0)), None, rows, None],
+      output_spec=[rows, rows, None], block_n=block_n, stages=stages)
+  dh_, a_scaled, ds_parts = call(dout_g[None], w2, tile_expert.astype(jnp.int32), h[None],
+                                 scores.astype(jnp.float32))
+  return dh_[0], a_scaled[0], ds_parts

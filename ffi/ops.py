@@ -1,6 +1,8 @@
 """Backend "cute": the ops written as CuTe DSL kernels so far: aggregation (gather_sum.py) and the
-varlen-M grouped GEMMs up_proj (SwiGLU epilogue; X's rows gathered by XLA first), down_proj and
-dx_tilde (grouped_gemm.py; written and compiled for sm_90a, not yet run on a GPU).
+varlen-M grouped GEMMs up_proj (SwiGLU epilogue; X's rows gathered in the kernel by cp.async,
+UP_PROJ_GATHER_IN_KERNEL), down_proj and dx_tilde (grouped_gemm.py; they match float32
+references and the xla backend on an H200, tests/test_cute.py), and dh (the dSwiGLU epilogue;
+compiled for sm_90a, not yet run on a GPU).
 
 Implements a subset of the dispatch table; mix it with others, e.g.
 backend={"aggregate": "cute"} (other ops default). The GEMMs need the plan aligned to
@@ -17,11 +19,15 @@ except ImportError as e:  # the optional extra is missing
       "backend 'cute' needs NVIDIA's CuTe DSL: pip install 'sonicmoe-jax[cute]' "
       f"(nvidia-cutlass-dsl>=4.8.1); import failed with: {e}") from e
 
+import jax.numpy as jnp
+
 from ffi import gather_sum, grouped_gemm
 from pallas_kernels import schedule
 from sonicmoe_jax import xla_ops
 
 ALIGN = grouped_gemm.BLOCK_M
+# The up-projection gathers X's rows itself (bitwise equal to gathering first, H200 session 6)
+UP_PROJ_GATHER_IN_KERNEL = True
 
 
 def _tiles(plan):
@@ -34,7 +40,10 @@ def aggregate(y, scores, plan):
 
 
 def up_proj(x, w1, plan):
-  """H = X_e W1_e and A = SwiGLU(H) per expert group; X's rows gathered by XLA first."""
+  """H = X_e W1_e and A = SwiGLU(H) per expert group, X's rows gathered in the kernel (or by XLA
+  first: UP_PROJ_GATHER_IN_KERNEL = False)."""
+  if UP_PROJ_GATHER_IN_KERNEL:
+    return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index)
   return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan))
 
 
@@ -43,9 +52,16 @@ def down_proj(a, w2, plan):
   return grouped_gemm.grouped_matmul(a, w2, _tiles(plan))
 
 
+def dh(dout, w2, h, scores, plan):
+  """dA' = dO_e W2_e^T (dO's rows gathered by XLA first) fused with dSwiGLU: dH, dS, A' = s A."""
+  dh_, a_scaled, ds_parts = grouped_gemm.dh(xla_ops.gather_rows(dout, plan.token_index), w2, h,
+                                            scores, _tiles(plan))
+  return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
+
+
 def dx_tilde(dh, w1, plan):
   """dX~ = dH W1_e^T per expert group (W1 read K-major, not transposed in memory)."""
   return grouped_gemm.grouped_matmul(dh, w1, _tiles(plan), transpose_rhs=True)
 
 
-OPS = dict(up_proj=up_proj, down_proj=down_proj, aggregate=aggregate, dx_tilde=dx_tilde)
+OPS = dict(up_proj=up_proj, down_proj=down_proj, aggregate=aggregate, dh=dh, dx_tilde=dx_tilde)

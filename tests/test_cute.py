@@ -82,21 +82,40 @@ def test_cute_aggregate_matches_xla_on_gpu(rounding):
     assert rel_err(a, b) < 1e-2
 
 
-CUTE_GEMMS = {"up_proj": "cute", "down_proj": "cute", "dx_tilde": "cute", "aggregate": "cute"}
+CUTE_GEMMS = {"up_proj": "cute", "down_proj": "cute", "dh": "cute", "dx_tilde": "cute",
+              "aggregate": "cute"}
 
 
 @needs_cute
 def test_cute_gemms_compile_and_lower_for_cuda():
   """The layer's forward and gradients with the CuTe grouped GEMMs: the kernels compile for
   sm_90a here and the program exports for CUDA with them as FFI calls (forward: up_proj,
-  down_proj and aggregate; backward adds dx_tilde and aggregate)."""
+  down_proj and aggregate; backward adds dh, dx_tilde and aggregate)."""
   T, d, n, E, K = 256, 256, 128, 8, 2
   args = make_inputs(0, T, d, n, E, jnp.bfloat16)
 
   def loss(*a):
     return jnp.sum(sm.moe(*a, k=K, backend=CUTE_GEMMS).out.astype(jnp.float32))
 
-  assert _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args).count(FFI_TARGET) >= 5
+  assert _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args).count(FFI_TARGET) >= 6
+
+
+@needs_cute
+@pytest.mark.parametrize("kernel,epilogue,block_n,stages", [
+    ("matmul", "registers", 128, None), ("matmul_t", "tma", 256, 2), ("up_proj", "registers", 64, 3),
+    ("up_proj", "tma", 64, None)])
+def test_cute_gemm_variants_compile_for_cuda(kernel, epilogue, block_n, stages):
+  """Each epilogue, tile width and pipeline depth the sweep tries compiles for sm_90a."""
+  from ffi import grouped_gemm
+  P, K, N, E = 512, 256, 512, 4
+  kw = dict(block_n=block_n, stages=stages, epilogue=epilogue)
+  fn = {"matmul": lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, **kw),
+        "matmul_t": lambda a, b, t: grouped_gemm.grouped_matmul(
+            a, jnp.swapaxes(b, 1, 2), t, transpose_rhs=True, **kw),
+        "up_proj": lambda a, b, t: grouped_gemm.up_proj(a, b, t, **kw)}[kernel]
+  shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16),
+            jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
+  assert FFI_TARGET in _cuda_module(fn, *shapes)
 
 
 @needs_cute
@@ -113,6 +132,17 @@ def test_cute_gemm_rejects_unsupported_operands():
     grouped_gemm.grouped_matmul(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 96), jnp.bfloat16), tiles)
   with pytest.raises(ValueError, match=r"cute up_proj: output columns N=64 must be a multiple of block_n=128"):
     grouped_gemm.up_proj(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 128), jnp.bfloat16), tiles)
+  ok = (jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 128), jnp.bfloat16), tiles)
+  with pytest.raises(ValueError, match=r"stages=9 must be between 2 and \d+"):
+    grouped_gemm.grouped_matmul(*ok, stages=9)
+  with pytest.raises(ValueError, match="epilogue must be 'tma' or 'registers'"):
+    grouped_gemm.grouped_matmul(*ok, epilogue="smem")
+  dout, w2 = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((2, 96, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="cute dh: output columns N=96 must be a multiple of block_n=64"):
+    grouped_gemm.dh(dout, w2, jnp.zeros((256, 192), jnp.bfloat16), jnp.zeros((256,)), tiles)
+  with pytest.raises(ValueError, match=r"cute dh: need H \[256, 256\]"):
+    grouped_gemm.dh(dout, jnp.zeros((2, 128, 128), jnp.bfloat16), jnp.zeros((256, 128), jnp.bfloat16),
+                    jnp.zeros((256,)), tiles)
 
 
 def _per_tile_reference(lhs, rhs, tile_expert):
@@ -127,9 +157,12 @@ def _per_tile_reference(lhs, rhs, tile_expert):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_cute_grouped_matmul_against_float32_on_gpu(transpose_rhs):
-  """Tiles of experts 0, 2, 3 (1 has none), then two tiles past the last group (zeros)."""
+@pytest.mark.parametrize("transpose_rhs,epilogue,stages", [
+    (False, "tma", None), (True, "tma", None), (False, "registers", None), (True, "tma", 2),
+    (False, "registers", 3)])
+def test_cute_grouped_matmul_against_float32_on_gpu(transpose_rhs, epilogue, stages):
+  """Tiles of experts 0, 2, 3 (1 has none), then two tiles past the last group (zeros); both
+  epilogues, several pipeline depths."""
   from ffi import grouped_gemm
   E, K, N = 4, 512, 384
   tile_expert = jnp.array([0, 0, 2, 3, 3, 3, E, E], jnp.int32)
@@ -137,8 +170,8 @@ def test_cute_grouped_matmul_against_float32_on_gpu(transpose_rhs):
   lhs = jax.random.normal(jax.random.key(0), (P, K)).astype(jnp.bfloat16)
   rhs = jax.random.normal(jax.random.key(1), (E, K, N)).astype(jnp.bfloat16)
   rhs_arg = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
-  out = jax.jit(lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, transpose_rhs=transpose_rhs))(
-      lhs, rhs_arg, tile_expert)
+  out = jax.jit(lambda a, b, t: grouped_gemm.grouped_matmul(
+      a, b, t, transpose_rhs=transpose_rhs, epilogue=epilogue, stages=stages))(lhs, rhs_arg, tile_expert)
   row_expert, ref = _per_tile_reference(lhs, rhs, tile_expert)
   assert rel_err(out, ref) < 1e-2
   np.testing.assert_array_equal(out[row_expert >= E], 0)
@@ -159,7 +192,8 @@ def test_cute_up_proj_with_gather_compiles_for_cuda():
 
 @pytest.mark.gpu
 @needs_cute
-def test_cute_up_proj_with_gather_matches_pregathered_on_gpu():
+@pytest.mark.parametrize("epilogue,stages", [("tma", None), ("registers", None), ("tma", 2)])
+def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(epilogue, stages):
   """Gathering X's rows in the kernel (padding slots: index T, zero rows) gives the bitwise
   same H and A as the kernel on rows gathered by XLA first."""
   from ffi import grouped_gemm
@@ -169,16 +203,19 @@ def test_cute_up_proj_with_gather_matches_pregathered_on_gpu():
   x = jax.random.normal(jax.random.key(7), (T, d)).astype(jnp.bfloat16)
   w1 = (jax.random.normal(jax.random.key(8), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(9), (P,), 0, T).at[::7].set(T)
-  fused = jax.jit(lambda x, w, t, i: grouped_gemm.up_proj(x, w, t, gather_index=i))(
+  kw = dict(epilogue=epilogue, stages=stages)
+  fused = jax.jit(lambda x, w, t, i: grouped_gemm.up_proj(x, w, t, gather_index=i, **kw))(
       x, w1, tile_expert, index)
   xg = x.at[index].get(mode="fill", fill_value=0)
-  for got, want in zip(fused, jax.jit(grouped_gemm.up_proj)(xg, w1, tile_expert)):
+  pregathered = jax.jit(lambda x, w, t: grouped_gemm.up_proj(x, w, t, **kw))(xg, w1, tile_expert)
+  for got, want in zip(fused, pregathered):
     np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.gpu
 @needs_cute
-def test_cute_up_proj_against_float32_on_gpu():
+@pytest.mark.parametrize("epilogue,block_n", [("tma", 128), ("registers", 128), ("tma", 64)])
+def test_cute_up_proj_against_float32_on_gpu(epilogue, block_n):
   """H = [gate | up] and A = silu(gate) * up, tiles of experts 0, 2 and past the last group."""
   from ffi import grouped_gemm
   E, d, n = 3, 384, 256
@@ -186,12 +223,47 @@ def test_cute_up_proj_against_float32_on_gpu():
   P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
   x = jax.random.normal(jax.random.key(5), (P, d)).astype(jnp.bfloat16)
   w1 = (jax.random.normal(jax.random.key(6), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
-  h, a = jax.jit(grouped_gemm.up_proj)(x, w1, tile_expert)
+  h, a = jax.jit(lambda x, w, t: grouped_gemm.up_proj(x, w, t, block_n, epilogue=epilogue))(
+      x, w1, tile_expert)
   row_expert, h_ref = _per_tile_reference(x, w1, tile_expert)
   gate, up = h_ref[:, :n], h_ref[:, n:]
   assert rel_err(h, h_ref) < 1e-2
   assert rel_err(a, jax.nn.silu(gate) * up) < 1e-2
   np.testing.assert_array_equal(a[row_expert >= E], 0)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_cute_dh_against_float32_on_gpu(block_n):
+  """dH = dSwiGLU(s dA', H), A' = s A and dS = rowsum(dA' A) with dA' = dOg W2_e^T; tiles of
+  experts 0, 2 (1 has none) and past the last group (all zeros there)."""
+  from ffi import grouped_gemm
+  E, d, n = 3, 384, 256
+  tile_expert = jnp.array([0, 2, 2, E], jnp.int32)
+  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
+  keys = jax.random.split(jax.random.key(11), 4)
+  dout_g = jax.random.normal(keys[0], (P, d)).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(keys[1], (E, n, d)) / 8).astype(jnp.bfloat16)
+  h = (2 * jax.random.normal(keys[2], (P, 2 * n))).astype(jnp.bfloat16)
+  scores = jax.random.uniform(keys[3], (P,), minval=0.05, maxval=1.0)
+  row_expert = jnp.repeat(tile_expert, grouped_gemm.BLOCK_M)
+  h = jnp.where((row_expert < E)[:, None], h, 0)   # the up-projection's zero padding rows
+  dh_, a_scaled, ds_parts = jax.jit(lambda *a: grouped_gemm.dh(*a, block_n=block_n))(
+      dout_g, w2, h, scores, tile_expert)
+  _, da = _per_tile_reference(dout_g, jnp.swapaxes(w2, 1, 2), tile_expert)
+  gate, up = h[:, :n].astype(jnp.float32), h[:, n:].astype(jnp.float32)
+  sig = jax.nn.sigmoid(gate)
+  a = gate * sig * up
+  da_s = scores[:, None] * da
+  want_dh = jnp.concatenate([da_s * up * sig * (1 + gate * (1 - sig)), da_s * gate * sig], 1)
+  assert ds_parts.shape == (n // block_n, P)
+  assert rel_err(dh_, want_dh) < 1e-2
+  assert rel_err(a_scaled, scores[:, None] * a) < 1e-2
+  assert rel_err(ds_parts.sum(0), jnp.sum(da * a, axis=1)) < 1e-2
+  padding = row_expert >= E
+  np.testing.assert_array_equal(dh_[padding], 0)
+  np.testing.assert_array_equal(ds_parts[:, padding], 0)
 
 
 @pytest.mark.gpu
