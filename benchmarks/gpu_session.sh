@@ -10,9 +10,9 @@
 #   omnimoe: OmniMoE tests and latency benchmark on the GPU
 #   gathers: the in-kernel row gathers (up-projection default, dW1 experimental): bitwise GPU
 #           tests, then the per-op rows of benchmarks.kernels at 30B-n256 and 7B-n256    (~4 min)
-#   cute  : the CuTe kernels' GPU tests, their tile/epilogue sweep and the layer with them vs
-#           pallas (carry the cute wheels first, ../shared/tools/device-wheels cute; source
-#           their env.sh)                                                              (~9 min)
+#   cute  : the CuTe kernels' GPU tests and their tile/epilogue sweep at 30B-n256 (carry the
+#           cute wheels first, ../shared/tools/device-wheels cute; source their env.sh)  (~5 min)
+#   cute_bench: then the FFI call cost and the layer with cute ops vs pallas        (~3 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, and the PyTorch SonicMoE
 #           when its wheels are staged (source /tmp/devsite-upstream/env.sh first)
 set -uo pipefail
@@ -50,12 +50,15 @@ for mode in "$@"; do
       timeout 200 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
         > "$OUT/pytest_cute.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cute.log" | tail -12
-      sweep() { timeout "$1" python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,7B-n256 \
+      sweep() { timeout "$1" python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 \
         --stages 2,0 "${@:3}" --out "$OUT/sweep_cute_$2.json" 2>&1 | grep -v '^{' | grep -v "^config"; }
-      sweep 90 up --kernels up_proj,up_proj_gather --block-n 64,128 --epilogues tma,registers
-      sweep 90 mm --kernels down_proj,dx_tilde --block-n 128,256 --epilogues tma,registers
-      sweep 50 dh --kernels dh --block-n 64,128 --epilogues registers
-      timeout 130 python3 -m benchmarks.bench --configs 7B-n256,30B-n256,olmoe \
+      sweep 60 up --kernels up_proj,up_proj_gather --block-n 64,128 --epilogues tma,registers
+      sweep 60 mm --kernels down_proj,dx_tilde --block-n 128,256 --epilogues tma,registers
+      sweep 40 dh --kernels dh --block-n 64,128 --epilogues registers ;;
+    cute_bench)  # after `cute`, on the same machine: FFI call cost and the layer with cute ops
+      timeout 50 python3 -m benchmarks.ffi_overhead --calls 100 --out "$OUT/ffi_overhead.json" \
+        2>&1 | tail -3
+      timeout 150 python3 -m benchmarks.bench --configs 7B-n256,30B-n256,olmoe \
         --impls pallas,up_proj=cute+down_proj=cute+dh=cute+dx_tilde=cute \
         --iters 5 --reps 3 --out "$OUT/bench_cute" 2>&1 | tail -7 ;;
     rounding)  # token rounding vs plain top-K at a sparse config (issue #4), pallas backend
