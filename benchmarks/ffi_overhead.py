@@ -4,7 +4,7 @@ behind cutlass.jax's FFI call, the Pallas Mosaic GPU kernel and XLA's own dot. T
 call is launch + FFI dispatch + a tiny kernel; the difference between rows is what the call
 path costs.
 
-  python -m benchmarks.ffi_overhead --calls 100
+  python -m benchmarks.ffi_overhead --calls 20
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def steps():
 
 def main(argv=None):
   p = argparse.ArgumentParser()
-  p.add_argument("--calls", type=int, default=100)
+  p.add_argument("--calls", type=int, default=20)
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
   x = (jax.random.normal(jax.random.key(0), (P, K)) / 16).astype(jnp.bfloat16)

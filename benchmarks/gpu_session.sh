@@ -56,7 +56,7 @@ for mode in "$@"; do
       sweep 60 mm --kernels down_proj,dx_tilde --block-n 128,256 --epilogues tma,registers
       sweep 40 dh --kernels dh --block-n 64,128 --epilogues registers ;;
     cute_bench)  # after `cute`, on the same machine: FFI call cost and the layer with cute ops
-      timeout 50 python3 -m benchmarks.ffi_overhead --calls 100 --out "$OUT/ffi_overhead.json" \
+      timeout 50 python3 -m benchmarks.ffi_overhead --calls 20 --out "$OUT/ffi_overhead.json" \
         2>&1 | tail -3
       timeout 150 python3 -m benchmarks.bench --configs 7B-n256,30B-n256,olmoe \
         --impls pallas,up_proj=cute+down_proj=cute+dh=cute+dx_tilde=cute \

@@ -47,21 +47,28 @@ def up_proj(x, w1, plan):
   return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan))
 
 
+def _wide_tile(cols: int, widest: int) -> int:
+  """block_n: `widest` where it divides the output columns, else half of it (session 6's sweep:
+  the wider tile was faster at 30B-n256)."""
+  return widest if cols % widest == 0 else widest // 2
+
+
 def down_proj(a, w2, plan):
   """Y = A W2_e per expert group (rows in slot order)."""
-  return grouped_gemm.grouped_matmul(a, w2, _tiles(plan))
+  return grouped_gemm.grouped_matmul(a, w2, _tiles(plan), block_n=_wide_tile(w2.shape[2], 256))
 
 
 def dh(dout, w2, h, scores, plan):
   """dA' = dO_e W2_e^T (dO's rows gathered by XLA first) fused with dSwiGLU: dH, dS, A' = s A."""
   dh_, a_scaled, ds_parts = grouped_gemm.dh(xla_ops.gather_rows(dout, plan.token_index), w2, h,
-                                            scores, _tiles(plan))
+                                            scores, _tiles(plan), _wide_tile(w2.shape[1], 128))
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
 
 
 def dx_tilde(dh, w1, plan):
   """dX~ = dH W1_e^T per expert group (W1 read K-major, not transposed in memory)."""
-  return grouped_gemm.grouped_matmul(dh, w1, _tiles(plan), transpose_rhs=True)
+  return grouped_gemm.grouped_matmul(dh, w1, _tiles(plan), transpose_rhs=True,
+                                     block_n=_wide_tile(w1.shape[1], 256))
 
 
 OPS = dict(up_proj=up_proj, down_proj=down_proj, aggregate=aggregate, dh=dh, dx_tilde=dx_tilde)
