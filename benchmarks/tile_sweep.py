@@ -29,10 +29,9 @@ from sonicmoe_jax import xla_ops
 
 @dataclasses.dataclass(frozen=True)
 class CuteTile:
-  """A CuTe grouped GEMM's tiling: block_n, pipeline stages (None: as many as fit), epilogue."""
+  """A CuTe grouped GEMM's tiling: block_n and pipeline stages (None: as many as fit)."""
   block_n: int
   stages: int | None
-  epilogue: str
 
 
 def _ints(csv):
@@ -77,8 +76,7 @@ def _with_dh_row(rows, dh, x, w2, dout, plan, tiles, pairs):
 
 
 def cute_kernels(x, w1, w2, dout, plan, pairs):
-  """The CuTe DSL kernels' rows (_gemm_rows and dh; cfg a CuteTile, dh's epilogue is always
-  from registers)."""
+  """The CuTe DSL kernels' rows (_gemm_rows and dh; cfg a CuteTile)."""
   from ffi import grouped_gemm as cute_gemm  # optional extra
   tiles = schedule.tile_experts(plan, cute_gemm.BLOCK_M)
   rows = _gemm_rows(
@@ -100,7 +98,6 @@ def main(argv=None):
   p.add_argument("--kernels", default="up_proj,down_proj,dx_tilde,dh")
   p.add_argument("--block-n", default="64,128,256")
   p.add_argument("--stages", default="3,4", help="0: (cute) as many as fit in SMEM")
-  p.add_argument("--epilogues", default="tma", help="(cute) tma and/or registers")
   p.add_argument("--iters", type=int, default=5)
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--out", default=None)
@@ -114,16 +111,15 @@ def main(argv=None):
     table = (kernels if a.impl == "pallas" else cute_kernels)(x, w1, w2, dout, plan, T * K)
     for kname in a.kernels.split(","):
       fn, args, flops, k_len = table[kname]
-      epilogues = a.epilogues.split(",") if a.impl == "cute" else [None]
-      for bn, stages, epi in itertools.product(_ints(a.block_n), _ints(a.stages), epilogues):
+      for bn, stages in itertools.product(_ints(a.block_n), _ints(a.stages)):
         if a.impl == "pallas":
           cfg = TileConfig(block_n=bn, stages=stages)
           # the depth it runs: the largest <= stages dividing the k steps (chained pipelines)
           chained = grouped_gemm._pipelined_stages(k_len // cfg.block_k, stages)
         else:
-          cfg, chained = CuteTile(bn, stages or None, epi), None
+          cfg, chained = CuteTile(bn, stages or None), None
         rec = dict(config=name, impl=a.impl, kernel=kname, block_n=bn, stages=stages,
-                   chained_stages=chained, epilogue=epi, ms=None, tflops=None)
+                   chained_stages=chained, ms=None, tflops=None)
         try:
           ms = time_ms(fn, (cfg, *args), a.iters, a.reps)
           rec.update(ms=ms, tflops=flops / ms / 1e9)
@@ -131,12 +127,11 @@ def main(argv=None):
           rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         recs.append(rec)
         print(json.dumps(rec), flush=True)
-  print(f"{'config':11s} {'kernel':14s} {'bn':>4s} {'st':>3s} {'run':>3s} {'epilogue':9s} "
-        f"{'ms':>8s} {'TF/s':>6s}")
+  print(f"{'config':11s} {'kernel':14s} {'bn':>4s} {'st':>3s} {'run':>3s} {'ms':>8s} {'TF/s':>6s}")
   for r in recs:
     if r["ms"] is not None:
       print(f"{r['config']:11s} {r['kernel']:14s} {r['block_n']:4d} {r['stages']:3d} "
-            f"{r['chained_stages'] or r['stages']:3d} {r['epilogue'] or '':9s} "
+            f"{r['chained_stages'] or r['stages']:3d} "
             f"{r['ms']:8.3f} {r['tflops']:6.0f}")
   if a.out:
     with open(a.out, "w") as f:

@@ -1,9 +1,10 @@
 """Varlen-M grouped GEMMs for Hopper as CuTe DSL kernels behind XLA FFI calls.
 
-out[rows of M tile m] = lhs[rows of M tile m] @ rhs[tile_expert[m]] (grouped_matmul), or with
-the SwiGLU epilogue H = [gate | up] and A = silu(gate) * up (up_proj), for a routing plan aligned
-to BLOCK_M rows per expert (every M tile has one expert; tiles past the last group, marked
-tile_expert >= E, store zeros). lhs [P, K] rows in slot order, rhs [E, K, N], out [P, N].
+out[rows of M tile m] = lhs[rows of M tile m] @ rhs[tile_expert[m]] (grouped_matmul), with
+the SwiGLU epilogue H = [gate | up] and A = silu(gate) * up (up_proj), or with the dSwiGLU
+epilogue (dh: dH, A' = s A and dS parts from dA' = dOg W2_e^T, H and the scores), for a routing
+plan aligned to BLOCK_M rows per expert (every M tile has one expert; tiles past the last group,
+marked tile_expert >= E, store zeros). lhs [P, K] rows in slot order, rhs [E, K, N], out [P, N].
 
 Tiling (one CTA per BLOCK_M x block_n output tile, grid (N / block_n, P / BLOCK_M): an M tile's
 column tiles run next to each other, so its lhs rows are read from HBM once and then from L2):
@@ -16,9 +17,13 @@ column tiles run next to each other, so its lhs rows are read from HBM once and 
              the TMA pipeline; each warpgroup cp.async-copies its own rows of step kk + stages
              - 1 into the stage step kk - 1 read, once that step's wgmmas are done
              (_gather_step), then waits, fences (async proxy) and syncs before its wgmmas
-  epilogue : from registers, in out's dtype: _store_epilogue (out = acc) or _swiglu_epilogue
-             (two accumulators: W1's gate columns c and up columns n + c, loaded as two rhs
-             tiles per stage)
+  epilogue : _epilogue_values gives the output tiles' values (out = acc; or SwiGLU's H gate,
+             H up and A from two accumulators: W1's gate columns c and up columns n + c,
+             loaded as two rhs tiles per stage); _tma_store_epilogue writes them through SMEM
+             buffers over A's stages and TMA stores (each thread storing its fragments from
+             registers took 1.4-1.7x as long in down_proj and dx_tilde at 30B-n256 and up to
+             10% longer in up_proj, 2% shorter at one of its 8 tiles: session 6's sweep). dh
+             stores from registers (_dh_epilogue: it also reads H and the scores per fragment).
 """
 from __future__ import annotations
 
@@ -85,16 +90,6 @@ def _epilogue_values(vals, swiglu: cutlass.Constexpr):
     gate, up = vals
     return [gate, up, gate / (1.0 + cute.math.exp(-gate)) * up]
   return [vals[0]]
-
-
-@cute.jit
-def _register_epilogue(accs, out_tiles, thr_mma, swiglu: cutlass.Constexpr):
-  """Each thread stores its accumulator fragments' outputs straight to global memory."""
-  for values, out_tile in zip(_epilogue_values([acc.load() for acc in accs], swiglu), out_tiles):
-    dst = thr_mma.partition_C(out_tile)
-    frag = cute.make_rmem_tensor(dst.shape, out_tile.element_type)
-    frag.store(values.to(out_tile.element_type))
-    cute.autovec_copy(frag, dst)
 
 
 @cute.jit
@@ -216,7 +211,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             c_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr):
+            gather: cutlass.Constexpr):
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   n_tile, m_tile, _ = cute.arch.block_idx()
@@ -237,11 +232,6 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   half_cols = [n_tile, n_tile + num_n_tiles]   # a [P, 2n] tensor's gate and up column tiles
   rhs_cols = half_cols if cutlass.const_expr(swiglu) else [n_tile]
   g_bs = [tile_of(m_b, c, expert, (None, 1, 1)) for c in rhs_cols]   # (bN, bK, k) each
-  if cutlass.const_expr(kind == "store"):
-    out_tiles = [tile_of(m_out, n_tile, 0, (1, 1, None))]
-  else:   # H's (or dH's) gate and up tiles, A's (or A''s) tile
-    out_tiles = [tile_of(m_out, c, 0, (1, 1, None)) for c in half_cols] + \
-                [tile_of(m_out2, n_tile, 0, (1, 1, None))]
   num_k = cutlass.Int32(0)   # k steps: none for a tile past the last group
   if has_group:
     num_k = cute.size(m_a, mode=[1]) // BLOCK_K
@@ -268,7 +258,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   thr_mma = tiled_mma.get_slice(tidx)
   frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
   frag_bs = [tiled_mma.make_fragment_B(thr_mma.partition_B(sb)) for sb in s_bs]
-  accs = [cute.make_rmem_tensor(thr_mma.partition_C(out_tiles[0]).shape, cutlass.Float32)
+  accs = [cute.make_rmem_tensor(thr_mma.partition_C(tile_of(m_out, n_tile, 0, (1, 1, None))).shape,
+                                cutlass.Float32)
           for _ in s_bs]
   for acc in accs:
     acc.fill(0.0)
@@ -320,52 +311,48 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
         produce.advance()
   warpgroup.wait_group(0)
 
-  if cutlass.const_expr(kind == "dh"):
+  if cutlass.const_expr(kind == "dh"):   # dH's gate and up tiles, A''s tile; H's gate and up
+    out_tiles = [tile_of(m_out, c, 0, (1, 1, None)) for c in half_cols] + \
+                [tile_of(m_out2, n_tile, 0, (1, 1, None))]
     h_tiles = [tile_of(m_h, c, 0, (1, 1, None)) for c in half_cols]
     # each row's score broadcast along the tile's columns (stride 0)
     scores = cute.make_tensor(m_scores.iterator, cute.make_layout(
         (cute.size(m_scores), block_n, 1), stride=(1, 0, 0)))
     _dh_epilogue(accs[0], h_tiles, tile_of(scores, 0, 0, (1, 1, None)), out_tiles,
                  m_ds, thr_mma, tidx, m_tile, n_tile, block_n)
-  elif cutlass.const_expr(tma_store):
+  else:
     cute.arch.sync_threads()   # every warpgroup's wgmmas are done with A's stages: reuse them
     s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, c_smem_staged.inner, dtype=m_out.element_type),
                            c_smem_staged.outer)
+    # out's tile (or H's gate and up tiles and A's), each with its TMA atom
     out_cols = [(tma_out, m_out_tma, c) for c in rhs_cols]
     if cutlass.const_expr(swiglu):
       out_cols = out_cols + [(tma_out2, m_out2_tma, n_tile)]
     stores = [(atom, tile_of(t, c, 0, (1, 1, None))) for atom, t, c in out_cols]
     _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, warp, swiglu)
-  else:
-    _register_epilogue(accs, out_tiles, thr_mma, swiglu)
 
 
 @cute.jit
 def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
-            out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-            tma_store: cutlass.Constexpr):
+            out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, N, 1) (logical modes)."""
   _launch(stream, lhs, rhs, tile_expert, tile_expert, out, out, None, block_n, stages, "store",
-          False, tma_store)
+          False)
 
 
 @cute.jit
 def _up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor, h: cute.Tensor,
-             a: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-             tma_store: cutlass.Constexpr):
+             a: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
   """x (P, d, 1), w1 (2n, d, E) N-major, H (P, 2n, 1), A (P, n, 1) (logical modes)."""
-  _launch(stream, x, w1, tile_expert, tile_expert, h, a, None, block_n, stages, "swiglu", False,
-          tma_store)
+  _launch(stream, x, w1, tile_expert, tile_expert, h, a, None, block_n, stages, "swiglu", False)
 
 
 @cute.jit
 def _gathered_up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor,
                       gather_index: cute.Tensor, h: cute.Tensor, a: cute.Tensor,
-                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                      tma_store: cutlass.Constexpr):
+                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
   """_up_proj with x (T, d, 1) the source rows and slot r reading x[gather_index[r]]."""
-  _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True,
-          tma_store)
+  _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True)
 
 
 @cute.jit
@@ -375,20 +362,19 @@ def _dh(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor, 
   """dOg (P, d, 1), w2 (n, d, E) K-major, H (P, 2n, 1), scores (P,), dH (P, 2n, 1), A' (P, n, 1),
   dS parts (n / block_n, P)."""
   _launch(stream, dout_g, w2, tile_expert, tile_expert, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", False, False)
+          block_n, stages, "dh", False)
 
 
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr):
+            gather: cutlass.Constexpr):
   """The grid over (output column tiles, M tiles) and the kernel's static configuration. kind:
   "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs W1's gate and up
   columns) or "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS parts)); for the
   last two the grid covers n's columns. With gather lhs is the source of the rows gather_index
-  names (A's stages not in the TMA pipeline); with tma_store the epilogue stores through SMEM
-  by TMA (else from registers; dh always)."""
+  names (A's stages not in the TMA pipeline)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
   num_rhs = 2 if swiglu else 1
@@ -437,14 +423,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
           m_out2_tma, m_h, m_scores, m_ds, tile_expert, gather_index, tiled_mma, a_smem_staged,
           b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]),
           SwigluSharedStorage if swiglu else SharedStorage, block_n, stages, stage_bytes, kind,
-          gather, tma_store).launch(
+          gather).launch(
               grid=(num_n_tiles, num_m_tiles, 1), block=(THREADS, 1, 1), stream=stream)
-
-
-def _tma_store(epilogue: str) -> bool:
-  if epilogue not in ("tma", "registers"):
-    raise ValueError(f"epilogue must be 'tma' or 'registers'; got {epilogue!r}")
-  return epilogue == "tma"
 
 
 def unsupported(lhs, rhs, block_n: int):
@@ -467,19 +447,17 @@ def unsupported(lhs, rhs, block_n: int):
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
-                   stages: int | None = None, epilogue: str = "tma"):
+                   stages: int | None = None):
   """out [P, N] = lhs_e rhs_e per M tile (module docstring), rhs [E, K, N]; with transpose_rhs
   rhs is [E, N, K] and out = lhs_e rhs_e^T (read K-major, no transposed copy).
   tile_expert: [P / BLOCK_M] int32, E or more past the last group. stages: the TMA pipeline's
-  depth (default: as many as fit in SMEM). epilogue: "tma" (through SMEM, TMA stores) or
-  "registers" (each thread stores its fragments)."""
+  depth (default: as many as fit in SMEM, at most 8)."""
   rhs_ekn = jax.ShapeDtypeStruct((rhs.shape[0], rhs.shape[2], rhs.shape[1]), rhs.dtype) \
       if transpose_rhs else rhs
   reason = unsupported(lhs, rhs_ekn, block_n)
   if reason:
     raise ValueError(f"cute grouped_matmul: {reason}")
   stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K, stages)
-  tma_store = _tma_store(epilogue)
   num_slots, n_out = lhs.shape[0], rhs_ekn.shape[2]
   # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major
   rhs_mode = (1, 2, 0) if transpose_rhs else (2, 1, 0)
@@ -488,16 +466,16 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
       output_shape_dtype=jax.ShapeDtypeStruct((1, num_slots, n_out), lhs.dtype),
       input_spec=[cjax.TensorSpec(mode=(1, 2, 0)), cjax.TensorSpec(mode=rhs_mode), None],
       output_spec=cjax.TensorSpec(mode=(1, 2, 0)),
-      block_n=block_n, stages=stages, tma_store=tma_store)
+      block_n=block_n, stages=stages)
   return call(lhs[None], rhs, tile_expert.astype(jnp.int32))[0]
 
 
 def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
-            stages: int | None = None, epilogue: str = "tma"):
+            stages: int | None = None):
   """H = Xg W1_e (gate and up halves) and A = silu(gate) * up per M tile: xg [P, d] rows in
   slot order, w1 [E, d, 2n]; returns H [P, 2n], A [P, n] (the SwiGLU epilogue). With
   gather_index [P], xg is X [T, d] and slot r reads X[gather_index[r]] (zeros where it is T or
-  more), gathered inside the kernel by cp.async. stages, epilogue: as grouped_matmul's."""
+  more), gathered inside the kernel by cp.async. stages: as grouped_matmul's."""
   n = w1.shape[2] // 2
   num_slots = xg.shape[0] if gather_index is None else gather_index.shape[0]
   slots = jax.ShapeDtypeStruct((num_slots, *xg.shape[1:]), xg.dtype)   # the rows the GEMM reads
@@ -505,7 +483,6 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
   if reason:
     raise ValueError(f"cute up_proj: {reason}")
   stages = _pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)
-  tma_store = _tma_store(epilogue)
   rows = cjax.TensorSpec(mode=(1, 2, 0))
   fn, index = (_up_proj, ()) if gather_index is None else \
       (_gathered_up_proj, (gather_index.astype(jnp.int32),))
@@ -513,7 +490,7 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
       fn, output_shape_dtype=(jax.ShapeDtypeStruct((1, num_slots, 2 * n), xg.dtype),
                               jax.ShapeDtypeStruct((1, num_slots, n), xg.dtype)),
       input_spec=[rows, cjax.TensorSpec(mode=(2, 1, 0)), None, *[None] * len(index)],
-      output_spec=[rows, rows], block_n=block_n, stages=stages, tma_store=tma_store)
+      output_spec=[rows, rows], block_n=block_n, stages=stages)
   h, a = call(xg[None], w1, tile_expert.astype(jnp.int32), *index)
   return h[0], a[0]
 

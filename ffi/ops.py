@@ -1,8 +1,8 @@
 """Backend "cute": the ops written as CuTe DSL kernels so far: aggregation (gather_sum.py) and the
 varlen-M grouped GEMMs up_proj (SwiGLU epilogue; X's rows gathered in the kernel by cp.async,
-UP_PROJ_GATHER_IN_KERNEL), down_proj and dx_tilde (grouped_gemm.py; they match float32
-references and the xla backend on an H200, tests/test_cute.py), and dh (the dSwiGLU epilogue;
-compiled for sm_90a, not yet run on a GPU).
+UP_PROJ_GATHER_IN_KERNEL), down_proj, dh (the dSwiGLU epilogue; dO's rows gathered by XLA) and
+dx_tilde (grouped_gemm.py); they match float32 references and the xla backend on an H200
+(tests/test_cute.py). Speed against the pallas backend: benchmarks/results/2026-11-30-h200-session6.
 
 Implements a subset of the dispatch table; mix it with others, e.g.
 backend={"aggregate": "cute"} (other ops default). The GEMMs need the plan aligned to

@@ -101,18 +101,20 @@ def test_cute_gemms_compile_and_lower_for_cuda():
 
 
 @needs_cute
-@pytest.mark.parametrize("kernel,epilogue,block_n,stages", [
-    ("matmul", "registers", 128, None), ("matmul_t", "tma", 256, 2), ("up_proj", "registers", 64, 3),
-    ("up_proj", "tma", 64, None)])
-def test_cute_gemm_variants_compile_for_cuda(kernel, epilogue, block_n, stages):
-  """Each epilogue, tile width and pipeline depth the sweep tries compiles for sm_90a."""
+@pytest.mark.parametrize("kernel,block_n,stages", [
+    ("matmul", 256, None), ("matmul_t", 256, 2), ("up_proj", 64, 3), ("dh", 128, None)])
+def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
+  """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
   from ffi import grouped_gemm
   P, K, N, E = 512, 256, 512, 4
-  kw = dict(block_n=block_n, stages=stages, epilogue=epilogue)
+  kw = dict(block_n=block_n, stages=stages)
   fn = {"matmul": lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, **kw),
         "matmul_t": lambda a, b, t: grouped_gemm.grouped_matmul(
             a, jnp.swapaxes(b, 1, 2), t, transpose_rhs=True, **kw),
-        "up_proj": lambda a, b, t: grouped_gemm.up_proj(a, b, t, **kw)}[kernel]
+        "up_proj": lambda a, b, t: grouped_gemm.up_proj(a, b, t, **kw),
+        "dh": lambda a, b, t: grouped_gemm.dh(  # dOg [P, d], W2 [E, n, d], H [P, 2n], scores
+            a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
+            t, **kw)}[kernel]
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -135,8 +137,6 @@ def test_cute_gemm_rejects_unsupported_operands():
   ok = (jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 128), jnp.bfloat16), tiles)
   with pytest.raises(ValueError, match=r"stages=9 must be between 2 and \d+"):
     grouped_gemm.grouped_matmul(*ok, stages=9)
-  with pytest.raises(ValueError, match="epilogue must be 'tma' or 'registers'"):
-    grouped_gemm.grouped_matmul(*ok, epilogue="smem")
   dout, w2 = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((2, 96, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="cute dh: output columns N=96 must be a multiple of block_n=64"):
     grouped_gemm.dh(dout, w2, jnp.zeros((256, 192), jnp.bfloat16), jnp.zeros((256,)), tiles)
@@ -157,12 +157,11 @@ def _per_tile_reference(lhs, rhs, tile_expert):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("transpose_rhs,epilogue,stages", [
-    (False, "tma", None), (True, "tma", None), (False, "registers", None), (True, "tma", 2),
-    (False, "registers", 3)])
-def test_cute_grouped_matmul_against_float32_on_gpu(transpose_rhs, epilogue, stages):
-  """Tiles of experts 0, 2, 3 (1 has none), then two tiles past the last group (zeros); both
-  epilogues, several pipeline depths."""
+@pytest.mark.parametrize("transpose_rhs,block_n,stages", [
+    (False, 128, None), (True, 128, None), (False, 256, None), (True, 128, 2), (False, 128, 3)])
+def test_cute_grouped_matmul_against_float32_on_gpu(transpose_rhs, block_n, stages):
+  """Tiles of experts 0, 2, 3 (1 has none), then two tiles past the last group (zeros); several
+  tile widths and pipeline depths."""
   from ffi import grouped_gemm
   E, K, N = 4, 512, 384
   tile_expert = jnp.array([0, 0, 2, 3, 3, 3, E, E], jnp.int32)
@@ -171,7 +170,7 @@ def test_cute_grouped_matmul_against_float32_on_gpu(transpose_rhs, epilogue, sta
   rhs = jax.random.normal(jax.random.key(1), (E, K, N)).astype(jnp.bfloat16)
   rhs_arg = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
   out = jax.jit(lambda a, b, t: grouped_gemm.grouped_matmul(
-      a, b, t, transpose_rhs=transpose_rhs, epilogue=epilogue, stages=stages))(lhs, rhs_arg, tile_expert)
+      a, b, t, transpose_rhs=transpose_rhs, block_n=block_n, stages=stages))(lhs, rhs_arg, tile_expert)
   row_expert, ref = _per_tile_reference(lhs, rhs, tile_expert)
   assert rel_err(out, ref) < 1e-2
   np.testing.assert_array_equal(out[row_expert >= E], 0)
@@ -192,8 +191,8 @@ def test_cute_up_proj_with_gather_compiles_for_cuda():
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("epilogue,stages", [("tma", None), ("registers", None), ("tma", 2)])
-def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(epilogue, stages):
+@pytest.mark.parametrize("block_n,stages", [(128, None), (64, None), (128, 2)])
+def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages):
   """Gathering X's rows in the kernel (padding slots: index T, zero rows) gives the bitwise
   same H and A as the kernel on rows gathered by XLA first."""
   from ffi import grouped_gemm
@@ -203,7 +202,7 @@ def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(epilogue, stages):
   x = jax.random.normal(jax.random.key(7), (T, d)).astype(jnp.bfloat16)
   w1 = (jax.random.normal(jax.random.key(8), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(9), (P,), 0, T).at[::7].set(T)
-  kw = dict(epilogue=epilogue, stages=stages)
+  kw = dict(block_n=block_n, stages=stages)
   fused = jax.jit(lambda x, w, t, i: grouped_gemm.up_proj(x, w, t, gather_index=i, **kw))(
       x, w1, tile_expert, index)
   xg = x.at[index].get(mode="fill", fill_value=0)
@@ -214,8 +213,8 @@ def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(epilogue, stages):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("epilogue,block_n", [("tma", 128), ("registers", 128), ("tma", 64)])
-def test_cute_up_proj_against_float32_on_gpu(epilogue, block_n):
+@pytest.mark.parametrize("block_n", [128, 64])
+def test_cute_up_proj_against_float32_on_gpu(block_n):
   """H = [gate | up] and A = silu(gate) * up, tiles of experts 0, 2 and past the last group."""
   from ffi import grouped_gemm
   E, d, n = 3, 384, 256
@@ -223,7 +222,7 @@ def test_cute_up_proj_against_float32_on_gpu(epilogue, block_n):
   P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
   x = jax.random.normal(jax.random.key(5), (P, d)).astype(jnp.bfloat16)
   w1 = (jax.random.normal(jax.random.key(6), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
-  h, a = jax.jit(lambda x, w, t: grouped_gemm.up_proj(x, w, t, block_n, epilogue=epilogue))(
+  h, a = jax.jit(lambda x, w, t: grouped_gemm.up_proj(x, w, t, block_n))(
       x, w1, tile_expert)
   row_expert, h_ref = _per_tile_reference(x, w1, tile_expert)
   gate, up = h_ref[:, :n], h_ref[:, n:]
