@@ -279,7 +279,7 @@ def main(argv=None):
   p.add_argument("--pallas-gather", choices=("kernel", "xla"), default="kernel",
                  help="pallas up-projection: gather X's rows inside the kernel (default) or by XLA")
   p.add_argument("--pallas-dw1-gather", choices=("xla", "kernel"), default="xla",
-                 help="pallas dW1: gather X's rows by XLA (default) or inside the kernel (experimental)")
+                 help="pallas dW1: gather X's rows by XLA (default) or inside the kernel (slower, less memory)")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"

@@ -8,7 +8,7 @@
 #           E=256, K=4 on the pallas backend                                   (~2 min)
 #   anchors: check_anchors (pallas vs float32 references) at the five paper configs  (~6 min)
 #   omnimoe: OmniMoE tests and latency benchmark on the GPU
-#   gathers: the in-kernel row gathers (up-projection default, dW1 experimental): bitwise GPU
+#   gathers: the in-kernel row gathers (up-projection default, dW1 optional): bitwise GPU
 #           tests, then the per-op rows of benchmarks.kernels at 30B-n256 and 7B-n256    (~4 min)
 #   cute  : the CuTe kernels' GPU tests and their tile/epilogue sweep at 30B-n256 (carry the
 #           cute wheels first, ../shared/tools/device-wheels cute; source their env.sh)  (~5 min)

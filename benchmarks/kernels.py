@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import sonicmoe_jax as sm
 from benchmarks import configs as C
 from benchmarks.bench import make_args, time_ms
+from pallas_kernels import config as pallas_config
 from pallas_kernels import grouped_gemm, row_gather, weight_grad
 from pallas_kernels import ops as pallas_ops
 from sonicmoe_jax import routing, xla_ops
@@ -50,8 +51,9 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
   scores = routing._score_matrix(logits, top_logits, "softmax_topk", False)
   plan_only = jax.jit(lambda s, e: routing._topk_plan(s, e, ops.align))
   pallas_only = lambda rows: rows if backend == "pallas" else []
-  up_proj_tiles = lambda **kw: jax.jit(lambda x, w1: grouped_gemm.up_proj(
-      x, w1, pallas_ops.tiles(plan), **kw))
+  gather_cfg = pallas_config.up_proj_gather_tiles(n)   # the tiles ops.up_proj gathers with
+  up_proj_tiles = lambda cfg, **kw: jax.jit(lambda x, w1: grouped_gemm.up_proj(
+      x, w1, pallas_ops.tiles(plan), cfg, **kw))
   rows = [
       ("routing plan", route, (x, wr), None, T * d * bf + d * E * bf),
       (f"  of which top_k ({backend})", topk, (logits,), None, T * E * 4),
@@ -63,9 +65,10 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
                       jax.jit(lambda x: row_gather.gather_rows(x, plan.token_index)), (x,), None,
                       2 * P * d * bf)]),
       ("up_proj (+ gather X)", jax.jit(ops.up_proj), (x, w1, plan), (P, d, 2 * n), None),
-      *pallas_only([("  up_proj (gather in kernel)", up_proj_tiles(gather_index=plan.token_index),
-                     (x, w1), (P, d, 2 * n), None),
-                    ("  up_proj (on rows gathered first)", up_proj_tiles(),
+      *pallas_only([("  up_proj (gather in kernel)",
+                     up_proj_tiles(gather_cfg, gather_index=plan.token_index), (x, w1), (P, d, 2 * n),
+                     None),
+                    ("  up_proj (on rows gathered first)", up_proj_tiles(pallas_config.UP_PROJ),
                      (xla_ops.gather_rows(x, plan.token_index), w1), (P, d, 2 * n), None)]),
       ("down_proj", jax.jit(ops.down_proj), (a, w2, plan), (P, n, d), None),
       ("aggregate", jax.jit(ops.aggregate), (y, plan.scores, plan), None, P * d * bf + T * d * bf),
@@ -76,7 +79,7 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
       ("aggregate dX", jax.jit(lambda v: ops.aggregate(v, None, plan)), (dxt,), None,
        P * d * bf + T * d * bf),
       ("dw1 (+ gather X)", jax.jit(ops.dw1), (x, dh_, plan), (P, d, 2 * n), None),
-      *pallas_only([("  dw1 (gather in kernel, experimental)",
+      *pallas_only([("  dw1 (gather in kernel, off by default)",
                      jax.jit(lambda x, g: weight_grad.weight_grad(
                          x, g, plan.group_offsets, E, x.dtype, gather_index=plan.token_index)),
                      (x, dh_), (P, d, 2 * n), None)]),

@@ -29,10 +29,10 @@ class TileConfig:
 # 2 stages 0.69 / 4.24 / 0.67 / 8.26 / 4.04; XLA gather + TMA kernel 1.03 / 5.92 / ~0.66 /
 # ~9.0 / ~4.2. False gathers by XLA first (benchmarks.bench --pallas-gather xla).
 UP_PROJ_GATHER_IN_KERNEL = True
-# EXPERIMENTAL (written after session 5's GPU budget, lowered for CUDA, not yet run): dW1 gathers
-# X's rows inside the weight-gradient kernel (weight_grad's gather_index) instead of XLA first.
-# benchmarks.bench --pallas-dw1-gather kernel turns it on for a run; make it the default once
-# measured correct and faster.
+# dW1 can gather X's rows inside the weight-gradient kernel (weight_grad's gather_index) instead
+# of XLA first: bitwise equal on the H200, 31-38% less step memory, but the op is 1.3-1.4x as
+# slow and the step 7-14% (30B-n256, 7B-n256: benchmarks/results/2026-11-30-h200-session6).
+# Off by default; benchmarks.bench --pallas-dw1-gather kernel turns it on for a run.
 DW1_GATHER_IN_KERNEL = False
 
 UP_PROJ = TileConfig(block_n=64)     # two accumulators (gate, up): 2 x 128x64 fp32
