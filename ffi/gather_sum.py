@@ -14,6 +14,10 @@ import cutlass.cute as cute
 import cutlass.jax as cjax
 import jax
 
+from ffi import compile_cache
+
+compile_cache.install_default()   # compiled kernels kept on disk across processes
+
 THREADS = 128
 
 

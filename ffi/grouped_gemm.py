@@ -38,6 +38,10 @@ import jax.numpy as jnp
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from ffi import compile_cache
+
+compile_cache.install_default()   # compiled kernels kept on disk across processes
+
 BLOCK_M = 128
 BLOCK_K = 64
 WARPGROUPS = 2

@@ -1,11 +1,16 @@
 """Shared test helpers: random inputs and the float32 plain-autodiff oracle."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# CuTe kernels compile afresh in the tests (no disk cache from earlier runs; the cache has its
+# own test, tests/test_cute.py)
+os.environ.setdefault("SONICMOE_CUTE_CACHE", "")
 
 
 def has_gpu() -> bool:

@@ -3,6 +3,7 @@ CPU-only machine; asking for "cute" without the extra gives a clear error. (They
 compared with the xla backend, on the GPU: marked gpu.)"""
 import builtins
 import importlib
+import re
 import sys
 
 import jax
@@ -281,3 +282,43 @@ def test_cute_gemms_match_xla_on_gpu(shape):
   assert rel_err(out_c, out_x) < 1e-2
   for a, b in zip(g_c, g_x):
     assert rel_err(a, b) < 1e-2
+
+
+@needs_cute
+def test_compiled_kernels_are_kept_on_disk(tmp_path):
+  """A kernel compiled while one program is lowered is written to the cache directory; lowering
+  another program with it then reads it back (cutlass.jax's compile step is made to fail, and
+  with an empty directory that failure does show); a damaged entry is compiled again."""
+  from cutlass.jax import primitive
+  from ffi import compile_cache, grouped_gemm
+  shapes = [jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2, 128, 256), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32)]
+  fn = lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, stages=3)
+  program = lambda: jax.jit(lambda *a: fn(*a))   # a new program each time, same source lines
+
+  def no_compile(*args, **kwargs):
+    raise RuntimeError("compiled again")
+
+  def lowered(program):   # the module text without source locations (they name call lines)
+    text = _cuda_module(program, *shapes)
+    return re.sub(r"\s*loc\(#loc\d*\)", "", "\n".join(
+        line for line in text.splitlines() if not line.startswith("#loc")))
+
+  saved = primitive.get_or_compile_kernel
+  try:
+    compile_cache.install(tmp_path)
+    first = lowered(program())
+    entries = list(tmp_path.glob("*.cubin-module"))
+    assert len(entries) == 1
+    primitive.get_or_compile_kernel = compile_cache._with_disk_cache(no_compile, tmp_path)
+    assert lowered(program()) == first
+    primitive.get_or_compile_kernel = compile_cache._with_disk_cache(no_compile, tmp_path / "empty")
+    with pytest.raises(Exception, match="compiled again"):
+      lowered(program())
+    entries[0].write_bytes(entries[0].read_bytes()[:-7])   # damaged: compiled and rewritten
+    primitive.get_or_compile_kernel = saved
+    compile_cache.install(tmp_path)
+    assert lowered(program()) == first
+    assert compile_cache._read(entries[0]) is not None
+  finally:
+    primitive.get_or_compile_kernel = saved
