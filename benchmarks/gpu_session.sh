@@ -54,12 +54,12 @@ for mode in "$@"; do
         --stages 2,0 "${@:3}" --out "$OUT/sweep_cute_$2.json" 2>&1 | grep -v '^{' | grep -v "^config"; }
       sweep 60 up --kernels up_proj,up_proj_gather --block-n 64,128
       sweep 60 mm --kernels down_proj,dx_tilde --block-n 128,256
-      sweep 40 dh --kernels dh --block-n 64,128 ;;
+      sweep 60 bw --kernels dh,dw1 --block-n 64,128 ;;
     cute_bench)  # after `cute`, on the same machine: FFI call cost and the layer with cute ops
       timeout 50 python3 -m benchmarks.ffi_overhead --calls 20 --out "$OUT/ffi_overhead.json" \
         2>&1 | tail -3
       timeout 150 python3 -m benchmarks.bench --configs 7B-n256,30B-n256,olmoe \
-        --impls pallas,up_proj=cute+down_proj=cute+dh=cute+dx_tilde=cute,dh=cute+dx_tilde=cute \
+        --impls pallas,dh=cute+dx_tilde=cute,dh=cute+dx_tilde=cute+dw1=cute+dw2=cute \
         --iters 5 --reps 3 --out "$OUT/bench_cute" 2>&1 | tail -7 ;;
     rounding)  # token rounding vs plain top-K at a sparse config (issue #4), pallas backend
       for r in none nearest; do

@@ -1,5 +1,5 @@
-"""Tile-configuration sweep of the varlen-M kernels (up_proj, down_proj, dx_tilde, dh) on the
-GPU, on pre-gathered inputs of an anchor config's routing plan (up_proj_gather: the
+"""Tile-configuration sweep of the varlen-M kernels (up_proj, down_proj, dx_tilde, dh) and the
+varlen-K dW1 kernel on the GPU, on pre-gathered inputs of an anchor config's routing plan (up_proj_gather: the
 up-projection gathering X's rows in the kernel). --impl pallas (Pallas Mosaic GPU kernels) or
 cute (ffi/grouped_gemm.py's CuTe DSL kernels).
 
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import sonicmoe_jax as sm
 from benchmarks import configs as C
 from benchmarks.bench import make_args, time_ms
-from pallas_kernels import grouped_gemm, ops, schedule
+from pallas_kernels import grouped_gemm, ops, schedule, weight_grad
 from pallas_kernels.config import TileConfig
 from sonicmoe_jax import xla_ops
 
@@ -54,7 +54,7 @@ def _gemm_rows(up, up_gather, mm, mm_t, x, w1, w2, plan, tiles, pairs, up_proj):
 
 
 def kernels(x, w1, w2, dout, plan, pairs):
-  """The Pallas kernels' rows (_gemm_rows, and dh)."""
+  """The Pallas kernels' rows (_gemm_rows, dh and dw1)."""
   tiles = ops.tiles(plan)
   rows = _gemm_rows(
       lambda c, xg, w1, t: grouped_gemm.up_proj(xg, w1, t, c),
@@ -62,21 +62,27 @@ def kernels(x, w1, w2, dout, plan, pairs):
       lambda c, lhs, rhs, t: grouped_gemm.matmul(lhs, rhs, t, transpose_rhs=False, cfg=c),
       lambda c, lhs, rhs, t: grouped_gemm.matmul(lhs, rhs, t, transpose_rhs=True, cfg=c),
       x, w1, w2, plan, tiles, pairs, grouped_gemm.up_proj)
-  return _with_dh_row(rows, lambda c, dg, w2, h, s, t: grouped_gemm.dh(dg, w2, h, s, t, c), x,
-                      w2, dout, plan, tiles, pairs)
+  E = plan.num_experts
+  return _with_backward_rows(
+      rows, lambda c, dg, w2, h, s, t: grouped_gemm.dh(dg, w2, h, s, t, c),
+      lambda c, a, b, o: weight_grad.weight_grad(a, b, o, E, a.dtype, c), x, w2, dout, plan,
+      tiles, pairs)
 
 
-def _with_dh_row(rows, dh, x, w2, dout, plan, tiles, pairs):
-  """rows plus the dH kernel's, dh(cfg, dOg, W2, H, scores, tiles), on _gemm_rows' H."""
+def _with_backward_rows(rows, dh, dw, x, w2, dout, plan, tiles, pairs):
+  """rows plus the dH kernel's, dh(cfg, dOg, W2, H, scores, tiles), on _gemm_rows' H, and
+  dW1's, dw(cfg, Xg, dH, group_offsets), with H standing in for dH."""
   dg = xla_ops.gather_rows(dout, plan.token_index)
-  h = rows["dx_tilde"][1][0]
+  xg, h = rows["up_proj"][1][0], rows["dx_tilde"][1][0]
   d, n = x.shape[1], w2.shape[1]
-  rows["dh"] = (jax.jit(dh, static_argnums=0), (dg, w2, h, plan.scores, tiles), 2 * pairs * n * d, d)
+  jit = lambda f: jax.jit(f, static_argnums=0)
+  rows["dh"] = (jit(dh), (dg, w2, h, plan.scores, tiles), 2 * pairs * n * d, d)
+  rows["dw1"] = (jit(dw), (xg, h, plan.group_offsets), 2 * pairs * d * 2 * n, None)
   return rows
 
 
 def cute_kernels(x, w1, w2, dout, plan, pairs):
-  """The CuTe DSL kernels' rows (_gemm_rows and dh; cfg a CuteTile)."""
+  """The CuTe DSL kernels' rows (_gemm_rows, dh and dw1; cfg a CuteTile)."""
   from ffi import grouped_gemm as cute_gemm  # optional extra
   tiles = schedule.tile_experts(plan, cute_gemm.BLOCK_M)
   rows = _gemm_rows(
@@ -86,8 +92,11 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
       lambda c, lhs, rhs, t: cute_gemm.grouped_matmul(lhs, rhs, t, transpose_rhs=True,
                                                       **dataclasses.asdict(c)),
       x, w1, w2, plan, tiles, pairs, cute_gemm.up_proj)
-  return _with_dh_row(rows, lambda c, dg, w2, h, s, t: cute_gemm.dh(
-      dg, w2, h, s, t, block_n=c.block_n, stages=c.stages), x, w2, dout, plan, tiles, pairs)
+  E = plan.num_experts
+  return _with_backward_rows(
+      rows, lambda c, dg, w2, h, s, t: cute_gemm.dh(dg, w2, h, s, t, **dataclasses.asdict(c)),
+      lambda c, a, b, o: cute_gemm.weight_grad(a, b, o, E, **dataclasses.asdict(c)), x, w2, dout,
+      plan, tiles, pairs)
 
 
 def main(argv=None):
@@ -114,8 +123,9 @@ def main(argv=None):
       for bn, stages in itertools.product(_ints(a.block_n), _ints(a.stages)):
         if a.impl == "pallas":
           cfg = TileConfig(block_n=bn, stages=stages)
-          # the depth it runs: the largest <= stages dividing the k steps (chained pipelines)
-          chained = grouped_gemm._pipelined_stages(k_len // cfg.block_k, stages)
+          # the depth it runs: the largest <= stages dividing the k steps (chained pipelines);
+          # the varlen-K dW1 (k_len None) runs `stages`
+          chained = grouped_gemm._pipelined_stages(k_len // cfg.block_k, stages) if k_len else None
         else:
           cfg, chained = CuteTile(bn, stages or None), None
         rec = dict(config=name, impl=a.impl, kernel=kname, block_n=bn, stages=stages,

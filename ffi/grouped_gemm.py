@@ -5,6 +5,8 @@ the SwiGLU epilogue H = [gate | up] and A = silu(gate) * up (up_proj), or with t
 epilogue (dh: dH, A' = s A and dS parts from dA' = dOg W2_e^T, H and the scores), for a routing
 plan aligned to BLOCK_M rows per expert (every M tile has one expert; tiles past the last group,
 marked tile_expert >= E, store zeros). lhs [P, K] rows in slot order, rhs [E, K, N], out [P, N].
+The same kernel computes the varlen-K weight gradients (weight_grad: out[e] = lhs_e^T rhs_e over
+expert e's rows, one grid plane per expert, lhs read M-major and rhs N-major by TMA).
 
 Tiling (one CTA per BLOCK_M x block_n output tile, grid (N / block_n, P / BLOCK_M): an M tile's
 column tiles run next to each other, so its lhs rows are read from HBM once and then from L2):
@@ -75,13 +77,13 @@ def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, sta
   return stages
 
 
-def _load_stage(loads, state, operands):
-  """Warp 0: TMA loads of k step state.count of each (atom, gmem tiles, smem stages) operand
-  into stage state.index, completing on that stage's mbarrier."""
+def _load_stage(loads, state, operands, k_begin):
+  """Warp 0: TMA loads of k step k_begin + state.count of each (atom, gmem tiles, smem stages)
+  operand into stage state.index, completing on that stage's mbarrier."""
   loads.producer_acquire(state)
   bar = loads.producer_get_barrier(state)
   for atom, src, dst in operands:
-    cute.copy(atom, src[(None, state.count)], dst[(None, state.index)], tma_bar_ptr=bar)
+    cute.copy(atom, src[(None, k_begin + state.count)], dst[(None, state.index)], tma_bar_ptr=bar)
   loads.producer_commit(state)
 
 
@@ -218,7 +220,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             gather: cutlass.Constexpr):
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
-  n_tile, m_tile, _ = cute.arch.block_idx()
+  n_tile, m_tile, z_tile = cute.arch.block_idx()
   num_n_tiles = cute.arch.grid_dim()[0]
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
   if warp == 0:
@@ -226,19 +228,28 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       cpasync.prefetch_descriptor(tma_a)
     cpasync.prefetch_descriptor(tma_b)
 
-  owner = tile_expert[m_tile]
-  has_group = owner < num_experts
-  expert = cutlass.min(owner, num_experts - 1)   # a valid coordinate; unused past the groups
+  num_k = cutlass.Int32(0)   # k steps: none for a tile past the last group or an empty expert
+  k_begin = cutlass.Int32(0)
+  if cutlass.const_expr(kind == "wgrad"):
+    # grid z: the expert, whose rows group_offsets[e] .. group_offsets[e + 1] are the k range
+    # (tile_expert holds group_offsets); rhs is one [P, N] tensor, out [E, M, N]
+    expert = z_tile
+    k_begin = tile_expert[expert] // BLOCK_K
+    num_k = tile_expert[expert + 1] // BLOCK_K - k_begin
+    rhs_l, out_l = 0, expert
+  else:
+    owner = tile_expert[m_tile]
+    expert = cutlass.min(owner, num_experts - 1)   # a valid coordinate; unused past the groups
+    if owner < num_experts:
+      num_k = cute.size(m_a, mode=[1]) // BLOCK_K
+    rhs_l, out_l = expert, 0
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   tile_of = lambda t, n, l, proj: cute.local_tile(t, tile_mnk, (m_tile, n, None, l), proj=proj)
   g_a = tile_of(m_a, n_tile, 0, (1, None, 1))                     # (bM, bK, k)
   # rhs column blocks: one, or SwiGLU's gate and up blocks (columns c and n + c of W1)
   half_cols = [n_tile, n_tile + num_n_tiles]   # a [P, 2n] tensor's gate and up column tiles
   rhs_cols = half_cols if cutlass.const_expr(swiglu) else [n_tile]
-  g_bs = [tile_of(m_b, c, expert, (None, 1, 1)) for c in rhs_cols]   # (bN, bK, k) each
-  num_k = cutlass.Int32(0)   # k steps: none for a tile past the last group
-  if has_group:
-    num_k = cute.size(m_a, mode=[1]) // BLOCK_K
+  g_bs = [tile_of(m_b, c, rhs_l, (None, 1, 1)) for c in rhs_cols]   # (bN, bK, k) each
 
   smem = cutlass.memory.SmemAllocator()
   storage = smem.allocate(shared_storage)
@@ -276,7 +287,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
 
   if warp == 0:
     for _ in cutlass.range(cutlass.min(stages, num_k), unroll=1):
-      _load_stage(loads, produce, operands)
+      _load_stage(loads, produce, operands, k_begin)
       produce.advance()
   if cutlass.const_expr(gather):   # A's first stages - 1 steps, one cp.async group each
     for step in cutlass.range_constexpr(stages - 1):
@@ -311,7 +322,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       loads.consumer_release(release)
       release.advance()
       if warp == 0 and produce.count < num_k:
-        _load_stage(loads, produce, operands)
+        _load_stage(loads, produce, operands, k_begin)
         produce.advance()
   warpgroup.wait_group(0)
 
@@ -332,7 +343,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     out_cols = [(tma_out, m_out_tma, c) for c in rhs_cols]
     if cutlass.const_expr(swiglu):
       out_cols = out_cols + [(tma_out2, m_out2_tma, n_tile)]
-    stores = [(atom, tile_of(t, c, 0, (1, 1, None))) for atom, t, c in out_cols]
+    stores = [(atom, tile_of(t, c, out_l, (1, 1, None))) for atom, t, c in out_cols]
     _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, warp, swiglu)
 
 
@@ -370,14 +381,24 @@ def _dh(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor, 
 
 
 @cute.jit
+def _weight_grad(stream, lhs: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.Tensor,
+                 out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+  """lhs (M, P, 1) M-major, rhs (N, P, 1) N-major, group_offsets (E + 1,), out (M, N, E)."""
+  _launch(stream, lhs, rhs, group_offsets, group_offsets, out, out, None, block_n, stages,
+          "wgrad", False)
+
+
+@cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr):
-  """The grid over (output column tiles, M tiles) and the kernel's static configuration. kind:
-  "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs W1's gate and up
-  columns) or "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS parts)); for the
-  last two the grid covers n's columns. With gather lhs is the source of the rows gather_index
+  """The grid over (output column tiles, M tiles[, experts]) and the kernel's static
+  configuration. kind: "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs
+  W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
+  parts)); for those two the grid covers n's columns; or "wgrad" (lhs (M, P, 1) M-major, rhs
+  (N, P, 1), out (M, N, E): out[e] = lhs_e rhs_e^T over expert e's rows, tile_expert holding
+  group_offsets). With gather lhs is the source of the rows gather_index
   names (A's stages not in the TMA pipeline)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
@@ -422,13 +443,14 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   if cutlass.const_expr(not gather):   # TMA brings A's tile too
     stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
-  num_n_tiles = cute.size(out, mode=[1]) // ((1 if kind == "store" else 2) * block_n)
+  num_n_tiles = cute.size(out, mode=[1]) // ((1 if kind in ("store", "wgrad") else 2) * block_n)
+  num_z = cute.size(out, mode=[2]) if kind == "wgrad" else 1   # wgrad: one per expert
   _kernel(tma_a, lhs if gather else m_a, tma_b, m_b, out, out2, tma_out, m_out_tma, tma_out2,
           m_out2_tma, m_h, m_scores, m_ds, tile_expert, gather_index, tiled_mma, a_smem_staged,
           b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]),
           SwigluSharedStorage if swiglu else SharedStorage, block_n, stages, stage_bytes, kind,
           gather).launch(
-              grid=(num_n_tiles, num_m_tiles, 1), block=(THREADS, 1, 1), stream=stream)
+              grid=(num_n_tiles, num_m_tiles, num_z), block=(THREADS, 1, 1), stream=stream)
 
 
 def unsupported(lhs, rhs, block_n: int):
@@ -523,3 +545,39 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   dh_, a_scaled, ds_parts = call(dout_g[None], w2, tile_expert.astype(jnp.int32), h[None],
                                  scores.astype(jnp.float32))
   return dh_[0], a_scaled[0], ds_parts
+
+
+def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n):
+  if lhs.dtype not in (jnp.bfloat16, jnp.float16) or rhs.dtype != lhs.dtype:
+    return f"lhs and rhs must both be bfloat16 or float16; got {lhs.dtype} and {rhs.dtype}"
+  if lhs.ndim != 2 or rhs.ndim != 2 or rhs.shape[0] != lhs.shape[0]:
+    return f"need lhs [P, M] and rhs [P, N]; got {lhs.shape} and {rhs.shape}"
+  if lhs.shape[0] % BLOCK_M:
+    return f"rows P={lhs.shape[0]} must be a multiple of {BLOCK_M} (an aligned plan)"
+  if lhs.shape[1] % BLOCK_M:
+    return f"lhs columns M={lhs.shape[1]} must be a multiple of {BLOCK_M}"
+  if rhs.shape[1] % block_n or block_n % EPI_TILE[1]:
+    return f"rhs columns N={rhs.shape[1]} must be a multiple of block_n={block_n} (itself of {EPI_TILE[1]})"
+  if group_offsets.shape != (num_experts + 1,):
+    return f"group_offsets must be [{num_experts + 1}]; got {group_offsets.shape}"
+  return None
+
+
+def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
+                stages: int | None = None):
+  """out[e] = lhs[rows of e]^T rhs[rows of e] ([E, M, N] in lhs's dtype, fp32 accumulation):
+  lhs [P, M] and rhs [P, N] rows in slot order, expert e's rows group_offsets[e] ..
+  group_offsets[e + 1] (multiples of BLOCK_M, an aligned plan; an expert without rows gets
+  zeros). dW1 = weight_grad(Xg, dH), dW2 = weight_grad(A', dOg)."""
+  reason = _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n)
+  if reason:
+    raise ValueError(f"cute weight_grad: {reason}")
+  P, M = lhs.shape
+  stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, P // BLOCK_K, stages)
+  rows_last = cjax.TensorSpec(mode=(2, 1, 0))   # [1, P, C] -> (C, P, 1): C contiguous
+  call = cjax.cutlass_call(
+      _weight_grad,
+      output_shape_dtype=jax.ShapeDtypeStruct((num_experts, M, rhs.shape[1]), lhs.dtype),
+      input_spec=[rows_last, rows_last, None], output_spec=cjax.TensorSpec(mode=(1, 2, 0)),
+      block_n=block_n, stages=stages)
+  return call(lhs[None], rhs[None], group_offsets.astype(jnp.int32))

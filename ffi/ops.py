@@ -3,6 +3,8 @@ varlen-M grouped GEMMs up_proj (SwiGLU epilogue; X's rows gathered in the kernel
 UP_PROJ_GATHER_IN_KERNEL), down_proj, dh (the dSwiGLU epilogue; dO's rows gathered by XLA) and
 dx_tilde (grouped_gemm.py); they match float32 references and the xla backend on an H200
 (tests/test_cute.py). Speed against the pallas backend: benchmarks/results/2026-11-30-h200-session6.
+The varlen-K weight gradients dw1 and dw2 (rows gathered by XLA first) compile for sm_90a and
+have GPU tests, not yet run on a GPU.
 
 Implements a subset of the dispatch table; mix it with others, e.g.
 backend={"aggregate": "cute"} (other ops default). The GEMMs need the plan aligned to
@@ -71,4 +73,17 @@ def dx_tilde(dh, w1, plan):
                                      block_n=_wide_tile(w1.shape[1], 256))
 
 
-OPS = dict(up_proj=up_proj, down_proj=down_proj, aggregate=aggregate, dh=dh, dx_tilde=dx_tilde)
+def dw1(x, dh_, plan):
+  """dW1_e = X_e^T dH_e over expert e's rows (X's rows gathered by XLA first)."""
+  return grouped_gemm.weight_grad(xla_ops.gather_rows(x, plan.token_index), dh_,
+                                  plan.group_offsets, plan.num_experts)
+
+
+def dw2(a_scaled, dout, plan):
+  """dW2_e = A'_e^T dO_e over expert e's rows (dO's rows gathered by XLA first)."""
+  return grouped_gemm.weight_grad(a_scaled, xla_ops.gather_rows(dout, plan.token_index),
+                                  plan.group_offsets, plan.num_experts)
+
+
+OPS = dict(up_proj=up_proj, down_proj=down_proj, aggregate=aggregate, dh=dh, dx_tilde=dx_tilde,
+           dw1=dw1, dw2=dw2)

@@ -84,26 +84,27 @@ def test_cute_aggregate_matches_xla_on_gpu(rounding):
 
 
 CUTE_GEMMS = {"up_proj": "cute", "down_proj": "cute", "dh": "cute", "dx_tilde": "cute",
-              "aggregate": "cute"}
+              "dw1": "cute", "dw2": "cute", "aggregate": "cute"}
 
 
 @needs_cute
 def test_cute_gemms_compile_and_lower_for_cuda():
   """The layer's forward and gradients with the CuTe grouped GEMMs: the kernels compile for
   sm_90a here and the program exports for CUDA with them as FFI calls (forward: up_proj,
-  down_proj and aggregate; backward adds dh, dx_tilde and aggregate)."""
+  down_proj and aggregate; backward adds dh, dx_tilde, aggregate, dw1 and dw2)."""
   T, d, n, E, K = 256, 256, 128, 8, 2
   args = make_inputs(0, T, d, n, E, jnp.bfloat16)
 
   def loss(*a):
     return jnp.sum(sm.moe(*a, k=K, backend=CUTE_GEMMS).out.astype(jnp.float32))
 
-  assert _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args).count(FFI_TARGET) >= 6
+  assert _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args).count(FFI_TARGET) >= 8
 
 
 @needs_cute
 @pytest.mark.parametrize("kernel,block_n,stages", [
-    ("matmul", 256, None), ("matmul_t", 256, 2), ("up_proj", 64, 3), ("dh", 128, None)])
+    ("matmul", 256, None), ("matmul_t", 256, 2), ("up_proj", 64, 3), ("dh", 128, None),
+    ("weight_grad", 128, 3)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
   from ffi import grouped_gemm
@@ -115,7 +116,9 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
         "up_proj": lambda a, b, t: grouped_gemm.up_proj(a, b, t, **kw),
         "dh": lambda a, b, t: grouped_gemm.dh(  # dOg [P, d], W2 [E, n, d], H [P, 2n], scores
             a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
-            t, **kw)}[kernel]
+            t, **kw),
+        "weight_grad": lambda a, b, t: grouped_gemm.weight_grad(  # [E, K, 2K] over P / E rows each
+            a, jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E, **kw)}[kernel]
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -141,6 +144,12 @@ def test_cute_gemm_rejects_unsupported_operands():
   dout, w2 = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((2, 96, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="cute dh: output columns N=96 must be a multiple of block_n=64"):
     grouped_gemm.dh(dout, w2, jnp.zeros((256, 192), jnp.bfloat16), jnp.zeros((256,)), tiles)
+  with pytest.raises(ValueError, match="cute weight_grad: lhs columns M=64 must be a multiple of 128"):
+    grouped_gemm.weight_grad(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((256, 128), jnp.bfloat16),
+                             jnp.zeros((3,), jnp.int32), 2)
+  with pytest.raises(ValueError, match=r"cute weight_grad: group_offsets must be \[3\]"):
+    grouped_gemm.weight_grad(jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((256, 128), jnp.bfloat16),
+                             jnp.zeros((2,), jnp.int32), 2)
   with pytest.raises(ValueError, match=r"cute dh: need H \[256, 256\]"):
     grouped_gemm.dh(dout, jnp.zeros((2, 128, 128), jnp.bfloat16), jnp.zeros((256, 128), jnp.bfloat16),
                     jnp.zeros((256,)), tiles)
@@ -264,6 +273,29 @@ def test_cute_dh_against_float32_on_gpu(block_n):
   padding = row_expert >= E
   np.testing.assert_array_equal(dh_[padding], 0)
   np.testing.assert_array_equal(ds_parts[:, padding], 0)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("block_n,stages", [(128, None), (256, 2)])
+def test_cute_weight_grad_against_float32_on_gpu(block_n, stages):
+  """out[e] = lhs_e^T rhs_e over expert e's rows: experts of 256, 0 (zeros), 640 and 128 rows,
+  then 128 rows past the last group (read by no expert)."""
+  from ffi import grouped_gemm
+  sizes = [256, 0, 640, 128]
+  offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
+  P, M, N, E = sum(sizes) + 128, 384, 512, len(sizes)
+  lhs = jax.random.normal(jax.random.key(21), (P, M)).astype(jnp.bfloat16)
+  rhs = jax.random.normal(jax.random.key(22), (P, N)).astype(jnp.bfloat16)
+  got = jax.jit(lambda a, b, o: grouped_gemm.weight_grad(a, b, o, E, block_n, stages))(lhs, rhs, offsets)
+  assert got.shape == (E, M, N) and got.dtype == jnp.bfloat16
+  f32 = lambda v: v.astype(jnp.float32)
+  for e in range(E):
+    lo, hi = int(offsets[e]), int(offsets[e + 1])
+    if lo == hi:
+      np.testing.assert_array_equal(got[e], 0)
+    else:
+      assert rel_err(got[e], f32(lhs[lo:hi]).T @ f32(rhs[lo:hi])) < 1e-2
 
 
 @pytest.mark.gpu
