@@ -453,10 +453,16 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
               grid=(num_n_tiles, num_m_tiles, num_z), block=(THREADS, 1, 1), stream=stream)
 
 
-def unsupported(lhs, rhs, block_n: int):
-  """Why these operands cannot run (a sentence naming the limit), or None."""
+def _dtype_unsupported(lhs, rhs):
   if lhs.dtype not in (jnp.bfloat16, jnp.float16) or rhs.dtype != lhs.dtype:
     return f"lhs and rhs must both be bfloat16 or float16; got {lhs.dtype} and {rhs.dtype}"
+  return None
+
+
+def unsupported(lhs, rhs, block_n: int):
+  """Why these operands cannot run (a sentence naming the limit), or None."""
+  if _dtype_unsupported(lhs, rhs):
+    return _dtype_unsupported(lhs, rhs)
   if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
     return f"need lhs [P, K] and rhs [E, K, N]; got {lhs.shape} and {rhs.shape}"
   if lhs.shape[0] % BLOCK_M:
@@ -548,8 +554,9 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
 
 
 def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n):
-  if lhs.dtype not in (jnp.bfloat16, jnp.float16) or rhs.dtype != lhs.dtype:
-    return f"lhs and rhs must both be bfloat16 or float16; got {lhs.dtype} and {rhs.dtype}"
+  """Why weight_grad cannot run these operands (a sentence naming the limit), or None."""
+  if _dtype_unsupported(lhs, rhs):
+    return _dtype_unsupported(lhs, rhs)
   if lhs.ndim != 2 or rhs.ndim != 2 or rhs.shape[0] != lhs.shape[0]:
     return f"need lhs [P, M] and rhs [P, N]; got {lhs.shape} and {rhs.shape}"
   if lhs.shape[0] % BLOCK_M:
