@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ffi import compile_cache
+from ffi import batching, compile_cache
 
 compile_cache.install_default()   # compiled kernels kept on disk across processes
 
@@ -493,12 +493,12 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   num_slots, n_out = lhs.shape[0], rhs_ekn.shape[2]
   # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major
   rhs_mode = (1, 2, 0) if transpose_rhs else (2, 1, 0)
-  call = cjax.cutlass_call(
+  call = batching.one_at_a_time_under_vmap(cjax.cutlass_call(
       _matmul,
       output_shape_dtype=jax.ShapeDtypeStruct((1, num_slots, n_out), lhs.dtype),
       input_spec=[cjax.TensorSpec(mode=(1, 2, 0)), cjax.TensorSpec(mode=rhs_mode), None],
       output_spec=cjax.TensorSpec(mode=(1, 2, 0)),
-      block_n=block_n, stages=stages)
+      block_n=block_n, stages=stages))
   return call(lhs[None], rhs, tile_expert.astype(jnp.int32))[0]
 
 
@@ -518,11 +518,11 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
   rows = cjax.TensorSpec(mode=(1, 2, 0))
   fn, index = (_up_proj, ()) if gather_index is None else \
       (_gathered_up_proj, (gather_index.astype(jnp.int32),))
-  call = cjax.cutlass_call(
+  call = batching.one_at_a_time_under_vmap(cjax.cutlass_call(
       fn, output_shape_dtype=(jax.ShapeDtypeStruct((1, num_slots, 2 * n), xg.dtype),
                               jax.ShapeDtypeStruct((1, num_slots, n), xg.dtype)),
       input_spec=[rows, cjax.TensorSpec(mode=(2, 1, 0)), None, *[None] * len(index)],
-      output_spec=[rows, rows], block_n=block_n, stages=stages)
+      output_spec=[rows, rows], block_n=block_n, stages=stages))
   h, a = call(xg[None], w1, tile_expert.astype(jnp.int32), *index)
   return h[0], a[0]
 
@@ -542,12 +542,12 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, dout_g.shape[1] // BLOCK_K, stages)
   num_slots = dout_g.shape[0]
   rows = cjax.TensorSpec(mode=(1, 2, 0))
-  call = cjax.cutlass_call(
+  call = batching.one_at_a_time_under_vmap(cjax.cutlass_call(
       _dh, output_shape_dtype=(jax.ShapeDtypeStruct((1, num_slots, 2 * n), h.dtype),
                                jax.ShapeDtypeStruct((1, num_slots, n), h.dtype),
                                jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)),
       input_spec=[rows, cjax.TensorSpec(mode=(1, 2, 0)), None, rows, None],
-      output_spec=[rows, rows, None], block_n=block_n, stages=stages)
+      output_spec=[rows, rows, None], block_n=block_n, stages=stages))
   dh_, a_scaled, ds_parts = call(dout_g[None], w2, tile_expert.astype(jnp.int32), h[None],
                                  scores.astype(jnp.float32))
   return dh_[0], a_scaled[0], ds_parts
@@ -582,9 +582,9 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   P, M = lhs.shape
   stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, P // BLOCK_K, stages)
   rows_last = cjax.TensorSpec(mode=(2, 1, 0))   # [1, P, C] -> (C, P, 1): C contiguous
-  call = cjax.cutlass_call(
+  call = batching.one_at_a_time_under_vmap(cjax.cutlass_call(
       _weight_grad,
       output_shape_dtype=jax.ShapeDtypeStruct((num_experts, M, rhs.shape[1]), lhs.dtype),
       input_spec=[rows_last, rows_last, None], output_spec=cjax.TensorSpec(mode=(1, 2, 0)),
-      block_n=block_n, stages=stages)
+      block_n=block_n, stages=stages))
   return call(lhs[None], rhs[None], group_offsets.astype(jnp.int32))

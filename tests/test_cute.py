@@ -354,3 +354,45 @@ def test_compiled_kernels_are_kept_on_disk(tmp_path):
     assert compile_cache._read(entries[0]) is not None
   finally:
     primitive.get_or_compile_kernel = saved
+
+
+def test_ffi_calls_map_one_element_at_a_time_under_vmap():
+  """The vmap fallback for FFI calls without a batching rule: per-element results, batched and
+  shared arguments, several outputs."""
+  from ffi.batching import one_at_a_time_under_vmap
+  call = one_at_a_time_under_vmap(lambda a, b: (a @ b, jnp.sum(a, axis=0)))
+  a = jax.random.normal(jax.random.key(0), (3, 4, 5))
+  b = jax.random.normal(jax.random.key(1), (5, 2))
+  prod, sums = jax.jit(jax.vmap(call, in_axes=(0, None)))(a, b)
+  np.testing.assert_allclose(prod, jnp.einsum("bij,jk->bik", a, b), rtol=1e-5)
+  np.testing.assert_allclose(sums, a.sum(1), rtol=1e-5)
+  b3 = jnp.stack([b, 2 * b, 3 * b])
+  np.testing.assert_allclose(jax.vmap(call)(a, b3)[0], jnp.einsum("bij,bjk->bik", a, b3), rtol=1e-5)
+
+
+@needs_cute
+def test_vmapped_layer_with_cute_ops_lowers_for_cuda():
+  """jax.vmap of the layer (over, say, ensemble members) with every CuTe op: it exports for
+  CUDA, the FFI calls inside loops over the batch (identical loop bodies may be shared, so the
+  calls are not counted)."""
+  T, d, n, E, K = 256, 256, 128, 8, 2
+  args = make_inputs(0, T, d, n, E, jnp.bfloat16)
+  stacked = [jnp.stack([a, a]) for a in args]
+
+  def loss(*a):
+    return jnp.sum(sm.moe(*a, k=K, backend=CUTE_GEMMS).out.astype(jnp.float32))
+
+  text = _cuda_module(jax.vmap(jax.grad(loss, argnums=(0, 2, 3))), *stacked)
+  assert FFI_TARGET in text and "stablehlo.while" in text
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_vmapped_layer_with_cute_ops_matches_each_element_on_gpu():
+  T, d, n, E, K = 512, 256, 128, 8, 2
+  per_element = [make_inputs(s, T, d, n, E, jnp.bfloat16) for s in (5, 6)]
+  stacked = [jnp.stack(parts) for parts in zip(*per_element)]
+  layer = lambda *a: sm.moe(*a, k=K, backend=CUTE_GEMMS).out
+  got = jax.jit(jax.vmap(layer))(*stacked)
+  for i, args in enumerate(per_element):   # (the router's matmul is batched: not bitwise)
+    assert rel_err(got[i], jax.jit(layer)(*args)) < 1e-2
