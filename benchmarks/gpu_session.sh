@@ -51,7 +51,7 @@ for mode in "$@"; do
         > "$OUT/pytest_cute.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cute.log" | tail -12
       sweep() { timeout "$1" python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 \
-        --stages 2,0 "${@:3}" --out "$OUT/sweep_cute_$2.json" 2>&1 | grep -v '^{' | grep -v "^config"; }
+        --stages 3,0 "${@:3}" --out "$OUT/sweep_cute_$2.json" 2>&1 | grep -v '^{' | grep -v "^config"; }
       sweep 60 up --kernels up_proj,up_proj_gather --block-n 64,128
       sweep 60 mm --kernels down_proj,dx_tilde --block-n 128,256
       sweep 60 bw --kernels dh,dw1 --block-n 128,256
