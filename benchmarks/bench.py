@@ -123,10 +123,15 @@ def step_bytes(jitted, args):
   return stats.temp_size_in_bytes + stats.output_size_in_bytes
 
 
+def backend_spec(impl):
+  """Our layer's backend for an impl name: "xla", "pallas", "cute", or a per-op mix written
+  op=backend+op=backend (e.g. "dh=cute+dx_tilde=cute") as a dict."""
+  return impl if "+" not in impl and "=" not in impl else dict(p.split("=") for p in impl.split("+"))
+
+
 def impl_fn(impl, K, rounding, tile):
-  if impl in ("xla", "pallas", "cute") or "+" in impl:
-    backend = impl if "+" not in impl else dict(p.split("=") for p in impl.split("+"))
-    return ours(backend, K, rounding, tile)
+  if impl in ("xla", "pallas", "cute") or "=" in impl:
+    return ours(backend_spec(impl), K, rounding, tile)
   if impl == "lax_ragged_dot":
     return plain_autodiff(functools.partial(jax.lax.ragged_dot, preferred_element_type=None), K)
   if impl == "tokamax":

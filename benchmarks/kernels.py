@@ -1,6 +1,7 @@
 """Per-op breakdown of one backend at the anchor configs: routing, gathers, each kernel.
 
   python -m benchmarks.kernels --backend pallas --configs olmoe
+  python -m benchmarks.kernels --backend dh=cute+dx_tilde=cute --configs 30B-n256   (a per-op mix)
 
 Each op is jitted alone on precomputed inputs (the routing plan included) and timed like
 bench.py. GEMM ops report model TF/s (padding rows not counted) and the TF/s of a dense
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 
 import sonicmoe_jax as sm
 from benchmarks import configs as C
-from benchmarks.bench import make_args, time_ms
+from benchmarks.bench import backend_spec, make_args, time_ms
 from pallas_kernels import config as pallas_config
 from pallas_kernels import grouped_gemm, row_gather, weight_grad
 from pallas_kernels import ops as pallas_ops
@@ -34,7 +35,7 @@ def segment_sum_aggregate(y, scores, plan):
 def breakdown(name, cfg, backend, rounding, iters, reps):
   T, d, n, E, K = cfg
   (x, wr, w1, w2), dout = make_args(T, d, n, E, K)
-  ops = sm.resolve_backend(backend)
+  ops = sm.resolve_backend(backend_spec(backend))
   route = jax.jit(lambda x, wr: sm.route(sm.router_logits(x, wr), k=K, rounding=rounding,
                                          tile=128, align=ops.align, top_k=ops.top_k)[0])
   plan = route(x, wr)

@@ -53,3 +53,16 @@ def test_check_anchors_tiny(monkeypatch):
   monkeypatch.setattr(check_anchors, "token_output", lambda *a: 1.1 * real(*a))
   check_anchors.token_references.clear_cache()
   assert not check_anchors.check("tiny", cfg, "xla", None)["ok"]
+
+
+def test_kernels_breakdown_of_a_per_op_mix(tmp_path):
+  """benchmarks.kernels takes a per-op mix like bench.py's impls: every op is timed once."""
+  from benchmarks import kernels
+  out = tmp_path / "kernels.json"
+  kernels.main(["--backend", "dh=xla+dx_tilde=xla", "--custom", "64,32,16,4,2", "--iters", "1",
+                "--reps", "1", "--out", str(out)])
+  ops = {r["op"].strip(): r for r in json.loads(out.read_text())}
+  for op in ("routing plan", "up_proj (+ gather X)", "down_proj", "dh (+ gather dO)", "dx_tilde",
+             "dw1 (+ gather X)", "dw2 (+ gather dO)"):
+    assert ops[op]["ms"] > 0
+  assert "up_proj (gather in kernel)" not in ops   # Pallas-only rows need backend "pallas"
