@@ -12,7 +12,8 @@
 #           tests, then the per-op rows of benchmarks.kernels at 30B-n256 and 7B-n256    (~4 min)
 #   cute  : the CuTe kernels' GPU tests and their tile/epilogue sweep at 30B-n256 (carry the
 #           cute wheels first, ../shared/tools/device-wheels cute; source their env.sh)  (~5 min)
-#   cute_bench: then the FFI call cost and the layer with cute ops vs pallas        (~3 min)
+#   cute_bench: then the FFI call cost, the per-op breakdown with every GEMM on cute and the
+#           layer with cute ops vs pallas                                             (~5 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, and the PyTorch SonicMoE
 #           when its wheels are staged (source /tmp/devsite-upstream/env.sh first)
 set -uo pipefail
@@ -60,6 +61,9 @@ for mode in "$@"; do
     cute_bench)  # after `cute`, on the same machine: FFI call cost and the layer with cute ops
       timeout 50 python3 -m benchmarks.ffi_overhead --calls 20 --out "$OUT/ffi_overhead.json" \
         2>&1 | tail -3
+      timeout 90 python3 -m benchmarks.kernels --configs 30B-n256 --out "$OUT/kernels_cute.json" \
+        --backend up_proj=cute+down_proj=cute+dh=cute+dx_tilde=cute+dw1=cute+dw2=cute \
+        2>&1 | grep -v '^{' | tail -16
       timeout 150 python3 -m benchmarks.bench --configs 7B-n256,30B-n256,olmoe \
         --impls pallas,dh=cute+dx_tilde=cute,dh=cute+dx_tilde=cute+dw1=cute+dw2=cute \
         --iters 5 --reps 3 --out "$OUT/bench_cute" 2>&1 | tail -7 ;;
