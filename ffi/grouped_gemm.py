@@ -6,7 +6,9 @@ epilogue (dh: dH, A' = s A and dS parts from dA' = dOg W2_e^T, H and the scores)
 plan aligned to BLOCK_M rows per expert (every M tile has one expert; tiles past the last group,
 marked tile_expert >= E, store zeros). lhs [P, K] rows in slot order, rhs [E, K, N], out [P, N].
 The same kernel computes the varlen-K weight gradients (weight_grad: out[e] = lhs_e^T rhs_e over
-expert e's rows, one grid plane per expert, lhs read M-major and rhs N-major by TMA).
+expert e's rows, one grid plane per expert, lhs read M-major and rhs N-major by TMA; or lhs's
+rows gathered in the kernel, _gather_k_step, each warpgroup copying its 64 columns of the
+stage's 64 gathered rows).
 
 Tiling (one CTA per BLOCK_M x block_n output tile, grid (N / block_n, P / BLOCK_M): an M tile's
 column tiles run next to each other, so its lhs rows are read from HBM once and then from L2):
@@ -207,6 +209,40 @@ def _gather_step(x, gather_index, a_stage, m_tile, k0, tidx):
       dst.fill(0.0)
 
 
+@cute.jit
+def _gather_k_step(x, gather_index, a_stage, row0, col0, tidx):
+  """The weight gradient's A stage (M-major: BLOCK_M columns of X by BLOCK_K gathered rows, the
+  rows being the contraction): a_stage[c, r] = x[gather_index[row0 + r], col0 + c], each
+  warpgroup filling the BLOCK_M / WARPGROUPS columns its wgmmas read, in 16-byte cp.async chunks
+  of 8 columns (8 threads cover 128 contiguous bytes of a row); rows of indices outside x are
+  zeros. Committed by the caller as one cp.async group."""
+  wg, t = tidx // 128, tidx % 128
+  chunks_per_wg = BLOCK_M // WARPGROUPS // 8
+  atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), x.element_type,
+                             num_bits_per_copy=128)
+  for j in cutlass.range_constexpr(BLOCK_K * chunks_per_wg // 128):
+    i = t + 128 * j
+    r, chunk = i // chunks_per_wg, wg * chunks_per_wg + i % chunks_per_wg
+    token = gather_index[row0 + r]
+    dst = cute.local_tile(a_stage[None, r], (8,), (chunk,))
+    if token < cute.size(x, mode=[0]):
+      cute.copy(atom, cute.local_tile(x[token, None, 0], (8,), (col0 // 8 + chunk,)), dst)
+    else:
+      dst.fill(0.0)
+
+
+@cute.jit
+def _gather_into_stage(x, gather_index, s_a, step, m_tile, k_begin, tidx, stages: cutlass.Constexpr,
+                       kind: cutlass.Constexpr):
+  """A's stage for k step `step` by this thread's cp.async copies: rows of the M tile
+  (_gather_step), or for the weight gradient rows of the contraction (_gather_k_step)."""
+  stage = s_a[None, None, step % stages]
+  if cutlass.const_expr(kind == "wgrad"):
+    _gather_k_step(x, gather_index, stage, (k_begin + step) * BLOCK_K, m_tile * BLOCK_M, tidx)
+  else:
+    _gather_step(x, gather_index, stage, m_tile, step * BLOCK_K, tidx)
+
+
 @cute.kernel
 def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
             m_out: cute.Tensor, m_out2: cute.Tensor, tma_out: cute.CopyAtom,
@@ -292,7 +328,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   if cutlass.const_expr(gather):   # A's first stages - 1 steps, one cp.async group each
     for step in cutlass.range_constexpr(stages - 1):
       if step < num_k:
-        _gather_step(m_a, gather_index, s_a[None, None, step], m_tile, step * BLOCK_K, tidx)
+        _gather_into_stage(m_a, gather_index, s_a, step, m_tile, k_begin, tidx, stages, kind)
       cute.arch.cp_async_commit_group()
 
   for kk in cutlass.range(num_k, unroll=1):
@@ -315,8 +351,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     if cutlass.const_expr(gather):   # step kk + stages - 1 into the stage step kk - 1 read
       ahead = kk + stages - 1
       if ahead < num_k:
-        _gather_step(m_a, gather_index, s_a[None, None, ahead % stages], m_tile, ahead * BLOCK_K,
-                     tidx)
+        _gather_into_stage(m_a, gather_index, s_a, ahead, m_tile, k_begin, tidx, stages, kind)
       cute.arch.cp_async_commit_group()
     if kk > 0:
       loads.consumer_release(release)
@@ -389,6 +424,15 @@ def _weight_grad(stream, lhs: cute.Tensor, rhs: cute.Tensor, group_offsets: cute
 
 
 @cute.jit
+def _gathered_weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.Tensor,
+                          gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
+                          stages: cutlass.Constexpr):
+  """_weight_grad with x (T, M, 1) the source rows and slot r reading x[gather_index[r]]."""
+  _launch(stream, x, rhs, group_offsets, gather_index, out, out, None, block_n, stages, "wgrad",
+          True)
+
+
+@cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
@@ -405,18 +449,23 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   num_rhs = 2 if swiglu else 1
   m_h, m_scores, m_ds = dh_inputs if kind == "dh" else (out, tile_expert, out)   # unused
   a_major, b_major = LayoutEnum.from_tensor(lhs), LayoutEnum.from_tensor(rhs)
+  if cutlass.const_expr(gather and kind == "wgrad"):   # lhs X (T, M, 1); A tiles (M, rows) M-major
+    a_major = LayoutEnum.COL_MAJOR
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   tiled_mma = sm90_utils.make_trivial_tiled_mma(
       dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
       cutlass.Float32, (WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
   a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
   b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
-  tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), lhs,
-                                           cute.slice_(a_smem_staged, (None, None, 0)),
-                                           (BLOCK_M, BLOCK_K))
   tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
                                            cute.slice_(b_smem_staged, (None, None, 0)),
                                            (block_n, BLOCK_K))
+  if cutlass.const_expr(gather and kind == "wgrad"):   # no TMA for A (the kernel takes an atom: B's, unused)
+    tma_a, m_a = tma_b, m_b
+  else:
+    tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), lhs,
+                                             cute.slice_(a_smem_staged, (None, None, 0)),
+                                             (BLOCK_M, BLOCK_K))
   b_elems = cute.cosize(b_smem_staged)
   # the TMA-store epilogue's SMEM buffers (over A's stages) and its TMA atoms for out and out2
   c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, EPI_TILE, EPI_STAGES)
@@ -571,20 +620,28 @@ def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n):
 
 
 def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
-                stages: int | None = None):
+                stages: int | None = None, gather_index=None):
   """out[e] = lhs[rows of e]^T rhs[rows of e] ([E, M, N] in lhs's dtype, fp32 accumulation):
   lhs [P, M] and rhs [P, N] rows in slot order, expert e's rows group_offsets[e] ..
   group_offsets[e + 1] (multiples of BLOCK_M, an aligned plan; an expert without rows gets
-  zeros). dW1 = weight_grad(Xg, dH), dW2 = weight_grad(A', dOg)."""
-  reason = _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n)
+  zeros). dW1 = weight_grad(Xg, dH), dW2 = weight_grad(A', dOg). With gather_index [P] (not yet
+  run on a GPU), lhs is X [T, M] and slot r reads X[gather_index[r]] (zeros where it is T or
+  more), gathered inside the kernel by cp.async."""
+  P = lhs.shape[0] if gather_index is None else gather_index.shape[0]
+  M = lhs.shape[1]
+  slots = jax.ShapeDtypeStruct((P, M), lhs.dtype)   # the rows the GEMM reads
+  reason = _weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
   if reason:
     raise ValueError(f"cute weight_grad: {reason}")
-  P, M = lhs.shape
   stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, P // BLOCK_K, stages)
   rows_last = cjax.TensorSpec(mode=(2, 1, 0))   # [1, P, C] -> (C, P, 1): C contiguous
+  if gather_index is None:
+    fn, lhs_spec, index = _weight_grad, rows_last, ()
+  else:   # X as (T, M, 1), like up_proj's gather source
+    fn, lhs_spec, index = _gathered_weight_grad, cjax.TensorSpec(mode=(1, 2, 0)), \
+        (gather_index.astype(jnp.int32),)
   call = batching.one_at_a_time_under_vmap(cjax.cutlass_call(
-      _weight_grad,
-      output_shape_dtype=jax.ShapeDtypeStruct((num_experts, M, rhs.shape[1]), lhs.dtype),
-      input_spec=[rows_last, rows_last, None], output_spec=cjax.TensorSpec(mode=(1, 2, 0)),
-      block_n=block_n, stages=stages))
-  return call(lhs[None], rhs[None], group_offsets.astype(jnp.int32))
+      fn, output_shape_dtype=jax.ShapeDtypeStruct((num_experts, M, rhs.shape[1]), lhs.dtype),
+      input_spec=[lhs_spec, rows_last, None, *[None] * len(index)],
+      output_spec=cjax.TensorSpec(mode=(1, 2, 0)), block_n=block_n, stages=stages))
+  return call(lhs[None], rhs[None], group_offsets.astype(jnp.int32), *index)

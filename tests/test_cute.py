@@ -104,7 +104,7 @@ def test_cute_gemms_compile_and_lower_for_cuda():
 @needs_cute
 @pytest.mark.parametrize("kernel,block_n,stages", [
     ("matmul", 256, None), ("matmul_t", 256, 2), ("up_proj", 64, 3), ("dh", 128, None),
-    ("weight_grad", 128, 3)])
+    ("weight_grad", 128, 3), ("weight_grad_gather", 128, None)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
   from ffi import grouped_gemm
@@ -118,7 +118,10 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
             a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
             t, **kw),
         "weight_grad": lambda a, b, t: grouped_gemm.weight_grad(  # [E, K, 2K] over P / E rows each
-            a, jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E, **kw)}[kernel]
+            a, jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E, **kw),
+        "weight_grad_gather": lambda a, b, t: grouped_gemm.weight_grad(  # X = a's first 300 rows
+            a[:300], jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E,
+            gather_index=jnp.arange(P, dtype=jnp.int32) % 301, **kw)}[kernel]
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -296,6 +299,25 @@ def test_cute_weight_grad_against_float32_on_gpu(block_n, stages):
       np.testing.assert_array_equal(got[e], 0)
     else:
       assert rel_err(got[e], f32(lhs[lo:hi]).T @ f32(rhs[lo:hi])) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu():
+  """Gathering X's rows in the weight-gradient kernel (rows are its contraction; padding slots:
+  index T, zero rows) gives the bitwise same dW as the kernel on rows gathered by XLA first."""
+  from ffi import grouped_gemm
+  sizes = [256, 0, 640, 128]
+  offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
+  T, P, M, N, E = 1000, sum(sizes) + 128, 384, 512, len(sizes)
+  x = jax.random.normal(jax.random.key(31), (T, M)).astype(jnp.bfloat16)
+  rhs = jax.random.normal(jax.random.key(32), (P, N)).astype(jnp.bfloat16)
+  index = jax.random.randint(jax.random.key(33), (P,), 0, T).at[::5].set(T)
+  fused = jax.jit(lambda x, b, o, i: grouped_gemm.weight_grad(x, b, o, E, gather_index=i))(
+      x, rhs, offsets, index)
+  xg = x.at[index].get(mode="fill", fill_value=0)
+  np.testing.assert_array_equal(fused, jax.jit(lambda a, b, o: grouped_gemm.weight_grad(a, b, o, E))(
+      xg, rhs, offsets))
 
 
 @pytest.mark.gpu
