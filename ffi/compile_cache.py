@@ -93,13 +93,11 @@ def _with_disk_cache(compile_kernel, directory: pathlib.Path):
   return get_or_compile_kernel
 
 
-_installed = False
-
-
 def install_default() -> None:
-  """install() with the default directory unless install() has run in this process (the
-  kernel modules call this on import; a user's own install() call wins)."""
-  if not _installed:
+  """install() with the default directory unless a cache is already in front of the compile
+  step (the kernel modules call this on import; a user's own install() call wins)."""
+  from cutlass.jax import primitive
+  if not hasattr(getattr(primitive, "get_or_compile_kernel", None), "uncached"):
     install()
 
 
@@ -107,9 +105,7 @@ def install(directory: pathlib.Path | str | None = None) -> pathlib.Path | None:
   """Put the disk cache in front of cutlass.jax's compile step (a later call with another
   directory moves it). Returns the directory, or None if the cache is off (by
   $SONICMOE_CUTE_CACHE='' or a cutlass.jax without the expected compile hook)."""
-  global _installed
   from cutlass.jax import primitive
-  _installed = True
   directory = pathlib.Path(directory) if directory is not None else default_directory()
   current = getattr(primitive, "get_or_compile_kernel", None)
   if current is None:

@@ -189,6 +189,18 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, warp, swiglu: cutlas
 
 
 @cute.jit
+def _copy_row_chunk(x, token, chunk, dst):
+  """dst (8 SMEM elements) = x[token, 8 chunk : 8 chunk + 8] by one 16-byte cp.async, or zeros
+  where token is outside x (a padding slot)."""
+  if token < cute.size(x, mode=[0]):
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), x.element_type,
+                               num_bits_per_copy=128)
+    cute.copy(atom, cute.local_tile(x[token, None, 0], (8,), (chunk,)), dst)
+  else:
+    dst.fill(0.0)
+
+
+@cute.jit
 def _gather_step(x, gather_index, a_stage, m_tile, k0, tidx):
   """This thread's share of its warpgroup's BLOCK_M / WARPGROUPS rows of one k step:
   a_stage[r, k0 : k0 + BLOCK_K] = x[gather_index[m_tile * BLOCK_M + r], ...] in 16-byte cp.async
@@ -196,17 +208,10 @@ def _gather_step(x, gather_index, a_stage, m_tile, k0, tidx):
   (padding slots) are written as zeros. Committed by the caller as one cp.async group."""
   wg, t = tidx // 128, tidx % 128
   chunk = t % GATHER_CHUNKS
-  atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), x.element_type,
-                             num_bits_per_copy=128)
   for j in cutlass.range_constexpr(GATHER_ROWS_PER_THREAD):
     r = wg * (BLOCK_M // WARPGROUPS) + t // GATHER_CHUNKS + j * (128 // GATHER_CHUNKS)
-    token = gather_index[m_tile * BLOCK_M + r]
-    dst = cute.local_tile(a_stage[r, None], (8,), (chunk,))
-    if token < cute.size(x, mode=[0]):
-      src = cute.local_tile(x[token, None, 0], (8,), (k0 // 8 + chunk,))
-      cute.copy(atom, src, dst)
-    else:
-      dst.fill(0.0)
+    _copy_row_chunk(x, gather_index[m_tile * BLOCK_M + r], k0 // 8 + chunk,
+                    cute.local_tile(a_stage[r, None], (8,), (chunk,)))
 
 
 @cute.jit
@@ -218,17 +223,11 @@ def _gather_k_step(x, gather_index, a_stage, row0, col0, tidx):
   zeros. Committed by the caller as one cp.async group."""
   wg, t = tidx // 128, tidx % 128
   chunks_per_wg = BLOCK_M // WARPGROUPS // 8
-  atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), x.element_type,
-                             num_bits_per_copy=128)
   for j in cutlass.range_constexpr(BLOCK_K * chunks_per_wg // 128):
     i = t + 128 * j
     r, chunk = i // chunks_per_wg, wg * chunks_per_wg + i % chunks_per_wg
-    token = gather_index[row0 + r]
-    dst = cute.local_tile(a_stage[None, r], (8,), (chunk,))
-    if token < cute.size(x, mode=[0]):
-      cute.copy(atom, cute.local_tile(x[token, None, 0], (8,), (col0 // 8 + chunk,)), dst)
-    else:
-      dst.fill(0.0)
+    _copy_row_chunk(x, gather_index[row0 + r], col0 // 8 + chunk,
+                    cute.local_tile(a_stage[None, r], (8,), (chunk,)))
 
 
 @cute.jit
@@ -510,8 +509,9 @@ def _dtype_unsupported(lhs, rhs):
 
 def unsupported(lhs, rhs, block_n: int):
   """Why these operands cannot run (a sentence naming the limit), or None."""
-  if _dtype_unsupported(lhs, rhs):
-    return _dtype_unsupported(lhs, rhs)
+  reason = _dtype_unsupported(lhs, rhs)
+  if reason:
+    return reason
   if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
     return f"need lhs [P, K] and rhs [E, K, N]; got {lhs.shape} and {rhs.shape}"
   if lhs.shape[0] % BLOCK_M:
@@ -604,8 +604,9 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
 
 def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n):
   """Why weight_grad cannot run these operands (a sentence naming the limit), or None."""
-  if _dtype_unsupported(lhs, rhs):
-    return _dtype_unsupported(lhs, rhs)
+  reason = _dtype_unsupported(lhs, rhs)
+  if reason:
+    return reason
   if lhs.ndim != 2 or rhs.ndim != 2 or rhs.shape[0] != lhs.shape[0]:
     return f"need lhs [P, M] and rhs [P, N]; got {lhs.shape} and {rhs.shape}"
   if lhs.shape[0] % BLOCK_M:
