@@ -10,15 +10,17 @@
 #   omnimoe: OmniMoE tests and latency benchmark on the GPU
 #   gathers: the in-kernel row gathers (up-projection default, dW1 optional): bitwise GPU
 #           tests, then the per-op rows of benchmarks.kernels at 30B-n256 and 7B-n256    (~4 min)
-#   cute  : the CuTe kernels' GPU tests and their tile/epilogue sweep at 30B-n256 (carry the
-#           cute wheels first, ../shared/tools/device-wheels cute; source their env.sh)  (~5 min)
-#   cute_bench: then the FFI call cost, the per-op breakdown with every GEMM on cute and the
-#           layer with cute ops vs pallas                                             (~5 min)
+#   cute  : the CuTe kernels' GPU tests, compiling into the disk cache /tmp/cute-cache (carry
+#           the cute wheels first, ../shared/tools/device-wheels cute; source their env.sh) (~3 min)
+#   cute_sweep: their tile/epilogue sweep at 30B-n256                                 (~4 min)
+#   cute_bench: then (kernels read back from the disk cache) the FFI call cost and the layer
+#           with cute ops vs pallas                                                   (~4 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, and the PyTorch SonicMoE
 #           when its wheels are staged (source /tmp/devsite-upstream/env.sh first)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export SONICMOE_CUTE_CACHE=${SONICMOE_CUTE_CACHE:-/tmp/cute-cache}   # shared by the cute modes
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())"; } | tee "$OUT/gpu.txt"
 for mode in "$@"; do
@@ -51,6 +53,8 @@ for mode in "$@"; do
       timeout 200 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
         > "$OUT/pytest_cute.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cute.log" | tail -12
+      echo "disk cache entries: $(ls "$SONICMOE_CUTE_CACHE" | grep -c '\.o$')" ;;
+    cute_sweep)
       sweep() { timeout "$1" python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 \
         --stages 3,0 "${@:3}" --out "$OUT/sweep_cute_$2.json" 2>&1 | grep -v '^{' | grep -v "^config"; }
       sweep 60 up --kernels up_proj,up_proj_gather --block-n 64,128
@@ -59,14 +63,11 @@ for mode in "$@"; do
       timeout 40 python3 -m benchmarks.tile_sweep --configs 30B-n256 --kernels dw1 --block-n 128 \
         --stages 4 --out "$OUT/sweep_pallas_dw1.json" 2>&1 | grep -v '^{' | tail -1 ;;   # Pallas's, same rows
     cute_bench)  # after `cute`, on the same machine: FFI call cost and the layer with cute ops
-      timeout 50 python3 -m benchmarks.ffi_overhead --calls 20 --out "$OUT/ffi_overhead.json" \
-        2>&1 | tail -3
-      timeout 90 python3 -m benchmarks.kernels --configs 30B-n256 --out "$OUT/kernels_cute.json" \
-        --backend up_proj=cute+down_proj=cute+dh=cute+dx_tilde=cute+dw1=cute+dw2=cute \
-        2>&1 | grep -v '^{' | tail -16
-      timeout 150 python3 -m benchmarks.bench --configs 7B-n256,30B-n256,olmoe \
-        --impls pallas,dh=cute+dx_tilde=cute,dh=cute+dx_tilde=cute+dw1=cute+dw2=cute \
-        --iters 5 --reps 3 --out "$OUT/bench_cute" 2>&1 | tail -7 ;;
+      timeout 60 python3 -m benchmarks.ffi_overhead --calls 20 --out "$OUT/ffi_overhead.json" \
+        2>&1 | grep -v '^{' | tail -5
+      timeout 240 python3 -m benchmarks.bench --configs 7B-n256,30B-n256,olmoe \
+        --impls pallas,dh=cute+dx_tilde=cute,up_proj=cute+down_proj=cute+dh=cute+dx_tilde=cute+dw1=cute+dw2=cute \
+        --iters 5 --reps 3 --out "$OUT/bench_cute" 2>&1 | tail -9 ;;
     rounding)  # token rounding vs plain top-K at a sparse config (issue #4), pallas backend
       for r in none nearest; do
         flag=(); [ "$r" = nearest ] && flag=(--rounding nearest)

@@ -1,5 +1,6 @@
-"""Backend "cute": CuTe DSL kernels called from XLA programs through XLA FFI custom calls
-(`cutlass.jax.cutlass_call`). Needs the optional extra: pip install 'sonicmoe-jax[cute]'.
+"""Backend "cute": CuTe DSL kernels called from XLA programs as XLA FFI custom calls (compiled
+with TVM-FFI and registered through jax-tvm-ffi: xla_call.py). Needs the optional extra:
+pip install 'sonicmoe-jax[cute]'.
 
 The kernels are Hopper (sm_90a) kernels. CuTe DSL reads its target architecture once, when it
 is first used: on a machine without a GPU this package sets CUTE_DSL_ARCH=sm_90a (unless set) so

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.jax as cjax
 import jax
 
-from ffi import batching, compile_cache
-
-compile_cache.install_default()   # compiled kernels kept on disk across processes
+from ffi import xla_call
 
 THREADS = 128
 
@@ -51,8 +48,7 @@ def gather_sum(y, scores, token_slots, token_offsets, num_tokens: int):
   weighted = scores is not None
   if scores is None:
     scores = jax.numpy.zeros((y.shape[0],), jax.numpy.float32)
-  call = batching.one_at_a_time_under_vmap(cjax.cutlass_call(
-      _gather_sum,
-      output_shape_dtype=jax.ShapeDtypeStruct((num_tokens, y.shape[1]), y.dtype),
-      weighted=weighted))
-  return call(y, scores.astype(jax.numpy.float32), token_slots, token_offsets)
+  out, = xla_call.call(
+      _gather_sum, [y, scores.astype(jax.numpy.float32), token_slots, token_offsets],
+      [jax.ShapeDtypeStruct((num_tokens, y.shape[1]), y.dtype)], weighted=weighted)
+  return out

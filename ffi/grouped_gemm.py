@@ -34,7 +34,6 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-import cutlass.jax as cjax
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import jax
@@ -42,9 +41,7 @@ import jax.numpy as jnp
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ffi import batching, compile_cache
-
-compile_cache.install_default()   # compiled kernels kept on disk across processes
+from ffi import xla_call
 
 BLOCK_M = 128
 BLOCK_K = 64
@@ -542,13 +539,12 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   num_slots, n_out = lhs.shape[0], rhs_ekn.shape[2]
   # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major
   rhs_mode = (1, 2, 0) if transpose_rhs else (2, 1, 0)
-  call = batching.one_at_a_time_under_vmap(cjax.cutlass_call(
-      _matmul,
-      output_shape_dtype=jax.ShapeDtypeStruct((1, num_slots, n_out), lhs.dtype),
-      input_spec=[cjax.TensorSpec(mode=(1, 2, 0)), cjax.TensorSpec(mode=rhs_mode), None],
-      output_spec=cjax.TensorSpec(mode=(1, 2, 0)),
-      block_n=block_n, stages=stages))
-  return call(lhs[None], rhs, tile_expert.astype(jnp.int32))[0]
+  rows = (1, 2, 0)   # [1, P, C] -> (P, C, 1)
+  out, = xla_call.call(
+      _matmul, [lhs[None], rhs, tile_expert.astype(jnp.int32)],
+      [jax.ShapeDtypeStruct((1, num_slots, n_out), lhs.dtype)], modes=[rows, rhs_mode, None, rows],
+      block_n=block_n, stages=stages)
+  return out[0]
 
 
 def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
@@ -564,15 +560,15 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
   if reason:
     raise ValueError(f"cute up_proj: {reason}")
   stages = _pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)
-  rows = cjax.TensorSpec(mode=(1, 2, 0))
+  rows = (1, 2, 0)
   fn, index = (_up_proj, ()) if gather_index is None else \
       (_gathered_up_proj, (gather_index.astype(jnp.int32),))
-  call = batching.one_at_a_time_under_vmap(cjax.cutlass_call(
-      fn, output_shape_dtype=(jax.ShapeDtypeStruct((1, num_slots, 2 * n), xg.dtype),
-                              jax.ShapeDtypeStruct((1, num_slots, n), xg.dtype)),
-      input_spec=[rows, cjax.TensorSpec(mode=(2, 1, 0)), None, *[None] * len(index)],
-      output_spec=[rows, rows], block_n=block_n, stages=stages))
-  h, a = call(xg[None], w1, tile_expert.astype(jnp.int32), *index)
+  h, a = xla_call.call(
+      fn, [xg[None], w1, tile_expert.astype(jnp.int32), *index],
+      [jax.ShapeDtypeStruct((1, num_slots, 2 * n), xg.dtype),
+       jax.ShapeDtypeStruct((1, num_slots, n), xg.dtype)],
+      modes=[rows, (2, 1, 0), None, *[None] * len(index), rows, rows],
+      block_n=block_n, stages=stages)
   return h[0], a[0]
 
 
@@ -590,15 +586,13 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
                      f"[{dout_g.shape[0]}]; got {h.shape} {h.dtype} and {scores.shape}")
   stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, dout_g.shape[1] // BLOCK_K, stages)
   num_slots = dout_g.shape[0]
-  rows = cjax.TensorSpec(mode=(1, 2, 0))
-  call = batching.one_at_a_time_under_vmap(cjax.cutlass_call(
-      _dh, output_shape_dtype=(jax.ShapeDtypeStruct((1, num_slots, 2 * n), h.dtype),
-                               jax.ShapeDtypeStruct((1, num_slots, n), h.dtype),
-                               jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)),
-      input_spec=[rows, cjax.TensorSpec(mode=(1, 2, 0)), None, rows, None],
-      output_spec=[rows, rows, None], block_n=block_n, stages=stages))
-  dh_, a_scaled, ds_parts = call(dout_g[None], w2, tile_expert.astype(jnp.int32), h[None],
-                                 scores.astype(jnp.float32))
+  rows = (1, 2, 0)
+  dh_, a_scaled, ds_parts = xla_call.call(
+      _dh, [dout_g[None], w2, tile_expert.astype(jnp.int32), h[None], scores.astype(jnp.float32)],
+      [jax.ShapeDtypeStruct((1, num_slots, 2 * n), h.dtype),
+       jax.ShapeDtypeStruct((1, num_slots, n), h.dtype),
+       jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)],
+      modes=[rows, (1, 2, 0), None, rows, None, rows, rows, None], block_n=block_n, stages=stages)
   return dh_[0], a_scaled[0], ds_parts
 
 
@@ -635,14 +629,14 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   if reason:
     raise ValueError(f"cute weight_grad: {reason}")
   stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, P // BLOCK_K, stages)
-  rows_last = cjax.TensorSpec(mode=(2, 1, 0))   # [1, P, C] -> (C, P, 1): C contiguous
+  rows_last = (2, 1, 0)   # [1, P, C] -> (C, P, 1): C contiguous
   if gather_index is None:
-    fn, lhs_spec, index = _weight_grad, rows_last, ()
+    fn, lhs_mode, index = _weight_grad, rows_last, ()
   else:   # X as (T, M, 1), like up_proj's gather source
-    fn, lhs_spec, index = _gathered_weight_grad, cjax.TensorSpec(mode=(1, 2, 0)), \
-        (gather_index.astype(jnp.int32),)
-  call = batching.one_at_a_time_under_vmap(cjax.cutlass_call(
-      fn, output_shape_dtype=jax.ShapeDtypeStruct((num_experts, M, rhs.shape[1]), lhs.dtype),
-      input_spec=[lhs_spec, rows_last, None, *[None] * len(index)],
-      output_spec=cjax.TensorSpec(mode=(1, 2, 0)), block_n=block_n, stages=stages))
-  return call(lhs[None], rhs[None], group_offsets.astype(jnp.int32), *index)
+    fn, lhs_mode, index = _gathered_weight_grad, (1, 2, 0), (gather_index.astype(jnp.int32),)
+  out, = xla_call.call(
+      fn, [lhs[None], rhs[None], group_offsets.astype(jnp.int32), *index],
+      [jax.ShapeDtypeStruct((num_experts, M, rhs.shape[1]), lhs.dtype)],
+      modes=[lhs_mode, rows_last, None, *[None] * len(index), (1, 2, 0)],
+      block_n=block_n, stages=stages)
+  return out

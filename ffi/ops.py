@@ -14,12 +14,12 @@ compiled for sm_90a (CUTE_DSL_ARCH), so programs using them lower and export the
 from __future__ import annotations
 
 try:
-  import cutlass  # noqa: F401
-  import cutlass.jax  # noqa: F401
+  import cutlass.cute  # noqa: F401
+  import jax_tvm_ffi  # noqa: F401
 except ImportError as e:  # the optional extra is missing
   raise ImportError(
-      "backend 'cute' needs NVIDIA's CuTe DSL: pip install 'sonicmoe-jax[cute]' "
-      f"(nvidia-cutlass-dsl>=4.8.1); import failed with: {e}") from e
+      "backend 'cute' needs NVIDIA's CuTe DSL and jax-tvm-ffi: pip install 'sonicmoe-jax[cute]' "
+      f"(nvidia-cutlass-dsl>=4.8.1, jax-tvm-ffi>=0.1.3); import failed with: {e}") from e
 
 import jax.numpy as jnp
 

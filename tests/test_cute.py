@@ -18,22 +18,24 @@ from conftest import make_inputs, rel_err
 def _have_cute():
   try:   # ffi first: it sets CuTe DSL's target (sm_90a) before CuTe DSL's first use
     importlib.import_module("ffi")
-    importlib.import_module("cutlass.jax")
+    importlib.import_module("jax_tvm_ffi")
     return True
   except ImportError:
     return False
 
 
 needs_cute = pytest.mark.skipif(not _have_cute(), reason="nvidia-cutlass-dsl not installed")
-FFI_TARGET = "CuteDSLRT_NvJaxCutlassCall_v2"   # the XLA FFI target cutlass.jax calls
+FFI_TARGET = "@sonicmoe_cute_"   # the XLA FFI targets of our CuTe kernels (xla_call.TARGET_PREFIX)
 
 
 def _cuda_module(fn, *args):
-  """fn jitted and exported for CUDA (its CuTe kernels compiled for sm_90a): the module text."""
-  return jax.export.export(
-      jax.jit(fn), platforms=("cuda",),
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET)],
-  )(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]).mlir_module()
+  """fn jitted and exported for CUDA (its CuTe kernels compiled for sm_90a): the module text.
+  (Traced once first: that registers its kernels' FFI targets, which export is told to allow.)"""
+  from ffi import xla_call
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+  jax.jit(fn).trace(*shapes)
+  return jax.export.export(jax.jit(fn), platforms=("cuda",),
+                           disabled_checks=xla_call.safety_checks())(*shapes).mlir_module()
 
 
 def test_missing_extra_gives_clear_error(monkeypatch):
@@ -176,7 +178,7 @@ def test_cute_grouped_matmul_against_float32_on_gpu(transpose_rhs, block_n, stag
   """Tiles of experts 0, 2, 3 (1 has none), then two tiles past the last group (zeros); several
   tile widths and pipeline depths."""
   from ffi import grouped_gemm
-  E, K, N = 4, 512, 384
+  E, K, N = 4, 512, 512   # N a multiple of every block_n
   tile_expert = jnp.array([0, 0, 2, 3, 3, 3, E, E], jnp.int32)
   P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
   lhs = jax.random.normal(jax.random.key(0), (P, K)).astype(jnp.bfloat16)
@@ -339,57 +341,57 @@ def test_cute_gemms_match_xla_on_gpu(shape):
 
 
 @needs_cute
-def test_compiled_kernels_are_kept_on_disk(tmp_path):
-  """A kernel compiled while one program is lowered is written to the cache directory; lowering
-  another program with it then reads it back (cutlass.jax's compile step is made to fail, and
-  with an empty directory that failure does show); a damaged entry is compiled again."""
-  from cutlass.jax import primitive
-  from ffi import compile_cache, grouped_gemm
+def test_compiled_kernels_are_kept_on_disk(tmp_path, monkeypatch):
+  """A kernel compiled while one program is traced is written to the cache directory; a new
+  process (here: the registry of targets emptied) reads it back instead of compiling (CuTe
+  DSL's compile is made to fail, and with an empty directory that failure does show); a damaged
+  entry is compiled again and rewritten."""
+  import cutlass.cute as cute
+  from ffi import compile_cache, grouped_gemm, xla_call
   shapes = [jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
             jax.ShapeDtypeStruct((2, 128, 256), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32)]
   fn = lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, stages=3)
-  program = lambda: jax.jit(lambda *a: fn(*a))   # a new program each time, same source lines
+  real_compile = cute.compile
 
   def no_compile(*args, **kwargs):
     raise RuntimeError("compiled again")
 
-  def lowered(program):   # the module text without source locations (they name call lines)
-    text = _cuda_module(program, *shapes)
+  def lowered():   # in a fresh "process": no target registered yet
+    monkeypatch.setattr(xla_call, "_registered", {})
+    text = _cuda_module(lambda *a: fn(*a), *shapes)
     return re.sub(r"\s*loc\(#loc\d*\)", "", "\n".join(
         line for line in text.splitlines() if not line.startswith("#loc")))
 
-  saved = primitive.get_or_compile_kernel
-  try:
-    compile_cache.install(tmp_path)
-    first = lowered(program())
-    entries = list(tmp_path.glob("*.cubin-module"))
-    assert len(entries) == 1
-    primitive.get_or_compile_kernel = compile_cache._with_disk_cache(no_compile, tmp_path)
-    assert lowered(program()) == first
-    primitive.get_or_compile_kernel = compile_cache._with_disk_cache(no_compile, tmp_path / "empty")
-    with pytest.raises(Exception, match="compiled again"):
-      lowered(program())
-    entries[0].write_bytes(entries[0].read_bytes()[:-7])   # damaged: compiled and rewritten
-    primitive.get_or_compile_kernel = saved
-    compile_cache.install(tmp_path)
-    assert lowered(program()) == first
-    assert compile_cache._read(entries[0]) is not None
-  finally:
-    primitive.get_or_compile_kernel = saved
+  monkeypatch.setattr(xla_call.jax_tvm_ffi, "register_ffi_target", lambda *a, **k: None)
+  monkeypatch.setattr(compile_cache, "_directory", tmp_path)
+  first = lowered()
+  entries = list(tmp_path.glob("*.o"))
+  assert len(entries) == 1 and len(list(tmp_path.glob("*.sha256"))) == 1
+  monkeypatch.setattr(cute, "compile", no_compile)
+  assert lowered() == first
+  compile_cache.install(tmp_path / "empty")
+  with pytest.raises(RuntimeError, match="compiled again"):
+    lowered()
+  compile_cache.install(tmp_path)
+  entries[0].write_bytes(entries[0].read_bytes()[:-7])   # damaged: compiled and rewritten
+  with pytest.raises(RuntimeError, match="compiled again"):
+    lowered()
+  monkeypatch.setattr(cute, "compile", real_compile)
+  assert lowered() == first
+  key = entries[0].name[:-2]
+  assert compile_cache._load(tmp_path, key) is not None
 
 
-def test_ffi_calls_map_one_element_at_a_time_under_vmap():
-  """The vmap fallback for FFI calls without a batching rule: per-element results, batched and
-  shared arguments, several outputs."""
-  from ffi.batching import one_at_a_time_under_vmap
-  call = one_at_a_time_under_vmap(lambda a, b: (a @ b, jnp.sum(a, axis=0)))
-  a = jax.random.normal(jax.random.key(0), (3, 4, 5))
-  b = jax.random.normal(jax.random.key(1), (5, 2))
-  prod, sums = jax.jit(jax.vmap(call, in_axes=(0, None)))(a, b)
-  np.testing.assert_allclose(prod, jnp.einsum("bij,jk->bik", a, b), rtol=1e-5)
-  np.testing.assert_allclose(sums, a.sum(1), rtol=1e-5)
-  b3 = jnp.stack([b, 2 * b, 3 * b])
-  np.testing.assert_allclose(jax.vmap(call)(a, b3)[0], jnp.einsum("bij,bjk->bik", a, b3), rtol=1e-5)
+def test_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+  from ffi import compile_cache
+  monkeypatch.setattr(compile_cache, "_directory", compile_cache._UNSET)
+  monkeypatch.setenv(compile_cache.ENV_VAR, str(tmp_path))
+  assert compile_cache.directory() == tmp_path
+  monkeypatch.setenv(compile_cache.ENV_VAR, "")
+  assert compile_cache.directory() is None
+  monkeypatch.delenv(compile_cache.ENV_VAR)
+  assert compile_cache.directory().parts[-2:] == ("sonicmoe_jax", "cute")
+  assert compile_cache.install(None) is None and compile_cache.directory() is None
 
 
 @needs_cute

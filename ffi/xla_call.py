@@ -1,0 +1,108 @@
+"""Calling a CuTe DSL kernel from an XLA program: an XLA FFI custom call.
+
+call(kernel, inputs, outputs, modes=..., **config) compiles `kernel` (one of our cute.jit launch
+functions, signature kernel(stream, *tensors, **config)) for these operands' shapes and dtypes
+with TVM-FFI (CuTe DSL's `--enable-tvm-ffi`: the compiled function takes DLPack tensors and
+launches on the caller's stream), registers it as an XLA FFI target with jax-tvm-ffi (XLA's CUDA
+stream is TVM-FFI's environment stream; CUDA-graph capture allowed) and returns
+jax.ffi.ffi_call's result. Each configuration is compiled once per process and kept on disk
+across processes (compile_cache). Under jax.vmap the call runs once per batch element
+(ffi_call's vmap_method="sequential": the kernels have no batch dimension).
+
+Why this path: per call it costs less than cutlass.jax's cutlass_call. A chain of 20 tiny grouped
+GEMMs on an H200 (benchmarks/ffi_overhead.py, session 7): 10.2 us per call this way, 17.7 us
+through cutlass.jax's FFI target, 11.4 us for the Pallas kernel and 5.7 us for XLA's dot.
+
+Operands are JAX's row-major arrays; `modes` gives, per tensor (inputs, then outputs), the
+order in which the kernel sees its dimensions (None: as stored): (1, 2, 0) turns a [1, P, K]
+array into the kernel's (P, K, 1) view.
+
+Exporting (jax.export): a program using these kernels names one FFI target per compiled
+configuration (TARGET_PREFIX + a digest); export it with disabled_checks=safety_checks() after
+tracing it once, and run the exported program in a process that has registered the same
+targets (by tracing the same ops with the same shapes).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import cutlass
+import cutlass.cute as cute
+import jax
+import jax.numpy as jnp
+import jax_tvm_ffi
+
+from ffi import compile_cache
+
+TARGET_PREFIX = "sonicmoe_cute_"
+_DTYPES = {jnp.dtype(jnp.bfloat16): cutlass.BFloat16, jnp.dtype(jnp.float16): cutlass.Float16,
+           jnp.dtype(jnp.float32): cutlass.Float32, jnp.dtype(jnp.int32): cutlass.Int32}
+_registered: dict[str, object] = {}   # target name -> compiled function (kept alive)
+
+
+def _view(tensor, mode):
+  """The tensor with its dimensions in the order `mode` (None: unchanged)."""
+  if mode is None:
+    return tensor
+  return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=list(mode)))
+
+
+def _entry(kernel, modes, config):
+  """The TVM-FFI entry point: the operands as stored, then the (environment) stream."""
+
+  @cute.jit
+  def entry(*args):
+    *tensors, stream = args
+    kernel(stream, *[_view(t, m) for t, m in zip(tensors, modes)], **config)
+
+  return entry
+
+
+def _fake(operand):
+  """A compile-time stand-in for a row-major JAX operand."""
+  dtype = jnp.dtype(operand.dtype)
+  if dtype not in _DTYPES:
+    raise TypeError(f"CuTe FFI call: unsupported operand dtype {dtype}")
+  order = tuple(range(len(operand.shape) - 1, -1, -1))   # the last dimension contiguous
+  return cute.runtime.make_fake_compact_tensor(_DTYPES[dtype], tuple(operand.shape),
+                                               stride_order=order, assumed_align=16)
+
+
+def target(kernel, inputs: Sequence, outputs: Sequence, modes: Sequence, config: dict) -> str:
+  """The FFI target running `kernel` on operands of these shapes and dtypes (compiled, or read
+  from the disk cache, and registered on first use)."""
+  spec = (tuple((tuple(a.shape), str(jnp.dtype(a.dtype))) for a in (*inputs, *outputs)),
+          tuple(None if m is None else tuple(m) for m in modes), tuple(sorted(config.items())))
+  key = compile_cache.entry_key(kernel, spec)
+  name = TARGET_PREFIX + key[:40]
+  if name not in _registered:
+    def compile_kernel():
+      return cute.compile(_entry(kernel, modes, config), *map(_fake, (*inputs, *outputs)),
+                          cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                          options="--enable-tvm-ffi")
+    function = compile_cache.get_or_compile(key, compile_kernel)
+    jax_tvm_ffi.register_ffi_target(name, function, platform="gpu", allow_cuda_graph=True)
+    _registered[name] = function
+  return name
+
+
+def call(kernel, inputs: Sequence, outputs: Sequence[jax.ShapeDtypeStruct], *,
+         modes: Sequence | None = None, **config):
+  """`kernel` on `inputs` (arrays), writing `outputs` (shapes and dtypes): a list of arrays.
+  modes: per input, then per output, its dimensions' order in the kernel (None: as stored)."""
+  modes = list(modes) if modes is not None else [None] * (len(inputs) + len(outputs))
+  if len(modes) != len(inputs) + len(outputs):
+    raise ValueError(f"CuTe FFI call: {len(modes)} modes for {len(inputs) + len(outputs)} operands")
+  name = target(kernel, inputs, outputs, modes, config)
+  return jax.ffi.ffi_call(name, list(outputs), vmap_method="sequential")(*inputs)
+
+
+def targets() -> tuple[str, ...]:
+  """The FFI targets registered in this process so far."""
+  return tuple(_registered)
+
+
+def safety_checks() -> list[jax.export.DisabledSafetyCheck]:
+  """jax.export's disabled_checks for every target registered so far (trace the program once
+  first, so that its kernels are among them)."""
+  return [jax.export.DisabledSafetyCheck.custom_call(name) for name in _registered]
