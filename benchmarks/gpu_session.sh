@@ -50,7 +50,7 @@ for mode in "$@"; do
       timeout 200 python3 -m benchmarks.kernels --backend pallas --configs 30B-n256,7B-n256 \
         --out "$OUT/kernels_pallas.json" 2>&1 | grep -v '^{' | tail -40 ;;
     cute)
-      timeout 200 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
+      timeout 420 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
         > "$OUT/pytest_cute.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cute.log" | tail -12
       echo "disk cache entries: $(ls "$SONICMOE_CUTE_CACHE" | grep -c '\.o$')" ;;

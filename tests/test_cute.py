@@ -420,3 +420,19 @@ def test_vmapped_layer_with_cute_ops_matches_each_element_on_gpu():
   got = jax.jit(jax.vmap(layer))(*stacked)
   for i, args in enumerate(per_element):   # (the router's matmul is batched: not bitwise)
     assert rel_err(got[i], jax.jit(layer)(*args)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_exported_program_with_cute_ops_runs_on_gpu():
+  """jax.export of a program calling CuTe kernels: serialized, read back and run in a process
+  where its FFI targets are registered, it gives the jitted program's result."""
+  from ffi import xla_call
+  T, d, n, E, K = 512, 256, 128, 8, 2
+  args = make_inputs(3, T, d, n, E, jnp.bfloat16)
+  layer = jax.jit(lambda *a: sm.moe(*a, k=K, backend=CUTE_GEMMS).out)
+  expected = layer(*args)   # traced: its kernels' targets are registered
+  exported = jax.export.export(layer, disabled_checks=xla_call.safety_checks())(*args)
+  again = jax.export.deserialize(exported.serialize())
+  assert xla_call.TARGET_PREFIX in again.mlir_module()
+  np.testing.assert_array_equal(again.call(*args), expected)
