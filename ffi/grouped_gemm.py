@@ -619,9 +619,9 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   """out[e] = lhs[rows of e]^T rhs[rows of e] ([E, M, N] in lhs's dtype, fp32 accumulation):
   lhs [P, M] and rhs [P, N] rows in slot order, expert e's rows group_offsets[e] ..
   group_offsets[e + 1] (multiples of BLOCK_M, an aligned plan; an expert without rows gets
-  zeros). dW1 = weight_grad(Xg, dH), dW2 = weight_grad(A', dOg). With gather_index [P] (not yet
-  run on a GPU), lhs is X [T, M] and slot r reads X[gather_index[r]] (zeros where it is T or
-  more), gathered inside the kernel by cp.async."""
+  zeros). dW1 = weight_grad(Xg, dH), dW2 = weight_grad(A', dOg). With gather_index [P], lhs
+  is X [T, M] and slot r reads X[gather_index[r]] (zeros where it is T or more), gathered inside
+  the kernel by cp.async (bitwise equal to gathering first, but 2x slower on the H200)."""
   P = lhs.shape[0] if gather_index is None else gather_index.shape[0]
   M = lhs.shape[1]
   slots = jax.ShapeDtypeStruct((P, M), lhs.dtype)   # the rows the GEMM reads

@@ -1,10 +1,11 @@
-"""Backend "cute": the ops written as CuTe DSL kernels so far: aggregation (gather_sum.py) and the
-varlen-M grouped GEMMs up_proj (SwiGLU epilogue; X's rows gathered in the kernel by cp.async,
-UP_PROJ_GATHER_IN_KERNEL), down_proj, dh (the dSwiGLU epilogue; dO's rows gathered by XLA) and
-dx_tilde (grouped_gemm.py); they match float32 references and the xla backend on an H200
-(tests/test_cute.py). Speed against the pallas backend: benchmarks/results/2026-11-30-h200-session6.
-The varlen-K weight gradients dw1 and dw2 (rows gathered by XLA first) compile for sm_90a and
-have GPU tests, not yet run on a GPU.
+"""Backend "cute": the ops written as CuTe DSL kernels: aggregation (gather_sum.py) and the
+grouped GEMMs (grouped_gemm.py) up_proj (SwiGLU epilogue; X's rows gathered in the kernel by
+cp.async, UP_PROJ_GATHER_IN_KERNEL), down_proj, dh (the dSwiGLU epilogue; dO's rows gathered by
+XLA), dx_tilde and the varlen-K weight gradients dw1 and dw2 (rows gathered by XLA first: the
+kernel's own gather of X measured 2x slower); all match float32 references and the xla backend
+on an H200 (tests/test_cute.py). Speed against the pallas backend:
+benchmarks/results/2026-11-30-h200-session7 (neither wins every op at every config; pallas is
+the default).
 
 Implements a subset of the dispatch table; mix it with others, e.g.
 backend={"aggregate": "cute"} (other ops default). The GEMMs need the plan aligned to
@@ -50,14 +51,21 @@ def up_proj(x, w1, plan):
 
 
 def _wide_tile(cols: int, widest: int) -> int:
-  """block_n: `widest` where it divides the output columns, else half of it (session 6's sweep:
-  the wider tile was faster at 30B-n256)."""
+  """block_n: `widest` where it divides the output columns, else half of it."""
   return widest if cols % widest == 0 else widest // 2
+
+
+# The plain-epilogue GEMMs' tile: block_n 128 with a 3-stage pipeline (96 KB of SMEM: two CTAs
+# fit on an SM, so one's TMA-store epilogue can overlap the other's mainloop). Session 7's sweep at
+# 30B-n256, ms: down_proj 2.81, dx_tilde 4.07 this way; 2.92-2.97 and 4.29-4.33 at block_n 256;
+# 3.48 and 4.85 at block_n 128 with as many stages as fit (one CTA per SM).
+STORE_STAGES = 3
 
 
 def down_proj(a, w2, plan):
   """Y = A W2_e per expert group (rows in slot order)."""
-  return grouped_gemm.grouped_matmul(a, w2, _tiles(plan), block_n=_wide_tile(w2.shape[2], 256))
+  return grouped_gemm.grouped_matmul(a, w2, _tiles(plan), block_n=_wide_tile(w2.shape[2], 128),
+                                     stages=STORE_STAGES)
 
 
 def dh(dout, w2, h, scores, plan):
@@ -70,7 +78,7 @@ def dh(dout, w2, h, scores, plan):
 def dx_tilde(dh, w1, plan):
   """dX~ = dH W1_e^T per expert group (W1 read K-major, not transposed in memory)."""
   return grouped_gemm.grouped_matmul(dh, w1, _tiles(plan), transpose_rhs=True,
-                                     block_n=_wide_tile(w1.shape[1], 256))
+                                     block_n=_wide_tile(w1.shape[1], 128), stages=STORE_STAGES)
 
 
 def dw1(x, dh_, plan):
