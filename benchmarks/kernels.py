@@ -57,6 +57,7 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
       x, w1, pallas_ops.tiles(plan), cfg, **kw))
   rows = [
       ("routing plan", route, (x, wr), None, T * d * bf + d * E * bf),
+      ("  of which router logits", jax.jit(sm.router_logits), (x, wr), (T, d, E), None),
       (f"  of which top_k ({backend})", topk, (logits,), None, T * E * 4),
       ("  (top_k as jax.lax.top_k)", topk_xla, (logits,), None, T * E * 4),
       ("  of which sort, counts, slots", plan_only, (scores, top_experts), None, T * K * 4 * 2),

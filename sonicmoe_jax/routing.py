@@ -102,8 +102,13 @@ jax.tree_util.register_dataclass(RouterStats)
 def router_logits(x, router_w):
   """fp32 router logits X Wr, [T, E].
 
-  A custom_vjp so that the backward keeps X itself rather than an fp32 copy of it.
+  When X and Wr share a 16-bit float dtype, the GEMM reads them as they are and accumulates in
+  fp32 (their products are exact in fp32, so this is the fp32 product of the same values),
+  without writing an fp32 copy of X first; other dtypes are cast to fp32. A custom_vjp so that
+  the backward keeps X itself rather than an fp32 copy of it.
   """
+  if x.dtype == router_w.dtype and x.dtype in (jnp.bfloat16, jnp.float16):
+    return jnp.dot(x, router_w, preferred_element_type=jnp.float32)
   return jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32))
 
 

@@ -271,3 +271,21 @@ def test_sort_pairs_by_expert_is_a_stable_argsort(num_experts):
   want = np.argsort(flat, kind="stable")
   np.testing.assert_array_equal(order, want)
   np.testing.assert_array_equal(sorted_expert, flat[want])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_router_logits_of_16_bit_inputs_equal_the_float32_product(dtype):
+  """Same-dtype 16-bit X and Wr skip the fp32 copy of X; the logits are still the fp32 product
+  of the same values (exact products, fp32 sums), and gradients flow as before."""
+  x = jax.random.normal(jax.random.key(0), (300, 192)).astype(dtype)
+  w = (jax.random.normal(jax.random.key(1), (192, 24)) / 8).astype(dtype)
+  got = sm.router_logits(x, w)
+  want = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  gx, gw = jax.grad(lambda a, b: jnp.sum(jnp.tanh(sm.router_logits(a, b))), argnums=(0, 1))(x, w)
+  rx, rw = jax.grad(lambda a, b: jnp.sum(jnp.tanh(jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
+                                                          precision="highest"))), argnums=(0, 1))(x, w)
+  assert gx.dtype == dtype and gw.dtype == dtype
+  np.testing.assert_allclose(gx.astype(jnp.float32), rx.astype(jnp.float32), rtol=2e-2, atol=1e-3)
+  np.testing.assert_allclose(gw.astype(jnp.float32), rw.astype(jnp.float32), rtol=2e-2, atol=1e-3)
