@@ -68,7 +68,7 @@ def _function_name(key: str) -> str:
   return f"sonicmoe_cute_{key[:24]}"
 
 
-def _load(folder: pathlib.Path, key: str):
+def load(folder: pathlib.Path, key: str):
   """The cached function, or None if the entry is missing or does not match its digest."""
   import cutlass.cute as cute
   obj, digest = folder / f"{key}.o", folder / f"{key}.sha256"
@@ -96,7 +96,7 @@ def get_or_compile(key: str, compile_kernel):
   """The TVM-FFI function for `key`: from the cache, or compile_kernel() (then stored)."""
   folder = directory()
   if folder is not None:
-    cached = _load(folder, key)
+    cached = load(folder, key)
     if cached is not None:
       return cached
   compiled = compile_kernel()

@@ -19,12 +19,15 @@ order in which the kernel sees its dimensions (None: as stored): (1, 2, 0) turns
 array into the kernel's (P, K, 1) view.
 
 Exporting (jax.export): a program using these kernels names one FFI target per compiled
-configuration (TARGET_PREFIX + a digest); export it with disabled_checks=safety_checks() after
-tracing it once, and run the exported program in a process that has registered the same
-targets (by tracing the same ops with the same shapes).
+configuration (TARGET_PREFIX + the first 40 digits of its cache key); export it with
+disabled_checks=safety_checks() after tracing it once. A process that runs the exported program
+must have the same targets registered: tracing the same ops with the same shapes does it, or
+register_from_cache(exported) loads them from the disk cache the exporting process wrote.
 """
 from __future__ import annotations
 
+import re
+import threading
 from collections.abc import Sequence
 
 import cutlass
@@ -39,6 +42,8 @@ TARGET_PREFIX = "sonicmoe_cute_"
 _DTYPES = {jnp.dtype(jnp.bfloat16): cutlass.BFloat16, jnp.dtype(jnp.float16): cutlass.Float16,
            jnp.dtype(jnp.float32): cutlass.Float32, jnp.dtype(jnp.int32): cutlass.Int32}
 _registered: dict[str, object] = {}   # target name -> compiled function (kept alive)
+_lock = threading.Lock()              # one compile and registration per target
+_KEY_DIGITS = 40
 
 
 def _view(tensor, mode):
@@ -75,16 +80,46 @@ def target(kernel, inputs: Sequence, outputs: Sequence, modes: Sequence, config:
   spec = (tuple((tuple(a.shape), str(jnp.dtype(a.dtype))) for a in (*inputs, *outputs)),
           tuple(None if m is None else tuple(m) for m in modes), tuple(sorted(config.items())))
   key = compile_cache.entry_key(kernel, spec)
-  name = TARGET_PREFIX + key[:40]
-  if name not in _registered:
-    def compile_kernel():
-      return cute.compile(_entry(kernel, modes, config), *map(_fake, (*inputs, *outputs)),
-                          cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-                          options="--enable-tvm-ffi")
-    function = compile_cache.get_or_compile(key, compile_kernel)
-    jax_tvm_ffi.register_ffi_target(name, function, platform="gpu", allow_cuda_graph=True)
-    _registered[name] = function
+
+  def compile_kernel():
+    return cute.compile(_entry(kernel, modes, config), *map(_fake, (*inputs, *outputs)),
+                        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                        options="--enable-tvm-ffi")
+
+  return _register(key, lambda: compile_cache.get_or_compile(key, compile_kernel))
+
+
+def _register(key: str, function_of_key) -> str:
+  """The target name of cache key `key`, registered with function_of_key() the first time."""
+  name = TARGET_PREFIX + key[:_KEY_DIGITS]
+  with _lock:
+    if name not in _registered:
+      function = function_of_key()
+      jax_tvm_ffi.register_ffi_target(name, function, platform="gpu", allow_cuda_graph=True)
+      _registered[name] = function
   return name
+
+
+def register_from_cache(exported: jax.export.Exported) -> list[str]:
+  """Registers the CuTe FFI targets that an exported program calls, loading each kernel from
+  the disk cache (compile_cache.directory(); the exporting process wrote them there), so that a
+  deserialized program runs in a process that has not traced its ops. Returns the targets.
+  Raises LookupError naming a target whose kernel is not in the cache."""
+  names = sorted(set(re.findall(rf"@({TARGET_PREFIX}[0-9a-f]{{{_KEY_DIGITS}}})\b",
+                                exported.mlir_module())))
+  folder = compile_cache.directory()
+  for name in names:
+    if name in _registered:
+      continue
+    digits = name[len(TARGET_PREFIX):]
+    keys = [p.stem for p in folder.glob(f"{digits}*.o")] if folder is not None else []
+    function = compile_cache.load(folder, keys[0]) if len(keys) == 1 else None
+    if function is None:
+      raise LookupError(f"CuTe kernel of FFI target {name} is not in the disk cache {folder} "
+                        f"(trace the program's ops in this process, or copy the exporting "
+                        f"process's cache directory, ${compile_cache.ENV_VAR})")
+    _register(keys[0], lambda: function)
+  return names
 
 
 def call(kernel, inputs: Sequence, outputs: Sequence[jax.ShapeDtypeStruct], *,

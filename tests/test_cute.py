@@ -38,15 +38,16 @@ def _cuda_module(fn, *args):
                            disabled_checks=xla_call.safety_checks())(*shapes).mlir_module()
 
 
-def test_missing_extra_gives_clear_error(monkeypatch):
+@pytest.mark.parametrize("missing", ["cutlass", "jax_tvm_ffi"])
+def test_missing_extra_gives_clear_error(monkeypatch, missing):
   real_import = builtins.__import__
 
-  def no_cutlass(name, *a, **k):
-    if name == "cutlass" or name.startswith("cutlass."):
-      raise ImportError("No module named 'cutlass'")
+  def without_extra(name, *a, **k):
+    if name == missing or name.startswith(missing + "."):
+      raise ImportError(f"No module named '{missing}'")
     return real_import(name, *a, **k)
 
-  monkeypatch.setattr(builtins, "__import__", no_cutlass)
+  monkeypatch.setattr(builtins, "__import__", without_extra)
   monkeypatch.delitem(sys.modules, "ffi.ops", raising=False)
   with pytest.raises(ImportError, match=r"pip install 'sonicmoe-jax\[cute\]'"):
     sm.resolve_backend({"aggregate": "cute"})
@@ -379,7 +380,7 @@ def test_compiled_kernels_are_kept_on_disk(tmp_path, monkeypatch):
   monkeypatch.setattr(cute, "compile", real_compile)
   assert lowered() == first
   key = entries[0].name[:-2]
-  assert compile_cache._load(tmp_path, key) is not None
+  assert compile_cache.load(tmp_path, key) is not None
 
 
 def test_cache_directory_follows_the_environment(monkeypatch, tmp_path):
@@ -436,3 +437,69 @@ def test_exported_program_with_cute_ops_runs_on_gpu():
   again = jax.export.deserialize(exported.serialize())
   assert xla_call.TARGET_PREFIX in again.mlir_module()
   np.testing.assert_array_equal(again.call(*args), expected)
+
+
+@needs_cute
+def test_exported_program_finds_its_kernels_in_the_disk_cache(tmp_path, monkeypatch):
+  """register_from_cache registers the targets an exported program calls from the cache the
+  exporting process wrote (here: the registry emptied, as in a new process); a target whose
+  kernel is missing is named in a LookupError."""
+  from ffi import compile_cache, xla_call
+  registered = []
+  monkeypatch.setattr(xla_call.jax_tvm_ffi, "register_ffi_target",
+                      lambda name, *a, **k: registered.append(name))
+  monkeypatch.setattr(compile_cache, "_directory", tmp_path)
+  monkeypatch.setattr(xla_call, "_registered", {})
+  T, d, n, E, K = 256, 256, 128, 8, 2
+  args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in make_inputs(0, T, d, n, E, jnp.bfloat16)]
+  layer = jax.jit(lambda *a: sm.moe(*a, k=K, backend=CUTE_GEMMS).out)
+  layer.trace(*args)
+  exported = jax.export.export(layer, platforms=("cuda",),
+                               disabled_checks=xla_call.safety_checks())(*args)
+  targets = sorted(xla_call.targets())
+  assert len(targets) >= 3   # up_proj, down_proj, aggregate
+  monkeypatch.setattr(xla_call, "_registered", {})
+  registered.clear()
+  assert xla_call.register_from_cache(exported) == targets
+  assert sorted(registered) == targets and sorted(xla_call.targets()) == targets
+  monkeypatch.setattr(xla_call, "_registered", {})
+  for entry in tmp_path.glob("*.o"):
+    entry.unlink()
+  with pytest.raises(LookupError, match=f"FFI target {targets[0]} is not in the disk cache"):
+    xla_call.register_from_cache(exported)
+
+
+_RUN_EXPORTED = """
+import sys
+import numpy as np, jax
+import ffi
+from ffi import xla_call
+exported = jax.export.deserialize(open(sys.argv[1], 'rb').read())
+xla_call.register_from_cache(exported)
+inputs = np.load(sys.argv[2])   # float32 copies, cast back to the exported input dtypes
+out = exported.call(*[jax.numpy.asarray(inputs[f'a{i}']).astype(aval.dtype)
+                      for i, aval in enumerate(exported.in_avals)])
+np.save(sys.argv[3], np.asarray(out.astype(jax.numpy.float32)))
+"""
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_exported_program_runs_in_a_new_process_on_gpu(tmp_path, monkeypatch):
+  """A program with every cute op, exported and run by another process that never traced it:
+  the kernels come from the disk cache; the output equals the exporting process's."""
+  import subprocess
+  from ffi import compile_cache, xla_call
+  monkeypatch.setattr(compile_cache, "_directory", tmp_path / "cache")
+  T, d, n, E, K = 512, 256, 128, 8, 2
+  args = make_inputs(4, T, d, n, E, jnp.bfloat16)
+  layer = jax.jit(lambda *a: sm.moe(*a, k=K, backend=CUTE_GEMMS).out)
+  expected = layer(*args)
+  exported = jax.export.export(layer, disabled_checks=xla_call.safety_checks())(*args)
+  (tmp_path / "layer.bin").write_bytes(exported.serialize())
+  np.savez(tmp_path / "inputs.npz", **{f"a{i}": np.asarray(a, np.float32) for i, a in enumerate(args)})
+  env = dict(__import__("os").environ, SONICMOE_CUTE_CACHE=str(tmp_path / "cache"))
+  subprocess.run([sys.executable, "-c", _RUN_EXPORTED, str(tmp_path / "layer.bin"),
+                  str(tmp_path / "inputs.npz"), str(tmp_path / "out.npy")], check=True, env=env,
+                 cwd=str(__import__("pathlib").Path(__file__).parent.parent), timeout=300)
+  np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), np.asarray(expected, np.float32))
