@@ -112,7 +112,8 @@ def register_from_cache(exported: jax.export.Exported) -> list[str]:
     if name in _registered:
       continue
     digits = name[len(TARGET_PREFIX):]
-    keys = [p.stem for p in folder.glob(f"{digits}*.o")] if folder is not None else []
+    keys = [p.stem for p in folder.glob(f"{digits}*.o")
+            if len(p.stem) == 64] if folder is not None else []   # (not a writer's temp file)
     function = compile_cache.load(folder, keys[0]) if len(keys) == 1 else None
     if function is None:
       raise LookupError(f"CuTe kernel of FFI target {name} is not in the disk cache {folder} "
