@@ -18,7 +18,7 @@ import numpy as np
 
 import sonicmoe_jax as sm
 from benchmarks import configs as C
-from benchmarks.bench import make_args
+from benchmarks.bench import backend_spec, make_args
 
 F32 = jnp.float32
 
@@ -63,14 +63,14 @@ def expert_weight_grads(xe, doe, s, w1_e, w2_e):
 def check(name, cfg, backend, rounding, num_tokens=16, num_experts=2):
   T, d, n, E, K = cfg
   (x, wr, w1, w2), dout = make_args(T, d, n, E, K)
-  kw = dict(k=K, rounding=rounding, tile=128, backend=backend)
+  kw = dict(k=K, rounding=rounding, tile=128, backend=backend_spec(backend))
 
   @jax.jit
   def fwd_bwd(x, wr, w1, w2):
     res, vjp = jax.vjp(lambda *a: sm.moe(*a, **kw).out, x, wr, w1, w2)
     return res, vjp(dout)
   out, (dx, dwr, dw1, dw2) = fwd_bwd(x, wr, w1, w2)
-  ops = sm.resolve_backend(backend)
+  ops = sm.resolve_backend(backend_spec(backend))
   plan = jax.jit(lambda x, wr: sm.route(sm.router_logits(x, wr), k=K, rounding=rounding,
                                         tile=128, align=ops.align)[0])(x, wr)
   h = jax.jit(lambda *a: ops.up_proj(*a, plan))(x, w1)[0]
@@ -118,7 +118,8 @@ def check(name, cfg, backend, rounding, num_tokens=16, num_experts=2):
 
 def main(argv=None):
   p = argparse.ArgumentParser()
-  p.add_argument("--backend", default="pallas")
+  p.add_argument("--backend", default="pallas",
+                 help='a backend, or a per-op mix such as "dh=cute+dx_tilde=cute"')
   p.add_argument("--configs", default=",".join(C.ANCHORS))
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)

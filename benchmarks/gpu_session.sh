@@ -7,6 +7,7 @@
 #   rounding: token rounding (nearest) vs plain top-K throughput at T=32768, d=4096, n=1024,
 #           E=256, K=4 on the pallas backend                                   (~2 min)
 #   anchors: check_anchors (pallas vs float32 references) at the five paper configs  (~6 min)
+#   cute_anchors: the same with every CuTe op (after `cute`)                          (~7 min)
 #   omnimoe: OmniMoE tests and latency benchmark on the GPU
 #   gathers: the in-kernel row gathers (up-projection default, dW1 optional): bitwise GPU
 #           tests, then the per-op rows of benchmarks.kernels at 30B-n256 and 7B-n256    (~4 min)
@@ -79,6 +80,10 @@ for mode in "$@"; do
         tests/test_omnimoe.py > "$OUT/pytest_omnimoe_gpu.log" 2>&1; tail -3 "$OUT/pytest_omnimoe_gpu.log"
       timeout 200 python3 -m benchmarks.omnimoe_bench --active 7e6,28e6 --tokens 1024,4096 \
         --out "$OUT/omnimoe.json" 2>&1 | grep -c '^{' ;;
+    cute_anchors)  # the same check with every CuTe op (after `cute`, on the same machine)
+      timeout 500 python3 -m benchmarks.check_anchors \
+        --backend up_proj=cute+down_proj=cute+dh=cute+dx_tilde=cute+dw1=cute+dw2=cute+aggregate=cute \
+        --out "$OUT/check_anchors_cute.json" 2>&1 | grep '^{' | cut -c1-200 ;;
     anchors)  # correctness at the five paper configs vs float32 references
       timeout 420 python3 -m benchmarks.check_anchors --backend pallas \
         --out "$OUT/check_anchors.json" 2>&1 | grep '^{' | cut -c1-200 ;;
