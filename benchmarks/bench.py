@@ -237,6 +237,9 @@ def table(records):
                  f"{fmt(r.get('fwd_tflops'), '9.0f')} {fmt(r.get('fwd_bwd_ms'), '9.3f')} "
                  f"{fmt(r.get('fwd_bwd_tflops'), '9.0f')} {fmt(mib(r.get('act_bytes')), '9.1f')} "
                  f"{fmt(mib(r.get('step_bytes')), '9.1f')}  {r['status'][:60]}")
+    if "kernel_fwd_bwd_ms" in r:   # the PyTorch layer's GPU kernels alone (no host overhead)
+      lines.append(f"{'':12s} {'  its kernels':15s} {fmt(r.get('kernel_fwd_ms'), '9.3f')} "
+                   f"{'':9s} {fmt(r.get('kernel_fwd_bwd_ms'), '9.3f')}")
   return "\n".join(lines)
 
 

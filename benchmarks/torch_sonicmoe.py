@@ -1,6 +1,9 @@
 """Times the PyTorch SonicMoE (PyPI sonic-moe) for benchmarks/bench.py; run as a subprocess.
 
-argv[1]: JSON {config name: [T, d, n, E, K]}. Prints one JSON record per config.
+argv[1]: JSON {config name: [T, d, n, E, K]}. Prints one JSON record per config: wall times,
+memory, and the GPU time of each kernel in one forward+backward step (torch.profiler; the
+kernels' own time, without the host overhead that the wall time includes), for a per-kernel
+comparison with benchmarks/kernels.py.
 """
 import json
 import statistics
@@ -24,6 +27,25 @@ def time_ms(fn, iters=20, reps=5):
     torch.cuda.synchronize()
     samples.append(start.elapsed_time(end) / iters)
   return statistics.median(samples)
+
+
+def kernel_times(fn, iters=3):
+  """(ms per step summed over every CUDA kernel, [(kernel name, ms per step)] longest first)."""
+  from torch.profiler import ProfilerActivity, profile
+  fn()
+  torch.cuda.synchronize()
+  with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for _ in range(iters):
+      fn()
+    torch.cuda.synchronize()
+  per_name = {}
+  for event in prof.events():
+    if event.device_type == torch.autograd.DeviceType.CUDA:
+      us = getattr(event, "device_time", None)
+      us = event.cuda_time if us is None else us
+      per_name[event.name[:160]] = per_name.get(event.name[:160], 0.0) + us / 1e3 / iters
+  ranked = sorted(per_name.items(), key=lambda item: -item[1])
+  return sum(per_name.values()), [(name, round(ms, 4)) for name, ms in ranked]
 
 
 def main():
@@ -55,6 +77,8 @@ def main():
       rec["fwd_ms"] = time_ms(fwd)
       rec["fwd_bwd_ms"] = time_ms(fwd_bwd)
       rec["bwd_ms"] = rec["fwd_bwd_ms"] - rec["fwd_ms"]
+      rec["kernel_fwd_ms"], rec["kernels_fwd"] = kernel_times(fwd)
+      rec["kernel_fwd_bwd_ms"], rec["kernels_fwd_bwd"] = kernel_times(fwd_bwd)
       x.grad = None
       for prm in layer.parameters():
         prm.grad = None
