@@ -27,7 +27,10 @@ column tiles run next to each other, so its lhs rows are read from HBM once and 
              buffers over A's stages and TMA stores (each thread storing its fragments from
              registers took 1.4-1.7x as long in down_proj and dx_tilde at 30B-n256 and up to
              10% longer in up_proj, 2% shorter at one of its 8 tiles: session 6's sweep). dh
-             stores from registers (_dh_epilogue: it also reads H and the scores per fragment).
+             first computes its dH and A' tiles in registers (_dh_outputs: it reads H and the
+             scores per fragment, and writes dS's parts), then stores them the same way
+             (register_store: straight from registers, as measured until session 7; the TMA
+             path for dh is new and not yet run on a GPU).
 """
 from __future__ import annotations
 
@@ -88,13 +91,13 @@ def _load_stage(loads, state, operands, k_begin):
 
 @cute.jit
 def _epilogue_values(vals, swiglu: cutlass.Constexpr):
-  """The output tiles' values (fp32) from the accumulators' (matching out_tiles' order):
-  plain, out = acc; SwiGLU, H's gate and up tiles = the two accumulators and
-  A = silu(gate) * up."""
+  """The output tiles' values (fp32) from the register tiles' (matching the stores' order):
+  plain, one output per tile (out = acc; dh's dH gate, dH up and A' tiles as computed);
+  SwiGLU, H's gate and up tiles = the two accumulators and A = silu(gate) * up."""
   if cutlass.const_expr(swiglu):
     gate, up = vals
     return [gate, up, gate / (1.0 + cute.math.exp(-gate)) * up]
-  return [vals[0]]
+  return list(vals)
 
 
 @cute.jit
@@ -107,11 +110,12 @@ def _fragment_fp32(tile, thr_mma):
 
 
 @cute.jit
-def _dh_epilogue(acc, h_tiles, score_tile, out_tiles, m_ds, thr_mma, tidx, m_tile, n_tile,
-                 block_n: cutlass.Constexpr):
-  """dH's epilogue on acc = dA' = dO_e W2_e^T for H's gate and up tiles and each row's score s:
-  dH = dSwiGLU(s dA', H) (its gate and up tiles), A' = s A with A = silu(gate) up, and this
-  column tile's part of dS = rowsum(dA' A), written to m_ds[n_tile, row] (fp32)."""
+def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, m_tile, n_tile, dtype,
+                block_n: cutlass.Constexpr):
+  """dH's epilogue math on acc = dA' = dO_e W2_e^T for H's gate and up tiles and each row's
+  score s: returns register tiles (acc's layout, in dtype) of dH = dSwiGLU(s dA', H) (its gate
+  and up tiles) and A' = s A with A = silu(gate) up; writes this column tile's part of
+  dS = rowsum(dA' A) to m_ds[n_tile, row] (fp32)."""
   gate, up = _fragment_fp32(h_tiles[0], thr_mma), _fragment_fp32(h_tiles[1], thr_mma)
   s = _fragment_fp32(score_tile, thr_mma)
   da = acc.load()
@@ -119,12 +123,11 @@ def _dh_epilogue(acc, h_tiles, score_tile, out_tiles, m_ds, thr_mma, tidx, m_til
   silu = gate * sig
   a = silu * up
   da_s = s * da
-  outs = [da_s * up * sig * (1.0 + gate * (1.0 - sig)), da_s * silu, s * a]
-  for values, out_tile in zip(outs, out_tiles):
-    dst = thr_mma.partition_C(out_tile)
-    frag = cute.make_rmem_tensor(dst.shape, out_tile.element_type)
-    frag.store(values.to(out_tile.element_type))
-    cute.autovec_copy(frag, dst)
+  outs = []
+  for values in [da_s * up * sig * (1.0 + gate * (1.0 - sig)), da_s * silu, s * a]:
+    frag = cute.make_rmem_tensor(acc.shape, dtype)
+    frag.store(values.to(dtype))
+    outs.append(frag)
   # dS part: the fragment is ((2 columns, 2 rows r and r + 8, block_n / 8 column groups), 1, 1);
   # sum each row over this thread's columns, then over the 4 threads (a quad) sharing it
   prod = cute.make_rmem_tensor(acc.shape, cutlass.Float32)
@@ -138,6 +141,14 @@ def _dh_epilogue(acc, h_tiles, score_tile, out_tiles, m_ds, thr_mma, tidx, m_til
     total = cute.arch.warp_reduction_sum(total, threads_in_group=4)
     if tidx % 4 == 0:
       m_ds[n_tile, m_tile * BLOCK_M + rows[(0, j, 0), 0, 0][0]] = total
+  return outs
+
+
+@cute.jit
+def _register_store(frags, out_tiles, thr_mma):
+  """Each thread writes its register tiles' fragments straight to the output tiles."""
+  for frag, out_tile in zip(frags, out_tiles):
+    cute.autovec_copy(frag, thr_mma.partition_C(out_tile))
 
 
 @cute.jit
@@ -155,7 +166,7 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, warp, swiglu: cutlas
   s_dst = thr_r2s.partition_D(s_c)                       # (R2S, R2S_M, R2S_N, EPI_STAGES)
   chunk_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(s_c))[:3])
   chunk_size = cute.size(chunk_layout)
-  acc_views = [r2s.retile(acc) for acc in accs]
+  acc_views = [r2s.retile(acc) for acc in accs]   # accumulators, or dh's bf16/f16 outputs
   gmem_parts = [cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2),
                                       cute.zipped_divide(tile, EPI_TILE)) for atom, tile in stores]
   buffers = pipeline.PipelineTmaStore.create(
@@ -163,10 +174,10 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, warp, swiglu: cutlas
   for chunk in cutlass.range_constexpr(cute.size(stores[0][1], mode=[1]) // EPI_TILE[1]):
     vals = []
     for view in acc_views:
-      frag = cute.make_rmem_tensor_like(chunk_layout, cutlass.Float32)
+      frag = cute.make_rmem_tensor_like(chunk_layout, view.element_type)
       for v in cutlass.range_constexpr(chunk_size):
         frag[v] = view[chunk * chunk_size + v]
-      vals.append(frag.load())
+      vals.append(frag.load().to(cutlass.Float32))
     outs = _epilogue_values(vals, swiglu)
     for j in cutlass.range_constexpr(len(stores)):
       buf = (chunk * len(stores) + j) % EPI_STAGES
@@ -249,7 +260,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             c_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr):
+            gather: cutlass.Constexpr, register_store: cutlass.Constexpr):
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   n_tile, m_tile, z_tile = cute.arch.block_idx()
@@ -357,25 +368,27 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
         produce.advance()
   warpgroup.wait_group(0)
 
-  if cutlass.const_expr(kind == "dh"):   # dH's gate and up tiles, A''s tile; H's gate and up
-    out_tiles = [tile_of(m_out, c, 0, (1, 1, None)) for c in half_cols] + \
-                [tile_of(m_out2, n_tile, 0, (1, 1, None))]
+  # out's tile (or H's, or dH's, gate and up tiles, then A's or A''s): (TMA atom, its TMA
+  # tensor, the output, column tile)
+  outputs = [(tma_out, m_out_tma, m_out, c) for c in (half_cols if kind == "dh" else rhs_cols)]
+  if cutlass.const_expr(swiglu or kind == "dh"):
+    outputs = outputs + [(tma_out2, m_out2_tma, m_out2, n_tile)]
+  tiles = accs
+  if cutlass.const_expr(kind == "dh"):   # dH's and A''s tiles in registers from H and scores
     h_tiles = [tile_of(m_h, c, 0, (1, 1, None)) for c in half_cols]
     # each row's score broadcast along the tile's columns (stride 0)
     scores = cute.make_tensor(m_scores.iterator, cute.make_layout(
         (cute.size(m_scores), block_n, 1), stride=(1, 0, 0)))
-    _dh_epilogue(accs[0], h_tiles, tile_of(scores, 0, 0, (1, 1, None)), out_tiles,
-                 m_ds, thr_mma, tidx, m_tile, n_tile, block_n)
+    tiles = _dh_outputs(accs[0], h_tiles, tile_of(scores, 0, 0, (1, 1, None)), m_ds, thr_mma,
+                        tidx, m_tile, n_tile, m_out.element_type, block_n)
+  if cutlass.const_expr(register_store):   # (dh only: its tiles are the outputs' values)
+    _register_store(tiles, [tile_of(t, c, out_l, (1, 1, None)) for _, _, t, c in outputs], thr_mma)
   else:
     cute.arch.sync_threads()   # every warpgroup's wgmmas are done with A's stages: reuse them
     s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, c_smem_staged.inner, dtype=m_out.element_type),
                            c_smem_staged.outer)
-    # out's tile (or H's gate and up tiles and A's), each with its TMA atom
-    out_cols = [(tma_out, m_out_tma, c) for c in rhs_cols]
-    if cutlass.const_expr(swiglu):
-      out_cols = out_cols + [(tma_out2, m_out2_tma, n_tile)]
-    stores = [(atom, tile_of(t, c, out_l, (1, 1, None))) for atom, t, c in out_cols]
-    _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, warp, swiglu)
+    stores = [(atom, tile_of(t, c, out_l, (1, 1, None))) for atom, t, _, c in outputs]
+    _tma_store_epilogue(tiles, stores, s_c, tiled_mma, tidx, warp, swiglu)
 
 
 @cute.jit
@@ -383,14 +396,15 @@ def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
             out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, N, 1) (logical modes)."""
   _launch(stream, lhs, rhs, tile_expert, tile_expert, out, out, None, block_n, stages, "store",
-          False)
+          False, False)
 
 
 @cute.jit
 def _up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor, h: cute.Tensor,
              a: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
   """x (P, d, 1), w1 (2n, d, E) N-major, H (P, 2n, 1), A (P, n, 1) (logical modes)."""
-  _launch(stream, x, w1, tile_expert, tile_expert, h, a, None, block_n, stages, "swiglu", False)
+  _launch(stream, x, w1, tile_expert, tile_expert, h, a, None, block_n, stages, "swiglu", False,
+          False)
 
 
 @cute.jit
@@ -398,17 +412,18 @@ def _gathered_up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute
                       gather_index: cute.Tensor, h: cute.Tensor, a: cute.Tensor,
                       block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
   """_up_proj with x (T, d, 1) the source rows and slot r reading x[gather_index[r]]."""
-  _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True)
+  _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True,
+          False)
 
 
 @cute.jit
 def _dh(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor, h: cute.Tensor,
         scores: cute.Tensor, dh: cute.Tensor, a_scaled: cute.Tensor, ds_parts: cute.Tensor,
-        block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+        block_n: cutlass.Constexpr, stages: cutlass.Constexpr, register_store: cutlass.Constexpr):
   """dOg (P, d, 1), w2 (n, d, E) K-major, H (P, 2n, 1), scores (P,), dH (P, 2n, 1), A' (P, n, 1),
   dS parts (n / block_n, P)."""
   _launch(stream, dout_g, w2, tile_expert, tile_expert, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", False)
+          block_n, stages, "dh", False, register_store)
 
 
 @cute.jit
@@ -416,7 +431,7 @@ def _weight_grad(stream, lhs: cute.Tensor, rhs: cute.Tensor, group_offsets: cute
                  out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
   """lhs (M, P, 1) M-major, rhs (N, P, 1) N-major, group_offsets (E + 1,), out (M, N, E)."""
   _launch(stream, lhs, rhs, group_offsets, group_offsets, out, out, None, block_n, stages,
-          "wgrad", False)
+          "wgrad", False, False)
 
 
 @cute.jit
@@ -425,21 +440,22 @@ def _gathered_weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offset
                           stages: cutlass.Constexpr):
   """_weight_grad with x (T, M, 1) the source rows and slot r reading x[gather_index[r]]."""
   _launch(stream, x, rhs, group_offsets, gather_index, out, out, None, block_n, stages, "wgrad",
-          True)
+          True, False)
 
 
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr):
+            gather: cutlass.Constexpr, register_store: cutlass.Constexpr):
   """The grid over (output column tiles, M tiles[, experts]) and the kernel's static
   configuration. kind: "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs
   W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
   parts)); for those two the grid covers n's columns; or "wgrad" (lhs (M, P, 1) M-major, rhs
   (N, P, 1), out (M, N, E): out[e] = lhs_e rhs_e^T over expert e's rows, tile_expert holding
   group_offsets). With gather lhs is the source of the rows gather_index
-  names (A's stages not in the TMA pipeline)."""
+  names (A's stages not in the TMA pipeline). register_store (dh only): each thread stores its
+  fragments from registers instead of the TMA-store epilogue."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
   num_rhs = 2 if swiglu else 1
@@ -494,7 +510,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
           m_out2_tma, m_h, m_scores, m_ds, tile_expert, gather_index, tiled_mma, a_smem_staged,
           b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]),
           SwigluSharedStorage if swiglu else SharedStorage, block_n, stages, stage_bytes, kind,
-          gather).launch(
+          gather, register_store).launch(
               grid=(num_n_tiles, num_m_tiles, num_z), block=(THREADS, 1, 1), stream=stream)
 
 
@@ -572,11 +588,14 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
   return h[0], a[0]
 
 
-def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None):
+def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None,
+       register_store: bool = False):
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
-  Epilogue from registers; stages as grouped_matmul's."""
+  The epilogue math runs in registers (it reads H and the scores per fragment); dH and A' are
+  stored through SMEM by TMA, or with register_store straight from registers (the way measured
+  until session 7). stages as grouped_matmul's."""
   n = w2.shape[1]
   reason = unsupported(dout_g, jax.ShapeDtypeStruct((w2.shape[0], w2.shape[2], n), w2.dtype), block_n)
   if reason:
@@ -592,7 +611,8 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
       [jax.ShapeDtypeStruct((1, num_slots, 2 * n), h.dtype),
        jax.ShapeDtypeStruct((1, num_slots, n), h.dtype),
        jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)],
-      modes=[rows, (1, 2, 0), None, rows, None, rows, rows, None], block_n=block_n, stages=stages)
+      modes=[rows, (1, 2, 0), None, rows, None, rows, rows, None], block_n=block_n, stages=stages,
+      register_store=register_store)
   return dh_[0], a_scaled[0], ds_parts
 
 
