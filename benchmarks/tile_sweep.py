@@ -82,8 +82,8 @@ def _with_backward_rows(rows, dh, dw, x, w2, dout, plan, tiles, pairs):
 
 
 def cute_kernels(x, w1, w2, dout, plan, pairs):
-  """The CuTe DSL kernels' rows (_gemm_rows, dh, dh_registers: dh storing from registers, dw1,
-  and dw1_gather: dW1 gathering X's rows in the kernel; cfg a CuteTile)."""
+  """The CuTe DSL kernels' rows (_gemm_rows, dh, dh_tma: dh storing through the TMA-store
+  epilogue, dw1, and dw1_gather: dW1 gathering X's rows in the kernel; cfg a CuteTile)."""
   from ffi import grouped_gemm as cute_gemm  # optional extra
   tiles = schedule.tile_experts(plan, cute_gemm.BLOCK_M)
   rows = _gemm_rows(
@@ -98,9 +98,9 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
       rows, lambda c, dg, w2, h, s, t: cute_gemm.dh(dg, w2, h, s, t, **dataclasses.asdict(c)),
       lambda c, a, b, o: cute_gemm.weight_grad(a, b, o, E, **dataclasses.asdict(c)), x, w2, dout,
       plan, tiles, pairs)
-  dh_fn, dh_args, dh_flops, dh_n = rows["dh"]   # and dh storing from registers (until session 7)
-  rows["dh_registers"] = (jax.jit(lambda c, dg, w2, h, s, t: cute_gemm.dh(
-      dg, w2, h, s, t, register_store=True, **dataclasses.asdict(c)), static_argnums=0),
+  _, dh_args, dh_flops, dh_n = rows["dh"]   # and dh storing through the TMA-store epilogue
+  rows["dh_tma"] = (jax.jit(lambda c, dg, w2, h, s, t: cute_gemm.dh(
+      dg, w2, h, s, t, tma_store=True, **dataclasses.asdict(c)), static_argnums=0),
       dh_args, dh_flops, dh_n)
   _, (_, h, offsets), flops, _ = rows["dw1"]
   rows["dw1_gather"] = (jax.jit(lambda c, x, h, o, i: cute_gemm.weight_grad(

@@ -28,9 +28,9 @@ column tiles run next to each other, so its lhs rows are read from HBM once and 
              registers took 1.4-1.7x as long in down_proj and dx_tilde at 30B-n256 and up to
              10% longer in up_proj, 2% shorter at one of its 8 tiles: session 6's sweep). dh
              first computes its dH and A' tiles in registers (_dh_outputs: it reads H and the
-             scores per fragment, and writes dS's parts), then stores them the same way
-             (register_store: straight from registers, as measured until session 7; the TMA
-             path for dh is new and not yet run on a GPU).
+             scores per fragment, and writes dS's parts), then stores them straight from
+             registers (register_store), or (dh(tma_store=True): new, not yet run on a GPU)
+             the same TMA way.
 """
 from __future__ import annotations
 
@@ -589,13 +589,13 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None,
-       register_store: bool = False):
+       tma_store: bool = False):
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
   The epilogue math runs in registers (it reads H and the scores per fragment); dH and A' are
-  stored through SMEM by TMA, or with register_store straight from registers (the way measured
-  until session 7). stages as grouped_matmul's."""
+  stored straight from registers, or with tma_store through SMEM by TMA stores (new, not yet
+  run on a GPU). stages as grouped_matmul's."""
   n = w2.shape[1]
   reason = unsupported(dout_g, jax.ShapeDtypeStruct((w2.shape[0], w2.shape[2], n), w2.dtype), block_n)
   if reason:
@@ -612,7 +612,7 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
        jax.ShapeDtypeStruct((1, num_slots, n), h.dtype),
        jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)],
       modes=[rows, (1, 2, 0), None, rows, None, rows, rows, None], block_n=block_n, stages=stages,
-      register_store=register_store)
+      register_store=not tma_store)
   return dh_[0], a_scaled[0], ds_parts
 
 

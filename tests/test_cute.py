@@ -107,7 +107,7 @@ def test_cute_gemms_compile_and_lower_for_cuda():
 @needs_cute
 @pytest.mark.parametrize("kernel,block_n,stages", [
     ("matmul", 256, None), ("matmul_t", 256, 2), ("up_proj", 64, 3), ("dh", 128, None),
-    ("dh_registers", 64, 3),
+    ("dh_tma", 64, 3),
     ("weight_grad", 128, 3), ("weight_grad_gather", 128, None)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
@@ -121,9 +121,9 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
         "dh": lambda a, b, t: grouped_gemm.dh(  # dOg [P, d], W2 [E, n, d], H [P, 2n], scores
             a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
             t, **kw),
-        "dh_registers": lambda a, b, t: grouped_gemm.dh(
+        "dh_tma": lambda a, b, t: grouped_gemm.dh(
             a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
-            t, register_store=True, **kw),
+            t, tma_store=True, **kw),
         "weight_grad": lambda a, b, t: grouped_gemm.weight_grad(  # [E, K, 2K] over P / E rows each
             a, jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E, **kw),
         "weight_grad_gather": lambda a, b, t: grouped_gemm.weight_grad(  # X = a's first 300 rows
@@ -271,9 +271,9 @@ def test_cute_dh_against_float32_on_gpu(block_n):
   h = jnp.where((row_expert < E)[:, None], h, 0)   # the up-projection's zero padding rows
   dh_, a_scaled, ds_parts = jax.jit(lambda *a: grouped_gemm.dh(*a, block_n=block_n))(
       dout_g, w2, h, scores, tile_expert)
-  from_registers = jax.jit(lambda *a: grouped_gemm.dh(*a, block_n=block_n, register_store=True))(
+  through_tma = jax.jit(lambda *a: grouped_gemm.dh(*a, block_n=block_n, tma_store=True))(
       dout_g, w2, h, scores, tile_expert)
-  for got, other in zip((dh_, a_scaled, ds_parts), from_registers):
+  for got, other in zip((dh_, a_scaled, ds_parts), through_tma):
     np.testing.assert_array_equal(got, other)
   _, da = _per_tile_reference(dout_g, jnp.swapaxes(w2, 1, 2), tile_expert)
   gate, up = h[:, :n].astype(jnp.float32), h[:, n:].astype(jnp.float32)
