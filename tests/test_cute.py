@@ -178,7 +178,8 @@ def _per_tile_reference(lhs, rhs, tile_expert):
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("transpose_rhs,block_n,stages", [
-    (False, 128, None), (True, 128, None), (False, 256, None), (True, 128, 2), (False, 128, 3)])
+    (False, 128, None), (True, 128, None), (False, 256, None), (True, 128, 2), (False, 128, 3),
+    (True, 128, 3)])   # (the last two: ffi/ops.py's down_proj and dx_tilde tiles)
 def test_cute_grouped_matmul_against_float32_on_gpu(transpose_rhs, block_n, stages):
   """Tiles of experts 0, 2, 3 (1 has none), then two tiles past the last group (zeros); several
   tile widths and pipeline depths."""
