@@ -110,12 +110,13 @@ def _fragment_fp32(tile, thr_mma):
 
 
 @cute.jit
-def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, m_tile, n_tile, dtype,
+def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, m_tile, n_tile, dtype, out_tiles,
                 block_n: cutlass.Constexpr):
   """dH's epilogue math on acc = dA' = dO_e W2_e^T for H's gate and up tiles and each row's
-  score s: returns register tiles (acc's layout, in dtype) of dH = dSwiGLU(s dA', H) (its gate
-  and up tiles) and A' = s A with A = silu(gate) up; writes this column tile's part of
-  dS = rowsum(dA' A) to m_ds[n_tile, row] (fp32)."""
+  score s: register tiles (acc's layout, in dtype) of dH = dSwiGLU(s dA', H) (its gate and up
+  tiles) and A' = s A with A = silu(gate) up, each stored straight to out_tiles as soon as it
+  is computed (register stores), or (out_tiles None) returned; writes this column tile's part
+  of dS = rowsum(dA' A) to m_ds[n_tile, row] (fp32)."""
   gate, up = _fragment_fp32(h_tiles[0], thr_mma), _fragment_fp32(h_tiles[1], thr_mma)
   s = _fragment_fp32(score_tile, thr_mma)
   da = acc.load()
@@ -124,10 +125,13 @@ def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, m_tile, n_tile, d
   a = silu * up
   da_s = s * da
   outs = []
-  for values in [da_s * up * sig * (1.0 + gate * (1.0 - sig)), da_s * silu, s * a]:
+  for j, values in enumerate([da_s * up * sig * (1.0 + gate * (1.0 - sig)), da_s * silu, s * a]):
     frag = cute.make_rmem_tensor(acc.shape, dtype)
     frag.store(values.to(dtype))
-    outs.append(frag)
+    if cutlass.const_expr(out_tiles is None):
+      outs.append(frag)
+    else:
+      cute.autovec_copy(frag, thr_mma.partition_C(out_tiles[j]))
   # dS part: the fragment is ((2 columns, 2 rows r and r + 8, block_n / 8 column groups), 1, 1);
   # sum each row over this thread's columns, then over the 4 threads (a quad) sharing it
   prod = cute.make_rmem_tensor(acc.shape, cutlass.Float32)
@@ -142,13 +146,6 @@ def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, m_tile, n_tile, d
     if tidx % 4 == 0:
       m_ds[n_tile, m_tile * BLOCK_M + rows[(0, j, 0), 0, 0][0]] = total
   return outs
-
-
-@cute.jit
-def _register_store(frags, out_tiles, thr_mma):
-  """Each thread writes its register tiles' fragments straight to the output tiles."""
-  for frag, out_tile in zip(frags, out_tiles):
-    cute.autovec_copy(frag, thr_mma.partition_C(out_tile))
 
 
 @cute.jit
@@ -379,11 +376,11 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     # each row's score broadcast along the tile's columns (stride 0)
     scores = cute.make_tensor(m_scores.iterator, cute.make_layout(
         (cute.size(m_scores), block_n, 1), stride=(1, 0, 0)))
+    register_tiles = [tile_of(t, c, out_l, (1, 1, None)) for _, _, t, c in outputs]
     tiles = _dh_outputs(accs[0], h_tiles, tile_of(scores, 0, 0, (1, 1, None)), m_ds, thr_mma,
-                        tidx, m_tile, n_tile, m_out.element_type, block_n)
-  if cutlass.const_expr(register_store):   # (dh only: its tiles are the outputs' values)
-    _register_store(tiles, [tile_of(t, c, out_l, (1, 1, None)) for _, _, t, c in outputs], thr_mma)
-  else:
+                        tidx, m_tile, n_tile, m_out.element_type,
+                        register_tiles if register_store else None, block_n)
+  if cutlass.const_expr(not register_store):   # (register stores: dh only, done above)
     cute.arch.sync_threads()   # every warpgroup's wgmmas are done with A's stages: reuse them
     s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, c_smem_staged.inner, dtype=m_out.element_type),
                            c_smem_staged.outer)
