@@ -205,18 +205,34 @@ def _copy_row_chunk(x, token, chunk, dst):
     dst.fill(0.0)
 
 
-@cute.jit
-def _gather_step(x, gather_index, a_stage, m_tile, k0, tidx):
-  """This thread's share of its warpgroup's BLOCK_M / WARPGROUPS rows of one k step:
-  a_stage[r, k0 : k0 + BLOCK_K] = x[gather_index[m_tile * BLOCK_M + r], ...] in 16-byte cp.async
-  chunks (GATHER_CHUNKS per row, one per thread of a group of them); rows of indices outside x
-  (padding slots) are written as zeros. Committed by the caller as one cp.async group."""
+def _gather_row(tidx, j: int):
+  """The M tile's row that thread tidx copies a chunk of, its j-th: each warpgroup covers its
+  own BLOCK_M / WARPGROUPS rows, GATHER_CHUNKS threads per row."""
   wg, t = tidx // 128, tidx % 128
-  chunk = t % GATHER_CHUNKS
+  return wg * (BLOCK_M // WARPGROUPS) + t // GATHER_CHUNKS + j * (128 // GATHER_CHUNKS)
+
+
+@cute.jit
+def _gather_tokens(gather_index, m_tile, tidx):
+  """The source rows (x's row indices) of this thread's GATHER_ROWS_PER_THREAD rows of the M
+  tile, read once per tile into registers: every k step copies the same rows' next columns."""
+  tokens = cute.make_rmem_tensor((GATHER_ROWS_PER_THREAD,), cutlass.Int32)
   for j in cutlass.range_constexpr(GATHER_ROWS_PER_THREAD):
-    r = wg * (BLOCK_M // WARPGROUPS) + t // GATHER_CHUNKS + j * (128 // GATHER_CHUNKS)
-    _copy_row_chunk(x, gather_index[m_tile * BLOCK_M + r], k0 // 8 + chunk,
-                    cute.local_tile(a_stage[r, None], (8,), (chunk,)))
+    tokens[j] = gather_index[m_tile * BLOCK_M + _gather_row(tidx, j)]
+  return tokens
+
+
+@cute.jit
+def _gather_step(x, tokens, a_stage, k0, tidx):
+  """This thread's share of its warpgroup's BLOCK_M / WARPGROUPS rows of one k step:
+  a_stage[r, k0 : k0 + BLOCK_K] = x[token of row r, ...] in 16-byte cp.async chunks
+  (GATHER_CHUNKS per row, one per thread of a group of them; tokens from _gather_tokens); rows
+  of indices outside x (padding slots) are written as zeros. Committed by the caller as one
+  cp.async group."""
+  chunk = tidx % 128 % GATHER_CHUNKS
+  for j in cutlass.range_constexpr(GATHER_ROWS_PER_THREAD):
+    _copy_row_chunk(x, tokens[j], k0 // 8 + chunk,
+                    cute.local_tile(a_stage[_gather_row(tidx, j), None], (8,), (chunk,)))
 
 
 @cute.jit
@@ -236,15 +252,16 @@ def _gather_k_step(x, gather_index, a_stage, row0, col0, tidx):
 
 
 @cute.jit
-def _gather_into_stage(x, gather_index, s_a, step, m_tile, k_begin, tidx, stages: cutlass.Constexpr,
-                       kind: cutlass.Constexpr):
-  """A's stage for k step `step` by this thread's cp.async copies: rows of the M tile
-  (_gather_step), or for the weight gradient rows of the contraction (_gather_k_step)."""
+def _gather_into_stage(x, gather_index, tokens, s_a, step, m_tile, k_begin, tidx,
+                       stages: cutlass.Constexpr, kind: cutlass.Constexpr):
+  """A's stage for k step `step` by this thread's cp.async copies: rows of the M tile (its
+  tokens from _gather_tokens; _gather_step), or for the weight gradient rows of the
+  contraction (_gather_k_step, reading gather_index)."""
   stage = s_a[None, None, step % stages]
   if cutlass.const_expr(kind == "wgrad"):
     _gather_k_step(x, gather_index, stage, (k_begin + step) * BLOCK_K, m_tile * BLOCK_M, tidx)
   else:
-    _gather_step(x, gather_index, stage, m_tile, step * BLOCK_K, tidx)
+    _gather_step(x, tokens, stage, step * BLOCK_K, tidx)
 
 
 @cute.kernel
@@ -329,10 +346,14 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     for _ in cutlass.range(cutlass.min(stages, num_k), unroll=1):
       _load_stage(loads, produce, operands, k_begin)
       produce.advance()
+  tokens = None   # up_proj's gather: this thread's source rows, the same for every k step
+  if cutlass.const_expr(gather and kind != "wgrad"):
+    tokens = _gather_tokens(gather_index, m_tile, tidx)
   if cutlass.const_expr(gather):   # A's first stages - 1 steps, one cp.async group each
     for step in cutlass.range_constexpr(stages - 1):
       if step < num_k:
-        _gather_into_stage(m_a, gather_index, s_a, step, m_tile, k_begin, tidx, stages, kind)
+        _gather_into_stage(m_a, gather_index, tokens, s_a, step, m_tile, k_begin, tidx, stages,
+                           kind)
       cute.arch.cp_async_commit_group()
 
   for kk in cutlass.range(num_k, unroll=1):
@@ -355,7 +376,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     if cutlass.const_expr(gather):   # step kk + stages - 1 into the stage step kk - 1 read
       ahead = kk + stages - 1
       if ahead < num_k:
-        _gather_into_stage(m_a, gather_index, s_a, ahead, m_tile, k_begin, tidx, stages, kind)
+        _gather_into_stage(m_a, gather_index, tokens, s_a, ahead, m_tile, k_begin, tidx, stages,
+                           kind)
       cute.arch.cp_async_commit_group()
     if kk > 0:
       loads.consumer_release(release)
