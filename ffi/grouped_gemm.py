@@ -235,19 +235,37 @@ def _gather_step(x, tokens, a_stage, k0, tidx):
                     cute.local_tile(a_stage[_gather_row(tidx, j), None], (8,), (chunk,)))
 
 
+K_CHUNKS_PER_WG = BLOCK_M // WARPGROUPS // 8             # a warpgroup's 8-column chunks of a row
+K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128   # (row, chunk) copies per k step
+
+
+def _gather_k_slot(tidx, j: int):
+  """(row of the k step, 8-column chunk) of thread tidx's j-th copy in the weight gradient's
+  gather: 8 threads cover 128 contiguous bytes of a row, each warpgroup its own columns."""
+  wg, i = tidx // 128, tidx % 128 + 128 * j
+  return i // K_CHUNKS_PER_WG, wg * K_CHUNKS_PER_WG + i % K_CHUNKS_PER_WG
+
+
 @cute.jit
-def _gather_k_step(x, gather_index, a_stage, row0, col0, tidx):
+def _load_k_tokens(tokens, gather_index, row0, tidx):
+  """tokens[j] = the source row of thread tidx's j-th copy of the k step starting at slot row0
+  (clamped into gather_index: the step after an expert's last is loaded and never used)."""
+  last = cute.size(gather_index) - 1
+  for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
+    r, _ = _gather_k_slot(tidx, j)
+    tokens[j] = gather_index[cutlass.min(row0 + r, last)]
+
+
+@cute.jit
+def _gather_k_step(x, tokens, a_stage, col0, tidx):
   """The weight gradient's A stage (M-major: BLOCK_M columns of X by BLOCK_K gathered rows, the
-  rows being the contraction): a_stage[c, r] = x[gather_index[row0 + r], col0 + c], each
-  warpgroup filling the BLOCK_M / WARPGROUPS columns its wgmmas read, in 16-byte cp.async chunks
-  of 8 columns (8 threads cover 128 contiguous bytes of a row); rows of indices outside x are
-  zeros. Committed by the caller as one cp.async group."""
-  wg, t = tidx // 128, tidx % 128
-  chunks_per_wg = BLOCK_M // WARPGROUPS // 8
-  for j in cutlass.range_constexpr(BLOCK_K * chunks_per_wg // 128):
-    i = t + 128 * j
-    r, chunk = i // chunks_per_wg, wg * chunks_per_wg + i % chunks_per_wg
-    _copy_row_chunk(x, gather_index[row0 + r], col0 // 8 + chunk,
+  rows being the contraction): a_stage[c, r] = x[token of row r, col0 + c], each warpgroup
+  filling the BLOCK_M / WARPGROUPS columns its wgmmas read, in 16-byte cp.async chunks of 8
+  columns (tokens from _load_k_tokens); rows of indices outside x are zeros. Committed by the
+  caller as one cp.async group."""
+  for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
+    r, chunk = _gather_k_slot(tidx, j)
+    _copy_row_chunk(x, tokens[j], col0 // 8 + chunk,
                     cute.local_tile(a_stage[None, r], (8,), (chunk,)))
 
 
@@ -256,10 +274,12 @@ def _gather_into_stage(x, gather_index, tokens, s_a, step, m_tile, k_begin, tidx
                        stages: cutlass.Constexpr, kind: cutlass.Constexpr):
   """A's stage for k step `step` by this thread's cp.async copies: rows of the M tile (its
   tokens from _gather_tokens; _gather_step), or for the weight gradient rows of the
-  contraction (_gather_k_step, reading gather_index)."""
+  contraction (_gather_k_step with tokens holding this step's source rows; it then loads the
+  next step's, so their latency overlaps a k step instead of delaying the copies)."""
   stage = s_a[None, None, step % stages]
   if cutlass.const_expr(kind == "wgrad"):
-    _gather_k_step(x, gather_index, stage, (k_begin + step) * BLOCK_K, m_tile * BLOCK_M, tidx)
+    _gather_k_step(x, tokens, stage, m_tile * BLOCK_M, tidx)
+    _load_k_tokens(tokens, gather_index, (k_begin + step + 1) * BLOCK_K, tidx)
   else:
     _gather_step(x, tokens, stage, step * BLOCK_K, tidx)
 
@@ -346,9 +366,12 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     for _ in cutlass.range(cutlass.min(stages, num_k), unroll=1):
       _load_stage(loads, produce, operands, k_begin)
       produce.advance()
-  tokens = None   # up_proj's gather: this thread's source rows, the same for every k step
-  if cutlass.const_expr(gather and kind != "wgrad"):
+  tokens = None   # the gathers' source rows of this thread's copies, in registers
+  if cutlass.const_expr(gather and kind != "wgrad"):   # the same for every k step
     tokens = _gather_tokens(gather_index, m_tile, tidx)
+  if cutlass.const_expr(gather and kind == "wgrad"):   # the first k step's, then step by step
+    tokens = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
+    _load_k_tokens(tokens, gather_index, k_begin * BLOCK_K, tidx)
   if cutlass.const_expr(gather):   # A's first stages - 1 steps, one cp.async group each
     for step in cutlass.range_constexpr(stages - 1):
       if step < num_k:
