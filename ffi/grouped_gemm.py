@@ -57,6 +57,10 @@ MAX_GRID_Y = 65535          # CUDA's limit on the grid's second dimension (the M
 EPILOGUE_BARRIER = 3        # named barrier ids 1, 2: the gather's per-warpgroup syncs
 GATHER_CHUNKS = BLOCK_K * 2 // 16                      # 16-byte cp.async chunks per bf16 row
 GATHER_ROWS_PER_THREAD = (BLOCK_M // WARPGROUPS) * GATHER_CHUNKS // 128
+# the weight gradient's gather (rows along K): a warpgroup's 8-column chunks of a row, and each
+# thread's (row, chunk) copies per k step
+K_CHUNKS_PER_WG = BLOCK_M // WARPGROUPS // 8
+K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128
 
 
 def _stages_that_fit(block_n: int, num_rhs: int, itemsize: int) -> int:
@@ -233,10 +237,6 @@ def _gather_step(x, tokens, a_stage, k0, tidx):
   for j in cutlass.range_constexpr(GATHER_ROWS_PER_THREAD):
     _copy_row_chunk(x, tokens[j], k0 // 8 + chunk,
                     cute.local_tile(a_stage[_gather_row(tidx, j), None], (8,), (chunk,)))
-
-
-K_CHUNKS_PER_WG = BLOCK_M // WARPGROUPS // 8             # a warpgroup's 8-column chunks of a row
-K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128   # (row, chunk) copies per k step
 
 
 def _gather_k_slot(tidx, j: int):
