@@ -105,10 +105,9 @@ def _epilogue_values(vals, swiglu: cutlass.Constexpr):
 
 
 @cute.jit
-def _fragment_fp32(tile, thr_mma):
-  """This thread's fragment of a (BLOCK_M, block_n) global tile, loaded, in fp32."""
-  src = thr_mma.partition_C(tile)
-  frag = cute.make_rmem_tensor(src.shape, tile.element_type)
+def _group_fp32(src):
+  """A small global (or register) slice loaded into registers, in fp32."""
+  frag = cute.make_rmem_tensor(src.shape, src.element_type)
   cute.autovec_copy(src, frag)
   return frag.load().to(cutlass.Float32)
 
@@ -118,35 +117,46 @@ def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, m_tile, n_tile, d
                 block_n: cutlass.Constexpr):
   """dH's epilogue math on acc = dA' = dO_e W2_e^T for H's gate and up tiles and each row's
   score s: register tiles (acc's layout, in dtype) of dH = dSwiGLU(s dA', H) (its gate and up
-  tiles) and A' = s A with A = silu(gate) up, each stored straight to out_tiles as soon as it
-  is computed (register stores), or (out_tiles None) returned; writes this column tile's part
-  of dS = rowsum(dA' A) to m_ds[n_tile, row] (fp32)."""
-  gate, up = _fragment_fp32(h_tiles[0], thr_mma), _fragment_fp32(h_tiles[1], thr_mma)
-  s = _fragment_fp32(score_tile, thr_mma)
-  da = acc.load()
-  sig = 1.0 / (1.0 + cute.math.exp(-gate))
-  silu = gate * sig
-  a = silu * up
-  da_s = s * da
+  tiles) and A' = s A with A = silu(gate) up, each stored straight to out_tiles as it is
+  computed (register stores), or (out_tiles None) returned; writes this column tile's part of
+  dS = rowsum(dA' A) to m_ds[n_tile, row] (fp32).
+
+  The fragment is ((2 columns, 2 rows r and r + 8, block_n / 8 column groups), 1, 1); it is
+  worked through one column group (2 x 2 values) at a time, so that besides the accumulator
+  only a few values are live: computed for the whole fragment at once, block_n 128 needed 255
+  registers and a 200-byte stack frame per thread (sm_90a cubin)."""
+  srcs = [thr_mma.partition_C(t) for t in (h_tiles[0], h_tiles[1], score_tile)]
   outs = []
-  for j, values in enumerate([da_s * up * sig * (1.0 + gate * (1.0 - sig)), da_s * silu, s * a]):
-    frag = cute.make_rmem_tensor(acc.shape, dtype)
-    frag.store(values.to(dtype))
-    if cutlass.const_expr(out_tiles is None):
-      outs.append(frag)
-    else:
-      cute.autovec_copy(frag, thr_mma.partition_C(out_tiles[j]))
-  # dS part: the fragment is ((2 columns, 2 rows r and r + 8, block_n / 8 column groups), 1, 1);
-  # sum each row over this thread's columns, then over the 4 threads (a quad) sharing it
-  prod = cute.make_rmem_tensor(acc.shape, cutlass.Float32)
-  prod.store(da * a)
+  if cutlass.const_expr(out_tiles is None):
+    outs = [cute.make_rmem_tensor(acc.shape, dtype) for _ in range(3)]
+  row_sums = cute.make_rmem_tensor((2,), cutlass.Float32)
+  row_sums.fill(0.0)
+  for k in cutlass.range_constexpr(block_n // 8):
+    group = ((None, None, k), 0, 0)
+    gate, up, s = [_group_fp32(src[group]) for src in srcs]
+    da = acc[group].load()
+    sig = 1.0 / (1.0 + cute.math.exp(-gate))
+    silu = gate * sig
+    a = silu * up
+    da_s = s * da
+    values = [da_s * up * sig * (1.0 + gate * (1.0 - sig)), da_s * silu, s * a]
+    for q in cutlass.range_constexpr(3):
+      if cutlass.const_expr(out_tiles is None):
+        outs[q][group].store(values[q].to(dtype))
+      else:
+        frag = cute.make_rmem_tensor(acc[group].shape, dtype)
+        frag.store(values[q].to(dtype))
+        cute.autovec_copy(frag, thr_mma.partition_C(out_tiles[q])[group])
+    prod = cute.make_rmem_tensor(acc[group].shape, cutlass.Float32)
+    prod.store(da * a)
+    for j in cutlass.range_constexpr(2):
+      for i in cutlass.range_constexpr(2):
+        row_sums[j] += prod[i, j]
+  # dS part: each row's sum over this thread's columns, then over the 4 threads (a quad)
+  # sharing the row
   rows = thr_mma.partition_C(cute.make_identity_tensor((BLOCK_M, block_n)))
   for j in cutlass.range_constexpr(2):
-    total = cutlass.Float32(0.0)
-    for i in cutlass.range_constexpr(2):
-      for k in cutlass.range_constexpr(block_n // 8):
-        total += prod[(i, j, k), 0, 0]
-    total = cute.arch.warp_reduction_sum(total, threads_in_group=4)
+    total = cute.arch.warp_reduction_sum(row_sums[j], threads_in_group=4)
     if tidx % 4 == 0:
       m_ds[n_tile, m_tile * BLOCK_M + rows[(0, j, 0), 0, 0][0]] = total
   return outs
