@@ -513,3 +513,15 @@ def test_exported_program_runs_in_a_new_process_on_gpu(tmp_path, monkeypatch):
                   str(tmp_path / "inputs.npz"), str(tmp_path / "out.npy")], check=True, env=env,
                  cwd=str(__import__("pathlib").Path(__file__).parent.parent), timeout=300)
   np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), np.asarray(expected, np.float32))
+
+
+@needs_cute
+def test_kernel_resources_keep_the_tiles_ffi_ops_relies_on():
+  """From the sm_90a cubins: the store GEMMs' tile (block_n 128, 3 stages) fits two CTAs per SM
+  (what ffi/ops.py's STORE_STAGES is for), and the dH kernel at block_n 128 does not spill."""
+  from benchmarks import kernel_resources as kr
+  from ffi import grouped_gemm
+  store = kr.measure("matmul", 128, 3)
+  assert kr.ctas_per_sm(store["registers"], kr.smem_bytes("matmul", 128, 3), grouped_gemm.THREADS) == 2
+  dh = kr.measure("dh", 128, 0)
+  assert dh["stack_bytes"] == 0 and 0 < dh["registers"] <= 128

@@ -1,0 +1,140 @@
+"""Registers, stack frame (spills) and shared memory of the CuTe kernels, read from the sm_90a
+cubins CuTe DSL compiles (no GPU needed), and how many CTAs of each fit on one H100/H200 SM.
+
+  python -m benchmarks.kernel_resources [--out FILE]
+
+Each variant (kernel, block_n, stages) is compiled in a fresh process with CUTE_DSL_KEEP=cubin;
+the cubin's .nv.info section gives the register count (EIATTR_REGCOUNT) and the stack frame
+(EIATTR_FRAME_SIZE: non-zero means registers spilled to local memory). The kernels' shared
+memory is the pipeline's stages plus 1 KiB of barriers (grouped_gemm._stages_that_fit's count).
+CTAs per SM = min(by registers: 64K / (threads x registers rounded up to 8), by SMEM: 227 KiB /
+the CTA's SMEM).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import struct
+import subprocess
+import sys
+import tempfile
+
+REGISTERS_PER_SM = 65536
+SMEM_PER_SM = 227 * 1024
+_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE = 0x2F, 0x11
+
+# (name, kernel, block_n, stages or 0 for as many as fit); shapes are small: resources do not
+# depend on them
+VARIANTS = [
+    ("store bn128 st3", "matmul", 128, 3), ("store bn256 fit", "matmul", 256, 0),
+    ("up_proj bn128 fit", "up_proj", 128, 0), ("up_proj gather bn128 fit", "up_proj_gather", 128, 0),
+    ("dh bn64 fit", "dh", 64, 0), ("dh bn128 fit", "dh", 128, 0), ("dh bn128 st3", "dh", 128, 3),
+    ("dh tma bn128 fit", "dh_tma", 128, 0), ("wgrad bn128 st3", "wgrad", 128, 3),
+    ("wgrad bn256 fit", "wgrad", 256, 0), ("wgrad gather bn128 st3", "wgrad_gather", 128, 3),
+]
+
+_COMPILE = """
+import sys
+import ffi  # noqa: F401  (CUTE_DSL_ARCH=sm_90a off the GPU)
+import jax, jax.numpy as jnp
+from ffi import grouped_gemm as g
+kernel, bn, stages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None
+P, K, N, E = 512, 256, 512, 4
+sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
+kw = dict(block_n=bn, stages=stages)
+fn, args = {
+    "matmul": (lambda a, b, t: g.grouped_matmul(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
+    "up_proj": (lambda a, b, t: g.up_proj(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
+    "up_proj_gather": (lambda a, b, t, i: g.up_proj(a, b, t, gather_index=i, **kw),
+                       (sds(300, K), sds(E, K, N), sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
+    "dh": (lambda a, w, h, s, t: g.dh(a, w, h, s, t, **kw),
+           (sds(P, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32), sds(P // 128, dt=jnp.int32))),
+    "dh_tma": (lambda a, w, h, s, t: g.dh(a, w, h, s, t, tma_store=True, **kw),
+               (sds(P, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32), sds(P // 128, dt=jnp.int32))),
+    "wgrad": (lambda a, b, o: g.weight_grad(a, b, o, E, **kw), (sds(P, K), sds(P, N), sds(E + 1, dt=jnp.int32))),
+    "wgrad_gather": (lambda a, b, o, i: g.weight_grad(a, b, o, E, gather_index=i, **kw),
+                     (sds(300, K), sds(P, N), sds(E + 1, dt=jnp.int32), sds(P, dt=jnp.int32))),
+}[kernel]
+jax.jit(fn).trace(*args)
+"""
+
+
+def _sections(data: bytes):
+  """{name: (offset, size)} of an ELF64 file's sections."""
+  shoff, = struct.unpack_from("<Q", data, 0x28)
+  shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+  headers = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+  names_at = headers[shstrndx][4]
+  name = lambda h: data[names_at + h[0]:data.index(b"\0", names_at + h[0])].decode()
+  return {name(h): (h[4], h[5]) for h in headers}
+
+
+def cubin_resources(data: bytes) -> dict:
+  """{"registers": n, "stack_bytes": n} (the largest over the cubin's functions)."""
+  offset, size = _sections(data)[".nv.info"]
+  found = {_EIATTR_REGCOUNT: 0, _EIATTR_FRAME_SIZE: 0}
+  p = offset
+  while p < offset + size:
+    fmt, attr = data[p], data[p + 1]
+    if fmt == 0x04:   # an attribute with a sized payload: (function symbol, value) for ours
+      length, = struct.unpack_from("<H", data, p + 2)
+      if attr in found:
+        found[attr] = max(found[attr], struct.unpack_from("<II", data, p + 4)[1])
+      p += 4 + length
+    else:             # 0x03: a 2-byte value; 0x01/0x02: none
+      p += 4 if fmt == 0x03 else 2
+  return {"registers": found[_EIATTR_REGCOUNT], "stack_bytes": found[_EIATTR_FRAME_SIZE]}
+
+
+def measure(kernel: str, block_n: int, stages: int) -> dict:
+  """Compiles one variant in a fresh process and reads its cubin."""
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  with tempfile.TemporaryDirectory() as tmp:
+    env = dict(os.environ, CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=tmp, SONICMOE_CUTE_CACHE="",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
+    subprocess.run([sys.executable, "-c", _COMPILE, kernel, str(block_n), str(stages)], env=env,
+                   cwd=tmp, check=True, capture_output=True, timeout=600)
+    cubins = list(pathlib.Path(tmp).rglob("*.cubin"))
+    if len(cubins) != 1:
+      raise RuntimeError(f"expected one cubin for {kernel}, found {len(cubins)}")
+    return cubin_resources(cubins[0].read_bytes())
+
+
+def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
+  from ffi import grouped_gemm as g
+  num_rhs = 2 if kernel.startswith("up_proj") else 1
+  fit = g._stages_that_fit(block_n, num_rhs, 2)
+  depth = min(8, fit) if stages == 0 else stages
+  return depth * (g.BLOCK_M + num_rhs * block_n) * g.BLOCK_K * 2 + 1024
+
+
+def ctas_per_sm(registers: int, smem: int, threads: int) -> int:
+  by_registers = REGISTERS_PER_SM // (threads * ((registers + 7) // 8 * 8))
+  return min(by_registers, SMEM_PER_SM // smem)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser()
+  p.add_argument("--out", default=None)
+  a = p.parse_args(argv)
+  import ffi  # noqa: F401
+  from ffi import grouped_gemm as g
+  recs = []
+  for name, kernel, block_n, stages in VARIANTS:
+    rec = dict(variant=name, **measure(kernel, block_n, stages), smem_bytes=smem_bytes(kernel, block_n, stages))
+    rec["ctas_per_sm"] = ctas_per_sm(rec["registers"], rec["smem_bytes"], g.THREADS)
+    recs.append(rec)
+    print(json.dumps(rec), flush=True)
+  print(f"{'variant':26s} {'regs':>5s} {'stack B':>8s} {'SMEM KiB':>9s} {'CTAs/SM':>8s}")
+  for r in recs:
+    print(f"{r['variant']:26s} {r['registers']:5d} {r['stack_bytes']:8d} "
+          f"{r['smem_bytes'] / 1024:9.1f} {r['ctas_per_sm']:8d}")
+  if a.out:
+    with open(a.out, "w") as f:
+      json.dump(recs, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
