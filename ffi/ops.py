@@ -82,9 +82,11 @@ def dx_tilde(dh, w1, plan):
 
 
 def dw1(x, dh_, plan):
-  """dW1_e = X_e^T dH_e over expert e's rows (X's rows gathered by XLA first)."""
+  """dW1_e = X_e^T dH_e over expert e's rows (X's rows gathered by XLA first). block_n 256
+  where 2n allows: session 7's sweep at 30B-n256, 3.37 ms vs 3.80 at block_n 128."""
   return grouped_gemm.weight_grad(xla_ops.gather_rows(x, plan.token_index), dh_,
-                                  plan.group_offsets, plan.num_experts)
+                                  plan.group_offsets, plan.num_experts,
+                                  block_n=_wide_tile(dh_.shape[1], 256))
 
 
 def dw2(a_scaled, dout, plan):
