@@ -70,14 +70,17 @@ def kernels(x, w1, w2, dout, plan, pairs):
 
 
 def _with_backward_rows(rows, dh, dw, x, w2, dout, plan, tiles, pairs):
-  """rows plus the dH kernel's, dh(cfg, dOg, W2, H, scores, tiles), on _gemm_rows' H, and
-  dW1's, dw(cfg, Xg, dH, group_offsets), with H standing in for dH."""
+  """rows plus the dH kernel's, dh(cfg, dOg, W2, H, scores, tiles), on _gemm_rows' H, dW1's,
+  dw(cfg, Xg, dH, group_offsets), with H standing in for dH, and dW2's, dw(cfg, A', dOg,
+  group_offsets), with A standing in for A'."""
   dg = xla_ops.gather_rows(dout, plan.token_index)
   xg, h = rows["up_proj"][1][0], rows["dx_tilde"][1][0]
   d, n = x.shape[1], w2.shape[1]
   jit = lambda f: jax.jit(f, static_argnums=0)
   rows["dh"] = (jit(dh), (dg, w2, h, plan.scores, tiles), 2 * pairs * n * d, d)
   rows["dw1"] = (jit(dw), (xg, h, plan.group_offsets), 2 * pairs * d * 2 * n, None)
+  a = rows["down_proj"][1][0]   # A [P, n] standing in for A'
+  rows["dw2"] = (jit(dw), (a, dg, plan.group_offsets), 2 * pairs * n * d, None)
   return rows
 
 
