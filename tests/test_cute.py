@@ -527,3 +527,13 @@ def test_kernel_resources_keep_the_tiles_ffi_ops_relies_on():
   assert kr.ctas_per_sm(store["registers"], kr.smem_bytes("matmul", 128, 3), grouped_gemm.THREADS) == 2
   dh = kr.measure("dh", 128, 0)
   assert dh["stack_bytes"] == 0 and 0 < dh["registers"] <= 128
+
+
+@needs_cute
+def test_ffi_call_rejects_bad_modes_and_dtypes():
+  from ffi import grouped_gemm, xla_call
+  x = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="CuTe FFI call: 1 modes for 3 operands"):
+    xla_call.call(grouped_gemm._matmul, [x, x], [x], modes=[None])
+  with pytest.raises(TypeError, match="unsupported operand dtype int8"):
+    xla_call._fake(jax.ShapeDtypeStruct((4,), jnp.int8))
