@@ -6,7 +6,9 @@ cubins CuTe DSL compiles (no GPU needed), and how many CTAs of each fit on one H
 Each variant (kernel, block_n, stages) is compiled in a fresh process with CUTE_DSL_KEEP=cubin;
 the cubin's .nv.info section gives the register count (EIATTR_REGCOUNT) and the stack frame
 (EIATTR_FRAME_SIZE: non-zero means registers spilled to local memory). The kernels' shared
-memory is the pipeline's stages plus 1 KiB of barriers (grouped_gemm._stages_that_fit's count).
+memory is the pipeline's stages plus 1 KiB of barriers (grouped_gemm.smem_bytes) at the depth
+the kernel runs (grouped_gemm._pipeline_depth; the compiled shapes have K_STEPS k steps, enough
+for any depth).
 CTAs per SM = min(by registers: 64K / (threads x registers rounded up to 8), by SMEM: 227 KiB /
 the CTA's SMEM).
 """
@@ -22,6 +24,7 @@ import sys
 import tempfile
 
 REGISTERS_PER_SM = 65536
+K_STEPS = 8   # k steps of the compiled shapes (K = P = K_STEPS * BLOCK_K): the deepest pipeline
 SMEM_PER_SM = 227 * 1024
 _EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE = 0x2F, 0x11
 
@@ -40,8 +43,9 @@ import sys
 import ffi  # noqa: F401  (CUTE_DSL_ARCH=sm_90a off the GPU)
 import jax, jax.numpy as jnp
 from ffi import grouped_gemm as g
-kernel, bn, stages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None
-P, K, N, E = 512, 256, 512, 4
+kernel, bn, stages, k_steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None, int(sys.argv[4])
+P = K = k_steps * g.BLOCK_K
+N, E = 512, 4
 sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
 kw = dict(block_n=bn, stages=stages)
 fn, args = {
@@ -94,7 +98,8 @@ def measure(kernel: str, block_n: int, stages: int) -> dict:
   with tempfile.TemporaryDirectory() as tmp:
     env = dict(os.environ, CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=tmp, SONICMOE_CUTE_CACHE="",
                PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
-    subprocess.run([sys.executable, "-c", _COMPILE, kernel, str(block_n), str(stages)], env=env,
+    subprocess.run([sys.executable, "-c", _COMPILE, kernel, str(block_n), str(stages), str(K_STEPS)],
+                   env=env,
                    cwd=tmp, check=True, capture_output=True, timeout=600)
     cubins = list(pathlib.Path(tmp).rglob("*.cubin"))
     if len(cubins) != 1:
@@ -103,11 +108,11 @@ def measure(kernel: str, block_n: int, stages: int) -> dict:
 
 
 def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
+  """The variant's SMEM at the pipeline depth its kernel runs (stages 0: as many as fit)."""
   from ffi import grouped_gemm as g
   num_rhs = 2 if kernel.startswith("up_proj") else 1
-  fit = g._stages_that_fit(block_n, num_rhs, 2)
-  depth = min(8, fit) if stages == 0 else stages
-  return depth * (g.BLOCK_M + num_rhs * block_n) * g.BLOCK_K * 2 + 1024
+  depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None)
+  return g.smem_bytes(block_n, num_rhs, 2, depth)
 
 
 def ctas_per_sm(registers: int, smem: int, threads: int) -> int:

@@ -51,9 +51,11 @@ BLOCK_K = 64
 WARPGROUPS = 2
 THREADS = 128 * WARPGROUPS
 SMEM_BYTES = 227 * 1024
+BARRIER_BYTES = 1024        # SMEM kept for the pipeline's mbarriers
 EPI_TILE = (BLOCK_M, 64)    # the TMA-store epilogue's SMEM buffer: a (BLOCK_M, 64) column slice
 EPI_STAGES = 2              # its buffers (they reuse A's pipeline stages, at least 2)
 MAX_GRID_Y = 65535          # CUDA's limit on the grid's second dimension (the M tiles)
+ROW_MODES = (1, 2, 0)       # how the kernel sees a [1, P, C] operand: (P, C, 1)
 EPILOGUE_BARRIER = 3        # named barrier ids 1, 2: the gather's per-warpgroup syncs
 GATHER_CHUNKS = BLOCK_K * 2 // 16                      # 16-byte cp.async chunks per bf16 row
 GATHER_ROWS_PER_THREAD = (BLOCK_M // WARPGROUPS) * GATHER_CHUNKS // 128
@@ -63,11 +65,15 @@ K_CHUNKS_PER_WG = BLOCK_M // WARPGROUPS // 8
 K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128
 
 
+def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int) -> int:
+  """A CTA's SMEM: `stages` pipeline stages (an lhs tile and num_rhs rhs tiles each) and 1 KiB
+  for the barriers (the epilogue's buffers reuse the lhs stages)."""
+  return stages * (BLOCK_M + num_rhs * block_n) * BLOCK_K * itemsize + BARRIER_BYTES
+
+
 def _stages_that_fit(block_n: int, num_rhs: int, itemsize: int) -> int:
-  """How many pipeline stages (an lhs tile and num_rhs rhs tiles each) fit in SMEM, 1 KiB left
-  for the barriers."""
-  per_stage = (BLOCK_M + num_rhs * block_n) * BLOCK_K * itemsize
-  return (SMEM_BYTES - 1024) // per_stage
+  """How many pipeline stages fit in SMEM (smem_bytes)."""
+  return (SMEM_BYTES - BARRIER_BYTES) // (smem_bytes(block_n, num_rhs, itemsize, 1) - BARRIER_BYTES)
 
 
 def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, stages) -> int:
@@ -607,10 +613,10 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   num_slots, n_out = lhs.shape[0], rhs_ekn.shape[2]
   # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major
   rhs_mode = (1, 2, 0) if transpose_rhs else (2, 1, 0)
-  rows = (1, 2, 0)   # [1, P, C] -> (P, C, 1)
   out, = xla_call.call(
       _matmul, [lhs[None], rhs, tile_expert.astype(jnp.int32)],
-      [jax.ShapeDtypeStruct((1, num_slots, n_out), lhs.dtype)], modes=[rows, rhs_mode, None, rows],
+      [jax.ShapeDtypeStruct((1, num_slots, n_out), lhs.dtype)],
+      modes=[ROW_MODES, rhs_mode, None, ROW_MODES],
       block_n=block_n, stages=stages)
   return out[0]
 
@@ -628,14 +634,13 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
   if reason:
     raise ValueError(f"cute up_proj: {reason}")
   stages = _pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)
-  rows = (1, 2, 0)
   fn, index = (_up_proj, ()) if gather_index is None else \
       (_gathered_up_proj, (gather_index.astype(jnp.int32),))
   h, a = xla_call.call(
       fn, [xg[None], w1, tile_expert.astype(jnp.int32), *index],
       [jax.ShapeDtypeStruct((1, num_slots, 2 * n), xg.dtype),
        jax.ShapeDtypeStruct((1, num_slots, n), xg.dtype)],
-      modes=[rows, (2, 1, 0), None, *[None] * len(index), rows, rows],
+      modes=[ROW_MODES, (2, 1, 0), None, *[None] * len(index), ROW_MODES, ROW_MODES],
       block_n=block_n, stages=stages)
   return h[0], a[0]
 
@@ -657,13 +662,13 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
                      f"[{dout_g.shape[0]}]; got {h.shape} {h.dtype} and {scores.shape}")
   stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, dout_g.shape[1] // BLOCK_K, stages)
   num_slots = dout_g.shape[0]
-  rows = (1, 2, 0)
   dh_, a_scaled, ds_parts = xla_call.call(
       _dh, [dout_g[None], w2, tile_expert.astype(jnp.int32), h[None], scores.astype(jnp.float32)],
       [jax.ShapeDtypeStruct((1, num_slots, 2 * n), h.dtype),
        jax.ShapeDtypeStruct((1, num_slots, n), h.dtype),
        jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)],
-      modes=[rows, (1, 2, 0), None, rows, None, rows, rows, None], block_n=block_n, stages=stages,
+      modes=[ROW_MODES, (1, 2, 0), None, ROW_MODES, None, ROW_MODES, ROW_MODES, None],
+      block_n=block_n, stages=stages,
       register_store=not tma_store)
   return dh_[0], a_scaled[0], ds_parts
 
@@ -705,10 +710,10 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   if gather_index is None:
     fn, lhs_mode, index = _weight_grad, rows_last, ()
   else:   # X as (T, M, 1), like up_proj's gather source
-    fn, lhs_mode, index = _gathered_weight_grad, (1, 2, 0), (gather_index.astype(jnp.int32),)
+    fn, lhs_mode, index = _gathered_weight_grad, ROW_MODES, (gather_index.astype(jnp.int32),)
   out, = xla_call.call(
       fn, [lhs[None], rhs[None], group_offsets.astype(jnp.int32), *index],
       [jax.ShapeDtypeStruct((num_experts, M, rhs.shape[1]), lhs.dtype)],
-      modes=[lhs_mode, rows_last, None, *[None] * len(index), (1, 2, 0)],
+      modes=[lhs_mode, rows_last, None, *[None] * len(index), ROW_MODES],   # out [E, M, N]: (M, N, E)
       block_n=block_n, stages=stages)
   return out
