@@ -36,6 +36,7 @@ VARIANTS = [
     ("dh bn64 fit", "dh", 64, 0), ("dh bn128 fit", "dh", 128, 0), ("dh bn128 st3", "dh", 128, 3),
     ("dh tma bn128 fit", "dh_tma", 128, 0), ("wgrad bn128 st3", "wgrad", 128, 3),
     ("wgrad bn256 fit", "wgrad", 256, 0), ("wgrad gather bn128 st3", "wgrad_gather", 128, 3),
+    ("wgrad gather bn256 fit", "wgrad_gather", 256, 0),
 ]
 
 _COMPILE = """

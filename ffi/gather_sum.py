@@ -29,11 +29,11 @@ def _gather_sum_kernel(y: cute.Tensor, scores: cute.Tensor, token_slots: cute.Te
     acc = cutlass.Float32(0.0)
     for j in range(start, end):
       slot = token_slots[j]
-      value = y[slot, col].to(cutlass.Float32)
+      value = y[cutlass.Int64(slot), col].to(cutlass.Float32)
       if cutlass.const_expr(weighted):
         value = value * scores[slot]
       acc = acc + value
-    out[token, col] = acc.to(out.element_type)
+    out[cutlass.Int64(token), col] = acc.to(out.element_type)
 
 
 @cute.jit

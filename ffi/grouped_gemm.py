@@ -55,6 +55,7 @@ BARRIER_BYTES = 1024        # SMEM kept for the pipeline's mbarriers
 EPI_TILE = (BLOCK_M, 64)    # the TMA-store epilogue's SMEM buffer: a (BLOCK_M, 64) column slice
 EPI_STAGES = 2              # its buffers (they reuse A's pipeline stages, at least 2)
 MAX_GRID_Y = 65535          # CUDA's limit on the grid's second dimension (the M tiles)
+MAX_REGISTER_ADDRESSED = 2**31 - 1   # elements of an operand read or written by 32-bit offsets
 ROW_MODES = (1, 2, 0)       # how the kernel sees a [1, P, C] operand: (P, C, 1)
 EPILOGUE_BARRIER = 3        # named barrier ids 1, 2: the gather's per-warpgroup syncs
 GATHER_CHUNKS = BLOCK_K * 2 // 16                      # 16-byte cp.async chunks per bf16 row
@@ -220,7 +221,8 @@ def _copy_row_chunk(x, token, chunk, dst):
   if token < cute.size(x, mode=[0]):
     atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), x.element_type,
                                num_bits_per_copy=128)
-    cute.copy(atom, cute.local_tile(x[token, None, 0], (8,), (chunk,)), dst)
+    # the row's offset in 64 bits: T * d may pass 2^31 elements
+    cute.copy(atom, cute.local_tile(x[cutlass.Int64(token), None, 0], (8,), (chunk,)), dst)
   else:
     dst.fill(0.0)
 
@@ -651,8 +653,8 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
   The epilogue math runs in registers (it reads H and the scores per fragment); dH and A' are
-  stored straight from registers, or with tma_store through SMEM by TMA stores (new, not yet
-  run on a GPU). stages as grouped_matmul's."""
+  stored straight from registers, or with tma_store through SMEM by TMA stores (bitwise the
+  same, H200 session 8). stages as grouped_matmul's."""
   n = w2.shape[1]
   reason = unsupported(dout_g, jax.ShapeDtypeStruct((w2.shape[0], w2.shape[2], n), w2.dtype), block_n)
   if reason:
@@ -660,6 +662,10 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   if h.shape != (dout_g.shape[0], 2 * n) or h.dtype != dout_g.dtype or scores.shape != (dout_g.shape[0],):
     raise ValueError(f"cute dh: need H [{dout_g.shape[0]}, {2 * n}] in {dout_g.dtype} and scores "
                      f"[{dout_g.shape[0]}]; got {h.shape} {h.dtype} and {scores.shape}")
+  if h.size > MAX_REGISTER_ADDRESSED:
+    raise ValueError(f"cute dh: H [{h.shape[0]}, {h.shape[1]}] has {h.size} elements; the "
+                     f"epilogue addresses H, dH and A' with 32-bit offsets (at most "
+                     f"{MAX_REGISTER_ADDRESSED}): split the batch")
   stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, dout_g.shape[1] // BLOCK_K, stages)
   num_slots = dout_g.shape[0]
   dh_, a_scaled, ds_parts = xla_call.call(
@@ -698,7 +704,7 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   group_offsets[e + 1] (multiples of BLOCK_M, an aligned plan; an expert without rows gets
   zeros). dW1 = weight_grad(Xg, dH), dW2 = weight_grad(A', dOg). With gather_index [P], lhs
   is X [T, M] and slot r reads X[gather_index[r]] (zeros where it is T or more), gathered inside
-  the kernel by cp.async (bitwise equal to gathering first, but 2x slower on the H200)."""
+  the kernel by cp.async (bitwise equal to gathering first; H200 timings in ops.dw1)."""
   P = lhs.shape[0] if gather_index is None else gather_index.shape[0]
   M = lhs.shape[1]
   slots = jax.ShapeDtypeStruct((P, M), lhs.dtype)   # the rows the GEMM reads

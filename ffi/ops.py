@@ -1,11 +1,11 @@
 """Backend "cute": the ops written as CuTe DSL kernels: aggregation (gather_sum.py) and the
 grouped GEMMs (grouped_gemm.py) up_proj (SwiGLU epilogue; X's rows gathered in the kernel by
 cp.async, UP_PROJ_GATHER_IN_KERNEL), down_proj, dh (the dSwiGLU epilogue; dO's rows gathered by
-XLA), dx_tilde and the varlen-K weight gradients dw1 and dw2 (rows gathered by XLA first: the
-kernel's own gather of X measured 2x slower); all match float32 references and the xla backend
-on an H200 (tests/test_cute.py). Speed against the pallas backend:
-benchmarks/results/2026-11-30-h200-session7 (neither wins every op at every config; pallas is
-the default).
+XLA), dx_tilde and the varlen-K weight gradients dw1 (X's rows gathered in the kernel where its
+output is narrow, DW1_GATHER_MAX_COLUMN_TILES) and dw2 (dO's rows gathered by XLA first); all
+match float32 references and the xla backend on an H200 (tests/test_cute.py). Speed against
+the pallas backend: benchmarks/results/2026-11-30-h200-session8; the shapes where dh, dx_tilde
+and dw1 are the GPU default: sonicmoe_jax/backends.py.
 
 Implements a subset of the dispatch table; mix it with others, e.g.
 backend={"aggregate": "cute"} (other ops default). The GEMMs need the plan aligned to
@@ -22,6 +22,8 @@ except ImportError as e:  # the optional extra is missing
       "backend 'cute' needs NVIDIA's CuTe DSL and jax-tvm-ffi: pip install 'sonicmoe-jax[cute]' "
       f"(nvidia-cutlass-dsl>=4.8.1, jax-tvm-ffi>=0.1.3); import failed with: {e}") from e
 
+import warnings
+
 import jax.numpy as jnp
 
 from ffi import gather_sum, grouped_gemm
@@ -31,6 +33,12 @@ from sonicmoe_jax import xla_ops
 ALIGN = grouped_gemm.BLOCK_M
 # The up-projection gathers X's rows itself (bitwise equal to gathering first, H200 session 6)
 UP_PROJ_GATHER_IN_KERNEL = True
+# dW1 gathers X's rows itself (bitwise equal to gathering first) where its output has at most
+# this many column tiles. H200 session 8, forward+backward ms with dh, dx_tilde, dw1 on cute:
+# 30B-n256 (2 tiles) 23.13 gathering in the kernel vs 23.97 after XLA's gather (and 7.0 vs 11.4
+# GB of step memory); 120B-n1024 (8 tiles) 37.57 vs 36.33. dW1 alone at 30B-n256: 4.16 ms vs
+# 3.21 + ~2.3 for XLA's gather.
+DW1_GATHER_MAX_COLUMN_TILES = 2
 
 
 def _tiles(plan):
@@ -69,7 +77,12 @@ def down_proj(a, w2, plan):
 
 
 def dh(dout, w2, h, scores, plan):
-  """dA' = dO_e W2_e^T (dO's rows gathered by XLA first) fused with dSwiGLU: dH, dS, A' = s A."""
+  """dA' = dO_e W2_e^T (dO's rows gathered by XLA first) fused with dSwiGLU: dH, dS, A' = s A.
+  An H past the kernel's 32-bit epilogue offsets goes to xla_ops.dh with a warning."""
+  if h.size > grouped_gemm.MAX_REGISTER_ADDRESSED:
+    warnings.warn(f"backend 'cute' dh: H {h.shape} has more than "
+                  f"{grouped_gemm.MAX_REGISTER_ADDRESSED} elements; using xla_ops.dh", stacklevel=2)
+    return xla_ops.dh(dout, w2, h, scores, plan)
   dh_, a_scaled, ds_parts = grouped_gemm.dh(xla_ops.gather_rows(dout, plan.token_index), w2, h,
                                             scores, _tiles(plan), _wide_tile(w2.shape[1], 128))
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
@@ -82,11 +95,15 @@ def dx_tilde(dh, w1, plan):
 
 
 def dw1(x, dh_, plan):
-  """dW1_e = X_e^T dH_e over expert e's rows (X's rows gathered by XLA first). block_n 256
-  where 2n allows: session 7's sweep at 30B-n256, 3.37 ms vs 3.80 at block_n 128."""
+  """dW1_e = X_e^T dH_e over expert e's rows; block_n 256 where 2n allows. X's rows are
+  gathered in the kernel by cp.async where dW1 has at most DW1_GATHER_MAX_COLUMN_TILES column
+  tiles (each tile gathers the rows again), else by XLA first."""
+  block_n = _wide_tile(dh_.shape[1], 256)
+  if dh_.shape[1] // block_n <= DW1_GATHER_MAX_COLUMN_TILES:
+    return grouped_gemm.weight_grad(x, dh_, plan.group_offsets, plan.num_experts,
+                                    block_n=block_n, gather_index=plan.token_index)
   return grouped_gemm.weight_grad(xla_ops.gather_rows(x, plan.token_index), dh_,
-                                  plan.group_offsets, plan.num_experts,
-                                  block_n=_wide_tile(dh_.shape[1], 256))
+                                  plan.group_offsets, plan.num_experts, block_n=block_n)
 
 
 def dw2(a_scaled, dout, plan):
