@@ -124,13 +124,14 @@ def step_bytes(jitted, args):
 
 
 def backend_spec(impl):
-  """Our layer's backend for an impl name: "xla", "pallas", "cute", or a per-op mix written
-  op=backend+op=backend (e.g. "dh=cute+dx_tilde=cute") as a dict."""
+  """Our layer's backend for an impl name: "xla", "pallas", "cute", "auto" (the library's
+  default per op and layer shape), or a per-op mix written op=backend+op=backend (e.g.
+  "dh=cute+dx_tilde=cute") as a dict."""
   return impl if "+" not in impl and "=" not in impl else dict(p.split("=") for p in impl.split("+"))
 
 
 def impl_fn(impl, K, rounding, tile):
-  if impl in ("xla", "pallas", "cute") or "=" in impl:
+  if impl in ("xla", "pallas", "cute", "auto") or "=" in impl:
     return ours(backend_spec(impl), K, rounding, tile)
   if impl == "lax_ragged_dot":
     return plain_autodiff(functools.partial(jax.lax.ragged_dot, preferred_element_type=None), K)

@@ -15,9 +15,10 @@
 #           the cute wheels first, ../shared/tools/device-wheels cute; source their env.sh) (~3 min)
 #   cute_sweep: their tile/epilogue sweep at 30B-n256                                 (~4 min)
 #   cute_bench: then (kernels read back from the disk cache) the FFI call cost and the layer
-#           with cute ops vs pallas                                                   (~4 min)
-#   bench : side by side at the five anchors: pallas, tokamax, dense, and the PyTorch SonicMoE
-#           when its wheels are staged (source /tmp/devsite-upstream/env.sh first)
+#           at the five anchors, the default ("auto") vs all-pallas                  (~5 min)
+#   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
+#           the cute wheels are staged, and the PyTorch SonicMoE when its wheels are staged
+#           (source /tmp/devsite-upstream/env.sh and /tmp/devsite-cute/env.sh first)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -41,6 +42,7 @@ for mode in "$@"; do
         --block-n 128,256 --stages 2,4 --out "$OUT/sweep_matmul.json" 2>&1 | grep -v '^{' | tail -25 ;;
     bench)
       impls=pallas,tokamax,dense
+      python3 -c "import cutlass, jax_tvm_ffi" 2>/dev/null && impls=auto,$impls   # cute staged too
       python3 -c "import sonicmoe" 2>/dev/null && impls=$impls,torch_sonicmoe
       timeout 580 python3 -m benchmarks.bench --impls "$impls" --iters 5 --reps 3 --torch-timeout 300 \
         --out "$OUT/bench" 2>&1 | tail -30 ;;
@@ -64,12 +66,12 @@ for mode in "$@"; do
       sweep 100 bw --kernels dw1,dw2,dw1_gather --block-n 128,256
       timeout 40 python3 -m benchmarks.tile_sweep --configs 30B-n256 --kernels dw1 --block-n 128 \
         --stages 4 --out "$OUT/sweep_pallas_dw1.json" 2>&1 | grep -v '^{' | tail -1 ;;   # Pallas's, same rows
-    cute_bench)  # after `cute`, on the same machine: FFI call cost and the layer with cute ops
+    cute_bench)  # after `cute`, on the same machine: FFI call cost, and the layer's default
+                 # ("auto": dh, dx_tilde, dw1 on cute where backends.py says) vs all-pallas
       timeout 60 python3 -m benchmarks.ffi_overhead --calls 20 --out "$OUT/ffi_overhead.json" \
         2>&1 | grep -v '^{' | tail -5
-      timeout 240 python3 -m benchmarks.bench --configs 7B-n256,30B-n256,olmoe \
-        --impls pallas,dh=cute+dx_tilde=cute,up_proj=cute+down_proj=cute+dh=cute+dx_tilde=cute+dw1=cute+dw2=cute \
-        --iters 5 --reps 3 --out "$OUT/bench_cute" 2>&1 | tail -9 ;;
+      timeout 300 python3 -m benchmarks.bench --impls pallas,auto \
+        --iters 5 --reps 3 --out "$OUT/bench_cute" 2>&1 | tail -11 ;;
     rounding)  # token rounding vs plain top-K at a sparse config (issue #4), pallas backend
       for r in none nearest; do
         flag=(); [ "$r" = nearest ] && flag=(--rounding nearest)

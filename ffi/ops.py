@@ -41,6 +41,18 @@ UP_PROJ_GATHER_IN_KERNEL = True
 DW1_GATHER_MAX_COLUMN_TILES = 2
 
 
+def unsupported(dtype, d: int, n: int):
+  """Why these kernels cannot run a layer of this input dtype and widths (a sentence naming the
+  limit), or None. (dw2 needs n a multiple of 128 too; its kernel says so when asked.)"""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"inputs must be bfloat16 or float16; got {jnp.dtype(dtype)}"
+  if d % grouped_gemm.BLOCK_M:
+    return f"d={d} must be a multiple of {grouped_gemm.BLOCK_M}"
+  if n % grouped_gemm.BLOCK_K:
+    return f"n={n} must be a multiple of {grouped_gemm.BLOCK_K}"
+  return None
+
+
 def _tiles(plan):
   return schedule.tile_experts(plan, grouped_gemm.BLOCK_M)
 

@@ -18,13 +18,16 @@ of the ops. Users pick a backend by name for all ops ("xla", "pallas",
 use "auto").
 
 "auto" picks the platform default (PLATFORM_DEFAULTS, from measurements: the pallas kernels
-on GPUs). When the default backend's `unsupported(dtype, d, n)` names a reason (for example
-float32 inputs for pallas), "auto" falls back to "xla" and says so with a warning; a backend
-asked for by name raises instead.
+on GPUs), except that on GPUs dh, dx_tilde and dw1 run on "cute" at the layer widths where it
+measured faster (cute_is_faster_on_gpu) when the optional cute extra is installed. When the
+default backend's `unsupported(dtype, d, n)` names a reason (for example float32 inputs for
+pallas), "auto" falls back to "xla" and says so with a warning; a backend asked for by name
+raises instead.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import warnings
 from collections.abc import Mapping
 from typing import Callable, NamedTuple, Union
@@ -45,6 +48,25 @@ BACKEND_MODULES = {
 PLATFORM_DEFAULTS: dict[str, dict[str, str]] = {
     "gpu": {op: "pallas" for op in ("top_k", "up_proj", "down_proj", "dh", "dx_tilde", "dw1", "dw2")},
 }
+
+# GPU ops the cute backend takes over where it measured faster, by the layer's widths. H200,
+# benchmarks/results/2026-11-30-h200-session8, forward+backward ms, pallas -> dh, dx_tilde, dw1
+# on cute: 7B-n256 3.81-3.89 -> 3.73; 30B-n256 23.4-24.2 -> 23.1-23.4; 120B-n1024 37.5-38.3 ->
+# 35.2-36.3. Pallas stays where d < 4096 and n > 256: 7B-n1024 2.92-2.97 vs 3.01-3.09, olmoe
+# 17.9-18.7 vs 18.5-19.1.
+GPU_CUTE_OPS = ("dh", "dx_tilde", "dw1")
+
+
+def cute_is_faster_on_gpu(d: int, n: int) -> bool:
+  """Whether GPU_CUTE_OPS measured faster on cute than on pallas for hidden size d and expert
+  width n (the cute dH and dX~ kernels win at d = 4096; cute dW1 gathering X in the kernel
+  wins where n <= 256)."""
+  return d >= 4096 or n <= 256
+
+
+def _cute_installed() -> bool:
+  return all(importlib.util.find_spec(m) is not None for m in ("cutlass", "jax_tvm_ffi"))
+
 
 BackendSpec = Union[str, Mapping[str, str]]
 
@@ -74,8 +96,15 @@ def _backend_module(name: str):
   return module
 
 
-def default_backend(op: str, platform: str | None = None) -> str:
+def default_backend(op: str, platform: str | None = None, *, dtype=None, d: int | None = None,
+                    n: int | None = None) -> str:
+  """The backend "auto" picks for op: PLATFORM_DEFAULTS, or on GPUs "cute" for GPU_CUTE_OPS
+  where cute_is_faster_on_gpu(d, n), the cute extra is installed and can run the layer."""
   platform = platform or jax.default_backend()
+  if (platform == "gpu" and op in GPU_CUTE_OPS and None not in (dtype, d, n)
+      and cute_is_faster_on_gpu(d, n) and _cute_installed()
+      and _backend_module("cute").unsupported(dtype, d, n) is None):
+    return "cute"
   return PLATFORM_DEFAULTS.get(platform, {}).get(op, "xla")
 
 
@@ -101,7 +130,7 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype
   impls, align = {}, 1
   for op, name in choice.items():
     if name == "auto":
-      name = default_backend(op, platform)
+      name = default_backend(op, platform, dtype=dtype, d=d, n=n)
       module = _backend_module(name)
       reason = module.unsupported(dtype, d, n) if hasattr(module, "unsupported") and dtype is not None else None
       if reason:

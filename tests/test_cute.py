@@ -160,6 +160,27 @@ def test_cute_dh_past_its_offsets_falls_back_to_xla(monkeypatch):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@needs_cute
+def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
+  """On GPUs "auto" runs dh, dx_tilde and dw1 on cute at the widths where it measured faster
+  (d >= 4096 or n <= 256), pallas elsewhere and without the extra; float32 goes to xla."""
+  from sonicmoe_jax import backends, xla_ops
+  # the modules as the dispatch table imports them (an earlier test may re-import ffi.ops)
+  cute_ops, pallas_ops = map(importlib.import_module, ("ffi.ops", "pallas_kernels.ops"))
+  resolve = lambda d, n, dtype=jnp.bfloat16: backends.resolve("auto", platform="gpu",
+                                                              dtype=dtype, d=d, n=n)
+  for d, n in [(4096, 1024), (4096, 256), (1536, 256)]:
+    ops = resolve(d, n)
+    assert (ops.dh, ops.dx_tilde, ops.dw1) == (cute_ops.dh, cute_ops.dx_tilde, cute_ops.dw1)
+    assert (ops.up_proj, ops.dw2, ops.align) == (pallas_ops.up_proj, pallas_ops.dw2, 128)
+  assert resolve(1536, 1024).dh is pallas_ops.dh and resolve(2048, 1024).dw1 is pallas_ops.dw1
+  with pytest.warns(UserWarning, match="float32"):
+    assert resolve(4096, 256, jnp.float32).dh is xla_ops.dh
+  assert "multiple of 64" in cute_ops.unsupported(jnp.bfloat16, 4096, 96)
+  monkeypatch.setattr(backends, "_cute_installed", lambda: False)
+  assert resolve(4096, 1024).dh is pallas_ops.dh
+
+
 CUTE_GEMMS = {"up_proj": "cute", "down_proj": "cute", "dh": "cute", "dx_tilde": "cute",
               "dw1": "cute", "dw2": "cute", "aggregate": "cute"}
 
