@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib
 import json
 import os
 import statistics
@@ -289,9 +290,13 @@ def main(argv=None):
                  help="pallas up-projection: gather X's rows inside the kernel (default) or by XLA")
   p.add_argument("--pallas-dw1-gather", choices=("xla", "kernel"), default="xla",
                  help="pallas dW1: gather X's rows by XLA (default) or inside the kernel (slower, less memory)")
+  p.add_argument("--cute-dout-gather", choices=("xla", "kernel"), default="xla",
+                 help="cute dh and dw2: gather dO's rows by XLA (default) or inside both kernels")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
+  if a.cute_dout_gather == "kernel":   # (the cute extra: imported only when asked)
+    importlib.import_module("ffi.ops").DOUT_GATHER_IN_KERNEL = True
 
   cases = dict(C.TINY) if a.tiny else {c: C.ANCHORS[c] for c in a.configs.split(",") if c}
   cases.update(C.parse_config(c) for c in a.custom)
@@ -299,7 +304,7 @@ def main(argv=None):
   dev = jax.devices()[0]
   meta = dict(gpu=dev.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               versions=versions(), pallas_gather=a.pallas_gather,
-              pallas_dw1_gather=a.pallas_dw1_gather)
+              pallas_dw1_gather=a.pallas_dw1_gather, cute_dout_gather=a.cute_dout_gather)
   print(f"devices {jax.devices()} | {meta['versions']} | impls {impls}", flush=True)
   os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
   records = []

@@ -13,7 +13,8 @@
 #           tests, then the per-op rows of benchmarks.kernels at 30B-n256 and 7B-n256    (~4 min)
 #   cute  : the CuTe kernels' GPU tests, compiling into the disk cache /tmp/cute-cache (carry
 #           the cute wheels first, ../shared/tools/device-wheels cute; source their env.sh) (~3 min)
-#   cute_sweep: their tile/epilogue sweep at 30B-n256                                 (~4 min)
+#   cute_sweep: their tile/epilogue sweep at 30B-n256                                 (~5 min)
+#   cute_dout: the layer with dO's rows gathered by the cute dh and dw2 vs by XLA     (~5 min)
 #   cute_bench: then (kernels read back from the disk cache) the FFI call cost and the layer
 #           at the five anchors, the default ("auto") vs all-pallas                  (~5 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
@@ -62,8 +63,8 @@ for mode in "$@"; do
         --stages 3,0 "${@:3}" --out "$OUT/sweep_cute_$2.json" 2>&1 | grep -v '^{' | grep -v "^config"; }
       sweep 60 up --kernels up_proj,up_proj_gather --block-n 64,128
       sweep 60 mm --kernels down_proj,dx_tilde --block-n 128,256
-      sweep 80 dh --kernels dh,dh_tma --block-n 64,128
-      sweep 100 bw --kernels dw1,dw2,dw1_gather --block-n 128,256
+      sweep 100 dh --kernels dh,dh_tma,dh_gather --block-n 64,128
+      sweep 120 bw --kernels dw1,dw2,dw1_gather,dw2_gather --block-n 128,256
       timeout 40 python3 -m benchmarks.tile_sweep --configs 30B-n256 --kernels dw1 --block-n 128 \
         --stages 4 --out "$OUT/sweep_pallas_dw1.json" 2>&1 | grep -v '^{' | tail -1 ;;   # Pallas's, same rows
     cute_bench)  # after `cute`, on the same machine: FFI call cost, and the layer's default
@@ -72,6 +73,13 @@ for mode in "$@"; do
         2>&1 | grep -v '^{' | tail -5
       timeout 300 python3 -m benchmarks.bench --impls pallas,auto \
         --iters 5 --reps 3 --out "$OUT/bench_cute" 2>&1 | tail -11 ;;
+    cute_dout)  # after `cute`: dO's rows gathered by dh and dw2 themselves vs by XLA (all four
+                # backward GEMMs on cute), beside the default
+      for g in xla kernel; do
+        timeout 280 python3 -m benchmarks.bench --configs 7B-n256,30B-n256,120B-n1024 \
+          --impls dh=cute+dx_tilde=cute+dw1=cute+dw2=cute --cute-dout-gather $g \
+          --iters 5 --reps 3 --out "$OUT/bench_dout_$g" 2>&1 | tail -4
+      done ;;
     rounding)  # token rounding vs plain top-K at a sparse config (issue #4), pallas backend
       for r in none nearest; do
         flag=(); [ "$r" = nearest ] && flag=(--rounding nearest)

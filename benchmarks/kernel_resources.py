@@ -34,7 +34,7 @@ VARIANTS = [
     ("store bn128 st3", "matmul", 128, 3), ("store bn256 fit", "matmul", 256, 0),
     ("up_proj bn128 fit", "up_proj", 128, 0), ("up_proj gather bn128 fit", "up_proj_gather", 128, 0),
     ("dh bn64 fit", "dh", 64, 0), ("dh bn128 fit", "dh", 128, 0), ("dh bn128 st3", "dh", 128, 3),
-    ("dh tma bn128 fit", "dh_tma", 128, 0), ("wgrad bn128 st3", "wgrad", 128, 3),
+    ("dh tma bn128 fit", "dh_tma", 128, 0), ("dh gather bn128 fit", "dh_gather", 128, 0), ("wgrad bn128 st3", "wgrad", 128, 3),
     ("wgrad bn256 fit", "wgrad", 256, 0), ("wgrad gather bn128 st3", "wgrad_gather", 128, 3),
     ("wgrad gather bn256 fit", "wgrad_gather", 256, 0),
 ]
@@ -58,6 +58,9 @@ fn, args = {
            (sds(P, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32), sds(P // 128, dt=jnp.int32))),
     "dh_tma": (lambda a, w, h, s, t: g.dh(a, w, h, s, t, tma_store=True, **kw),
                (sds(P, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32), sds(P // 128, dt=jnp.int32))),
+    "dh_gather": (lambda a, w, h, s, t, i: g.dh(a, w, h, s, t, gather_index=i, **kw),
+                  (sds(300, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32),
+                   sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
     "wgrad": (lambda a, b, o: g.weight_grad(a, b, o, E, **kw), (sds(P, K), sds(P, N), sds(E + 1, dt=jnp.int32))),
     "wgrad_gather": (lambda a, b, o, i: g.weight_grad(a, b, o, E, gather_index=i, **kw),
                      (sds(300, K), sds(P, N), sds(E + 1, dt=jnp.int32), sds(P, dt=jnp.int32))),

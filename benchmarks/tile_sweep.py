@@ -86,7 +86,8 @@ def _with_backward_rows(rows, dh, dw, x, w2, dout, plan, tiles, pairs):
 
 def cute_kernels(x, w1, w2, dout, plan, pairs):
   """The CuTe DSL kernels' rows (_gemm_rows, dh, dh_tma: dh storing through the TMA-store
-  epilogue, dw1, and dw1_gather: dW1 gathering X's rows in the kernel; cfg a CuteTile)."""
+  epilogue, dh_gather: dh gathering dO's rows in the kernel, dw1, dw1_gather: dW1 gathering X's
+  rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows; cfg a CuteTile)."""
   from ffi import grouped_gemm as cute_gemm  # optional extra
   tiles = schedule.tile_experts(plan, cute_gemm.BLOCK_M)
   rows = _gemm_rows(
@@ -105,10 +106,19 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dh_tma"] = (jax.jit(lambda c, dg, w2, h, s, t: cute_gemm.dh(
       dg, w2, h, s, t, tma_store=True, **dataclasses.asdict(c)), static_argnums=0),
       dh_args, dh_flops, dh_n)
+  rows["dh_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(   # dO's rows too
+      g, w2, h, s, t, gather_index=i, **dataclasses.asdict(c)), static_argnums=0),
+      (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
   _, (_, h, offsets), flops, _ = rows["dw1"]
   rows["dw1_gather"] = (jax.jit(lambda c, x, h, o, i: cute_gemm.weight_grad(
       x, h, o, E, gather_index=i, **dataclasses.asdict(c)), static_argnums=0),
       (x, h, offsets, plan.token_index), flops, None)
+  # dW2 computed transposed with dO's rows gathered in the kernel (dO^T A', then [E, d, n] ->
+  # [E, n, d]), A standing in for A' as in the dw2 row
+  _, (a, _, _), flops, _ = rows["dw2"]
+  rows["dw2_gather"] = (jax.jit(lambda c, g, a, o, i: jnp.swapaxes(cute_gemm.weight_grad(
+      g, a, o, E, gather_index=i, **dataclasses.asdict(c)), 1, 2), static_argnums=0),
+      (dout, a, offsets, plan.token_index), flops, None)
   return rows
 
 

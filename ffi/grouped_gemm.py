@@ -17,7 +17,7 @@ column tiles run next to each other, so its lhs rows are read from HBM once and 
   mainloop : lhs[m, kk] (K-major) and rhs_e[kk, n] (N- or K-major) tiles of BLOCK_K by TMA
              through a `stages`-deep mbarrier pipeline; one k step's wgmmas stay in flight
              while the next step's are issued, and a stage is refilled once its wgmmas are done
-  gather   : up_proj with gather_index: lhs is X and A's stages leave
+  gather   : up_proj or dh with gather_index: lhs is X (or dO) and A's stages leave
              the TMA pipeline; each warpgroup cp.async-copies its own rows of step kk + stages
              - 1 into the stage step kk - 1 read, once that step's wgmmas are done
              (_gather_step), then waits, fences (async proxy) and syncs before its wgmmas
@@ -29,8 +29,8 @@ column tiles run next to each other, so its lhs rows are read from HBM once and 
              10% longer in up_proj, 2% shorter at one of its 8 tiles: session 6's sweep). dh
              first computes its dH and A' tiles in registers (_dh_outputs: it reads H and the
              scores per fragment, and writes dS's parts), then stores them straight from
-             registers (register_store), or (dh(tma_store=True): new, not yet run on a GPU)
-             the same TMA way.
+             registers (register_store), or (dh(tma_store=True): bitwise the same) the same TMA
+             way.
 """
 from __future__ import annotations
 
@@ -487,6 +487,16 @@ def _dh(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor, 
 
 
 @cute.jit
+def _gathered_dh(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor,
+                 gather_index: cute.Tensor, h: cute.Tensor, scores: cute.Tensor, dh: cute.Tensor,
+                 a_scaled: cute.Tensor, ds_parts: cute.Tensor, block_n: cutlass.Constexpr,
+                 stages: cutlass.Constexpr, register_store: cutlass.Constexpr):
+  """_dh with dout (T, d, 1) the source rows and slot r reading dout[gather_index[r]]."""
+  _launch(stream, dout, w2, tile_expert, gather_index, dh, a_scaled, (h, scores, ds_parts),
+          block_n, stages, "dh", True, register_store)
+
+
+@cute.jit
 def _weight_grad(stream, lhs: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.Tensor,
                  out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
   """lhs (M, P, 1) M-major, rhs (N, P, 1) N-major, group_offsets (E + 1,), out (M, N, E)."""
@@ -648,34 +658,40 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None,
-       tma_store: bool = False):
+       tma_store: bool = False, gather_index=None):
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
   The epilogue math runs in registers (it reads H and the scores per fragment); dH and A' are
   stored straight from registers, or with tma_store through SMEM by TMA stores (bitwise the
-  same, H200 session 8). stages as grouped_matmul's."""
+  same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
+  and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
+  by cp.async as up_proj gathers X."""
   n = w2.shape[1]
-  reason = unsupported(dout_g, jax.ShapeDtypeStruct((w2.shape[0], w2.shape[2], n), w2.dtype), block_n)
+  num_slots = dout_g.shape[0] if gather_index is None else gather_index.shape[0]
+  slots = jax.ShapeDtypeStruct((num_slots, dout_g.shape[1]), dout_g.dtype)   # the rows it reads
+  reason = unsupported(slots, jax.ShapeDtypeStruct((w2.shape[0], w2.shape[2], n), w2.dtype), block_n)
   if reason:
     raise ValueError(f"cute dh: {reason}")
-  if h.shape != (dout_g.shape[0], 2 * n) or h.dtype != dout_g.dtype or scores.shape != (dout_g.shape[0],):
-    raise ValueError(f"cute dh: need H [{dout_g.shape[0]}, {2 * n}] in {dout_g.dtype} and scores "
-                     f"[{dout_g.shape[0]}]; got {h.shape} {h.dtype} and {scores.shape}")
+  if h.shape != (num_slots, 2 * n) or h.dtype != dout_g.dtype or scores.shape != (num_slots,):
+    raise ValueError(f"cute dh: need H [{num_slots}, {2 * n}] in {dout_g.dtype} and scores "
+                     f"[{num_slots}]; got {h.shape} {h.dtype} and {scores.shape}")
   if h.size > MAX_REGISTER_ADDRESSED:
     raise ValueError(f"cute dh: H [{h.shape[0]}, {h.shape[1]}] has {h.size} elements; the "
                      f"epilogue addresses H, dH and A' with 32-bit offsets (at most "
                      f"{MAX_REGISTER_ADDRESSED}): split the batch")
   stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, dout_g.shape[1] // BLOCK_K, stages)
-  num_slots = dout_g.shape[0]
+  fn, index = (_dh, ()) if gather_index is None else \
+      (_gathered_dh, (gather_index.astype(jnp.int32),))
   dh_, a_scaled, ds_parts = xla_call.call(
-      _dh, [dout_g[None], w2, tile_expert.astype(jnp.int32), h[None], scores.astype(jnp.float32)],
+      fn, [dout_g[None], w2, tile_expert.astype(jnp.int32), *index, h[None],
+           scores.astype(jnp.float32)],
       [jax.ShapeDtypeStruct((1, num_slots, 2 * n), h.dtype),
        jax.ShapeDtypeStruct((1, num_slots, n), h.dtype),
        jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)],
-      modes=[ROW_MODES, (1, 2, 0), None, ROW_MODES, None, ROW_MODES, ROW_MODES, None],
-      block_n=block_n, stages=stages,
-      register_store=not tma_store)
+      modes=[ROW_MODES, (1, 2, 0), None, *[None] * len(index), ROW_MODES, None, ROW_MODES,
+             ROW_MODES, None],
+      block_n=block_n, stages=stages, register_store=not tma_store)
   return dh_[0], a_scaled[0], ds_parts
 
 

@@ -1,11 +1,12 @@
 """Backend "cute": the ops written as CuTe DSL kernels: aggregation (gather_sum.py) and the
 grouped GEMMs (grouped_gemm.py) up_proj (SwiGLU epilogue; X's rows gathered in the kernel by
-cp.async, UP_PROJ_GATHER_IN_KERNEL), down_proj, dh (the dSwiGLU epilogue; dO's rows gathered by
-XLA), dx_tilde and the varlen-K weight gradients dw1 (X's rows gathered in the kernel where its
-output is narrow, DW1_GATHER_MAX_COLUMN_TILES) and dw2 (dO's rows gathered by XLA first); all
-match float32 references and the xla backend on an H200 (tests/test_cute.py). Speed against
-the pallas backend: benchmarks/results/2026-11-30-h200-session8; the shapes where dh, dx_tilde
-and dw1 are the GPU default: sonicmoe_jax/backends.py.
+cp.async, UP_PROJ_GATHER_IN_KERNEL), down_proj, dh (the dSwiGLU epilogue), dx_tilde and the
+varlen-K weight gradients dw1 (X's rows gathered in the kernel where its output is narrow,
+DW1_GATHER_MAX_COLUMN_TILES) and dw2 (dO's rows for dh and dw2 gathered by XLA, or by both
+kernels: DOUT_GATHER_IN_KERNEL); all match float32 references and the xla backend on an H200
+(tests/test_cute.py). Speed against the pallas backend:
+benchmarks/results/2026-11-30-h200-session8; the shapes where dh, dx_tilde and dw1 are the GPU
+default: sonicmoe_jax/backends.py.
 
 Implements a subset of the dispatch table; mix it with others, e.g.
 backend={"aggregate": "cute"} (other ops default). The GEMMs need the plan aligned to
@@ -39,6 +40,11 @@ UP_PROJ_GATHER_IN_KERNEL = True
 # GB of step memory); 120B-n1024 (8 tiles) 37.57 vs 36.33. dW1 alone at 30B-n256: 4.16 ms vs
 # 3.21 + ~2.3 for XLA's gather.
 DW1_GATHER_MAX_COLUMN_TILES = 2
+# dO's rows for dh and dw2: gathered once by XLA (the two ops share the [T*K, d] copy), or by
+# both kernels themselves (dW2 then computed transposed: dW2_e^T = dO_e^T A'_e). Estimate at
+# 30B-n256: XLA's gather 2.4 ms goes, the gathers in dh and dW2 add ~0.9 ms each (as in
+# up_proj and dW1) and the transpose ~0.3 ms; 4.3 GB less step memory. Not yet measured: off.
+DOUT_GATHER_IN_KERNEL = False
 
 
 def unsupported(dtype, d: int, n: int):
@@ -71,8 +77,11 @@ def up_proj(x, w1, plan):
 
 
 def _wide_tile(cols: int, widest: int) -> int:
-  """block_n: `widest` where it divides the output columns, else half of it."""
-  return widest if cols % widest == 0 else widest // 2
+  """block_n: `widest`, halved (down to 64) until it divides the output columns."""
+  block_n = widest
+  while cols % block_n and block_n > 64:
+    block_n //= 2
+  return block_n
 
 
 # The plain-epilogue GEMMs' tile: block_n 128 with a 3-stage pipeline (96 KB of SMEM: two CTAs
@@ -89,14 +98,19 @@ def down_proj(a, w2, plan):
 
 
 def dh(dout, w2, h, scores, plan):
-  """dA' = dO_e W2_e^T (dO's rows gathered by XLA first) fused with dSwiGLU: dH, dS, A' = s A.
-  An H past the kernel's 32-bit epilogue offsets goes to xla_ops.dh with a warning."""
+  """dA' = dO_e W2_e^T fused with dSwiGLU: dH, dS, A' = s A (dO's rows gathered by XLA first,
+  or in the kernel: DOUT_GATHER_IN_KERNEL). An H past the kernel's 32-bit epilogue offsets
+  goes to xla_ops.dh with a warning."""
   if h.size > grouped_gemm.MAX_REGISTER_ADDRESSED:
     warnings.warn(f"backend 'cute' dh: H {h.shape} has more than "
                   f"{grouped_gemm.MAX_REGISTER_ADDRESSED} elements; using xla_ops.dh", stacklevel=2)
     return xla_ops.dh(dout, w2, h, scores, plan)
-  dh_, a_scaled, ds_parts = grouped_gemm.dh(xla_ops.gather_rows(dout, plan.token_index), w2, h,
-                                            scores, _tiles(plan), _wide_tile(w2.shape[1], 128))
+  if DOUT_GATHER_IN_KERNEL:
+    rows, gather = dout, dict(gather_index=plan.token_index)
+  else:
+    rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
+  dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan),
+                                            _wide_tile(w2.shape[1], 128), **gather)
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
 
 
@@ -119,7 +133,14 @@ def dw1(x, dh_, plan):
 
 
 def dw2(a_scaled, dout, plan):
-  """dW2_e = A'_e^T dO_e over expert e's rows (dO's rows gathered by XLA first)."""
+  """dW2_e = A'_e^T dO_e over expert e's rows (dO's rows gathered by XLA first), or with
+  DOUT_GATHER_IN_KERNEL computed transposed, dW2_e^T = dO_e^T A'_e with dO's rows gathered in
+  the kernel (its gathered operand is the lhs), then transposed back."""
+  if DOUT_GATHER_IN_KERNEL:
+    dw2_t = grouped_gemm.weight_grad(dout, a_scaled, plan.group_offsets, plan.num_experts,
+                                     block_n=_wide_tile(a_scaled.shape[1], 256),
+                                     gather_index=plan.token_index)
+    return jnp.swapaxes(dw2_t, 1, 2)
   return grouped_gemm.weight_grad(a_scaled, xla_ops.gather_rows(dout, plan.token_index),
                                   plan.group_offsets, plan.num_experts)
 

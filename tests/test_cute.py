@@ -186,10 +186,14 @@ CUTE_GEMMS = {"up_proj": "cute", "down_proj": "cute", "dh": "cute", "dx_tilde": 
 
 
 @needs_cute
-def test_cute_gemms_compile_and_lower_for_cuda():
+@pytest.mark.parametrize("dout_gather_in_kernel", [False, True])
+def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_in_kernel, monkeypatch):
   """The layer's forward and gradients with the CuTe grouped GEMMs: the kernels compile for
   sm_90a here and the program exports for CUDA with them as FFI calls (forward: up_proj,
-  down_proj and aggregate; backward adds dh, dx_tilde, aggregate, dw1 and dw2)."""
+  down_proj and aggregate; backward adds dh, dx_tilde, aggregate, dw1 and dw2), with dO's rows
+  gathered by XLA or by dh and dw2."""
+  monkeypatch.setattr(importlib.import_module("ffi.ops"), "DOUT_GATHER_IN_KERNEL",
+                      dout_gather_in_kernel)
   T, d, n, E, K = 256, 256, 128, 8, 2
   args = make_inputs(0, T, d, n, E, jnp.bfloat16)
 
@@ -202,7 +206,7 @@ def test_cute_gemms_compile_and_lower_for_cuda():
 @needs_cute
 @pytest.mark.parametrize("kernel,block_n,stages", [
     ("matmul", 256, None), ("matmul_t", 256, 2), ("up_proj", 64, 3), ("dh", 128, None),
-    ("dh_tma", 64, 3),
+    ("dh_tma", 64, 3), ("dh_gather", 128, None),
     ("weight_grad", 128, 3), ("weight_grad_gather", 128, None)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
@@ -219,6 +223,9 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
         "dh_tma": lambda a, b, t: grouped_gemm.dh(
             a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
             t, tma_store=True, **kw),
+        "dh_gather": lambda a, b, t: grouped_gemm.dh(  # dO = a's first 300 rows
+            a[:300], jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1),
+            a[:, 0].astype(jnp.float32), t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301, **kw),
         "weight_grad": lambda a, b, t: grouped_gemm.weight_grad(  # [E, K, 2K] over P / E rows each
             a, jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E, **kw),
         "weight_grad_gather": lambda a, b, t: grouped_gemm.weight_grad(  # X = a's first 300 rows
@@ -411,6 +418,31 @@ def test_cute_weight_grad_against_float32_on_gpu(block_n, stages):
 
 @pytest.mark.gpu
 @needs_cute
+@pytest.mark.parametrize("block_n,tma_store", [(128, False), (64, False), (128, True)])
+def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store):
+  """Gathering dO's rows in the dH kernel (padding slots: index T, zero rows) gives the
+  bitwise same dH, A' and dS parts as the kernel on rows gathered by XLA first."""
+  from ffi import grouped_gemm
+  T, d, n, E = 1000, 512, 256, 4
+  tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
+  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
+  dout = jax.random.normal(jax.random.key(51), (T, d)).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(jax.random.key(52), (E, n, d)) / 16).astype(jnp.bfloat16)
+  h = jax.random.normal(jax.random.key(53), (P, 2 * n)).astype(jnp.bfloat16)
+  scores = jax.random.uniform(jax.random.key(54), (P,))
+  index = jax.random.randint(jax.random.key(55), (P,), 0, T).at[::7].set(T)
+  kw = dict(block_n=block_n, tma_store=tma_store)
+  fused = jax.jit(lambda g, w, h, s, t, i: grouped_gemm.dh(g, w, h, s, t, gather_index=i, **kw))(
+      dout, w2, h, scores, tile_expert, index)
+  dg = dout.at[index].get(mode="fill", fill_value=0)
+  pregathered = jax.jit(lambda g, w, h, s, t: grouped_gemm.dh(g, w, h, s, t, **kw))(
+      dg, w2, h, scores, tile_expert)
+  for got, want in zip(fused, pregathered):
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_cute
 @pytest.mark.parametrize("block_n", [128, 256])
 def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n):
   """Gathering X's rows in the weight-gradient kernel (rows are its contraction; padding slots:
@@ -431,8 +463,14 @@ def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("shape", [(1000, 512, 256, 16, 4), (4096, 1536, 256, 128, 8)])
-def test_cute_gemms_match_xla_on_gpu(shape):
+@pytest.mark.parametrize("shape,dout_gather_in_kernel", [
+    ((1000, 512, 256, 16, 4), False), ((4096, 1536, 256, 128, 8), False),
+    ((1000, 512, 256, 16, 4), True), ((1000, 512, 1024, 16, 4), True)])
+def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_in_kernel, monkeypatch):
+  """Every op on cute (dO's rows gathered by XLA, or by dh and dw2) against the xla backend:
+  forward and all four gradients."""
+  monkeypatch.setattr(importlib.import_module("ffi.ops"), "DOUT_GATHER_IN_KERNEL",
+                      dout_gather_in_kernel)
   T, d, n, E, K = shape
   args = make_inputs(3, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(4), (T, d))
