@@ -64,6 +64,7 @@ for mode in "$@"; do
       sweep 60 up --kernels up_proj,up_proj_gather --block-n 64,128
       sweep 60 mm --kernels down_proj,dx_tilde --block-n 128,256
       sweep 100 dh --kernels dh,dh_tma,dh_gather --block-n 64,128
+      sweep 60 pingpong --kernels dh_pingpong --block-n 128,256
       sweep 120 bw --kernels dw1,dw2,dw1_gather,dw2_gather --block-n 128,256
       timeout 40 python3 -m benchmarks.tile_sweep --configs 30B-n256 --kernels dw1 --block-n 128 \
         --stages 4 --out "$OUT/sweep_pallas_dw1.json" 2>&1 | grep -v '^{' | tail -1 ;;   # Pallas's, same rows

@@ -90,13 +90,20 @@ def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, sta
   return stages
 
 
-def _load_stage(loads, state, operands, k_begin):
-  """Warp 0: TMA loads of k step k_begin + state.count of each (atom, gmem tiles, smem stages)
-  operand into stage state.index, completing on that stage's mbarrier."""
+def tma_operand(atom, smem, gmem):
+  """(atom, gmem tiles by k step, smem stages) of a TMA-loaded operand: load_stage's operand."""
+  s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                         cute.group_modes(gmem, 0, 2))
+  return atom, g_part, s_part
+
+
+def load_stage(loads, state, operands, k):
+  """The producer: TMA loads of k step k of each (atom, gmem tiles, smem stages) operand into
+  stage state.index, completing on that stage's mbarrier."""
   loads.producer_acquire(state)
   bar = loads.producer_get_barrier(state)
   for atom, src, dst in operands:
-    cute.copy(atom, src[(None, k_begin + state.count)], dst[(None, state.index)], tma_bar_ptr=bar)
+    cute.copy(atom, src[(None, k)], dst[(None, state.index)], tma_bar_ptr=bar)
   loads.producer_commit(state)
 
 
@@ -120,13 +127,13 @@ def _group_fp32(src):
 
 
 @cute.jit
-def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, m_tile, n_tile, dtype, out_tiles,
-                block_n: cutlass.Constexpr):
+def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dtype, out_tiles,
+                block_n: cutlass.Constexpr, tile_m: cutlass.Constexpr):
   """dH's epilogue math on acc = dA' = dO_e W2_e^T for H's gate and up tiles and each row's
   score s: register tiles (acc's layout, in dtype) of dH = dSwiGLU(s dA', H) (its gate and up
   tiles) and A' = s A with A = silu(gate) up, each stored straight to out_tiles as it is
   computed (register stores), or (out_tiles None) returned; writes this column tile's part of
-  dS = rowsum(dA' A) to m_ds[n_tile, row] (fp32).
+  dS = rowsum(dA' A) to m_ds[n_tile, row] (fp32). The tile: tile_m rows from row row0.
 
   The fragment is ((2 columns, 2 rows r and r + 8, block_n / 8 column groups), 1, 1); it is
   worked through one column group (2 x 2 values) at a time, so that besides the accumulator
@@ -161,11 +168,11 @@ def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, m_tile, n_tile, d
         row_sums[j] += prod[i, j]
   # dS part: each row's sum over this thread's columns, then over the 4 threads (a quad)
   # sharing the row
-  rows = thr_mma.partition_C(cute.make_identity_tensor((BLOCK_M, block_n)))
+  rows = thr_mma.partition_C(cute.make_identity_tensor((tile_m, block_n)))
   for j in cutlass.range_constexpr(2):
     total = cute.arch.warp_reduction_sum(row_sums[j], threads_in_group=4)
     if tidx % 4 == 0:
-      m_ds[n_tile, m_tile * BLOCK_M + rows[(0, j, 0), 0, 0][0]] = total
+      m_ds[n_tile, row0 + rows[(0, j, 0), 0, 0][0]] = total
   return outs
 
 
@@ -357,10 +364,6 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
       tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
 
-  def tma_operand(atom, smem, gmem):
-    s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
-                                           cute.group_modes(gmem, 0, 2))
-    return atom, g_part, s_part
   operands = [tma_operand(tma_b, sb, gb) for sb, gb in zip(s_bs, g_bs)]
   if cutlass.const_expr(not gather):   # else A's stages are filled by _gather_step
     operands = [tma_operand(tma_a, s_a, g_a)] + operands
@@ -382,7 +385,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
 
   if warp == 0:
     for _ in cutlass.range(cutlass.min(stages, num_k), unroll=1):
-      _load_stage(loads, produce, operands, k_begin)
+      load_stage(loads, produce, operands, k_begin + produce.count)
       produce.advance()
   tokens = None   # the gathers' source rows of this thread's copies, in registers
   if cutlass.const_expr(gather and kind != "wgrad"):   # the same for every k step
@@ -424,7 +427,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       loads.consumer_release(release)
       release.advance()
       if warp == 0 and produce.count < num_k:
-        _load_stage(loads, produce, operands, k_begin)
+        load_stage(loads, produce, operands, k_begin + produce.count)
         produce.advance()
   warpgroup.wait_group(0)
 
@@ -441,8 +444,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
         (cute.size(m_scores), block_n, 1), stride=(1, 0, 0)))
     register_tiles = [tile_of(t, c, out_l, (1, 1, None)) for _, _, t, c in outputs]
     tiles = _dh_outputs(accs[0], h_tiles, tile_of(scores, 0, 0, (1, 1, None)), m_ds, thr_mma,
-                        tidx, m_tile, n_tile, m_out.element_type,
-                        register_tiles if register_store else None, block_n)
+                        tidx, m_tile * BLOCK_M, n_tile, m_out.element_type,
+                        register_tiles if register_store else None, block_n, BLOCK_M)
   if cutlass.const_expr(not register_store):   # (register stores: dh only, done above)
     cute.arch.sync_threads()   # every warpgroup's wgmmas are done with A's stages: reuse them
     s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, c_smem_staged.inner, dtype=m_out.element_type),
@@ -657,6 +660,23 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
   return h[0], a[0]
 
 
+def dh_unsupported(dout_g, w2, h, scores, block_n: int):
+  """Why the dH kernels cannot run these operands (a sentence naming the limit), or None:
+  dOg [P, d] (the rows read), w2 [E, n, d], H [P, 2n], scores [P]."""
+  n, num_slots = w2.shape[1], dout_g.shape[0]
+  reason = unsupported(dout_g, jax.ShapeDtypeStruct((w2.shape[0], w2.shape[2], n), w2.dtype),
+                       block_n)
+  if reason:
+    return reason
+  if h.shape != (num_slots, 2 * n) or h.dtype != dout_g.dtype or scores.shape != (num_slots,):
+    return (f"need H [{num_slots}, {2 * n}] in {dout_g.dtype} and scores [{num_slots}]; got "
+            f"{h.shape} {h.dtype} and {scores.shape}")
+  if h.size > MAX_REGISTER_ADDRESSED:
+    return (f"H [{h.shape[0]}, {h.shape[1]}] has {h.size} elements; the epilogue addresses H, "
+            f"dH and A' with 32-bit offsets (at most {MAX_REGISTER_ADDRESSED}): split the batch")
+  return None
+
+
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None,
        tma_store: bool = False, gather_index=None):
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
@@ -670,16 +690,9 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   n = w2.shape[1]
   num_slots = dout_g.shape[0] if gather_index is None else gather_index.shape[0]
   slots = jax.ShapeDtypeStruct((num_slots, dout_g.shape[1]), dout_g.dtype)   # the rows it reads
-  reason = unsupported(slots, jax.ShapeDtypeStruct((w2.shape[0], w2.shape[2], n), w2.dtype), block_n)
+  reason = dh_unsupported(slots, w2, h, scores, block_n)
   if reason:
     raise ValueError(f"cute dh: {reason}")
-  if h.shape != (num_slots, 2 * n) or h.dtype != dout_g.dtype or scores.shape != (num_slots,):
-    raise ValueError(f"cute dh: need H [{num_slots}, {2 * n}] in {dout_g.dtype} and scores "
-                     f"[{num_slots}]; got {h.shape} {h.dtype} and {scores.shape}")
-  if h.size > MAX_REGISTER_ADDRESSED:
-    raise ValueError(f"cute dh: H [{h.shape[0]}, {h.shape[1]}] has {h.size} elements; the "
-                     f"epilogue addresses H, dH and A' with 32-bit offsets (at most "
-                     f"{MAX_REGISTER_ADDRESSED}): split the batch")
   stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, dout_g.shape[1] // BLOCK_K, stages)
   fn, index = (_dh, ()) if gather_index is None else \
       (_gathered_dh, (gather_index.astype(jnp.int32),))

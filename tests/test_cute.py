@@ -393,6 +393,50 @@ def test_cute_dh_against_float32_on_gpu(block_n):
   np.testing.assert_array_equal(ds_parts[:, padding], 0)
 
 
+@needs_cute
+@pytest.mark.parametrize("block_n,stages", [(128, None), (256, 3)])
+def test_cute_pingpong_dh_compiles_for_cuda(block_n, stages):
+  """The ping-pong dH kernel compiles for sm_90a and lowers as an FFI call; its stage count
+  is checked against SMEM."""
+  from ffi import pingpong
+  P, d, n, E = 1024, 256, 256, 4
+  shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [
+      ((P, d), jnp.bfloat16), ((E, n, d), jnp.bfloat16), ((P, 2 * n), jnp.bfloat16),
+      ((P,), jnp.float32), ((P // 128,), jnp.int32)]]
+  fn = lambda *a: pingpong.dh(*a, block_n=block_n, stages=stages)
+  assert FFI_TARGET in _cuda_module(fn, *shapes)
+  fit = pingpong.stages_that_fit(block_n, 2)
+  with pytest.raises(ValueError, match=f"stages={fit + 1} must be between 2 and {fit}"):
+    jax.eval_shape(lambda *a: pingpong.dh(*a, block_n=block_n, stages=fit + 1), *shapes)
+  with pytest.raises(ValueError, match=r"cute ping-pong dh: need H \[1024, 512\]"):
+    jax.eval_shape(lambda *a: pingpong.dh(*a), *shapes[:2], shapes[1], *shapes[3:])
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("num_tiles,block_n", [(4, 128), (80, 128), (81, 256)])
+def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n):
+  """The ping-pong schedule gives grouped_gemm.dh's bits: M tiles of experts with and without
+  rows and past the last group; fewer work tiles than CTAs (one consumer busy), and several
+  per CTA (both consumers, an odd count: the turn handed over to no one at the end)."""
+  from ffi import grouped_gemm, pingpong
+  E, d, n = 5, 384, 256
+  tile_expert = jnp.sort(jax.random.randint(jax.random.key(61), (num_tiles,), 0, E + 1))
+  tile_expert = tile_expert.at[tile_expert == 1].set(2).astype(jnp.int32)   # expert 1: no rows
+  P = num_tiles * grouped_gemm.BLOCK_M
+  keys = jax.random.split(jax.random.key(62), 4)
+  dout_g = jax.random.normal(keys[0], (P, d)).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(keys[1], (E, n, d)) / 8).astype(jnp.bfloat16)
+  h = (2 * jax.random.normal(keys[2], (P, 2 * n))).astype(jnp.bfloat16)
+  h = jnp.where((jnp.repeat(tile_expert, grouped_gemm.BLOCK_M) < E)[:, None], h, 0)
+  scores = jax.random.uniform(keys[3], (P,), minval=0.05, maxval=1.0)
+  got = jax.jit(lambda *a: pingpong.dh(*a, block_n=block_n))(dout_g, w2, h, scores, tile_expert)
+  want = jax.jit(lambda *a: grouped_gemm.dh(*a, block_n=block_n))(dout_g, w2, h, scores,
+                                                                  tile_expert)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("block_n,stages", [(128, None), (256, 2)])
