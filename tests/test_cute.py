@@ -86,6 +86,16 @@ def test_cute_aggregate_matches_xla_on_gpu(rounding):
     assert rel_err(a, b) < 1e-2
 
 
+def _assert_gathering_matches_pregathered(op, rows, index, *operands, **kw):
+  """op(rows, *operands, gather_index=index), the kernel gathering rows[index] itself (zeros
+  where the index is past the end), equals op on the rows gathered by XLA first, bit for bit."""
+  fused = jax.jit(lambda r, i, *o: op(r, *o, gather_index=i, **kw))(rows, index, *operands)
+  gathered = rows.at[index].get(mode="fill", fill_value=0)
+  pregathered = jax.jit(lambda r, *o: op(r, *o, **kw))(gathered, *operands)
+  for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(pregathered)):
+    np.testing.assert_array_equal(got, want)
+
+
 # operands past 2^31 elements (a 32-bit element offset overflows): 30B-n256's unrounded plan
 # has [P, d] = [556k, 4096] slot rows (H200 session 8: the aggregate read wrong rows there)
 BIG_D = 4096
@@ -119,14 +129,10 @@ def test_cute_gathers_past_2_31_elements_on_gpu():
   w1 = (jax.random.normal(jax.random.key(45), (1, BIG_D, 2 * n)) / 64).astype(jnp.bfloat16)
   rhs = jax.random.normal(jax.random.key(46), (P, 2 * n), jnp.bfloat16)
   index = BIG_ROWS - 1 - jax.random.permutation(jax.random.key(47), P).astype(jnp.int32)
-  xg = x[index]
   tile_expert, offsets = jnp.zeros((2,), jnp.int32), jnp.array([0, P], jnp.int32)
-  up = jax.jit(grouped_gemm.up_proj)
-  for got, want in zip(up(x, w1, tile_expert, gather_index=index), up(xg, w1, tile_expert)):
-    np.testing.assert_array_equal(got, want)
-  dw = jax.jit(grouped_gemm.weight_grad, static_argnums=3)
-  np.testing.assert_array_equal(dw(x, rhs, offsets, 1, gather_index=index),
-                                dw(xg, rhs, offsets, 1))
+  _assert_gathering_matches_pregathered(grouped_gemm.up_proj, x, index, w1, tile_expert)
+  _assert_gathering_matches_pregathered(grouped_gemm.weight_grad, x, index, rhs, offsets,
+                                        num_experts=1)
 
 
 @needs_cute
@@ -325,13 +331,8 @@ def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages):
   x = jax.random.normal(jax.random.key(7), (T, d)).astype(jnp.bfloat16)
   w1 = (jax.random.normal(jax.random.key(8), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(9), (P,), 0, T).at[::7].set(T)
-  kw = dict(block_n=block_n, stages=stages)
-  fused = jax.jit(lambda x, w, t, i: grouped_gemm.up_proj(x, w, t, gather_index=i, **kw))(
-      x, w1, tile_expert, index)
-  xg = x.at[index].get(mode="fill", fill_value=0)
-  pregathered = jax.jit(lambda x, w, t: grouped_gemm.up_proj(x, w, t, **kw))(xg, w1, tile_expert)
-  for got, want in zip(fused, pregathered):
-    np.testing.assert_array_equal(got, want)
+  _assert_gathering_matches_pregathered(grouped_gemm.up_proj, x, index, w1, tile_expert,
+                                        block_n=block_n, stages=stages)
 
 
 @pytest.mark.gpu
@@ -475,14 +476,8 @@ def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store):
   h = jax.random.normal(jax.random.key(53), (P, 2 * n)).astype(jnp.bfloat16)
   scores = jax.random.uniform(jax.random.key(54), (P,))
   index = jax.random.randint(jax.random.key(55), (P,), 0, T).at[::7].set(T)
-  kw = dict(block_n=block_n, tma_store=tma_store)
-  fused = jax.jit(lambda g, w, h, s, t, i: grouped_gemm.dh(g, w, h, s, t, gather_index=i, **kw))(
-      dout, w2, h, scores, tile_expert, index)
-  dg = dout.at[index].get(mode="fill", fill_value=0)
-  pregathered = jax.jit(lambda g, w, h, s, t: grouped_gemm.dh(g, w, h, s, t, **kw))(
-      dg, w2, h, scores, tile_expert)
-  for got, want in zip(fused, pregathered):
-    np.testing.assert_array_equal(got, want)
+  _assert_gathering_matches_pregathered(grouped_gemm.dh, dout, index, w2, h, scores,
+                                        tile_expert, block_n=block_n, tma_store=tma_store)
 
 
 @pytest.mark.gpu
@@ -498,11 +493,8 @@ def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n):
   x = jax.random.normal(jax.random.key(31), (T, M)).astype(jnp.bfloat16)
   rhs = jax.random.normal(jax.random.key(32), (P, N)).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(33), (P,), 0, T).at[::5].set(T)
-  fused = jax.jit(lambda x, b, o, i: grouped_gemm.weight_grad(
-      x, b, o, E, block_n=block_n, gather_index=i))(x, rhs, offsets, index)
-  xg = x.at[index].get(mode="fill", fill_value=0)
-  np.testing.assert_array_equal(fused, jax.jit(lambda a, b, o: grouped_gemm.weight_grad(
-      a, b, o, E, block_n=block_n))(xg, rhs, offsets))
+  _assert_gathering_matches_pregathered(grouped_gemm.weight_grad, x, index, rhs, offsets,
+                                        num_experts=E, block_n=block_n)
 
 
 @pytest.mark.gpu
