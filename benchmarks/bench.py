@@ -292,11 +292,15 @@ def main(argv=None):
                  help="pallas dW1: gather X's rows by XLA (default) or inside the kernel (slower, less memory)")
   p.add_argument("--cute-dout-gather", choices=("xla", "kernel"), default="xla",
                  help="cute dh and dw2: gather dO's rows by XLA (default) or inside both kernels")
+  p.add_argument("--cute-dh", choices=("registers", "tma_store", "pingpong"), default="registers",
+                 help="cute dh's kernel variant (ffi/ops.py DH_KERNEL)")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
-  if a.cute_dout_gather == "kernel":   # (the cute extra: imported only when asked)
-    importlib.import_module("ffi.ops").DOUT_GATHER_IN_KERNEL = True
+  if a.cute_dout_gather != "xla" or a.cute_dh != "registers":   # (the cute extra: only if asked)
+    cute_ops = importlib.import_module("ffi.ops")
+    cute_ops.DOUT_GATHER_IN_KERNEL = a.cute_dout_gather == "kernel"
+    cute_ops.DH_KERNEL = a.cute_dh
 
   cases = dict(C.TINY) if a.tiny else {c: C.ANCHORS[c] for c in a.configs.split(",") if c}
   cases.update(C.parse_config(c) for c in a.custom)
@@ -304,7 +308,8 @@ def main(argv=None):
   dev = jax.devices()[0]
   meta = dict(gpu=dev.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               versions=versions(), pallas_gather=a.pallas_gather,
-              pallas_dw1_gather=a.pallas_dw1_gather, cute_dout_gather=a.cute_dout_gather)
+              pallas_dw1_gather=a.pallas_dw1_gather, cute_dout_gather=a.cute_dout_gather,
+              cute_dh=a.cute_dh)
   print(f"devices {jax.devices()} | {meta['versions']} | impls {impls}", flush=True)
   os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
   records = []

@@ -15,6 +15,7 @@
 #           the cute wheels first, ../shared/tools/device-wheels cute; source their env.sh) (~3 min)
 #   cute_sweep: their tile/epilogue sweep at 30B-n256                                 (~5 min)
 #   cute_dout: the layer with dO's rows gathered by the cute dh and dw2 vs by XLA     (~5 min)
+#   cute_dh: the layer with the cute dH's register-store / TMA-store / ping-pong kernel (~7 min)
 #   cute_bench: then (kernels read back from the disk cache) the FFI call cost and the layer
 #           at the five anchors, the default ("auto") vs all-pallas                  (~5 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
@@ -83,6 +84,12 @@ for mode in "$@"; do
         timeout 280 python3 -m benchmarks.bench --configs 7B-n256,30B-n256,120B-n1024 \
           --impls dh=cute+dx_tilde=cute+dw1=cute+dw2=cute --cute-dout-gather $g \
           --iters 5 --reps 3 --out "$OUT/bench_dout_$g" 2>&1 | tail -4
+      done ;;
+    cute_dh)  # after `cute`: the layer with dH's three kernels (ffi/ops.py DH_KERNEL)
+      for k in registers tma_store pingpong; do
+        timeout 190 python3 -m benchmarks.bench --configs 7B-n1024,30B-n256,120B-n1024 \
+          --impls dh=cute+dx_tilde=cute+dw1=cute --cute-dh $k \
+          --iters 5 --reps 3 --out "$OUT/bench_dh_$k" 2>&1 | tail -4
       done ;;
     rounding)  # token rounding vs plain top-K at a sparse config (issue #4), pallas backend
       for r in none nearest; do

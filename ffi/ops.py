@@ -27,7 +27,7 @@ import warnings
 
 import jax.numpy as jnp
 
-from ffi import gather_sum, grouped_gemm
+from ffi import gather_sum, grouped_gemm, pingpong
 from pallas_kernels import schedule
 from sonicmoe_jax import xla_ops
 
@@ -45,6 +45,12 @@ DW1_GATHER_MAX_COLUMN_TILES = 2
 # 30B-n256: XLA's gather 2.4 ms goes, the gathers in dh and dW2 add ~0.9 ms each (as in
 # up_proj and dW1) and the transpose ~0.3 ms; 4.3 GB less step memory. Not yet measured: off.
 DOUT_GATHER_IN_KERNEL = False
+# The dH kernel's variant: "registers" (grouped_gemm.dh storing dH and A' from registers),
+# "tma_store" (the same through SMEM and TMA stores: 2.56 vs 2.69 ms at 30B-n256 in session
+# 8's sweep, not yet timed in the layer) or "pingpong" (ffi/pingpong.py; not yet run; no dO
+# gather).
+DH_KERNEL = "registers"
+DH_KERNELS = ("registers", "tma_store", "pingpong")
 
 
 def unsupported(dtype, d: int, n: int):
@@ -99,18 +105,27 @@ def down_proj(a, w2, plan):
 
 def dh(dout, w2, h, scores, plan):
   """dA' = dO_e W2_e^T fused with dSwiGLU: dH, dS, A' = s A (dO's rows gathered by XLA first,
-  or in the kernel: DOUT_GATHER_IN_KERNEL). An H past the kernel's 32-bit epilogue offsets
-  goes to xla_ops.dh with a warning."""
+  or in the kernel: DOUT_GATHER_IN_KERNEL), by the DH_KERNEL variant. An H past the kernel's
+  32-bit epilogue offsets goes to xla_ops.dh with a warning."""
   if h.size > grouped_gemm.MAX_REGISTER_ADDRESSED:
     warnings.warn(f"backend 'cute' dh: H {h.shape} has more than "
                   f"{grouped_gemm.MAX_REGISTER_ADDRESSED} elements; using xla_ops.dh", stacklevel=2)
     return xla_ops.dh(dout, w2, h, scores, plan)
+  if DH_KERNEL not in DH_KERNELS:
+    raise ValueError(f"ffi.ops.DH_KERNEL must be one of {DH_KERNELS}; got {DH_KERNEL!r}")
+  if DOUT_GATHER_IN_KERNEL and DH_KERNEL == "pingpong":
+    raise ValueError("ffi.ops: the ping-pong dH kernel does not gather dO's rows; set "
+                     "DOUT_GATHER_IN_KERNEL = False with DH_KERNEL = 'pingpong'")
   if DOUT_GATHER_IN_KERNEL:
     rows, gather = dout, dict(gather_index=plan.token_index)
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
-  dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan),
-                                            _wide_tile(w2.shape[1], 128), **gather)
+  block_n = _wide_tile(w2.shape[1], 128)
+  if DH_KERNEL == "pingpong":
+    dh_, a_scaled, ds_parts = pingpong.dh(rows, w2, h, scores, _tiles(plan), block_n)
+  else:
+    dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan), block_n,
+                                              tma_store=DH_KERNEL == "tma_store", **gather)
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
 
 

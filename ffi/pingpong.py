@@ -196,7 +196,8 @@ def _dh_pingpong(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None):
   """grouped_gemm.dh (no gather, register stores) on the ping-pong schedule: the same operands
   and outputs. stages: the ring's depth (default: as many as fit, at most MAX_STAGES).
-  Compiled for sm_90a; not yet run on a GPU."""
+  Compiled for sm_90a; not yet run on a GPU. The cute dh op uses it with ffi.ops.DH_KERNEL =
+  "pingpong"."""
   n = w2.shape[1]
   reason = grouped_gemm.dh_unsupported(dout_g, w2, h, scores, block_n)
   if reason:

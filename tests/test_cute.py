@@ -192,14 +192,16 @@ CUTE_GEMMS = {"up_proj": "cute", "down_proj": "cute", "dh": "cute", "dx_tilde": 
 
 
 @needs_cute
-@pytest.mark.parametrize("dout_gather_in_kernel", [False, True])
-def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_in_kernel, monkeypatch):
+@pytest.mark.parametrize("dout_gather_in_kernel,dh_kernel", [
+    (False, "registers"), (True, "registers"), (False, "pingpong")])
+def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_in_kernel, dh_kernel, monkeypatch):
   """The layer's forward and gradients with the CuTe grouped GEMMs: the kernels compile for
   sm_90a here and the program exports for CUDA with them as FFI calls (forward: up_proj,
   down_proj and aggregate; backward adds dh, dx_tilde, aggregate, dw1 and dw2), with dO's rows
-  gathered by XLA or by dh and dw2."""
-  monkeypatch.setattr(importlib.import_module("ffi.ops"), "DOUT_GATHER_IN_KERNEL",
-                      dout_gather_in_kernel)
+  gathered by XLA or by dh and dw2, and with the ping-pong dH kernel."""
+  cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "DOUT_GATHER_IN_KERNEL", dout_gather_in_kernel)
+  monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
   T, d, n, E, K = 256, 256, 128, 8, 2
   args = make_inputs(0, T, d, n, E, jnp.bfloat16)
 
@@ -415,6 +417,37 @@ def test_cute_pingpong_dh_compiles_for_cuda(block_n, stages):
 
 @pytest.mark.gpu
 @needs_cute
+def test_cute_layer_with_pingpong_dh_matches_xla_on_gpu(monkeypatch):
+  """The layer with every op on cute and dH on the ping-pong kernel against the xla backend."""
+  monkeypatch.setattr(importlib.import_module("ffi.ops"), "DH_KERNEL", "pingpong")
+  T, d, n, E, K = 4096, 1536, 256, 128, 8
+  args = make_inputs(3, T, d, n, E, jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(4), (T, d))
+  f = lambda backend: jax.grad(lambda *a: jnp.sum(
+      sm.moe(*a, k=K, backend=backend).out.astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(*args)
+  for a, b in zip(f(CUTE_GEMMS), f("xla")):
+    assert rel_err(a, b) < 1e-2
+
+
+@needs_cute
+def test_cute_dh_kernel_setting_is_checked(monkeypatch):
+  """A DH_KERNEL outside DH_KERNELS, or the ping-pong kernel with the dO gather, is refused by
+  name (runs on CPU: the error comes before any kernel)."""
+  cute_ops = importlib.import_module("ffi.ops")
+  args = make_inputs(6, 256, 128, 64, 4, jnp.bfloat16)
+  grad = lambda: jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={
+      op: "xla" for op in sm.OP_NAMES} | {"dh": "cute"}).out.astype(jnp.float32)))(*args)
+  monkeypatch.setattr(cute_ops, "DH_KERNEL", "fast")
+  with pytest.raises(ValueError, match=r"DH_KERNEL must be one of .*'fast'"):
+    grad()
+  monkeypatch.setattr(cute_ops, "DH_KERNEL", "pingpong")
+  monkeypatch.setattr(cute_ops, "DOUT_GATHER_IN_KERNEL", True)
+  with pytest.raises(ValueError, match="does not gather dO's rows"):
+    grad()
+
+
+@pytest.mark.gpu
+@needs_cute
 @pytest.mark.parametrize("num_tiles,block_n", [(4, 128), (80, 128), (81, 256)])
 def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n):
   """The ping-pong schedule gives grouped_gemm.dh's bits: M tiles of experts with and without
@@ -499,14 +532,15 @@ def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("shape,dout_gather_in_kernel", [
-    ((1000, 512, 256, 16, 4), False), ((4096, 1536, 256, 128, 8), False),
-    ((1000, 512, 256, 16, 4), True), ((1000, 512, 1024, 16, 4), True)])
-def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_in_kernel, monkeypatch):
-  """Every op on cute (dO's rows gathered by XLA, or by dh and dw2) against the xla backend:
-  forward and all four gradients."""
-  monkeypatch.setattr(importlib.import_module("ffi.ops"), "DOUT_GATHER_IN_KERNEL",
-                      dout_gather_in_kernel)
+@pytest.mark.parametrize("shape,dout_gather_in_kernel,dh_kernel", [
+    ((1000, 512, 256, 16, 4), False, "registers"), ((4096, 1536, 256, 128, 8), False, "registers"),
+    ((1000, 512, 256, 16, 4), True, "registers"), ((1000, 512, 1024, 16, 4), True, "tma_store")])
+def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_in_kernel, dh_kernel, monkeypatch):
+  """Every op on cute (dO's rows gathered by XLA, or by dh and dw2; dH's register or TMA
+  stores) against the xla backend: forward and all four gradients."""
+  cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "DOUT_GATHER_IN_KERNEL", dout_gather_in_kernel)
+  monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
   T, d, n, E, K = shape
   args = make_inputs(3, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(4), (T, d))
