@@ -16,6 +16,7 @@
 #   cute_sweep: their tile/epilogue sweep at 30B-n256                                 (~5 min)
 #   cute_dout: the layer with dO's rows gathered by the cute dh and dw2 vs by XLA     (~5 min)
 #   cute_dh: the layer with the cute dH's register-store / TMA-store / ping-pong kernel (~7 min)
+#   cute_up: the layer with the cute up_proj's grouped vs ping-pong kernel             (~4 min)
 #   cute_bench: then (kernels read back from the disk cache) the FFI call cost and the layer
 #           at the five anchors, the default ("auto") vs all-pallas                  (~5 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
@@ -68,7 +69,7 @@ for mode in "$@"; do
       sweep 60 up --kernels up_proj,up_proj_gather --block-n 64,128
       sweep 60 mm --kernels down_proj,dx_tilde --block-n 128,256
       sweep 100 dh --kernels dh,dh_tma,dh_gather --block-n 64,128
-      sweep 60 pingpong --kernels dh_pingpong --block-n 128,256
+      sweep 90 pingpong --kernels up_proj_pingpong,dh_pingpong --block-n 64,128,256
       sweep 120 bw --kernels dw1,dw2,dw1_gather,dw2_gather --block-n 128,256
       timeout 40 python3 -m benchmarks.tile_sweep --configs 30B-n256 --kernels dw1 --block-n 128 \
         --stages 4 --out "$OUT/sweep_pallas_dw1.json" 2>&1 | grep -v '^{' | tail -1 ;;   # Pallas's, same rows
@@ -84,6 +85,12 @@ for mode in "$@"; do
         timeout 280 python3 -m benchmarks.bench --configs 7B-n256,30B-n256,120B-n1024 \
           --impls dh=cute+dx_tilde=cute+dw1=cute+dw2=cute --cute-dout-gather $g \
           --iters 5 --reps 3 --out "$OUT/bench_dout_$g" 2>&1 | tail -4
+      done ;;
+    cute_up)  # after `cute`: the layer's forward with the ping-pong up-projection vs grouped
+      for k in grouped pingpong; do
+        timeout 150 python3 -m benchmarks.bench --configs 7B-n256,30B-n256,120B-n1024 \
+          --impls up_proj=cute --cute-up-proj $k --iters 5 --reps 3 --out "$OUT/bench_up_$k" \
+          2>&1 | tail -4
       done ;;
     cute_dh)  # after `cute`: the layer with dH's three kernels (ffi/ops.py DH_KERNEL)
       for k in registers tma_store pingpong; do

@@ -86,7 +86,7 @@ def _with_backward_rows(rows, dh, dw, x, w2, dout, plan, tiles, pairs):
 
 def cute_kernels(x, w1, w2, dout, plan, pairs):
   """The CuTe DSL kernels' rows (_gemm_rows, dh, dh_tma: dh storing through the TMA-store
-  epilogue, dh_pingpong: dh on the ping-pong schedule (ffi/pingpong.py), dh_gather: dh
+  epilogue, up_proj_pingpong and dh_pingpong: the ping-pong kernels (ffi/pingpong.py), dh_gather: dh
   gathering dO's rows in the kernel, dw1, dw1_gather: dW1 gathering X's
   rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows; cfg a CuteTile)."""
   from ffi import grouped_gemm as cute_gemm, pingpong  # optional extra
@@ -107,6 +107,9 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dh_tma"] = (jax.jit(lambda c, dg, w2, h, s, t: cute_gemm.dh(
       dg, w2, h, s, t, tma_store=True, **dataclasses.asdict(c)), static_argnums=0),
       dh_args, dh_flops, dh_n)
+  _, up_args, up_flops, up_n = rows["up_proj_gather"]   # (x, w1, index, tiles)
+  rows["up_proj_pingpong"] = (jax.jit(lambda c, x, w1, i, t: pingpong.up_proj(
+      x, w1, t, i, **dataclasses.asdict(c)), static_argnums=0), up_args, up_flops, up_n)
   rows["dh_pingpong"] = (jax.jit(lambda c, dg, w2, h, s, t: pingpong.dh(   # the same operands
       dg, w2, h, s, t, **dataclasses.asdict(c)), static_argnums=0), dh_args, dh_flops, dh_n)
   rows["dh_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(   # dO's rows too

@@ -97,6 +97,17 @@ def tma_operand(atom, smem, gmem):
   return atom, g_part, s_part
 
 
+@cute.jit
+def issue_k_step(tiled_mma, accs, frag_a, frag_bs, stage):
+  """One k step's wgmmas on SMEM stage `stage` (each accumulator with its rhs fragments),
+  committed as one group."""
+  warpgroup.fence()
+  for kb in cutlass.range(cute.size(frag_a, mode=[2]), unroll_full=True):
+    for acc, frag_b in zip(accs, frag_bs):
+      cute.gemm(tiled_mma, acc, frag_a[None, None, kb, stage], frag_b[None, None, kb, stage], acc)
+  warpgroup.commit_group()
+
+
 def load_stage(loads, state, operands, k):
   """The producer: TMA loads of k step k of each (atom, gmem tiles, smem stages) operand into
   stage state.index, completing on that stage's mbarrier."""
@@ -408,12 +419,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       cute.arch.cp_async_wait_group(stages - 2)
       cute.arch.fence_proxy("async.shared", space="cta")
       cute.arch.barrier(barrier_id=1 + tidx // 128, number_of_threads=128)
-    warpgroup.fence()
-    for kb in cutlass.range(cute.size(frag_a, mode=[2]), unroll_full=True):
-      for acc, frag_b in zip(accs, frag_bs):
-        cute.gemm(tiled_mma, acc, frag_a[None, None, kb, consume.index],
-                  frag_b[None, None, kb, consume.index], acc)
-    warpgroup.commit_group()
+    issue_k_step(tiled_mma, accs, frag_a, frag_bs, consume.index)
     consume.advance()
     # one step's wgmmas stay in flight: the previous step's are done, so its stage is free
     warpgroup.wait_group(1)

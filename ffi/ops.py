@@ -34,6 +34,10 @@ from sonicmoe_jax import xla_ops
 ALIGN = grouped_gemm.BLOCK_M
 # The up-projection gathers X's rows itself (bitwise equal to gathering first, H200 session 6)
 UP_PROJ_GATHER_IN_KERNEL = True
+# Its kernel when gathering: "grouped" (grouped_gemm.up_proj, the MMA warpgroups issuing the
+# copies) or "pingpong" (ffi/pingpong.py, the producer warpgroup gathering; not yet run)
+UP_PROJ_KERNEL = "grouped"
+UP_PROJ_KERNELS = ("grouped", "pingpong")
 # dW1 gathers X's rows itself (bitwise equal to gathering first) where its output has at most
 # this many column tiles. H200 session 8, forward+backward ms with dh, dx_tilde, dw1 on cute:
 # 30B-n256 (2 tiles) 23.13 gathering in the kernel vs 23.97 after XLA's gather (and 7.0 vs 11.4
@@ -76,7 +80,12 @@ def aggregate(y, scores, plan):
 
 def up_proj(x, w1, plan):
   """H = X_e W1_e and A = SwiGLU(H) per expert group, X's rows gathered in the kernel (or by XLA
-  first: UP_PROJ_GATHER_IN_KERNEL = False)."""
+  first: UP_PROJ_GATHER_IN_KERNEL = False) by the UP_PROJ_KERNEL variant."""
+  if UP_PROJ_KERNEL not in UP_PROJ_KERNELS:
+    raise ValueError(f"ffi.ops.UP_PROJ_KERNEL must be one of {UP_PROJ_KERNELS}; got "
+                     f"{UP_PROJ_KERNEL!r}")
+  if UP_PROJ_GATHER_IN_KERNEL and UP_PROJ_KERNEL == "pingpong":
+    return pingpong.up_proj(x, w1, _tiles(plan), plan.token_index)
   if UP_PROJ_GATHER_IN_KERNEL:
     return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index)
   return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan))

@@ -1,25 +1,29 @@
-"""dH as a persistent, warp-specialized ping-pong grouped GEMM for Hopper (CuTe DSL), beside
-grouped_gemm.dh: the same operands, outputs and epilogue (grouped_gemm._dh_outputs), another
-schedule. grouped_gemm's kernel runs the dSwiGLU epilogue after its mainloop with the tensor
-cores idle (at the depth that wins there, one CTA per SM); here one consumer warpgroup's
-epilogue runs while the other's mainloop does.
+"""Persistent, warp-specialized ping-pong grouped GEMMs for Hopper (CuTe DSL), beside
+grouped_gemm.py's kernels with the same operands, outputs and epilogue math: dh (the dSwiGLU
+epilogue, grouped_gemm._dh_outputs) and up_proj gathering X's rows (the SwiGLU epilogue).
+grouped_gemm's kernel runs its epilogue after its mainloop with the tensor cores idle, and its
+MMA warpgroups issue the gather's copies between their wgmmas; here one consumer warpgroup's
+epilogue runs while the other's mainloop does, and a producer warpgroup does all the loading.
 
 Schedule:
-  work tile : WG_ROWS (64) rows x block_n columns of dA' = dOg W2_e^T (and so of dH's gate and
-              up columns and of A'); tile t is row block t // (n / block_n), column block
+  work tile : WG_ROWS (64) rows x block_n columns of the GEMM (and so of dH's or H's gate and
+              up columns and of A' or A); tile t is row block t // (n / block_n), column block
               t % (n / block_n): a row block's column tiles run next to each other
   grid      : min(tiles, NUM_SMS) persistent CTAs; CTA c takes tiles c, c + grid, c + 2 grid..
-  producer  : warpgroup 0, its registers lowered to PRODUCER_REGS; its warp 0 TMA-loads every
-              tile's k steps (dOg [64, 64] and W2_e^T [block_n, 64]) into a `stages`-deep ring,
-              running ahead across tiles (tiles past the last group load nothing)
-  consumers : warpgroups 1 and 2, registers raised to CONSUMER_REGS, take the CTA's tiles in
-              turn (its i-th tile is warpgroup 1 + i % 2's). A consumer waits for its turn
-              (named barrier TURN_BARRIER + its index, which the other arrives at once it has
-              waited for all its tile's stages: the two read the ring in tile order, so a
-              stage's phase bit is never read one lap early), runs the wgmma mainloop (one k
-              step in flight, each stage released once its wgmmas are done), hands the turn
-              over, then runs the epilogue, registers to global, while the other warpgroup's
-              mainloop runs. The other's tiles it steps over in the ring.
+  producer  : warpgroup 0, its registers lowered by setmaxnreg (REGISTERS), fills a
+              `stages`-deep ring running ahead across tiles (tiles past the last group load
+              nothing). dh: warp 0 TMA-loads dOg [64, 64] and W2_e^T [block_n, 64]. up_proj:
+              thread 0 TMA-loads W1's gate and up tiles, and all 128 threads cp.async-copy the
+              64 gathered X rows (_gather_stage); a stage's full barrier completes on the TMA
+              bytes and 1 + 128 arrivals (cp.async.mbarrier.arrive.noinc)
+  consumers : warpgroups 1 and 2, registers raised, take the CTA's tiles in turn (its i-th
+              tile is warpgroup 1 + i % 2's). A consumer waits for its turn (named barrier
+              TURN_BARRIER + its index, which the other arrives at once it has waited for all
+              its tile's stages: the two read the ring in tile order, so a stage's phase bit is
+              never read one lap early), runs the wgmma mainloop (one k step in flight, each
+              stage released once its wgmmas are done; gathered stages fenced for the async
+              proxy first), hands the turn over, then runs the epilogue, registers to global,
+              while the other warpgroup's mainloop runs. The other's tiles it steps over.
 """
 from __future__ import annotations
 
@@ -39,78 +43,133 @@ from ffi.grouped_gemm import BARRIER_BYTES, BLOCK_K, BLOCK_M, SMEM_BYTES
 WG_ROWS = 64                # a work tile's rows: one warpgroup's wgmma M
 NUM_SMS = 132               # H100 / H200 SXM: the persistent grid (fewer SMs only queue CTAs)
 THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
-PRODUCER_REGS = 40          # 128 x 40 + 256 x 232 <= 64K registers per SM
-CONSUMER_REGS = 232
+# setmaxnreg budgets (producer, consumers), 128 x producer + 256 x consumer <= 64K per SM: the
+# gathering producer keeps its rows' token ids and copy addresses in registers
+REGISTERS = {"dh": (40, 232), "swiglu": (56, 224)}
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
 MAX_STAGES = 8
 
 
-def stage_bytes(block_n: int, itemsize: int) -> int:
-  """SMEM of one ring stage: a [WG_ROWS, BLOCK_K] dOg tile and a [block_n, BLOCK_K] W2_e^T tile."""
-  return (WG_ROWS + block_n) * BLOCK_K * itemsize
+def stage_bytes(block_n: int, itemsize: int, num_rhs: int = 1) -> int:
+  """SMEM of one ring stage: a [WG_ROWS, BLOCK_K] lhs tile and num_rhs [block_n, BLOCK_K] rhs
+  tiles."""
+  return (WG_ROWS + num_rhs * block_n) * BLOCK_K * itemsize
 
 
-def stages_that_fit(block_n: int, itemsize: int) -> int:
-  return min(MAX_STAGES, (SMEM_BYTES - BARRIER_BYTES) // stage_bytes(block_n, itemsize))
+def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1) -> int:
+  return min(MAX_STAGES,
+             (SMEM_BYTES - BARRIER_BYTES) // stage_bytes(block_n, itemsize, num_rhs))
+
+
+@cute.jit
+def _gather_stage(loads, state, x, gather_index, tokens, s_a, rhs_operands, k, ptid):
+  """The gathering producer's k step k into stage state.index, by all 128 producer threads:
+  wait until the consumers released the stage; thread 0 sets the full barrier's expected TMA
+  bytes and loads the rhs tiles by TMA; every thread cp.async-copies its share of the
+  WG_ROWS gathered rows (grouped_gemm._gather_step) and arrives on the full barrier once its
+  copies land (the barrier counts 1 + 128 arrivals)."""
+  loads.sync_object_empty.wait(state.index, state.phase)
+  bar = loads.producer_get_barrier(state)
+  if ptid == 0:
+    loads.sync_object_full.arrive(state.index, loads.producer_mask)
+    for atom, src, dst in rhs_operands:
+      cute.copy(atom, src[(None, k)], dst[(None, state.index)], tma_bar_ptr=bar)
+  grouped_gemm._gather_step(x, tokens, s_a[None, None, state.index], k * BLOCK_K, ptid)
+  cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+
+
+@cute.jit
+def _swiglu_outputs(accs, out_tiles, thr_mma, dtype, block_n: cutlass.Constexpr):
+  """H's gate and up tiles (the two accumulators) and A = silu(gate) * up, in dtype, stored
+  from registers to out_tiles (H gate, H up, A) one fragment column group at a time."""
+  for k in cutlass.range_constexpr(block_n // 8):
+    group = ((None, None, k), 0, 0)
+    gate, up = accs[0][group].load(), accs[1][group].load()
+    values = [gate, up, gate / (1.0 + cute.math.exp(-gate)) * up]
+    for q in cutlass.range_constexpr(3):
+      frag = cute.make_rmem_tensor(accs[0][group].shape, dtype)
+      frag.store(values[q].to(dtype))
+      cute.autovec_copy(frag, thr_mma.partition_C(out_tiles[q])[group])
 
 
 @cute.kernel
 def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
-            m_dh: cute.Tensor, m_a_scaled: cute.Tensor, m_h: cute.Tensor, m_scores: cute.Tensor,
-            m_ds: cute.Tensor, tile_expert: cute.Tensor, tiled_mma: cute.TiledMma,
-            a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
-            num_experts: cutlass.Int32, shared_storage: cutlass.Constexpr,
-            block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-            tx_bytes: cutlass.Constexpr):
+            m_out: cute.Tensor, m_out2: cute.Tensor, m_h: cute.Tensor, m_scores: cute.Tensor,
+            m_ds: cute.Tensor, tile_expert: cute.Tensor, gather_index: cute.Tensor,
+            tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout,
+            b_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
+            shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
+            stages: cutlass.Constexpr, tx_bytes: cutlass.Constexpr, kind: cutlass.Constexpr):
+  """kind "dh": m_a dOg (P, d, 1) by TMA, m_b W2 (n, d, E), m_out dH, m_out2 A', m_h H,
+  m_scores, m_ds dS parts. kind "swiglu": m_a X (T, d, 1) gathered by gather_index, m_b W1
+  (2n, d, E) (its gate and up column tiles), m_out H, m_out2 A (m_h, m_scores, m_ds unused)."""
+  swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
   num_ctas = cute.arch.grid_dim()[0]
   role = cute.arch.make_warp_uniform(tidx // 128)   # 0 producer, 1 and 2 consumers
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-  num_n_tiles = cute.size(m_a_scaled, mode=[1]) // block_n
-  num_tiles = cute.size(m_a_scaled, mode=[0]) // WG_ROWS * num_n_tiles
+  num_n_tiles = cute.size(m_out2, mode=[1]) // block_n
+  num_tiles = cute.size(m_out2, mode=[0]) // WG_ROWS * num_n_tiles
   my_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
   k_steps = cute.size(m_a, mode=[1]) // BLOCK_K
   tile_mnk = (WG_ROWS, block_n, BLOCK_K)
+  producer_regs, consumer_regs = REGISTERS[kind]
 
   smem = cutlass.memory.SmemAllocator()
   storage = smem.allocate(shared_storage)
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
-  s_b = storage.s_b.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+  s_bs = [buf.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+          for buf in ([storage.s_b, storage.s_b2] if cutlass.const_expr(swiglu) else [storage.s_b])]
   loads = pipeline.PipelineTmaAsync.create(   # (initialises the barriers, then syncs the CTA)
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
-      producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+      # a full barrier completes on the TMA bytes and, gathering, every producer thread's copies
+      producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + (128 if swiglu else 0)),
       consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 // 32),
       tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
 
   if role == 0:
-    cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-    if warp == 0:
-      cpasync.prefetch_descriptor(tma_a)
-      cpasync.prefetch_descriptor(tma_b)
+    cute.arch.setmaxregister_decrease(producer_regs)
+    if warp < (4 if swiglu else 1):   # gathering, the whole warpgroup; else warp 0
+      if warp == 0:
+        cpasync.prefetch_descriptor(tma_b)
+        if cutlass.const_expr(not swiglu):
+          cpasync.prefetch_descriptor(tma_a)
       produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
       for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
         rows, cols = t // num_n_tiles, t % num_n_tiles
         owner = tile_expert[rows * WG_ROWS // BLOCK_M]
         if owner < num_experts:
-          g_a = cute.local_tile(m_a, tile_mnk, (rows, cols, None, 0), proj=(1, None, 1))
-          g_b = cute.local_tile(m_b, tile_mnk, (rows, cols, None, owner), proj=(None, 1, 1))
-          operands = [grouped_gemm.tma_operand(tma_a, s_a, g_a),
-                      grouped_gemm.tma_operand(tma_b, s_b, g_b)]
-          for k in cutlass.range(k_steps, unroll=1):
-            grouped_gemm.load_stage(loads, produce, operands, k)
-            produce.advance()
-      loads.producer_tail(produce)
+          rhs_cols = [cols, cols + num_n_tiles] if cutlass.const_expr(swiglu) else [cols]
+          operands = [grouped_gemm.tma_operand(tma_b, sb, cute.local_tile(
+              m_b, tile_mnk, (rows, c, None, owner), proj=(None, 1, 1)))
+              for sb, c in zip(s_bs, rhs_cols)]
+          if cutlass.const_expr(swiglu):
+            # this thread's rows' tokens (rows of M tile rows // 2, its upper half when odd)
+            tokens = grouped_gemm._gather_tokens(gather_index, rows // 2,
+                                                 tidx + 128 * (rows % 2))
+            for k in cutlass.range(k_steps, unroll=1):
+              _gather_stage(loads, produce, m_a, gather_index, tokens, s_a, operands, k, tidx)
+              produce.advance()
+          else:
+            g_a = cute.local_tile(m_a, tile_mnk, (rows, cols, None, 0), proj=(1, None, 1))
+            operands = [grouped_gemm.tma_operand(tma_a, s_a, g_a)] + operands
+            for k in cutlass.range(k_steps, unroll=1):
+              grouped_gemm.load_stage(loads, produce, operands, k)
+              produce.advance()
+      if warp == 0:
+        loads.producer_tail(produce)
   else:
-    cute.arch.setmaxregister_increase(CONSUMER_REGS)
+    cute.arch.setmaxregister_increase(consumer_regs)
     me = role - 1
     wg_tidx = tidx % 128
     thr_mma = tiled_mma.get_slice(wg_tidx)
     frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
-    frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-    acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((WG_ROWS, block_n)), cutlass.Float32)
+    frag_bs = [tiled_mma.make_fragment_B(thr_mma.partition_B(sb)) for sb in s_bs]
+    accs = [cute.make_rmem_tensor(tiled_mma.partition_shape_C((WG_ROWS, block_n)),
+                                  cutlass.Float32) for _ in s_bs]
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-    # each row's score broadcast along the tile's columns (stride 0)
+    # (dh) each row's score broadcast along the tile's columns (stride 0)
     scores = cute.make_tensor(m_scores.iterator, cute.make_layout(
         (cute.size(m_scores), block_n, 1), stride=(1, 0, 0)))
     consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -128,14 +187,13 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       else:
         if i > 0:
           cute.arch.barrier(barrier_id=TURN_BARRIER + me, number_of_threads=256)
-        acc.fill(0.0)
+        for acc in accs:
+          acc.fill(0.0)
         for kk in cutlass.range(num_k, unroll=1):
           loads.consumer_wait(consume)
-          warpgroup.fence()
-          for kb in cutlass.range(cute.size(frag_a, mode=[2]), unroll_full=True):
-            cute.gemm(tiled_mma, acc, frag_a[None, None, kb, consume.index],
-                      frag_b[None, None, kb, consume.index], acc)
-          warpgroup.commit_group()
+          if cutlass.const_expr(swiglu):   # the gathered rows are generic-proxy writes
+            cute.arch.fence_proxy("async.shared", space="cta")
+          grouped_gemm.issue_k_step(tiled_mma, accs, frag_a, frag_bs, consume.index)
           consume.advance()
           warpgroup.wait_group(1)   # the previous step's wgmmas are done: release its stage
           if kk > 0:
@@ -148,13 +206,65 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
           loads.consumer_release(release)
           release.advance()
         tile_of = lambda m, c: cute.local_tile(m, tile_mnk, (rows, c, None, 0), proj=(1, 1, None))
-        halves = [cols, cols + num_n_tiles]   # dH's (and H's) gate and up column tiles
-        grouped_gemm._dh_outputs(
-            acc, [tile_of(m_h, c) for c in halves], tile_of(scores, 0), m_ds, thr_mma, wg_tidx,
-            rows * WG_ROWS, cols, m_dh.element_type,
-            [tile_of(m_dh, halves[0]), tile_of(m_dh, halves[1]), tile_of(m_a_scaled, cols)],
-            block_n, WG_ROWS)
+        halves = [cols, cols + num_n_tiles]   # H's (and dH's) gate and up column tiles
+        outs = [tile_of(m_out, halves[0]), tile_of(m_out, halves[1]), tile_of(m_out2, cols)]
+        if cutlass.const_expr(swiglu):
+          _swiglu_outputs(accs, outs, thr_mma, m_out.element_type, block_n)
+        else:
+          grouped_gemm._dh_outputs(
+              accs[0], [tile_of(m_h, c) for c in halves], tile_of(scores, 0), m_ds, thr_mma,
+              wg_tidx, rows * WG_ROWS, cols, m_out.element_type, outs, block_n, WG_ROWS)
       i += 1
+
+
+@cute.jit
+def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
+            gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
+            block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr):
+  """The persistent grid and the kernel's static configuration (see _kernel's operands)."""
+  dtype = lhs.element_type
+  swiglu = kind == "swiglu"
+  m_h, m_scores, m_ds = (out, tile_expert, out) if swiglu else dh_inputs   # (unused: swiglu)
+  a_major, b_major = LayoutEnum.from_tensor(lhs), LayoutEnum.from_tensor(rhs)
+  tile_mnk = (WG_ROWS, block_n, BLOCK_K)
+  tiled_mma = sm90_utils.make_trivial_tiled_mma(
+      dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+      cutlass.Float32, (1, 1, 1), tiler_mn=(WG_ROWS, block_n))
+  a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
+  b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
+  tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
+                                           cute.slice_(b_smem_staged, (None, None, 0)),
+                                           (block_n, BLOCK_K))
+  tma_a, m_a = tma_b, lhs   # gathering: lhs stays the source rows, no TMA (B's atom, unused)
+  if cutlass.const_expr(not swiglu):
+    tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), lhs,
+                                             cute.slice_(a_smem_staged, (None, None, 0)),
+                                             (WG_ROWS, BLOCK_K))
+  a_elems, b_elems = cute.cosize(a_smem_staged), cute.cosize(b_smem_staged)
+
+  @cute.struct
+  class SharedStorage:
+    barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
+    s_a: cute.struct.Align[cute.struct.MemRange[dtype, a_elems], 1024]
+    s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
+
+  @cute.struct
+  class SwigluSharedStorage:
+    barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
+    s_a: cute.struct.Align[cute.struct.MemRange[dtype, a_elems], 1024]
+    s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
+    s_b2: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
+
+  # the bytes TMA brings per stage: the rhs tiles, and unless gathered the lhs tile
+  tx_bytes = (2 if swiglu else 1) * cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+  if cutlass.const_expr(not swiglu):
+    tx_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
+  num_tiles = cute.size(out2, mode=[0]) // WG_ROWS * (cute.size(out2, mode=[1]) // block_n)
+  _kernel(tma_a, m_a, tma_b, m_b, out, out2, m_h, m_scores, m_ds, tile_expert, gather_index,
+          tiled_mma, a_smem_staged, b_smem_staged, cute.size(rhs, mode=[2]),
+          SwigluSharedStorage if swiglu else SharedStorage, block_n, stages, tx_bytes,
+          kind).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
+                       stream=stream)
 
 
 @cute.jit
@@ -163,34 +273,28 @@ def _dh_pingpong(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute
                  ds_parts: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
   """dOg (P, d, 1), w2 (n, d, E) K-major, H (P, 2n, 1), scores (P,), dH (P, 2n, 1), A' (P, n, 1),
   dS parts (n / block_n, P): the operands of grouped_gemm._dh."""
-  dtype = dout_g.element_type
-  a_major, b_major = LayoutEnum.from_tensor(dout_g), LayoutEnum.from_tensor(w2)
-  tile_mnk = (WG_ROWS, block_n, BLOCK_K)
-  tiled_mma = sm90_utils.make_trivial_tiled_mma(
-      dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-      cutlass.Float32, (1, 1, 1), tiler_mn=(WG_ROWS, block_n))
-  a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
-  b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
-  tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), dout_g,
-                                           cute.slice_(a_smem_staged, (None, None, 0)),
-                                           (WG_ROWS, BLOCK_K))
-  tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), w2,
-                                           cute.slice_(b_smem_staged, (None, None, 0)),
-                                           (block_n, BLOCK_K))
+  _launch(stream, dout_g, w2, tile_expert, tile_expert, dh, a_scaled, (h, scores, ds_parts),
+          block_n, stages, "dh")
 
-  @cute.struct
-  class SharedStorage:
-    barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
-    s_a: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(a_smem_staged)], 1024]
-    s_b: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(b_smem_staged)], 1024]
 
-  tx_bytes = (cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
-              + cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0))))
-  num_tiles = cute.size(a_scaled, mode=[0]) // WG_ROWS * (cute.size(a_scaled, mode=[1]) // block_n)
-  _kernel(tma_a, m_a, tma_b, m_b, dh, a_scaled, h, scores, ds_parts, tile_expert, tiled_mma,
-          a_smem_staged, b_smem_staged, cute.size(w2, mode=[2]), SharedStorage, block_n,
-          stages, tx_bytes).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
-                                   stream=stream)
+@cute.jit
+def _up_proj_pingpong(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor,
+                      gather_index: cute.Tensor, h: cute.Tensor, a: cute.Tensor,
+                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+  """x (T, d, 1) the source rows, w1 (2n, d, E) N-major, H (P, 2n, 1), A (P, n, 1): the
+  operands of grouped_gemm._gathered_up_proj."""
+  _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu")
+
+
+def _depth(stages, block_n: int, itemsize: int, num_rhs: int, name: str) -> int:
+  """The ring's depth: `stages`, or as many as fit; ValueError naming the limit."""
+  fit = stages_that_fit(block_n, itemsize, num_rhs)
+  if stages is None:
+    return fit
+  if not 2 <= stages <= fit:
+    raise ValueError(f"cute ping-pong {name}: stages={stages} must be between 2 and {fit} (what "
+                     f"fits in SMEM at block_n={block_n})")
+  return stages
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None):
@@ -202,12 +306,7 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
   reason = grouped_gemm.dh_unsupported(dout_g, w2, h, scores, block_n)
   if reason:
     raise ValueError(f"cute ping-pong dh: {reason}")
-  fit = stages_that_fit(block_n, dout_g.dtype.itemsize)
-  if stages is None:
-    stages = fit
-  if not 2 <= stages <= fit:
-    raise ValueError(f"cute ping-pong dh: stages={stages} must be between 2 and {fit} (what "
-                     f"fits in SMEM at block_n={block_n})")
+  stages = _depth(stages, block_n, dout_g.dtype.itemsize, 1, "dh")
   num_slots = dout_g.shape[0]
   dh_, a_scaled, ds_parts = xla_call.call(
       _dh_pingpong, [dout_g[None], w2, tile_expert.astype(jnp.int32), h[None],
@@ -219,3 +318,26 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
              grouped_gemm.ROW_MODES, grouped_gemm.ROW_MODES, None],
       block_n=block_n, stages=stages)
   return dh_[0], a_scaled[0], ds_parts
+
+
+def up_proj(x, w1, tile_expert, gather_index, block_n: int = 128, stages: int | None = None):
+  """grouped_gemm.up_proj with gather_index on the ping-pong schedule, the producer warpgroup
+  gathering X's rows by cp.async: x [T, d], w1 [E, d, 2n], gather_index [P] (slot r reads
+  X[gather_index[r]], zeros where it is T or more); returns H [P, 2n] and A [P, n].
+  Compiled for sm_90a; not yet run on a GPU."""
+  num_slots, n = gather_index.shape[0], w1.shape[2] // 2
+  slots = jax.ShapeDtypeStruct((num_slots, x.shape[1]), x.dtype)   # the rows it reads
+  reason = grouped_gemm.unsupported(slots, w1, block_n) or (
+      None if n % block_n == 0 else f"n={n} must be a multiple of block_n={block_n}")
+  if reason:
+    raise ValueError(f"cute ping-pong up_proj: {reason}")
+  stages = _depth(stages, block_n, x.dtype.itemsize, 2, "up_proj")
+  h, a = xla_call.call(
+      _up_proj_pingpong, [x[None], w1, tile_expert.astype(jnp.int32),
+                          gather_index.astype(jnp.int32)],
+      [jax.ShapeDtypeStruct((1, num_slots, 2 * n), x.dtype),
+       jax.ShapeDtypeStruct((1, num_slots, n), x.dtype)],
+      modes=[grouped_gemm.ROW_MODES, (2, 1, 0), None, None, grouped_gemm.ROW_MODES,
+             grouped_gemm.ROW_MODES],
+      block_n=block_n, stages=stages)
+  return h[0], a[0]

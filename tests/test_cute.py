@@ -198,10 +198,11 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_in_kernel, dh_kernel,
   """The layer's forward and gradients with the CuTe grouped GEMMs: the kernels compile for
   sm_90a here and the program exports for CUDA with them as FFI calls (forward: up_proj,
   down_proj and aggregate; backward adds dh, dx_tilde, aggregate, dw1 and dw2), with dO's rows
-  gathered by XLA or by dh and dw2, and with the ping-pong dH kernel."""
+  gathered by XLA or by dh and dw2, and with the ping-pong kernels (dH and up_proj)."""
   cute_ops = importlib.import_module("ffi.ops")
   monkeypatch.setattr(cute_ops, "DOUT_GATHER_IN_KERNEL", dout_gather_in_kernel)
   monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
+  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong" if dh_kernel == "pingpong" else "grouped")
   T, d, n, E, K = 256, 256, 128, 8, 2
   args = make_inputs(0, T, d, n, E, jnp.bfloat16)
 
@@ -415,11 +416,56 @@ def test_cute_pingpong_dh_compiles_for_cuda(block_n, stages):
     jax.eval_shape(lambda *a: pingpong.dh(*a), *shapes[:2], shapes[1], *shapes[3:])
 
 
+@needs_cute
+@pytest.mark.parametrize("block_n,stages", [(128, None), (64, 3)])
+def test_cute_pingpong_up_proj_compiles_for_cuda(block_n, stages):
+  """The ping-pong up-projection (the producer warpgroup gathering X) compiles for sm_90a and
+  lowers as an FFI call; shapes and depths it cannot run are refused by name."""
+  from ffi import pingpong
+  T, P, d, n, E = 300, 1024, 256, 256, 4
+  shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [
+      ((T, d), jnp.bfloat16), ((E, d, 2 * n), jnp.bfloat16), ((P // 128,), jnp.int32),
+      ((P,), jnp.int32)]]
+  fn = lambda *a: pingpong.up_proj(*a, block_n=block_n, stages=stages)
+  assert FFI_TARGET in _cuda_module(fn, *shapes)
+  fit = pingpong.stages_that_fit(block_n, 2, 2)
+  with pytest.raises(ValueError, match=f"up_proj: stages={fit + 1} must be between 2 and {fit}"):
+    jax.eval_shape(lambda *a: pingpong.up_proj(*a, block_n=block_n, stages=fit + 1), *shapes)
+  with pytest.raises(ValueError, match=r"up_proj: n=96 must be a multiple of block_n=64"):
+    jax.eval_shape(lambda *a: pingpong.up_proj(*a, block_n=64),
+                   shapes[0], jax.ShapeDtypeStruct((E, d, 192), jnp.bfloat16), *shapes[2:])
+
+
 @pytest.mark.gpu
 @needs_cute
-def test_cute_layer_with_pingpong_dh_matches_xla_on_gpu(monkeypatch):
-  """The layer with every op on cute and dH on the ping-pong kernel against the xla backend."""
+@pytest.mark.parametrize("num_tiles,block_n", [(4, 128), (81, 128), (80, 64)])
+def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles, block_n):
+  """The ping-pong up-projection gives grouped_gemm.up_proj's H bit for bit and its A to
+  rounding (both gathering X; padding slots, experts without rows, tiles past the groups)."""
+  from ffi import grouped_gemm, pingpong
+  T, E, d, n = 1000, 5, 384, 256
+  tile_expert = jnp.sort(jax.random.randint(jax.random.key(71), (num_tiles,), 0, E + 1))
+  tile_expert = tile_expert.at[tile_expert == 1].set(2).astype(jnp.int32)
+  P = num_tiles * grouped_gemm.BLOCK_M
+  x = jax.random.normal(jax.random.key(72), (T, d)).astype(jnp.bfloat16)
+  w1 = (jax.random.normal(jax.random.key(73), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
+  index = jax.random.randint(jax.random.key(74), (P,), 0, T).at[::7].set(T)
+  got_h, got_a = jax.jit(lambda *a: pingpong.up_proj(*a, block_n=block_n))(
+      x, w1, tile_expert, index)
+  want_h, want_a = jax.jit(lambda x, w, t, i: grouped_gemm.up_proj(
+      x, w, t, block_n=block_n, gather_index=i))(x, w1, tile_expert, index)
+  np.testing.assert_array_equal(got_h, want_h)
+  np.testing.assert_allclose(np.asarray(got_a, np.float32), np.asarray(want_a, np.float32),
+                             rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(monkeypatch):
+  """The layer with every op on cute, dH and up_proj on the ping-pong kernels, against the xla
+  backend."""
   monkeypatch.setattr(importlib.import_module("ffi.ops"), "DH_KERNEL", "pingpong")
+  monkeypatch.setattr(importlib.import_module("ffi.ops"), "UP_PROJ_KERNEL", "pingpong")
   T, d, n, E, K = 4096, 1536, 256, 128, 8
   args = make_inputs(3, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(4), (T, d))
@@ -430,9 +476,9 @@ def test_cute_layer_with_pingpong_dh_matches_xla_on_gpu(monkeypatch):
 
 
 @needs_cute
-def test_cute_dh_kernel_setting_is_checked(monkeypatch):
-  """A DH_KERNEL outside DH_KERNELS, or the ping-pong kernel with the dO gather, is refused by
-  name (runs on CPU: the error comes before any kernel)."""
+def test_cute_kernel_settings_are_checked(monkeypatch):
+  """A DH_KERNEL or UP_PROJ_KERNEL outside its list, or the ping-pong dH with the dO gather, is
+  refused by name (runs on CPU: the error comes before any kernel)."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(6, 256, 128, 64, 4, jnp.bfloat16)
   grad = lambda: jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={
@@ -444,6 +490,9 @@ def test_cute_dh_kernel_setting_is_checked(monkeypatch):
   monkeypatch.setattr(cute_ops, "DOUT_GATHER_IN_KERNEL", True)
   with pytest.raises(ValueError, match="does not gather dO's rows"):
     grad()
+  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "fast")
+  with pytest.raises(ValueError, match=r"UP_PROJ_KERNEL must be one of .*'fast'"):
+    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"up_proj": "cute"})
 
 
 @pytest.mark.gpu
