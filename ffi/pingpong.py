@@ -15,7 +15,8 @@ Schedule:
               nothing). dh: warp 0 TMA-loads dOg [64, 64] and W2_e^T [block_n, 64]. up_proj:
               thread 0 TMA-loads W1's gate and up tiles, and all 128 threads cp.async-copy the
               64 gathered X rows (_gather_stage); a stage's full barrier completes on the TMA
-              bytes and 1 + 128 arrivals (cp.async.mbarrier.arrive.noinc)
+              bytes and GATHER_ARRIVALS arrivals (per thread: cp.async.mbarrier.arrive.noinc
+              for its copies, a release arrive for its padding rows' plain zero stores)
   consumers : warpgroups 1 and 2, registers raised, take the CTA's tiles in turn (its i-th
               tile is warpgroup 1 + i % 2's). A consumer waits for its turn (named barrier
               TURN_BARRIER + its index, which the other arrives at once it has waited for all
@@ -47,6 +48,8 @@ THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 # gathering producer keeps its rows' token ids and copy addresses in registers
 REGISTERS = {"dh": (40, 232), "swiglu": (56, 224)}
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
+GATHER_ARRIVALS = 1 + 2 * 128   # a gathered stage's full barrier: the TMA thread's, then two
+                                # per producer thread (its copies landed; its plain stores)
 MAX_STAGES = 8
 
 
@@ -66,8 +69,10 @@ def _gather_stage(loads, state, x, gather_index, tokens, s_a, rhs_operands, k, p
   """The gathering producer's k step k into stage state.index, by all 128 producer threads:
   wait until the consumers released the stage; thread 0 sets the full barrier's expected TMA
   bytes and loads the rhs tiles by TMA; every thread cp.async-copies its share of the
-  WG_ROWS gathered rows (grouped_gemm._gather_step) and arrives on the full barrier once its
-  copies land (the barrier counts 1 + 128 arrivals)."""
+  WG_ROWS gathered rows (grouped_gemm._gather_step; padding rows it writes as zeros by plain
+  stores) and arrives on the full barrier twice: once its copies land (cp.async's noinc
+  arrive) and once at once (a release arrive, which publishes its plain stores). The barrier
+  counts GATHER_ARRIVALS."""
   loads.sync_object_empty.wait(state.index, state.phase)
   bar = loads.producer_get_barrier(state)
   if ptid == 0:
@@ -76,6 +81,7 @@ def _gather_stage(loads, state, x, gather_index, tokens, s_a, rhs_operands, k, p
       cute.copy(atom, src[(None, k)], dst[(None, state.index)], tma_bar_ptr=bar)
   grouped_gemm._gather_step(x, tokens, s_a[None, None, state.index], k * BLOCK_K, ptid)
   cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+  cute.arch.mbarrier_arrive(bar)
 
 
 @cute.jit
@@ -124,7 +130,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   loads = pipeline.PipelineTmaAsync.create(   # (initialises the barriers, then syncs the CTA)
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
       # a full barrier completes on the TMA bytes and, gathering, every producer thread's copies
-      producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + (128 if swiglu else 0)),
+      producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                               GATHER_ARRIVALS if swiglu else 1),
       consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 // 32),
       tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
 
