@@ -13,6 +13,7 @@
 #           tests, then the per-op rows of benchmarks.kernels at 30B-n256 and 7B-n256    (~4 min)
 #   cute  : the CuTe kernels' GPU tests, compiling into the disk cache /tmp/cute-cache (carry
 #           the cute wheels first, ../shared/tools/device-wheels cute; source their env.sh) (~3 min)
+#   pingpong: the ping-pong kernels' GPU tests (150 s cap: a hang), their sweep rows  (~4 min)
 #   cute_sweep: their tile/epilogue sweep at 30B-n256                                 (~5 min)
 #   cute_dout: the layer with dO's rows gathered by the cute dh and dw2 vs by XLA     (~5 min)
 #   cute_dh: the layer with the cute dH's register-store / TMA-store / ping-pong kernel (~7 min)
@@ -55,21 +56,25 @@ for mode in "$@"; do
       grep -E "^(PASSED|FAILED|ERROR)" "$OUT/pytest_gathers.log" | tail -20
       timeout 200 python3 -m benchmarks.kernels --backend pallas --configs 30B-n256,7B-n256 \
         --out "$OUT/kernels_pallas.json" 2>&1 | grep -v '^{' | tail -40 ;;
-    cute)  # the ping-pong kernel's tests apart, under their own short timeout (a hang)
-      timeout 420 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
+    cute)  # (the ping-pong kernels' tests: mode pingpong)
+      timeout 500 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
         -k "not pingpong" > "$OUT/pytest_cute.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cute.log" | tail -12
-      timeout 120 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k pingpong > "$OUT/pytest_pingpong.log" 2>&1; echo "ping-pong tests: rc $?"
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_pingpong.log" | tail -5
       echo "disk cache entries: $(ls "$SONICMOE_CUTE_CACHE" | grep -c '\.o$')" ;;
+    pingpong)  # after `cute`: the ping-pong kernels' GPU tests under a short timeout (rc 124:
+               # a hang), then their tile sweep rows at 30B-n256
+      timeout 150 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
+        -k pingpong > "$OUT/pytest_pingpong.log" 2>&1; echo "ping-pong tests: rc $?"
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_pingpong.log" | tail -8
+      timeout 120 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 --stages 3,0 \
+        --kernels up_proj_gather,up_proj_pingpong,dh,dh_pingpong --block-n 128 \
+        --out "$OUT/sweep_pingpong.json" 2>&1 | grep -v '^{' ;;
     cute_sweep)
       sweep() { timeout "$1" python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 \
         --stages 3,0 "${@:3}" --out "$OUT/sweep_cute_$2.json" 2>&1 | grep -v '^{' | grep -v "^config"; }
       sweep 60 up --kernels up_proj,up_proj_gather --block-n 64,128
       sweep 60 mm --kernels down_proj,dx_tilde --block-n 128,256
       sweep 100 dh --kernels dh,dh_tma,dh_gather --block-n 64,128
-      sweep 90 pingpong --kernels up_proj_pingpong,dh_pingpong --block-n 64,128,256
       sweep 120 bw --kernels dw1,dw2,dw1_gather,dw2_gather --block-n 128,256
       timeout 40 python3 -m benchmarks.tile_sweep --configs 30B-n256 --kernels dw1 --block-n 128 \
         --stages 4 --out "$OUT/sweep_pallas_dw1.json" 2>&1 | grep -v '^{' | tail -1 ;;   # Pallas's, same rows
