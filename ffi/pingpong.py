@@ -65,7 +65,7 @@ def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1) -> int:
 
 
 @cute.jit
-def _gather_stage(loads, state, x, gather_index, tokens, s_a, rhs_operands, k, ptid):
+def _gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid):
   """The gathering producer's k step k into stage state.index, by all 128 producer threads:
   wait until the consumers released the stage; thread 0 sets the full barrier's expected TMA
   bytes and loads the rhs tiles by TMA; every thread cp.async-copies its share of the
@@ -156,7 +156,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             tokens = grouped_gemm._gather_tokens(gather_index, rows // 2,
                                                  tidx + 128 * (rows % 2))
             for k in cutlass.range(k_steps, unroll=1):
-              _gather_stage(loads, produce, m_a, gather_index, tokens, s_a, operands, k, tidx)
+              _gather_stage(loads, produce, m_a, tokens, s_a, operands, k, tidx)
               produce.advance()
           else:
             g_a = cute.local_tile(m_a, tile_mnk, (rows, cols, None, 0), proj=(1, None, 1))
