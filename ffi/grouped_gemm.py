@@ -66,15 +66,16 @@ K_CHUNKS_PER_WG = BLOCK_M // WARPGROUPS // 8
 K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128
 
 
-def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int) -> int:
-  """A CTA's SMEM: `stages` pipeline stages (an lhs tile and num_rhs rhs tiles each) and 1 KiB
-  for the barriers (the epilogue's buffers reuse the lhs stages)."""
-  return stages * (BLOCK_M + num_rhs * block_n) * BLOCK_K * itemsize + BARRIER_BYTES
+def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int = BLOCK_M) -> int:
+  """A CTA's SMEM: `stages` pipeline stages (a `rows`-row lhs tile and num_rhs rhs tiles each)
+  and 1 KiB for the barriers (the epilogue's buffers reuse the lhs stages)."""
+  return stages * (rows + num_rhs * block_n) * BLOCK_K * itemsize + BARRIER_BYTES
 
 
-def _stages_that_fit(block_n: int, num_rhs: int, itemsize: int) -> int:
+def _stages_that_fit(block_n: int, num_rhs: int, itemsize: int, rows: int = BLOCK_M) -> int:
   """How many pipeline stages fit in SMEM (smem_bytes)."""
-  return (SMEM_BYTES - BARRIER_BYTES) // (smem_bytes(block_n, num_rhs, itemsize, 1) - BARRIER_BYTES)
+  per_stage = smem_bytes(block_n, num_rhs, itemsize, 1, rows) - BARRIER_BYTES
+  return (SMEM_BYTES - BARRIER_BYTES) // per_stage
 
 
 def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, stages) -> int:

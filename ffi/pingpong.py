@@ -53,15 +53,10 @@ GATHER_ARRIVALS = 1 + 2 * 128   # a gathered stage's full barrier: the TMA threa
 MAX_STAGES = 8
 
 
-def stage_bytes(block_n: int, itemsize: int, num_rhs: int = 1) -> int:
-  """SMEM of one ring stage: a [WG_ROWS, BLOCK_K] lhs tile and num_rhs [block_n, BLOCK_K] rhs
-  tiles."""
-  return (WG_ROWS + num_rhs * block_n) * BLOCK_K * itemsize
-
-
 def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1) -> int:
-  return min(MAX_STAGES,
-             (SMEM_BYTES - BARRIER_BYTES) // stage_bytes(block_n, itemsize, num_rhs))
+  """The ring's deepest: stages of a [WG_ROWS, BLOCK_K] lhs tile and num_rhs [block_n,
+  BLOCK_K] rhs tiles that fit in SMEM, at most MAX_STAGES."""
+  return min(MAX_STAGES, grouped_gemm._stages_that_fit(block_n, num_rhs, itemsize, WG_ROWS))
 
 
 @cute.jit
@@ -90,8 +85,7 @@ def _swiglu_outputs(accs, out_tiles, thr_mma, dtype, block_n: cutlass.Constexpr)
   from registers to out_tiles (H gate, H up, A) one fragment column group at a time."""
   for k in cutlass.range_constexpr(block_n // 8):
     group = ((None, None, k), 0, 0)
-    gate, up = accs[0][group].load(), accs[1][group].load()
-    values = [gate, up, gate / (1.0 + cute.math.exp(-gate)) * up]
+    values = grouped_gemm._epilogue_values([acc[group].load() for acc in accs], True)
     for q in cutlass.range_constexpr(3):
       frag = cute.make_rmem_tensor(accs[0][group].shape, dtype)
       frag.store(values[q].to(dtype))
