@@ -63,9 +63,13 @@ for mode in "$@"; do
       echo "disk cache entries: $(ls "$SONICMOE_CUTE_CACHE" | grep -c '\.o$')" ;;
     pingpong)  # after `cute`: the ping-pong kernels' GPU tests under a short timeout (rc 124:
                # a hang), then their tile sweep rows at 30B-n256
-      timeout 150 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k pingpong > "$OUT/pytest_pingpong.log" 2>&1; echo "ping-pong tests: rc $?"
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_pingpong.log" | tail -8
+      # one kernel at a time, unbuffered and verbose: a hang names its test
+      for part in "pingpong and dh" "pingpong and up_proj" "layer and pingpong"; do
+        PYTHONUNBUFFERED=1 timeout 90 python3 -m pytest -p no:cacheprovider -v -m gpu \
+          tests/test_cute.py -k "$part" >> "$OUT/pytest_pingpong.log" 2>&1
+        echo "ping-pong tests ($part): rc $?"
+      done
+      grep -E "(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_pingpong.log" | tail -12
       timeout 120 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 --stages 3,0 \
         --kernels up_proj_gather,up_proj_pingpong,dh,dh_pingpong --block-n 128 \
         --out "$OUT/sweep_pingpong.json" 2>&1 | grep -v '^{' ;;

@@ -13,7 +13,7 @@ Schedule:
   producer  : warpgroup 0, its registers lowered by setmaxnreg (REGISTERS), fills a
               `stages`-deep ring running ahead across tiles (tiles past the last group load
               nothing). dh: warp 0 TMA-loads dOg [64, 64] and W2_e^T [block_n, 64]. up_proj:
-              thread 0 TMA-loads W1's gate and up tiles, and all 128 threads cp.async-copy the
+              warp 0 TMA-loads W1's gate and up tiles, and all 128 threads cp.async-copy the
               64 gathered X rows (_gather_stage); a stage's full barrier completes on the TMA
               bytes and GATHER_ARRIVALS arrivals (per thread: cp.async.mbarrier.arrive.noinc
               for its copies, a release arrive for its padding rows' plain zero stores)
@@ -48,7 +48,7 @@ THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 # gathering producer keeps its rows' token ids and copy addresses in registers
 REGISTERS = {"dh": (40, 232), "swiglu": (56, 224)}
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
-GATHER_ARRIVALS = 1 + 2 * 128   # a gathered stage's full barrier: the TMA thread's, then two
+GATHER_ARRIVALS = 1 + 2 * 128   # a gathered stage's full barrier: the TMA warp's, then two
                                 # per producer thread (its copies landed; its plain stores)
 MAX_STAGES = 8
 
@@ -62,15 +62,16 @@ def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1) -> int:
 @cute.jit
 def _gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid):
   """The gathering producer's k step k into stage state.index, by all 128 producer threads:
-  wait until the consumers released the stage; thread 0 sets the full barrier's expected TMA
-  bytes and loads the rhs tiles by TMA; every thread cp.async-copies its share of the
+  wait until the consumers released the stage; warp 0 sets the full barrier's expected TMA
+  bytes and loads the rhs tiles by TMA (the whole warp: the arrive and the copies elect one
+  lane with elect.sync, which one lane alone must not reach); every thread cp.async-copies its share of the
   WG_ROWS gathered rows (grouped_gemm._gather_step; padding rows it writes as zeros by plain
   stores) and arrives on the full barrier twice: once its copies land (cp.async's noinc
   arrive) and once at once (a release arrive, which publishes its plain stores). The barrier
   counts GATHER_ARRIVALS."""
   loads.sync_object_empty.wait(state.index, state.phase)
   bar = loads.producer_get_barrier(state)
-  if ptid == 0:
+  if ptid < 32:
     loads.sync_object_full.arrive(state.index, loads.producer_mask)
     for atom, src, dst in rhs_operands:
       cute.copy(atom, src[(None, k)], dst[(None, state.index)], tma_bar_ptr=bar)
