@@ -290,8 +290,9 @@ def main(argv=None):
                  help="pallas up-projection: gather X's rows inside the kernel (default) or by XLA")
   p.add_argument("--pallas-dw1-gather", choices=("xla", "kernel"), default="xla",
                  help="pallas dW1: gather X's rows by XLA (default) or inside the kernel (slower, less memory)")
-  p.add_argument("--cute-dout-gather", choices=("xla", "kernel"), default="xla",
-                 help="cute dh and dw2: gather dO's rows by XLA (default) or inside both kernels")
+  p.add_argument("--cute-dout-gather", choices=("rule", "xla", "kernel"), default="rule",
+                 help="cute dh and dw2: gather dO's rows as ffi/ops.py's rule says (default, "
+                      "DOUT_GATHER_MAX_COLUMN_TILES), by XLA, or inside both kernels")
   p.add_argument("--cute-dh", choices=("registers", "tma_store", "pingpong"), default="registers",
                  help="cute dh's kernel variant (ffi/ops.py DH_KERNEL)")
   p.add_argument("--cute-up-proj", choices=("grouped", "pingpong"), default="grouped",
@@ -299,9 +300,10 @@ def main(argv=None):
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
-  if (a.cute_dout_gather, a.cute_dh, a.cute_up_proj) != ("xla", "registers", "grouped"):
+  if (a.cute_dout_gather, a.cute_dh, a.cute_up_proj) != ("rule", "registers", "grouped"):
     cute_ops = importlib.import_module("ffi.ops")   # (the cute extra: only when asked)
-    cute_ops.DOUT_GATHER_IN_KERNEL = a.cute_dout_gather == "kernel"
+    if a.cute_dout_gather != "rule":
+      cute_ops.DOUT_GATHER_MAX_COLUMN_TILES = 0 if a.cute_dout_gather == "xla" else 1 << 30
     cute_ops.DH_KERNEL = a.cute_dh
     cute_ops.UP_PROJ_KERNEL = a.cute_up_proj
 

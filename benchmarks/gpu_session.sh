@@ -13,11 +13,10 @@
 #           tests, then the per-op rows of benchmarks.kernels at 30B-n256 and 7B-n256    (~4 min)
 #   cute  : the CuTe kernels' GPU tests, compiling into the disk cache /tmp/cute-cache (carry
 #           the cute wheels first, ../shared/tools/device-wheels cute; source their env.sh) (~3 min)
-#   pingpong: the ping-pong kernels' GPU tests (150 s cap: a hang), their sweep rows  (~4 min)
+#   pingpong: the ping-pong kernels' GPU tests (90 s cap per kernel: a hang), their sweep
+#           rows beside grouped_gemm's at 30B-n256                                     (~3 min)
 #   cute_sweep: their tile/epilogue sweep at 30B-n256                                 (~5 min)
-#   cute_dout: the layer with dO's rows gathered by the cute dh and dw2 vs by XLA     (~5 min)
 #   cute_dh: the layer with the cute dH's register-store / TMA-store / ping-pong kernel (~7 min)
-#   cute_up: the layer with the cute up_proj's grouped vs ping-pong kernel             (~4 min)
 #   cute_bench: then (kernels read back from the disk cache) the FFI call cost and the layer
 #           at the five anchors, the default ("auto") vs all-pallas                  (~5 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
@@ -88,23 +87,11 @@ for mode in "$@"; do
         2>&1 | grep -v '^{' | tail -5
       timeout 300 python3 -m benchmarks.bench --impls pallas,auto \
         --iters 5 --reps 3 --out "$OUT/bench_cute" 2>&1 | tail -11 ;;
-    cute_dout)  # after `cute`: dO's rows gathered by dh and dw2 themselves vs by XLA (all four
-                # backward GEMMs on cute), beside the default
-      for g in xla kernel; do
-        timeout 280 python3 -m benchmarks.bench --configs 7B-n256,30B-n256,120B-n1024 \
-          --impls dh=cute+dx_tilde=cute+dw1=cute+dw2=cute --cute-dout-gather $g \
-          --iters 5 --reps 3 --out "$OUT/bench_dout_$g" 2>&1 | tail -4
-      done ;;
-    cute_up)  # after `cute`: the layer's forward with the ping-pong up-projection vs grouped
-      for k in grouped pingpong; do
-        timeout 150 python3 -m benchmarks.bench --configs 7B-n256,30B-n256,120B-n1024 \
-          --impls up_proj=cute --cute-up-proj $k --iters 5 --reps 3 --out "$OUT/bench_up_$k" \
-          2>&1 | tail -4
-      done ;;
-    cute_dh)  # after `cute`: the layer with dH's three kernels (ffi/ops.py DH_KERNEL)
+    cute_dh)  # after `cute`: the layer with dH's three kernels (ffi/ops.py DH_KERNEL; dO's
+              # rows gathered by XLA for all three: the ping-pong kernel does not gather)
       for k in registers tma_store pingpong; do
         timeout 190 python3 -m benchmarks.bench --configs 7B-n1024,30B-n256,120B-n1024 \
-          --impls dh=cute+dx_tilde=cute+dw1=cute --cute-dh $k \
+          --impls dh=cute+dx_tilde=cute+dw1=cute --cute-dh $k --cute-dout-gather xla \
           --iters 5 --reps 3 --out "$OUT/bench_dh_$k" 2>&1 | tail -4
       done ;;
     rounding)  # token rounding vs plain top-K at a sparse config (issue #4), pallas backend

@@ -2,10 +2,10 @@
 grouped GEMMs (grouped_gemm.py) up_proj (SwiGLU epilogue; X's rows gathered in the kernel by
 cp.async, UP_PROJ_GATHER_IN_KERNEL), down_proj, dh (the dSwiGLU epilogue), dx_tilde and the
 varlen-K weight gradients dw1 (X's rows gathered in the kernel where its output is narrow,
-DW1_GATHER_MAX_COLUMN_TILES) and dw2 (dO's rows for dh and dw2 gathered by XLA, or by both
-kernels: DOUT_GATHER_IN_KERNEL); all match float32 references and the xla backend on an H200
+DW1_GATHER_MAX_COLUMN_TILES) and dw2 (dO's rows for dh and dw2 gathered by both kernels
+where dH is narrow, DOUT_GATHER_MAX_COLUMN_TILES, else by XLA); all match float32 references and the xla backend on an H200
 (tests/test_cute.py). Speed against the pallas backend:
-benchmarks/results/2026-11-30-h200-session8; the shapes where dh, dx_tilde and dw1 are the GPU
+benchmarks/results/2026-11-30-h200-session8 and -session9; the shapes where dh, dx_tilde and dw1 are the GPU
 default: sonicmoe_jax/backends.py.
 
 Implements a subset of the dispatch table; mix it with others, e.g.
@@ -35,7 +35,8 @@ ALIGN = grouped_gemm.BLOCK_M
 # The up-projection gathers X's rows itself (bitwise equal to gathering first, H200 session 6)
 UP_PROJ_GATHER_IN_KERNEL = True
 # Its kernel when gathering: "grouped" (grouped_gemm.up_proj, the MMA warpgroups issuing the
-# copies) or "pingpong" (ffi/pingpong.py, the producer warpgroup gathering; not yet run)
+# copies) or "pingpong" (ffi/pingpong.py, the producer warpgroup gathering; bitwise equal but
+# slower: 4.13 vs 3.88 ms at 30B-n256, session 9)
 UP_PROJ_KERNEL = "grouped"
 UP_PROJ_KERNELS = ("grouped", "pingpong")
 # dW1 gathers X's rows itself (bitwise equal to gathering first) where its output has at most
@@ -44,15 +45,17 @@ UP_PROJ_KERNELS = ("grouped", "pingpong")
 # GB of step memory); 120B-n1024 (8 tiles) 37.57 vs 36.33. dW1 alone at 30B-n256: 4.16 ms vs
 # 3.21 + ~2.3 for XLA's gather.
 DW1_GATHER_MAX_COLUMN_TILES = 2
-# dO's rows for dh and dw2: gathered once by XLA (the two ops share the [T*K, d] copy), or by
-# both kernels themselves (dW2 then computed transposed: dW2_e^T = dO_e^T A'_e). Estimate at
-# 30B-n256: XLA's gather 2.4 ms goes, the gathers in dh and dW2 add ~0.9 ms each (as in
-# up_proj and dW1) and the transpose ~0.3 ms; 4.3 GB less step memory. Not yet measured: off.
-DOUT_GATHER_IN_KERNEL = False
+# dO's rows for dh and dw2: gathered by both kernels themselves (dW2 then computed transposed:
+# dW2_e^T = dO_e^T A'_e) where dH has at most this many column tiles (each re-gathers the
+# rows), else once by XLA (the two ops share the [T*K, d] copy). H200 session 9, forward +
+# backward ms with dh, dx_tilde, dw1, dw2 on cute, XLA's gather -> the kernels': 7B-n256 (2
+# tiles) 3.64 -> 3.50, 30B-n256 (2) 22.60 -> 21.17; 7B-n1024 (8) 3.08 -> 3.20, 120B-n1024 (8)
+# 35.91 -> 37.33, olmoe (8) 18.20 -> 18.71 (step memory 9.3 -> 6.6 and 5.7 -> 3.5 GB there).
+DOUT_GATHER_MAX_COLUMN_TILES = 2
 # The dH kernel's variant: "registers" (grouped_gemm.dh storing dH and A' from registers),
 # "tma_store" (the same through SMEM and TMA stores: 2.56 vs 2.69 ms at 30B-n256 in session
-# 8's sweep, not yet timed in the layer) or "pingpong" (ffi/pingpong.py; not yet run; no dO
-# gather).
+# 8's sweep, not yet timed in the layer) or "pingpong" (ffi/pingpong.py; bitwise equal to
+# "registers" but slower: 3.53 vs 2.78 ms at 30B-n256, session 9; no dO gather).
 DH_KERNEL = "registers"
 DH_KERNELS = ("registers", "tma_store", "pingpong")
 
@@ -112,24 +115,33 @@ def down_proj(a, w2, plan):
                                      stages=STORE_STAGES)
 
 
+def _dout_gathered_in_kernel(n: int) -> bool:
+  """Whether dh and dw2 gather dO's rows themselves (DOUT_GATHER_MAX_COLUMN_TILES; the two
+  ops decide alike, so that XLA's gather, when made, is one copy shared by both)."""
+  return n // _wide_tile(n, 128) <= DOUT_GATHER_MAX_COLUMN_TILES
+
+
 def dh(dout, w2, h, scores, plan):
-  """dA' = dO_e W2_e^T fused with dSwiGLU: dH, dS, A' = s A (dO's rows gathered by XLA first,
-  or in the kernel: DOUT_GATHER_IN_KERNEL), by the DH_KERNEL variant. An H past the kernel's
-  32-bit epilogue offsets goes to xla_ops.dh with a warning."""
+  """dA' = dO_e W2_e^T fused with dSwiGLU: dH, dS, A' = s A (dO's rows gathered in the kernel
+  or by XLA first: _dout_gathered_in_kernel), by the DH_KERNEL variant. An H past the
+  kernel's 32-bit epilogue offsets goes to xla_ops.dh with a warning."""
   if h.size > grouped_gemm.MAX_REGISTER_ADDRESSED:
     warnings.warn(f"backend 'cute' dh: H {h.shape} has more than "
                   f"{grouped_gemm.MAX_REGISTER_ADDRESSED} elements; using xla_ops.dh", stacklevel=2)
     return xla_ops.dh(dout, w2, h, scores, plan)
   if DH_KERNEL not in DH_KERNELS:
     raise ValueError(f"ffi.ops.DH_KERNEL must be one of {DH_KERNELS}; got {DH_KERNEL!r}")
-  if DOUT_GATHER_IN_KERNEL and DH_KERNEL == "pingpong":
-    raise ValueError("ffi.ops: the ping-pong dH kernel does not gather dO's rows; set "
-                     "DOUT_GATHER_IN_KERNEL = False with DH_KERNEL = 'pingpong'")
-  if DOUT_GATHER_IN_KERNEL:
+  n = w2.shape[1]
+  gather_in_kernel = _dout_gathered_in_kernel(n)
+  if gather_in_kernel and DH_KERNEL == "pingpong":
+    raise ValueError(f"ffi.ops: the ping-pong dH kernel does not gather dO's rows, which "
+                     f"DOUT_GATHER_MAX_COLUMN_TILES={DOUT_GATHER_MAX_COLUMN_TILES} asks for at "
+                     f"n={n}; set it to 0 with DH_KERNEL = 'pingpong'")
+  if gather_in_kernel:
     rows, gather = dout, dict(gather_index=plan.token_index)
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
-  block_n = _wide_tile(w2.shape[1], 128)
+  block_n = _wide_tile(n, 128)
   if DH_KERNEL == "pingpong":
     dh_, a_scaled, ds_parts = pingpong.dh(rows, w2, h, scores, _tiles(plan), block_n)
   else:
@@ -157,10 +169,10 @@ def dw1(x, dh_, plan):
 
 
 def dw2(a_scaled, dout, plan):
-  """dW2_e = A'_e^T dO_e over expert e's rows (dO's rows gathered by XLA first), or with
-  DOUT_GATHER_IN_KERNEL computed transposed, dW2_e^T = dO_e^T A'_e with dO's rows gathered in
-  the kernel (its gathered operand is the lhs), then transposed back."""
-  if DOUT_GATHER_IN_KERNEL:
+  """dW2_e = A'_e^T dO_e over expert e's rows (dO's rows gathered by XLA first), or where
+  _dout_gathered_in_kernel computed transposed, dW2_e^T = dO_e^T A'_e with dO's rows gathered
+  in the kernel (its gathered operand is the lhs), then transposed back."""
+  if _dout_gathered_in_kernel(a_scaled.shape[1]):
     dw2_t = grouped_gemm.weight_grad(dout, a_scaled, plan.group_offsets, plan.num_experts,
                                      block_n=_wide_tile(a_scaled.shape[1], 256),
                                      gather_index=plan.token_index)

@@ -302,7 +302,8 @@ def _depth(stages, block_n: int, itemsize: int, num_rhs: int, name: str) -> int:
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None):
   """grouped_gemm.dh (no gather, register stores) on the ping-pong schedule: the same operands
   and outputs. stages: the ring's depth (default: as many as fit, at most MAX_STAGES).
-  Compiled for sm_90a; not yet run on a GPU. The cute dh op uses it with ffi.ops.DH_KERNEL =
+  Bitwise equal to grouped_gemm.dh on an H200 (slower: 3.53 vs 2.78 ms at 30B-n256, session
+  9). The cute dh op uses it with ffi.ops.DH_KERNEL =
   "pingpong"."""
   n = w2.shape[1]
   reason = grouped_gemm.dh_unsupported(dout_g, w2, h, scores, block_n)
@@ -326,7 +327,8 @@ def up_proj(x, w1, tile_expert, gather_index, block_n: int = 128, stages: int | 
   """grouped_gemm.up_proj with gather_index on the ping-pong schedule, the producer warpgroup
   gathering X's rows by cp.async: x [T, d], w1 [E, d, 2n], gather_index [P] (slot r reads
   X[gather_index[r]], zeros where it is T or more); returns H [P, 2n] and A [P, n].
-  Compiled for sm_90a; not yet run on a GPU."""
+  Bitwise equal to grouped_gemm.up_proj on an H200 (slower: 4.13 vs 3.88 ms at 30B-n256).
+  """
   num_slots, n = gather_index.shape[0], w1.shape[2] // 2
   slots = jax.ShapeDtypeStruct((num_slots, x.shape[1]), x.dtype)   # the rows it reads
   reason = grouped_gemm.unsupported(slots, w1, block_n) or (

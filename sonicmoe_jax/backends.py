@@ -18,8 +18,8 @@ of the ops. Users pick a backend by name for all ops ("xla", "pallas",
 use "auto").
 
 "auto" picks the platform default (PLATFORM_DEFAULTS, from measurements: the pallas kernels
-on GPUs), except that on GPUs dh, dx_tilde and dw1 run on "cute" at the layer widths where it
-measured faster (cute_is_faster_on_gpu) when the optional cute extra is installed. When the
+on GPUs), except that on GPUs dh, dx_tilde, dw1 and dw2 run on "cute" at the layer widths
+where it measured faster (GPU_CUTE_WHERE) when the optional cute extra is installed. When the
 default backend's `unsupported(dtype, d, n)` names a reason (for example float32 inputs for
 pallas), "auto" falls back to "xla" and says so with a warning; a backend asked for by name
 raises instead.
@@ -49,19 +49,23 @@ PLATFORM_DEFAULTS: dict[str, dict[str, str]] = {
     "gpu": {op: "pallas" for op in ("top_k", "up_proj", "down_proj", "dh", "dx_tilde", "dw1", "dw2")},
 }
 
-# GPU ops the cute backend takes over where it measured faster, by the layer's widths. H200,
-# benchmarks/results/2026-11-30-h200-session8, forward+backward ms, pallas -> dh, dx_tilde, dw1
-# on cute: 7B-n256 3.81-3.89 -> 3.73; 30B-n256 23.4-24.2 -> 23.1-23.4; 120B-n1024 37.5-38.3 ->
-# 35.2-36.3. Pallas stays where d < 4096 and n > 256: 7B-n1024 2.92-2.97 vs 3.01-3.09, olmoe
-# 17.9-18.7 vs 18.5-19.1.
-GPU_CUTE_OPS = ("dh", "dx_tilde", "dw1")
-
-
-def cute_is_faster_on_gpu(d: int, n: int) -> bool:
-  """Whether GPU_CUTE_OPS measured faster on cute than on pallas for hidden size d and expert
-  width n (the cute dH and dX~ kernels win at d = 4096; cute dW1 gathering X in the kernel
-  wins where n <= 256)."""
+def _wide_model_or_narrow_experts(d: int, n: int) -> bool:
   return d >= 4096 or n <= 256
+
+
+def _narrow_experts(d: int, n: int) -> bool:
+  return n <= 256
+
+
+# GPU ops the cute backend takes over, and where (by hidden size d and expert width n): where
+# it measured faster on an H200, forward+backward ms. Session 8 (results/2026-11-30-h200-
+# session8), pallas -> dh, dx_tilde, dw1 on cute: 7B-n256 3.81-3.89 -> 3.73; 30B-n256
+# 23.4-24.2 -> 23.1-23.4; 120B-n1024 37.5-38.3 -> 35.2-36.3; pallas stays at 7B-n1024 (2.92-2.97
+# vs 3.01-3.09) and olmoe (17.9-18.7 vs 18.5-19.1). Session 9 (-session9): dw2 on cute too,
+# dO's rows gathered in dh and dw2 (n <= 256): 7B-n256 3.64 -> 3.50, 30B-n256 22.38 -> 21.17;
+# at n = 1024 dw2 on cute (XLA's gather) ties or loses: 120B-n1024 35.64 vs 35.91.
+GPU_CUTE_WHERE = {"dh": _wide_model_or_narrow_experts, "dx_tilde": _wide_model_or_narrow_experts,
+                  "dw1": _wide_model_or_narrow_experts, "dw2": _narrow_experts}
 
 
 def _cute_installed() -> bool:
@@ -98,11 +102,12 @@ def _backend_module(name: str):
 
 def default_backend(op: str, platform: str | None = None, *, dtype=None, d: int | None = None,
                     n: int | None = None) -> str:
-  """The backend "auto" picks for op: PLATFORM_DEFAULTS, or on GPUs "cute" for GPU_CUTE_OPS
-  where cute_is_faster_on_gpu(d, n), the cute extra is installed and can run the layer."""
+  """The backend "auto" picks for op: PLATFORM_DEFAULTS, or on GPUs "cute" for the ops of
+  GPU_CUTE_WHERE at the widths it names, where the cute extra is installed and can run the
+  layer."""
   platform = platform or jax.default_backend()
-  if (platform == "gpu" and op in GPU_CUTE_OPS and None not in (dtype, d, n)
-      and cute_is_faster_on_gpu(d, n) and _cute_installed()
+  if (platform == "gpu" and op in GPU_CUTE_WHERE and None not in (dtype, d, n)
+      and GPU_CUTE_WHERE[op](d, n) and _cute_installed()
       and _backend_module("cute").unsupported(dtype, d, n) is None):
     return "cute"
   return PLATFORM_DEFAULTS.get(platform, {}).get(op, "xla")

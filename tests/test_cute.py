@@ -169,7 +169,8 @@ def test_cute_dh_past_its_offsets_falls_back_to_xla(monkeypatch):
 @needs_cute
 def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
   """On GPUs "auto" runs dh, dx_tilde and dw1 on cute at the widths where it measured faster
-  (d >= 4096 or n <= 256), pallas elsewhere and without the extra; float32 goes to xla."""
+  (d >= 4096 or n <= 256) and dw2 where n <= 256, pallas elsewhere and without the extra;
+  float32 goes to xla."""
   from sonicmoe_jax import backends, xla_ops
   # the modules as the dispatch table imports them (an earlier test may re-import ffi.ops)
   cute_ops, pallas_ops = map(importlib.import_module, ("ffi.ops", "pallas_kernels.ops"))
@@ -178,7 +179,8 @@ def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
   for d, n in [(4096, 1024), (4096, 256), (1536, 256)]:
     ops = resolve(d, n)
     assert (ops.dh, ops.dx_tilde, ops.dw1) == (cute_ops.dh, cute_ops.dx_tilde, cute_ops.dw1)
-    assert (ops.up_proj, ops.dw2, ops.align) == (pallas_ops.up_proj, pallas_ops.dw2, 128)
+    assert (ops.up_proj, ops.align) == (pallas_ops.up_proj, 128)
+    assert ops.dw2 is (cute_ops.dw2 if n <= 256 else pallas_ops.dw2)
   assert resolve(1536, 1024).dh is pallas_ops.dh and resolve(2048, 1024).dw1 is pallas_ops.dw1
   with pytest.warns(UserWarning, match="float32"):
     assert resolve(4096, 256, jnp.float32).dh is xla_ops.dh
@@ -192,15 +194,16 @@ CUTE_GEMMS = {"up_proj": "cute", "down_proj": "cute", "dh": "cute", "dx_tilde": 
 
 
 @needs_cute
-@pytest.mark.parametrize("dout_gather_in_kernel,dh_kernel", [
-    (False, "registers"), (True, "registers"), (False, "pingpong")])
-def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_in_kernel, dh_kernel, monkeypatch):
+@pytest.mark.parametrize("dout_gather_max_column_tiles,dh_kernel", [
+    (0, "registers"), (2, "registers"), (0, "pingpong")])
+def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_kernel,
+                                               monkeypatch):
   """The layer's forward and gradients with the CuTe grouped GEMMs: the kernels compile for
   sm_90a here and the program exports for CUDA with them as FFI calls (forward: up_proj,
   down_proj and aggregate; backward adds dh, dx_tilde, aggregate, dw1 and dw2), with dO's rows
   gathered by XLA or by dh and dw2, and with the ping-pong kernels (dH and up_proj)."""
   cute_ops = importlib.import_module("ffi.ops")
-  monkeypatch.setattr(cute_ops, "DOUT_GATHER_IN_KERNEL", dout_gather_in_kernel)
+  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", dout_gather_max_column_tiles)
   monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
   monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong" if dh_kernel == "pingpong" else "grouped")
   T, d, n, E, K = 256, 256, 128, 8, 2
@@ -464,8 +467,10 @@ def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles, block_n):
 def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(monkeypatch):
   """The layer with every op on cute, dH and up_proj on the ping-pong kernels, against the xla
   backend."""
-  monkeypatch.setattr(importlib.import_module("ffi.ops"), "DH_KERNEL", "pingpong")
-  monkeypatch.setattr(importlib.import_module("ffi.ops"), "UP_PROJ_KERNEL", "pingpong")
+  cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "DH_KERNEL", "pingpong")
+  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong")
+  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", 0)   # (it gathers no dO rows)
   T, d, n, E, K = 4096, 1536, 256, 128, 8
   args = make_inputs(3, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(4), (T, d))
@@ -487,8 +492,8 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
   with pytest.raises(ValueError, match=r"DH_KERNEL must be one of .*'fast'"):
     grad()
   monkeypatch.setattr(cute_ops, "DH_KERNEL", "pingpong")
-  monkeypatch.setattr(cute_ops, "DOUT_GATHER_IN_KERNEL", True)
-  with pytest.raises(ValueError, match="does not gather dO's rows"):
+  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", 2)   # n = 64: one column tile
+  with pytest.raises(ValueError, match="does not gather dO's rows.*at n=64"):
     grad()
   monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"UP_PROJ_KERNEL must be one of .*'fast'"):
@@ -581,14 +586,14 @@ def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("shape,dout_gather_in_kernel,dh_kernel", [
-    ((1000, 512, 256, 16, 4), False, "registers"), ((4096, 1536, 256, 128, 8), False, "registers"),
-    ((1000, 512, 256, 16, 4), True, "registers"), ((1000, 512, 1024, 16, 4), True, "tma_store")])
-def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_in_kernel, dh_kernel, monkeypatch):
+@pytest.mark.parametrize("shape,dout_gather_max_column_tiles,dh_kernel", [
+    ((1000, 512, 256, 16, 4), 0, "registers"), ((4096, 1536, 256, 128, 8), 0, "registers"),
+    ((1000, 512, 256, 16, 4), 2, "registers"), ((1000, 512, 1024, 16, 4), 8, "tma_store")])
+def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_max_column_tiles, dh_kernel, monkeypatch):
   """Every op on cute (dO's rows gathered by XLA, or by dh and dw2; dH's register or TMA
   stores) against the xla backend: forward and all four gradients."""
   cute_ops = importlib.import_module("ffi.ops")
-  monkeypatch.setattr(cute_ops, "DOUT_GATHER_IN_KERNEL", dout_gather_in_kernel)
+  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", dout_gather_max_column_tiles)
   monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
   T, d, n, E, K = shape
   args = make_inputs(3, T, d, n, E, jnp.bfloat16)
