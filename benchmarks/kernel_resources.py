@@ -4,8 +4,9 @@ cubins CuTe DSL compiles (no GPU needed), and how many CTAs of each fit on one H
   python -m benchmarks.kernel_resources [--out FILE]
 
 Each variant (kernel, block_n, stages) is compiled in a fresh process with CUTE_DSL_KEEP=cubin;
-the cubin's .nv.info section gives the register count (EIATTR_REGCOUNT) and the stack frame
-(EIATTR_FRAME_SIZE: non-zero means registers spilled to local memory). The kernels' shared
+the cubin's .nv.info section gives the register count (EIATTR_REGCOUNT; the ping-pong kernels'
+count at launch, before setmaxnreg moves registers between their warpgroups) and the stack
+frame (EIATTR_FRAME_SIZE: non-zero means registers spilled to local memory). The kernels' shared
 memory is the pipeline's stages plus 1 KiB of barriers (grouped_gemm.smem_bytes) at the depth
 the kernel runs (grouped_gemm._pipeline_depth; the compiled shapes have K_STEPS k steps, enough
 for any depth).
@@ -37,13 +38,15 @@ VARIANTS = [
     ("dh tma bn128 fit", "dh_tma", 128, 0), ("dh gather bn128 fit", "dh_gather", 128, 0), ("wgrad bn128 st3", "wgrad", 128, 3),
     ("wgrad bn256 fit", "wgrad", 256, 0), ("wgrad gather bn128 st3", "wgrad_gather", 128, 3),
     ("wgrad gather bn256 fit", "wgrad_gather", 256, 0),
+    ("dh pingpong bn128 fit", "dh_pingpong", 128, 0), ("dh pingpong bn64 fit", "dh_pingpong", 64, 0),
+    ("up_proj pingpong bn64 fit", "up_proj_pingpong", 64, 0),
 ]
 
 _COMPILE = """
 import sys
 import ffi  # noqa: F401  (CUTE_DSL_ARCH=sm_90a off the GPU)
 import jax, jax.numpy as jnp
-from ffi import grouped_gemm as g
+from ffi import grouped_gemm as g, pingpong as pp
 kernel, bn, stages, k_steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None, int(sys.argv[4])
 P = K = k_steps * g.BLOCK_K
 N, E = 512, 4
@@ -61,6 +64,10 @@ fn, args = {
     "dh_gather": (lambda a, w, h, s, t, i: g.dh(a, w, h, s, t, gather_index=i, **kw),
                   (sds(300, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32),
                    sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
+    "dh_pingpong": (lambda a, w, h, s, t: pp.dh(a, w, h, s, t, **kw),
+                    (sds(P, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32), sds(P // 128, dt=jnp.int32))),
+    "up_proj_pingpong": (lambda a, b, t, i: pp.up_proj(a, b, t, i, **kw),
+                         (sds(300, K), sds(E, K, N), sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
     "wgrad": (lambda a, b, o: g.weight_grad(a, b, o, E, **kw), (sds(P, K), sds(P, N), sds(E + 1, dt=jnp.int32))),
     "wgrad_gather": (lambda a, b, o, i: g.weight_grad(a, b, o, E, gather_index=i, **kw),
                      (sds(300, K), sds(P, N), sds(E + 1, dt=jnp.int32), sds(P, dt=jnp.int32))),
@@ -113,10 +120,19 @@ def measure(kernel: str, block_n: int, stages: int) -> dict:
 
 def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
   """The variant's SMEM at the pipeline depth its kernel runs (stages 0: as many as fit)."""
-  from ffi import grouped_gemm as g
+  from ffi import grouped_gemm as g, pingpong as pp
   num_rhs = 2 if kernel.startswith("up_proj") else 1
+  if kernel.endswith("pingpong"):
+    depth = stages or pp.stages_that_fit(block_n, 2, num_rhs)
+    return g.smem_bytes(block_n, num_rhs, 2, depth, rows=pp.TILE_M)
   depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None)
   return g.smem_bytes(block_n, num_rhs, 2, depth)
+
+
+def threads(kernel: str) -> int:
+  """The variant's threads per CTA."""
+  from ffi import grouped_gemm as g, pingpong as pp
+  return pp.THREADS if kernel.endswith("pingpong") else g.THREADS
 
 
 def ctas_per_sm(registers: int, smem: int, threads: int) -> int:
@@ -129,11 +145,10 @@ def main(argv=None):
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
   import ffi  # noqa: F401
-  from ffi import grouped_gemm as g
   recs = []
   for name, kernel, block_n, stages in VARIANTS:
     rec = dict(variant=name, **measure(kernel, block_n, stages), smem_bytes=smem_bytes(kernel, block_n, stages))
-    rec["ctas_per_sm"] = ctas_per_sm(rec["registers"], rec["smem_bytes"], g.THREADS)
+    rec["ctas_per_sm"] = ctas_per_sm(rec["registers"], rec["smem_bytes"], threads(kernel))
     recs.append(rec)
     print(json.dumps(rec), flush=True)
   print(f"{'variant':26s} {'regs':>5s} {'stack B':>8s} {'SMEM KiB':>9s} {'CTAs/SM':>8s}")

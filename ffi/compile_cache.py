@@ -5,10 +5,10 @@ program using it is traced; without a cache every new process (every training jo
 compiles again. get_or_compile() writes each compiled function as an object file (CuTe DSL's
 export_to_c) and later processes load it back (cute.runtime.load_module) instead of compiling.
 
-An entry is keyed on what determines it: the kernel function's module source (our ffi/*.py
-file, hashed), its name, the operands' shapes, dtypes and modes and the static configuration
+An entry is keyed on what determines it: the sources of the kernel function's package (every
+ffi/*.py file, hashed: a kernel also runs helpers of the other modules), its name, the operands' shapes, dtypes and modes and the static configuration
 (block_n, ...), the installed nvidia-cutlass-dsl version and the CUTE_DSL_* environment (the
-target architecture). Changing a kernel's source file invalidates its entries.
+target architecture). Changing any of the package's source files invalidates the entries.
 
 Directory: install(directory) if called, else $SONICMOE_CUTE_CACHE if set ("" turns the cache
 off), else ~/.cache/sonicmoe_jax/cute. An entry is <key>.o with <key>.sha256 beside it, both
@@ -49,15 +49,20 @@ def install(path: pathlib.Path | str | None) -> pathlib.Path | None:
 
 
 @functools.cache
-def _source_digest(path: str) -> str:
-  return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+def _package_digest(folder: str) -> str:
+  """One digest of the .py files in folder (names and contents, in name order)."""
+  digest = hashlib.sha256()
+  for path in sorted(pathlib.Path(folder).glob("*.py")):
+    digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+  return digest.hexdigest()
 
 
 def entry_key(fn, spec) -> str:
   """The cache key of kernel `fn` compiled for operands and configuration `spec`."""
   module = sys.modules[fn.__module__]
   parts = [
-      fn.__module__, getattr(fn, "__qualname__", repr(fn)), _source_digest(module.__file__),
+      fn.__module__, getattr(fn, "__qualname__", repr(fn)),
+      _package_digest(str(pathlib.Path(module.__file__).parent)),
       repr(spec), importlib.metadata.version("nvidia-cutlass-dsl"),
       repr(sorted((k, v) for k, v in os.environ.items() if k.startswith("CUTE_DSL_"))),
   ]

@@ -147,44 +147,48 @@ def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dty
   computed (register stores), or (out_tiles None) returned; writes this column tile's part of
   dS = rowsum(dA' A) to m_ds[n_tile, row] (fp32). The tile: tile_m rows from row row0.
 
-  The fragment is ((2 columns, 2 rows r and r + 8, block_n / 8 column groups), 1, 1); it is
-  worked through one column group (2 x 2 values) at a time, so that besides the accumulator
-  only a few values are live: computed for the whole fragment at once, block_n 128 needed 255
+  The fragment is ((2 columns, 2 rows r and r + 8, block_n / 8 column groups), m blocks, 1)
+  (m blocks: tile_m / 64 when one warpgroup's wgmmas cover the tile's rows); it is worked
+  through one column group (2 x 2 values) at a time, so that besides the accumulator only a
+  few values are live: computed for the whole fragment at once, block_n 128 needed 255
   registers and a 200-byte stack frame per thread (sm_90a cubin)."""
   srcs = [thr_mma.partition_C(t) for t in (h_tiles[0], h_tiles[1], score_tile)]
   outs = []
   if cutlass.const_expr(out_tiles is None):
     outs = [cute.make_rmem_tensor(acc.shape, dtype) for _ in range(3)]
-  row_sums = cute.make_rmem_tensor((2,), cutlass.Float32)
+  m_blocks = cute.size(acc, mode=[1])
+  row_sums = cute.make_rmem_tensor((2 * m_blocks,), cutlass.Float32)   # rows r, r + 8 per block
   row_sums.fill(0.0)
-  for k in cutlass.range_constexpr(block_n // 8):
-    group = ((None, None, k), 0, 0)
-    gate, up, s = [_group_fp32(src[group]) for src in srcs]
-    da = acc[group].load()
-    sig = 1.0 / (1.0 + cute.math.exp(-gate))
-    silu = gate * sig
-    a = silu * up
-    da_s = s * da
-    values = [da_s * up * sig * (1.0 + gate * (1.0 - sig)), da_s * silu, s * a]
-    for q in cutlass.range_constexpr(3):
-      if cutlass.const_expr(out_tiles is None):
-        outs[q][group].store(values[q].to(dtype))
-      else:
-        frag = cute.make_rmem_tensor(acc[group].shape, dtype)
-        frag.store(values[q].to(dtype))
-        cute.autovec_copy(frag, thr_mma.partition_C(out_tiles[q])[group])
-    prod = cute.make_rmem_tensor(acc[group].shape, cutlass.Float32)
-    prod.store(da * a)
-    for j in cutlass.range_constexpr(2):
-      for i in cutlass.range_constexpr(2):
-        row_sums[j] += prod[i, j]
+  for m in cutlass.range_constexpr(m_blocks):
+    for k in cutlass.range_constexpr(block_n // 8):
+      group = ((None, None, k), m, 0)
+      gate, up, s = [_group_fp32(src[group]) for src in srcs]
+      da = acc[group].load()
+      sig = 1.0 / (1.0 + cute.math.exp(-gate))
+      silu = gate * sig
+      a = silu * up
+      da_s = s * da
+      values = [da_s * up * sig * (1.0 + gate * (1.0 - sig)), da_s * silu, s * a]
+      for q in cutlass.range_constexpr(3):
+        if cutlass.const_expr(out_tiles is None):
+          outs[q][group].store(values[q].to(dtype))
+        else:
+          frag = cute.make_rmem_tensor(acc[group].shape, dtype)
+          frag.store(values[q].to(dtype))
+          cute.autovec_copy(frag, thr_mma.partition_C(out_tiles[q])[group])
+      prod = cute.make_rmem_tensor(acc[group].shape, cutlass.Float32)
+      prod.store(da * a)
+      for j in cutlass.range_constexpr(2):
+        for i in cutlass.range_constexpr(2):
+          row_sums[2 * m + j] += prod[i, j]
   # dS part: each row's sum over this thread's columns, then over the 4 threads (a quad)
   # sharing the row
   rows = thr_mma.partition_C(cute.make_identity_tensor((tile_m, block_n)))
-  for j in cutlass.range_constexpr(2):
-    total = cute.arch.warp_reduction_sum(row_sums[j], threads_in_group=4)
-    if tidx % 4 == 0:
-      m_ds[n_tile, row0 + rows[(0, j, 0), 0, 0][0]] = total
+  for m in cutlass.range_constexpr(m_blocks):
+    for j in cutlass.range_constexpr(2):
+      total = cute.arch.warp_reduction_sum(row_sums[2 * m + j], threads_in_group=4)
+      if tidx % 4 == 0:
+        m_ds[n_tile, row0 + rows[(0, j, 0), m, 0][0]] = total
   return outs
 
 

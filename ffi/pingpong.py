@@ -6,15 +6,19 @@ MMA warpgroups issue the gather's copies between their wgmmas; here one consumer
 epilogue runs while the other's mainloop does, and a producer warpgroup does all the loading.
 
 Schedule:
-  work tile : WG_ROWS (64) rows x block_n columns of the GEMM (and so of dH's or H's gate and
-              up columns and of A' or A); tile t is row block t // (n / block_n), column block
-              t % (n / block_n): a row block's column tiles run next to each other
+  work tile : TILE_M (128: one M tile of the plan, one expert) rows x block_n columns of the
+              GEMM (and so of dH's or H's gate and up columns and of A' or A), all of it one
+              consumer warpgroup's (two m64 wgmmas per 16-deep k slice; accumulators of
+              TILE_M x block_n / 128 fp32 registers per thread each: block_n <= 128 for dh's
+              one, <= 64 for SwiGLU's two); tile t is M tile t // (n / block_n), column block
+              t % (n / block_n): an M tile's column tiles run next to each other, on
+              neighbouring CTAs (their shared rows from L2)
   grid      : min(tiles, NUM_SMS) persistent CTAs; CTA c takes tiles c, c + grid, c + 2 grid..
   producer  : warpgroup 0, its registers lowered by setmaxnreg (REGISTERS), fills a
               `stages`-deep ring running ahead across tiles (tiles past the last group load
-              nothing). dh: warp 0 TMA-loads dOg [64, 64] and W2_e^T [block_n, 64]. up_proj:
+              nothing). dh: warp 0 TMA-loads dOg [128, 64] and W2_e^T [block_n, 64]. up_proj:
               warp 0 TMA-loads W1's gate and up tiles, and all 128 threads cp.async-copy the
-              64 gathered X rows (_gather_stage); a stage's full barrier completes on the TMA
+              128 gathered X rows (_gather_stage, 8 rows' 16-byte chunks each); a stage's full barrier completes on the TMA
               bytes and GATHER_ARRIVALS arrivals (per thread: cp.async.mbarrier.arrive.noinc
               for its copies, a release arrive for its padding rows' plain zero stores)
   consumers : warpgroups 1 and 2, registers raised, take the CTA's tiles in turn (its i-th
@@ -41,7 +45,9 @@ from cutlass.tensor_utils import LayoutEnum
 from ffi import grouped_gemm, xla_call
 from ffi.grouped_gemm import BARRIER_BYTES, BLOCK_K, BLOCK_M, SMEM_BYTES
 
-WG_ROWS = 64                # a work tile's rows: one warpgroup's wgmma M
+TILE_M = BLOCK_M            # a work tile's rows: one M tile of the plan (one expert's rows)
+MMA_M = 64                  # one wgmma's rows: a consumer warpgroup covers TILE_M in TILE_M / 64
+MAX_ACCUMULATOR_REGISTERS = 128   # fp32 accumulator registers per consumer thread, all tiles
 NUM_SMS = 132               # H100 / H200 SXM: the persistent grid (fewer SMs only queue CTAs)
 THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 # setmaxnreg budgets (producer, consumers), 128 x producer + 256 x consumer <= 64K per SM: the
@@ -54,9 +60,15 @@ MAX_STAGES = 8
 
 
 def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1) -> int:
-  """The ring's deepest: stages of a [WG_ROWS, BLOCK_K] lhs tile and num_rhs [block_n,
+  """The ring's deepest: stages of a [TILE_M, BLOCK_K] lhs tile and num_rhs [block_n,
   BLOCK_K] rhs tiles that fit in SMEM, at most MAX_STAGES."""
-  return min(MAX_STAGES, grouped_gemm._stages_that_fit(block_n, num_rhs, itemsize, WG_ROWS))
+  return min(MAX_STAGES, grouped_gemm._stages_that_fit(block_n, num_rhs, itemsize, TILE_M))
+
+
+def widest_block_n(num_rhs: int) -> int:
+  """The widest block_n whose num_rhs accumulators (TILE_M x block_n fp32, over a
+  warpgroup's 128 threads) fit in MAX_ACCUMULATOR_REGISTERS per thread."""
+  return MAX_ACCUMULATOR_REGISTERS * 128 // (num_rhs * TILE_M)
 
 
 @cute.jit
@@ -64,9 +76,10 @@ def _gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid):
   """The gathering producer's k step k into stage state.index, by all 128 producer threads:
   wait until the consumers released the stage; warp 0 sets the full barrier's expected TMA
   bytes and loads the rhs tiles by TMA (the whole warp: the arrive and the copies elect one
-  lane with elect.sync, which one lane alone must not reach); every thread cp.async-copies its share of the
-  WG_ROWS gathered rows (grouped_gemm._gather_step; padding rows it writes as zeros by plain
-  stores) and arrives on the full barrier twice: once its copies land (cp.async's noinc
+  lane with elect.sync, which one lane alone must not reach); every thread cp.async-copies its
+  share of the TILE_M gathered rows (grouped_gemm._gather_step for each 64-row half, as if it
+  were both of grouped_gemm's warpgroups; tokens: the halves' source rows; padding rows it
+  writes as zeros by plain stores) and arrives on the full barrier twice: once its copies land (cp.async's noinc
   arrive) and once at once (a release arrive, which publishes its plain stores). The barrier
   counts GATHER_ARRIVALS."""
   loads.sync_object_empty.wait(state.index, state.phase)
@@ -75,7 +88,9 @@ def _gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid):
     loads.sync_object_full.arrive(state.index, loads.producer_mask)
     for atom, src, dst in rhs_operands:
       cute.copy(atom, src[(None, k)], dst[(None, state.index)], tma_bar_ptr=bar)
-  grouped_gemm._gather_step(x, tokens, s_a[None, None, state.index], k * BLOCK_K, ptid)
+  for half in cutlass.range_constexpr(len(tokens)):
+    grouped_gemm._gather_step(x, tokens[half], s_a[None, None, state.index], k * BLOCK_K,
+                              ptid + 128 * half)
   cute.arch.cp_async_mbarrier_arrive_noinc(bar)
   cute.arch.mbarrier_arrive(bar)
 
@@ -84,13 +99,14 @@ def _gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid):
 def _swiglu_outputs(accs, out_tiles, thr_mma, dtype, block_n: cutlass.Constexpr):
   """H's gate and up tiles (the two accumulators) and A = silu(gate) * up, in dtype, stored
   from registers to out_tiles (H gate, H up, A) one fragment column group at a time."""
-  for k in cutlass.range_constexpr(block_n // 8):
-    group = ((None, None, k), 0, 0)
-    values = grouped_gemm._epilogue_values([acc[group].load() for acc in accs], True)
-    for q in cutlass.range_constexpr(3):
-      frag = cute.make_rmem_tensor(accs[0][group].shape, dtype)
-      frag.store(values[q].to(dtype))
-      cute.autovec_copy(frag, thr_mma.partition_C(out_tiles[q])[group])
+  for m in cutlass.range_constexpr(cute.size(accs[0], mode=[1])):
+    for k in cutlass.range_constexpr(block_n // 8):
+      group = ((None, None, k), m, 0)
+      values = grouped_gemm._epilogue_values([acc[group].load() for acc in accs], True)
+      for q in cutlass.range_constexpr(3):
+        frag = cute.make_rmem_tensor(accs[0][group].shape, dtype)
+        frag.store(values[q].to(dtype))
+        cute.autovec_copy(frag, thr_mma.partition_C(out_tiles[q])[group])
 
 
 @cute.kernel
@@ -111,10 +127,10 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   role = cute.arch.make_warp_uniform(tidx // 128)   # 0 producer, 1 and 2 consumers
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
   num_n_tiles = cute.size(m_out2, mode=[1]) // block_n
-  num_tiles = cute.size(m_out2, mode=[0]) // WG_ROWS * num_n_tiles
+  num_tiles = cute.size(m_out2, mode=[0]) // TILE_M * num_n_tiles
   my_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
   k_steps = cute.size(m_a, mode=[1]) // BLOCK_K
-  tile_mnk = (WG_ROWS, block_n, BLOCK_K)
+  tile_mnk = (TILE_M, block_n, BLOCK_K)
   producer_regs, consumer_regs = REGISTERS[kind]
 
   smem = cutlass.memory.SmemAllocator()
@@ -140,16 +156,16 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
       for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
         rows, cols = t // num_n_tiles, t % num_n_tiles
-        owner = tile_expert[rows * WG_ROWS // BLOCK_M]
+        owner = tile_expert[rows]
         if owner < num_experts:
           rhs_cols = [cols, cols + num_n_tiles] if cutlass.const_expr(swiglu) else [cols]
           operands = [grouped_gemm.tma_operand(tma_b, sb, cute.local_tile(
               m_b, tile_mnk, (rows, c, None, owner), proj=(None, 1, 1)))
               for sb, c in zip(s_bs, rhs_cols)]
           if cutlass.const_expr(swiglu):
-            # this thread's rows' tokens (rows of M tile rows // 2, its upper half when odd)
-            tokens = grouped_gemm._gather_tokens(gather_index, rows // 2,
-                                                 tidx + 128 * (rows % 2))
+            # this thread's rows' tokens in each 64-row half of the M tile
+            tokens = [grouped_gemm._gather_tokens(gather_index, rows, tidx + 128 * half)
+                      for half in range(TILE_M // 64)]
             for k in cutlass.range(k_steps, unroll=1):
               _gather_stage(loads, produce, m_a, tokens, s_a, operands, k, tidx)
               produce.advance()
@@ -168,7 +184,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     thr_mma = tiled_mma.get_slice(wg_tidx)
     frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
     frag_bs = [tiled_mma.make_fragment_B(thr_mma.partition_B(sb)) for sb in s_bs]
-    accs = [cute.make_rmem_tensor(tiled_mma.partition_shape_C((WG_ROWS, block_n)),
+    accs = [cute.make_rmem_tensor(tiled_mma.partition_shape_C((TILE_M, block_n)),
                                   cutlass.Float32) for _ in s_bs]
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     # (dh) each row's score broadcast along the tile's columns (stride 0)
@@ -180,7 +196,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
       rows, cols = t // num_n_tiles, t % num_n_tiles
       num_k = cutlass.Int32(0)   # none for a tile past the last group
-      if tile_expert[rows * WG_ROWS // BLOCK_M] < num_experts:
+      if tile_expert[rows] < num_experts:
         num_k = k_steps
       if i % 2 != me:   # the other consumer's tile: step over its stages
         for _ in cutlass.range(num_k, unroll=1):
@@ -215,7 +231,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
         else:
           grouped_gemm._dh_outputs(
               accs[0], [tile_of(m_h, c) for c in halves], tile_of(scores, 0), m_ds, thr_mma,
-              wg_tidx, rows * WG_ROWS, cols, m_out.element_type, outs, block_n, WG_ROWS)
+              wg_tidx, rows * TILE_M, cols, m_out.element_type, outs, block_n, TILE_M)
       i += 1
 
 
@@ -228,10 +244,11 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   swiglu = kind == "swiglu"
   m_h, m_scores, m_ds = (out, tile_expert, out) if swiglu else dh_inputs   # (unused: swiglu)
   a_major, b_major = LayoutEnum.from_tensor(lhs), LayoutEnum.from_tensor(rhs)
-  tile_mnk = (WG_ROWS, block_n, BLOCK_K)
+  tile_mnk = (TILE_M, block_n, BLOCK_K)
+  # one warpgroup's wgmma (MMA_M rows); partitioned over TILE_M rows, it repeats along M
   tiled_mma = sm90_utils.make_trivial_tiled_mma(
       dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-      cutlass.Float32, (1, 1, 1), tiler_mn=(WG_ROWS, block_n))
+      cutlass.Float32, (1, 1, 1), tiler_mn=(MMA_M, block_n))
   a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
   b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
   tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
@@ -241,7 +258,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   if cutlass.const_expr(not swiglu):
     tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), lhs,
                                              cute.slice_(a_smem_staged, (None, None, 0)),
-                                             (WG_ROWS, BLOCK_K))
+                                             (TILE_M, BLOCK_K))
   a_elems, b_elems = cute.cosize(a_smem_staged), cute.cosize(b_smem_staged)
 
   @cute.struct
@@ -261,7 +278,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   tx_bytes = (2 if swiglu else 1) * cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
   if cutlass.const_expr(not swiglu):
     tx_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
-  num_tiles = cute.size(out2, mode=[0]) // WG_ROWS * (cute.size(out2, mode=[1]) // block_n)
+  num_tiles = cute.size(out2, mode=[0]) // TILE_M * (cute.size(out2, mode=[1]) // block_n)
   _kernel(tma_a, m_a, tma_b, m_b, out, out2, m_h, m_scores, m_ds, tile_expert, gather_index,
           tiled_mma, a_smem_staged, b_smem_staged, cute.size(rhs, mode=[2]),
           SwigluSharedStorage if swiglu else SharedStorage, block_n, stages, tx_bytes,
@@ -288,8 +305,14 @@ def _up_proj_pingpong(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute
   _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu")
 
 
-def _depth(stages, block_n: int, itemsize: int, num_rhs: int, name: str) -> int:
-  """The ring's depth: `stages`, or as many as fit; ValueError naming the limit."""
+def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str) -> int:
+  """block_n within the accumulators' registers (widest_block_n) and the ring's depth:
+  `stages`, or as many as fit; ValueError naming the limit."""
+  widest = widest_block_n(num_rhs)
+  if block_n > widest:
+    raise ValueError(f"cute ping-pong {name}: block_n={block_n} is wider than {widest} (its "
+                     f"{num_rhs} accumulator(s) of {TILE_M} x block_n fp32 in "
+                     f"{MAX_ACCUMULATOR_REGISTERS} registers per consumer thread)")
   fit = stages_that_fit(block_n, itemsize, num_rhs)
   if stages is None:
     return fit
@@ -301,15 +324,15 @@ def _depth(stages, block_n: int, itemsize: int, num_rhs: int, name: str) -> int:
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None):
   """grouped_gemm.dh (no gather, register stores) on the ping-pong schedule: the same operands
-  and outputs. stages: the ring's depth (default: as many as fit, at most MAX_STAGES).
-  Bitwise equal to grouped_gemm.dh on an H200 (slower: 3.53 vs 2.78 ms at 30B-n256, session
-  9). The cute dh op uses it with ffi.ops.DH_KERNEL =
-  "pingpong"."""
+  and outputs. block_n: at most widest_block_n(1) (128); stages: the ring's depth (default: as
+  many as fit, at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL =
+  "pingpong". On an H200 (session 9) its 64-row-tile version gave grouped_gemm.dh's bits but
+  took 3.53 vs 2.78 ms at 30B-n256; the 128-row tiles are not yet run there."""
   n = w2.shape[1]
   reason = grouped_gemm.dh_unsupported(dout_g, w2, h, scores, block_n)
   if reason:
     raise ValueError(f"cute ping-pong dh: {reason}")
-  stages = _depth(stages, block_n, dout_g.dtype.itemsize, 1, "dh")
+  stages = _check_tile(block_n, dout_g.dtype.itemsize, 1, stages, "dh")
   num_slots = dout_g.shape[0]
   dh_, a_scaled, ds_parts = xla_call.call(
       _dh_pingpong, [dout_g[None], w2, tile_expert.astype(jnp.int32), h[None],
@@ -323,19 +346,20 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
   return dh_[0], a_scaled[0], ds_parts
 
 
-def up_proj(x, w1, tile_expert, gather_index, block_n: int = 128, stages: int | None = None):
+def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | None = None):
   """grouped_gemm.up_proj with gather_index on the ping-pong schedule, the producer warpgroup
   gathering X's rows by cp.async: x [T, d], w1 [E, d, 2n], gather_index [P] (slot r reads
-  X[gather_index[r]], zeros where it is T or more); returns H [P, 2n] and A [P, n].
-  Bitwise equal to grouped_gemm.up_proj on an H200 (slower: 4.13 vs 3.88 ms at 30B-n256).
-  """
+  X[gather_index[r]], zeros where it is T or more); returns H [P, 2n] and A [P, n]. block_n:
+  H's gate (and up) columns per tile, at most widest_block_n(2) (64). On an H200 (session 9)
+  its 64-row-tile version gave grouped_gemm.up_proj's bits but took 4.13 vs 3.88 ms at
+  30B-n256; the 128-row tiles are not yet run there."""
   num_slots, n = gather_index.shape[0], w1.shape[2] // 2
   slots = jax.ShapeDtypeStruct((num_slots, x.shape[1]), x.dtype)   # the rows it reads
   reason = grouped_gemm.unsupported(slots, w1, block_n) or (
       None if n % block_n == 0 else f"n={n} must be a multiple of block_n={block_n}")
   if reason:
     raise ValueError(f"cute ping-pong up_proj: {reason}")
-  stages = _depth(stages, block_n, x.dtype.itemsize, 2, "up_proj")
+  stages = _check_tile(block_n, x.dtype.itemsize, 2, stages, "up_proj")
   h, a = xla_call.call(
       _up_proj_pingpong, [x[None], w1, tile_expert.astype(jnp.int32),
                           gather_index.astype(jnp.int32)],

@@ -401,10 +401,10 @@ def test_cute_dh_against_float32_on_gpu(block_n):
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages", [(128, None), (256, 3)])
+@pytest.mark.parametrize("block_n,stages", [(128, None), (64, 3)])
 def test_cute_pingpong_dh_compiles_for_cuda(block_n, stages):
   """The ping-pong dH kernel compiles for sm_90a and lowers as an FFI call; its stage count
-  is checked against SMEM."""
+  is checked against SMEM and its tile width against the accumulator's registers."""
   from ffi import pingpong
   P, d, n, E = 1024, 256, 256, 4
   shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [
@@ -417,10 +417,12 @@ def test_cute_pingpong_dh_compiles_for_cuda(block_n, stages):
     jax.eval_shape(lambda *a: pingpong.dh(*a, block_n=block_n, stages=fit + 1), *shapes)
   with pytest.raises(ValueError, match=r"cute ping-pong dh: need H \[1024, 512\]"):
     jax.eval_shape(lambda *a: pingpong.dh(*a), *shapes[:2], shapes[1], *shapes[3:])
+  with pytest.raises(ValueError, match="dh: block_n=256 is wider than 128"):
+    jax.eval_shape(lambda *a: pingpong.dh(*a, block_n=256), *shapes)
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages", [(128, None), (64, 3)])
+@pytest.mark.parametrize("block_n,stages", [(64, None), (64, 3)])
 def test_cute_pingpong_up_proj_compiles_for_cuda(block_n, stages):
   """The ping-pong up-projection (the producer warpgroup gathering X) compiles for sm_90a and
   lowers as an FFI call; shapes and depths it cannot run are refused by name."""
@@ -437,12 +439,14 @@ def test_cute_pingpong_up_proj_compiles_for_cuda(block_n, stages):
   with pytest.raises(ValueError, match=r"up_proj: n=96 must be a multiple of block_n=64"):
     jax.eval_shape(lambda *a: pingpong.up_proj(*a, block_n=64),
                    shapes[0], jax.ShapeDtypeStruct((E, d, 192), jnp.bfloat16), *shapes[2:])
+  with pytest.raises(ValueError, match=r"up_proj: block_n=128 is wider than 64 \(its 2 acc"):
+    jax.eval_shape(lambda *a: pingpong.up_proj(*a, block_n=128), *shapes)
 
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("num_tiles,block_n", [(4, 128), (81, 128), (80, 64)])
-def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles, block_n):
+@pytest.mark.parametrize("num_tiles", [1, 4, 81])
+def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles):
   """The ping-pong up-projection gives grouped_gemm.up_proj's H bit for bit and its A to
   rounding (both gathering X; padding slots, experts without rows, tiles past the groups)."""
   from ffi import grouped_gemm, pingpong
@@ -453,10 +457,10 @@ def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles, block_n):
   x = jax.random.normal(jax.random.key(72), (T, d)).astype(jnp.bfloat16)
   w1 = (jax.random.normal(jax.random.key(73), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(74), (P,), 0, T).at[::7].set(T)
-  got_h, got_a = jax.jit(lambda *a: pingpong.up_proj(*a, block_n=block_n))(
+  got_h, got_a = jax.jit(lambda *a: pingpong.up_proj(*a, block_n=64))(
       x, w1, tile_expert, index)
   want_h, want_a = jax.jit(lambda x, w, t, i: grouped_gemm.up_proj(
-      x, w, t, block_n=block_n, gather_index=i))(x, w1, tile_expert, index)
+      x, w, t, block_n=64, gather_index=i))(x, w1, tile_expert, index)
   np.testing.assert_array_equal(got_h, want_h)
   np.testing.assert_allclose(np.asarray(got_a, np.float32), np.asarray(want_a, np.float32),
                              rtol=1e-2, atol=1e-2)
@@ -502,7 +506,7 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("num_tiles,block_n", [(4, 128), (80, 128), (81, 256)])
+@pytest.mark.parametrize("num_tiles,block_n", [(4, 128), (80, 128), (81, 64)])
 def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n):
   """The ping-pong schedule gives grouped_gemm.dh's bits: M tiles of experts with and without
   rows and past the last group; fewer work tiles than CTAs (one consumer busy), and several
@@ -607,6 +611,26 @@ def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_max_column_tiles, dh_ker
   assert rel_err(out_c, out_x) < 1e-2
   for a, b in zip(g_c, g_x):
     assert rel_err(a, b) < 1e-2
+
+
+@needs_cute
+def test_cache_key_follows_every_source_of_the_kernel_package(tmp_path, monkeypatch):
+  """A kernel's cache entry is keyed on all of its package's sources: editing a helper module
+  beside the kernel's own (as pingpong.py runs grouped_gemm.py's epilogue) gives a new key."""
+  from ffi import compile_cache
+  package = tmp_path / "kernels_pkg"
+  package.mkdir()
+  (package / "__init__.py").write_text("")
+  (package / "helpers.py").write_text("SCALE = 1\n")
+  (package / "kernel.py").write_text("def kernel():\n  pass\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  kernel = importlib.import_module("kernels_pkg.kernel").kernel
+  key = lambda: (compile_cache._package_digest.cache_clear(),
+                 compile_cache.entry_key(kernel, ("spec",)))[1]
+  before = key()
+  assert key() == before
+  (package / "helpers.py").write_text("SCALE = 2\n")
+  assert key() != before
 
 
 @needs_cute
@@ -782,13 +806,16 @@ def test_exported_program_runs_in_a_new_process_on_gpu(tmp_path, monkeypatch):
 @needs_cute
 def test_kernel_resources_keep_the_tiles_ffi_ops_relies_on():
   """From the sm_90a cubins: the store GEMMs' tile (block_n 128, 3 stages) fits two CTAs per SM
-  (what ffi/ops.py's STORE_STAGES is for), and the dH kernel at block_n 128 does not spill."""
+  (what ffi/ops.py's STORE_STAGES is for), and the dH kernel at block_n 128 and the ping-pong
+  kernels at the tiles ffi/ops.py runs them with (dH 128, up_proj 64) do not spill."""
   from benchmarks import kernel_resources as kr
   from ffi import grouped_gemm
   store = kr.measure("matmul", 128, 3)
   assert kr.ctas_per_sm(store["registers"], kr.smem_bytes("matmul", 128, 3), grouped_gemm.THREADS) == 2
   dh = kr.measure("dh", 128, 0)
   assert dh["stack_bytes"] == 0 and 0 < dh["registers"] <= 128
+  for kernel, block_n in [("dh_pingpong", 128), ("up_proj_pingpong", 64)]:
+    assert kr.measure(kernel, block_n, 0)["stack_bytes"] == 0, kernel
 
 
 @needs_cute
