@@ -761,6 +761,49 @@ def test_exported_program_finds_its_kernels_in_the_disk_cache(tmp_path, monkeypa
     xla_call.register_from_cache(exported)
 
 
+_RUN_CHAINED_KERNELS = """
+import sys
+import numpy as np, jax, jax.numpy as jnp
+import ffi
+from ffi import grouped_gemm
+P, K, E = 512, 256, 4
+a = jax.random.normal(jax.random.key(0), (P, K)).astype(jnp.bfloat16)
+w = (jax.random.normal(jax.random.key(1), (E, K, K)) / 16).astype(jnp.bfloat16)
+tiles = jnp.array([0, 1, 1, 3], jnp.int32)
+
+def chain(a, w, tiles):   # cute kernel, an XLA fusion, cute kernel, fusion, cute kernel
+  for _ in range(3):
+    a = jnp.tanh(grouped_gemm.grouped_matmul(a, w, tiles).astype(jnp.float32)).astype(a.dtype)
+  return a
+
+compiled = jax.jit(chain).lower(a, w, tiles).compile()
+print("command_buffer" in compiled.as_text())
+np.save(sys.argv[1], np.asarray(compiled(a, w, tiles).astype(jnp.float32)))
+"""
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_cute_kernels_run_inside_cuda_graphs_on_gpu(tmp_path):
+  """With XLA's command buffers (CUDA graphs) on for custom calls, a chain of cute kernels and
+  fusions is captured into a command buffer and gives the same bits as without graphs (each
+  run in its own process: XLA_FLAGS are read once)."""
+  import os
+  import subprocess
+  results = {}
+  for mode, flags in [("off", "--xla_gpu_enable_command_buffer="),
+                      ("on", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
+                             "--xla_gpu_graph_min_graph_size=1")]:
+    env = dict(os.environ, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    run = subprocess.run([sys.executable, "-c", _RUN_CHAINED_KERNELS, str(tmp_path / mode)],
+                         env=env, capture_output=True, text=True, timeout=300,
+                         cwd=str(__import__("pathlib").Path(__file__).parent.parent))
+    assert run.returncode == 0, run.stderr[-3000:]
+    results[mode] = (run.stdout.split()[-1], np.load(tmp_path / f"{mode}.npy"))
+  assert results["off"][0] == "False" and results["on"][0] == "True"
+  np.testing.assert_array_equal(results["on"][1], results["off"][1])
+
+
 _RUN_EXPORTED = """
 import sys
 import numpy as np, jax
