@@ -48,6 +48,9 @@ from ffi.grouped_gemm import BARRIER_BYTES, BLOCK_K, BLOCK_M, SMEM_BYTES
 TILE_M = BLOCK_M            # a work tile's rows: one M tile of the plan (one expert's rows)
 MMA_M = 64                  # one wgmma's rows: a consumer warpgroup covers TILE_M in TILE_M / 64
 MAX_ACCUMULATOR_REGISTERS = 128   # fp32 accumulator registers per consumer thread, all tiles
+# grouped_gemm's gather helpers give a warpgroup BLOCK_M / WARPGROUPS rows; the producer here
+# takes each of those row blocks of the tile in turn
+GATHER_BLOCKS = TILE_M // (BLOCK_M // grouped_gemm.WARPGROUPS)
 NUM_SMS = 132               # H100 / H200 SXM: the persistent grid (fewer SMs only queue CTAs)
 THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 # setmaxnreg budgets (producer, consumers), 128 x producer + 256 x consumer <= 64K per SM: the
@@ -77,9 +80,9 @@ def _gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid):
   wait until the consumers released the stage; warp 0 sets the full barrier's expected TMA
   bytes and loads the rhs tiles by TMA (the whole warp: the arrive and the copies elect one
   lane with elect.sync, which one lane alone must not reach); every thread cp.async-copies its
-  share of the TILE_M gathered rows (grouped_gemm._gather_step for each 64-row half, as if it
-  were both of grouped_gemm's warpgroups; tokens: the halves' source rows; padding rows it
-  writes as zeros by plain stores) and arrives on the full barrier twice: once its copies land (cp.async's noinc
+  share of the TILE_M gathered rows (grouped_gemm._gather_step for each of GATHER_BLOCKS row
+  blocks, as if it were each of grouped_gemm's warpgroups in turn; tokens: the blocks' source
+  rows; padding rows it writes as zeros by plain stores) and arrives on the full barrier twice: once its copies land (cp.async's noinc
   arrive) and once at once (a release arrive, which publishes its plain stores). The barrier
   counts GATHER_ARRIVALS."""
   loads.sync_object_empty.wait(state.index, state.phase)
@@ -88,9 +91,9 @@ def _gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid):
     loads.sync_object_full.arrive(state.index, loads.producer_mask)
     for atom, src, dst in rhs_operands:
       cute.copy(atom, src[(None, k)], dst[(None, state.index)], tma_bar_ptr=bar)
-  for half in cutlass.range_constexpr(len(tokens)):
-    grouped_gemm._gather_step(x, tokens[half], s_a[None, None, state.index], k * BLOCK_K,
-                              ptid + 128 * half)
+  for block in cutlass.range_constexpr(len(tokens)):
+    grouped_gemm._gather_step(x, tokens[block], s_a[None, None, state.index], k * BLOCK_K,
+                              ptid + 128 * block)
   cute.arch.cp_async_mbarrier_arrive_noinc(bar)
   cute.arch.mbarrier_arrive(bar)
 
@@ -163,9 +166,9 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
               m_b, tile_mnk, (rows, c, None, owner), proj=(None, 1, 1)))
               for sb, c in zip(s_bs, rhs_cols)]
           if cutlass.const_expr(swiglu):
-            # this thread's rows' tokens in each 64-row half of the M tile
-            tokens = [grouped_gemm._gather_tokens(gather_index, rows, tidx + 128 * half)
-                      for half in range(TILE_M // 64)]
+            # this thread's rows' tokens in each of the M tile's GATHER_BLOCKS row blocks
+            tokens = [grouped_gemm._gather_tokens(gather_index, rows, tidx + 128 * block)
+                      for block in range(GATHER_BLOCKS)]
             for k in cutlass.range(k_steps, unroll=1):
               _gather_stage(loads, produce, m_a, tokens, s_a, operands, k, tidx)
               produce.advance()
