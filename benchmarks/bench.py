@@ -175,14 +175,17 @@ def run_case(impl, name, cfg, args_ns, meta):
   return rec
 
 
-def run_torch(names, cfgs, meta, timeout_s):
+def run_torch(names, cfgs, meta, timeout_s, pythonpath=None):
   """PyPI sonic-moe in a subprocess (PyTorch and JAX share one GPU badly in one process).
-  Configs it did not reach within timeout_s are rows with that status."""
+  Configs it did not reach within timeout_s are rows with that status. pythonpath: the
+  subprocess's PYTHONPATH instead of this process's (sonic-moe pins an older
+  nvidia-cutlass-dsl than the cute backend's: each process imports its own)."""
   script = os.path.join(os.path.dirname(__file__), "torch_sonicmoe.py")
+  env = dict(os.environ) if pythonpath is None else dict(os.environ, PYTHONPATH=pythonpath)
   status = None
   try:
     out = subprocess.run([sys.executable, script, json.dumps(dict(zip(names, cfgs)))],
-                         capture_output=True, text=True, timeout=timeout_s)
+                         capture_output=True, text=True, timeout=timeout_s, env=env)
     stdout = out.stdout
     if not any(l.startswith("{") for l in stdout.splitlines()):
       status = "error: " + ((out.stderr or out.stdout).strip().splitlines() or ["no output"])[-1][:300]
@@ -286,6 +289,8 @@ def main(argv=None):
   p.add_argument("--tiny", action="store_true", help="one tiny config (CPU smoke run)")
   p.add_argument("--out", default="benchmarks/results/latest")
   p.add_argument("--torch-timeout", type=int, default=3000, help="seconds for the torch subprocess")
+  p.add_argument("--torch-pythonpath", default=None,
+                 help="PYTHONPATH for the torch subprocess (default: this process's)")
   p.add_argument("--pallas-gather", choices=("kernel", "xla"), default="kernel",
                  help="pallas up-projection: gather X's rows inside the kernel (default) or by XLA")
   p.add_argument("--pallas-dw1-gather", choices=("xla", "kernel"), default="xla",
@@ -328,7 +333,8 @@ def main(argv=None):
             f"{fmt(rec['fwd_bwd_ms'], '.3f')} ms, {rec['status'][:80]}", flush=True)
       save(records, a.out)  # after every case: a run cut short keeps what it measured
   if "torch_sonicmoe" in impls:
-    records += run_torch(list(cases), list(cases.values()), meta, a.torch_timeout)
+    records += run_torch(list(cases), list(cases.values()), meta, a.torch_timeout,
+                         a.torch_pythonpath)
     save(records, a.out)
   chart(records, a.out + ".png")
   print(table(records))

@@ -19,15 +19,21 @@
 #   cute_dh: the layer with the cute dH's register-store / TMA-store / ping-pong kernel (~7 min)
 #   cute_bench: then (kernels read back from the disk cache) the FFI call cost and the layer
 #           at the five anchors, the default ("auto") vs all-pallas                  (~5 min)
+#   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
+#           staging the upstream wheels                                                (~9 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
-#           the cute wheels are staged, and the PyTorch SonicMoE when its wheels are staged
-#           (source /tmp/devsite-upstream/env.sh and /tmp/devsite-cute/env.sh first)
+#           the cute wheels are staged (source /tmp/devsite-cute/env.sh and, for tokamax,
+#           /tmp/devsite-tokamax/env.sh first), and the PyTorch SonicMoE when its wheels are
+#           staged (it runs with /tmp/devsite-upstream alone on its PYTHONPATH)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export SONICMOE_CUTE_CACHE=${SONICMOE_CUTE_CACHE:-/tmp/cute-cache}   # shared by the cute modes
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())"; } | tee "$OUT/gpu.txt"
+# the PyTorch SonicMoE's PYTHONPATH: its staged wheels alone (it pins an older
+# nvidia-cutlass-dsl than the cute backend's, which this process's PYTHONPATH may carry)
+torch_pythonpath() { [ -f /tmp/devsite-upstream/env.sh ] && (unset PYTHONPATH; . /tmp/devsite-upstream/env.sh; echo "$PYTHONPATH"); }
 for mode in "$@"; do
   case "$mode" in
     check)
@@ -43,12 +49,22 @@ for mode in "$@"; do
         --block-n 64,128 --stages 2,4 --out "$OUT/sweep_up_dh.json" 2>&1 | grep -v '^{' | tail -13
       timeout 200 python3 -m benchmarks.tile_sweep --configs 30B-n256,7B-n256 --kernels down_proj,dx_tilde \
         --block-n 128,256 --stages 2,4 --out "$OUT/sweep_matmul.json" 2>&1 | grep -v '^{' | tail -25 ;;
+    torch_warm)  # the PyTorch SonicMoE's first runs at the five anchors (its CuTe compiles and
+                 # autotuning, ~510 s on a fresh machine, cached on its disk for `bench`)
+      tp=$(torch_pythonpath)
+      PYTHONPATH=$tp timeout 570 python3 benchmarks/torch_sonicmoe.py "$(python3 -c \
+        'from benchmarks import configs as C; import json; print(json.dumps(C.ANCHORS))')" \
+        > "$OUT/torch_warm.jsonl" 2> "$OUT/torch_warm.log"; echo "torch_warm: rc $?"
+      grep "first forward" "$OUT/torch_warm.log" ;;
     bench)
-      impls=pallas,tokamax,dense
+      impls=pallas,tokamax,dense; torch=()
       python3 -c "import cutlass, jax_tvm_ffi" 2>/dev/null && impls=auto,$impls   # cute staged too
-      python3 -c "import sonicmoe" 2>/dev/null && impls=$impls,torch_sonicmoe
+      tp=$(torch_pythonpath)
+      if PYTHONPATH=$tp python3 -c "import sonicmoe" 2>/dev/null; then
+        impls=$impls,torch_sonicmoe; torch=(--torch-pythonpath "$tp")
+      fi
       timeout 580 python3 -m benchmarks.bench --impls "$impls" --iters 5 --reps 3 --torch-timeout 300 \
-        --out "$OUT/bench" 2>&1 | tail -30 ;;
+        "${torch[@]}" --out "$OUT/bench" 2>&1 | tail -30 ;;
     gathers)
       timeout 240 python3 -m pytest -p no:cacheprovider -rA -k "gather" tests/test_pallas.py \
         tests/test_residuals.py > "$OUT/pytest_gathers.log" 2>&1
