@@ -25,6 +25,26 @@ def test_bench_tiny(tmp_path):
   assert by_impl["xla"]["step_bytes"] >= 4 * (T * d + d * E + E * d * 2 * n + E * n * d)
 
 
+def test_torch_rows_from_its_subprocess(monkeypatch):
+  """The PyTorch SonicMoE's subprocess gets the given PYTHONPATH (its own wheels), its records
+  become rows with TF/s, and a config it did not reach is a row saying so."""
+  import subprocess
+  import types
+  calls = []
+
+  def fake_run(cmd, **kw):
+    calls.append(kw["env"])
+    line = json.dumps(dict(impl="torch_sonicmoe", config="a", status="ok", fwd_ms=1.0,
+                           fwd_bwd_ms=3.0, bwd_ms=2.0))
+    return types.SimpleNamespace(stdout=line + "\n", stderr="")
+  monkeypatch.setattr(subprocess, "run", fake_run)
+  cfgs = [(256, 128, 64, 4, 2), (512, 128, 64, 4, 2)]
+  recs = bench.run_torch(["a", "b"], cfgs, dict(gpu="test"), 10, pythonpath="/torch/site")
+  assert calls[0]["PYTHONPATH"] == "/torch/site"
+  assert recs[0]["status"] == "ok" and recs[0]["fwd_tflops"] > 0 and recs[0]["gpu"] == "test"
+  assert recs[1]["status"] == "missing" and recs[1]["fwd_ms"] is None
+
+
 def test_tile_sweep_custom_shape(tmp_path):
   """The tile sweep on a small shape (interpret mode off the GPU): a tile that fits is timed and
   records the depth its chained pipeline ran; one that does not fit is a row with its error."""
