@@ -58,7 +58,9 @@ for mode in "$@"; do
       grep "first forward" "$OUT/torch_warm.log" ;;
     bench)
       impls=pallas,tokamax,dense; torch=()
-      python3 -c "import cutlass, jax_tvm_ffi" 2>/dev/null && impls=auto,$impls   # cute staged too
+      # cute staged too: the default, and the default with the cute up-projection (its sweep
+      # rows: 3.88 ms at 30B-n256 in session 9, 4.22 in session 8; Pallas 4.17)
+      python3 -c "import cutlass, jax_tvm_ffi" 2>/dev/null && impls=auto,up_proj=cute,$impls
       tp=$(torch_pythonpath)
       if PYTHONPATH=$tp python3 -c "import sonicmoe" 2>/dev/null; then
         impls=$impls,torch_sonicmoe; torch=(--torch-pythonpath "$tp")
