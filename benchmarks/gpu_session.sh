@@ -57,7 +57,8 @@ for mode in "$@"; do
         > "$OUT/torch_warm.jsonl" 2> "$OUT/torch_warm.log"; echo "torch_warm: rc $?"
       grep "first forward" "$OUT/torch_warm.log" ;;
     bench)
-      impls=pallas,tokamax,dense; torch=()
+      impls=pallas,dense; torch=()
+      python3 -c "import tokamax" 2>/dev/null && impls=$impls,tokamax   # staged
       # cute staged too: the default, and the default with the cute up-projection (its sweep
       # rows: 3.88 ms at 30B-n256 in session 9, 4.22 in session 8; Pallas 4.17)
       python3 -c "import cutlass, jax_tvm_ffi" 2>/dev/null && impls=auto,up_proj=cute,$impls
