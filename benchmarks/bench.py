@@ -323,6 +323,10 @@ def main(argv=None):
   print(f"devices {jax.devices()} | {meta['versions']} | impls {impls}", flush=True)
   os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
   records = []
+  if "torch_sonicmoe" in impls:   # first: the comparison a run cut short must not lose
+    records += run_torch(list(cases), list(cases.values()), meta, a.torch_timeout,
+                         a.torch_pythonpath)
+    save(records, a.out)
   for name, cfg in cases.items():
     for impl in impls:
       if impl == "torch_sonicmoe":
@@ -332,12 +336,8 @@ def main(argv=None):
       print(f"[{len(records)}] {name} {impl}: fwd {fmt(rec['fwd_ms'], '.3f')} ms, fwd+bwd "
             f"{fmt(rec['fwd_bwd_ms'], '.3f')} ms, {rec['status'][:80]}", flush=True)
       save(records, a.out)  # after every case: a run cut short keeps what it measured
-  if "torch_sonicmoe" in impls:
-    records += run_torch(list(cases), list(cases.values()), meta, a.torch_timeout,
-                         a.torch_pythonpath)
-    save(records, a.out)
   chart(records, a.out + ".png")
-  print(table(records))
+  print(table(sorted(records, key=lambda r: list(cases).index(r["config"]))))
   return records
 
 

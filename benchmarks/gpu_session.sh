@@ -67,7 +67,7 @@ for mode in "$@"; do
         impls=$impls,torch_sonicmoe; torch=(--torch-pythonpath "$tp")
       fi
       timeout 580 python3 -m benchmarks.bench --impls "$impls" --iters 5 --reps 3 --torch-timeout 300 \
-        "${torch[@]}" --out "$OUT/bench" 2>&1 | tail -30 ;;
+        "${torch[@]}" --out "$OUT/bench" 2>&1 | tail -40 ;;
     gathers)
       timeout 240 python3 -m pytest -p no:cacheprovider -rA -k "gather" tests/test_pallas.py \
         tests/test_residuals.py > "$OUT/pytest_gathers.log" 2>&1
