@@ -70,7 +70,7 @@ def check(name, cfg, backend, rounding, num_tokens=16, num_experts=2):
     res, vjp = jax.vjp(lambda *a: sm.moe(*a, **kw).out, x, wr, w1, w2)
     return res, vjp(dout)
   out, (dx, dwr, dw1, dw2) = fwd_bwd(x, wr, w1, w2)
-  ops = sm.resolve_backend(backend_spec(backend))
+  ops = sm.resolve_backend(backend_spec(backend), dtype=x.dtype, d=d, n=n)   # as the layer does
   plan = jax.jit(lambda x, wr: sm.route(sm.router_logits(x, wr), k=K, rounding=rounding,
                                         tile=128, align=ops.align)[0])(x, wr)
   h = jax.jit(lambda *a: ops.up_proj(*a, plan))(x, w1)[0]

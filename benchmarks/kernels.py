@@ -35,7 +35,7 @@ def segment_sum_aggregate(y, scores, plan):
 def breakdown(name, cfg, backend, rounding, iters, reps):
   T, d, n, E, K = cfg
   (x, wr, w1, w2), dout = make_args(T, d, n, E, K)
-  ops = sm.resolve_backend(backend_spec(backend))
+  ops = sm.resolve_backend(backend_spec(backend), dtype=x.dtype, d=d, n=n)   # as the layer does
   route = jax.jit(lambda x, wr: sm.route(sm.router_logits(x, wr), k=K, rounding=rounding,
                                          tile=128, align=ops.align, top_k=ops.top_k)[0])
   plan = route(x, wr)
