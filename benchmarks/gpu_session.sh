@@ -19,6 +19,7 @@
 #   cute_dh: the layer with the cute dH's register-store / TMA-store / ping-pong kernel (~7 min)
 #   cute_bench: then (kernels read back from the disk cache) the FFI call cost and the layer
 #           at the five anchors, the default ("auto") vs all-pallas                  (~5 min)
+#   kernels_auto: the per-op breakdown of the default at 7B-n256 and 30B-n256           (~3 min)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
 #           staging the upstream wheels                                                (~9 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
@@ -49,6 +50,10 @@ for mode in "$@"; do
         --block-n 64,128 --stages 2,4 --out "$OUT/sweep_up_dh.json" 2>&1 | grep -v '^{' | tail -13
       timeout 200 python3 -m benchmarks.tile_sweep --configs 30B-n256,7B-n256 --kernels down_proj,dx_tilde \
         --block-n 128,256 --stages 2,4 --out "$OUT/sweep_matmul.json" 2>&1 | grep -v '^{' | tail -25 ;;
+    kernels_auto)  # the per-op breakdown of the default ("auto": cute ops where it picks them,
+                   # source /tmp/devsite-cute/env.sh first) at 7B-n256 and 30B-n256   (~3 min)
+      timeout 280 python3 -m benchmarks.kernels --backend auto --configs 7B-n256,30B-n256 \
+        --out "$OUT/kernels_auto.json" 2>&1 | grep -v '^{' | tail -40 ;;
     torch_warm)  # the PyTorch SonicMoE's first runs at the five anchors (its CuTe compiles and
                  # autotuning, ~510 s on a fresh machine, cached on its disk for `bench`)
       tp=$(torch_pythonpath)
