@@ -39,6 +39,7 @@ VARIANTS = [
     ("wgrad bn256 fit", "wgrad", 256, 0), ("wgrad gather bn128 st3", "wgrad_gather", 128, 3),
     ("wgrad gather bn256 fit", "wgrad_gather", 256, 0),
     ("dh pingpong bn128 fit", "dh_pingpong", 128, 0), ("dh pingpong bn64 fit", "dh_pingpong", 64, 0),
+    ("dh pingpong gather bn128 fit", "dh_pingpong_gather", 128, 0),
     ("up_proj pingpong bn64 fit", "up_proj_pingpong", 64, 0),
 ]
 
@@ -66,6 +67,9 @@ fn, args = {
                    sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
     "dh_pingpong": (lambda a, w, h, s, t: pp.dh(a, w, h, s, t, **kw),
                     (sds(P, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32), sds(P // 128, dt=jnp.int32))),
+    "dh_pingpong_gather": (lambda a, w, h, s, t, i: pp.dh(a, w, h, s, t, gather_index=i, **kw),
+                           (sds(300, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32),
+                            sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
     "up_proj_pingpong": (lambda a, b, t, i: pp.up_proj(a, b, t, i, **kw),
                          (sds(300, K), sds(E, K, N), sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
     "wgrad": (lambda a, b, o: g.weight_grad(a, b, o, E, **kw), (sds(P, K), sds(P, N), sds(E + 1, dt=jnp.int32))),
@@ -122,7 +126,7 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
   """The variant's SMEM at the pipeline depth its kernel runs (stages 0: as many as fit)."""
   from ffi import grouped_gemm as g, pingpong as pp
   num_rhs = 2 if kernel.startswith("up_proj") else 1
-  if kernel.endswith("pingpong"):
+  if "pingpong" in kernel:
     depth = stages or pp.stages_that_fit(block_n, 2, num_rhs)
     return g.smem_bytes(block_n, num_rhs, 2, depth, rows=pp.TILE_M)
   depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None)
@@ -132,7 +136,7 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
 def threads(kernel: str) -> int:
   """The variant's threads per CTA."""
   from ffi import grouped_gemm as g, pingpong as pp
-  return pp.THREADS if kernel.endswith("pingpong") else g.THREADS
+  return pp.THREADS if "pingpong" in kernel else g.THREADS
 
 
 def ctas_per_sm(registers: int, smem: int, threads: int) -> int:

@@ -54,8 +54,9 @@ DW1_GATHER_MAX_COLUMN_TILES = 2
 DOUT_GATHER_MAX_COLUMN_TILES = 2
 # The dH kernel's variant: "registers" (grouped_gemm.dh storing dH and A' from registers),
 # "tma_store" (the same through SMEM and TMA stores: 2.56 vs 2.69 ms at 30B-n256 in session
-# 8's sweep, not yet timed in the layer) or "pingpong" (ffi/pingpong.py; bitwise equal to
-# "registers" but slower: 3.53 vs 2.78 ms at 30B-n256, session 9; no dO gather).
+# 8's sweep, not yet timed in the layer) or "pingpong" (ffi/pingpong.py; its 64-row-tile
+# version was bitwise equal to "registers" but slower: 3.53 vs 2.78 ms at 30B-n256, session 9;
+# on 128-row tiles, and gathering dO, not yet run).
 DH_KERNEL = "registers"
 DH_KERNELS = ("registers", "tma_store", "pingpong")
 
@@ -132,18 +133,13 @@ def dh(dout, w2, h, scores, plan):
   if DH_KERNEL not in DH_KERNELS:
     raise ValueError(f"ffi.ops.DH_KERNEL must be one of {DH_KERNELS}; got {DH_KERNEL!r}")
   n = w2.shape[1]
-  gather_in_kernel = _dout_gathered_in_kernel(n)
-  if gather_in_kernel and DH_KERNEL == "pingpong":
-    raise ValueError(f"ffi.ops: the ping-pong dH kernel does not gather dO's rows, which "
-                     f"DOUT_GATHER_MAX_COLUMN_TILES={DOUT_GATHER_MAX_COLUMN_TILES} asks for at "
-                     f"n={n}; set it to 0 with DH_KERNEL = 'pingpong'")
-  if gather_in_kernel:
+  if _dout_gathered_in_kernel(n):
     rows, gather = dout, dict(gather_index=plan.token_index)
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
   block_n = _wide_tile(n, 128)
   if DH_KERNEL == "pingpong":
-    dh_, a_scaled, ds_parts = pingpong.dh(rows, w2, h, scores, _tiles(plan), block_n)
+    dh_, a_scaled, ds_parts = pingpong.dh(rows, w2, h, scores, _tiles(plan), block_n, **gather)
   else:
     dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan), block_n,
                                               tma_store=DH_KERNEL == "tma_store", **gather)

@@ -1,6 +1,7 @@
 """Persistent, warp-specialized ping-pong grouped GEMMs for Hopper (CuTe DSL), beside
 grouped_gemm.py's kernels with the same operands, outputs and epilogue math: dh (the dSwiGLU
-epilogue, grouped_gemm._dh_outputs) and up_proj gathering X's rows (the SwiGLU epilogue).
+epilogue, grouped_gemm._dh_outputs; dO's rows read in slot order or gathered) and up_proj
+gathering X's rows (the SwiGLU epilogue).
 grouped_gemm's kernel runs its epilogue after its mainloop with the tensor cores idle, and its
 MMA warpgroups issue the gather's copies between their wgmmas; here one consumer warpgroup's
 epilogue runs while the other's mainloop does, and a producer warpgroup does all the loading.
@@ -16,11 +17,13 @@ Schedule:
   grid      : min(tiles, NUM_SMS) persistent CTAs; CTA c takes tiles c, c + grid, c + 2 grid..
   producer  : warpgroup 0, its registers lowered by setmaxnreg (REGISTERS), fills a
               `stages`-deep ring running ahead across tiles (tiles past the last group load
-              nothing). dh: warp 0 TMA-loads dOg [128, 64] and W2_e^T [block_n, 64]. up_proj:
-              warp 0 TMA-loads W1's gate and up tiles, and all 128 threads cp.async-copy the
-              128 gathered X rows (_gather_stage, 8 rows' 16-byte chunks each); a stage's full barrier completes on the TMA
-              bytes and GATHER_ARRIVALS arrivals (per thread: cp.async.mbarrier.arrive.noinc
-              for its copies, a release arrive for its padding rows' plain zero stores)
+              nothing). dh: warp 0 TMA-loads dOg [128, 64] and W2_e^T [block_n, 64].
+              Gathering (up_proj; dh given gather_index): warp 0 TMA-loads the weight tiles
+              (W1's gate and up tiles, or W2_e^T's) and all 128 threads cp.async-copy the 128
+              gathered rows (_gather_stage, 8 rows' 16-byte chunks each); a stage's full
+              barrier then completes on the TMA bytes and GATHER_ARRIVALS arrivals (per
+              thread: cp.async.mbarrier.arrive.noinc for its copies, a release arrive for its
+              padding rows' plain zero stores)
   consumers : warpgroups 1 and 2, registers raised, take the CTA's tiles in turn (its i-th
               tile is warpgroup 1 + i % 2's). A consumer waits for its turn (named barrier
               TURN_BARRIER + its index, which the other arrives at once it has waited for all
@@ -55,7 +58,7 @@ NUM_SMS = 132               # H100 / H200 SXM: the persistent grid (fewer SMs on
 THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 # setmaxnreg budgets (producer, consumers), 128 x producer + 256 x consumer <= 64K per SM: the
 # gathering producer keeps its rows' token ids and copy addresses in registers
-REGISTERS = {"dh": (40, 232), "swiglu": (56, 224)}
+REGISTERS = {False: (40, 232), True: (56, 224)}   # by whether the producer gathers
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
 GATHER_ARRIVALS = 1 + 2 * 128   # a gathered stage's full barrier: the TMA warp's, then two
                                 # per producer thread (its copies landed; its plain stores)
@@ -119,10 +122,12 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
-            stages: cutlass.Constexpr, tx_bytes: cutlass.Constexpr, kind: cutlass.Constexpr):
-  """kind "dh": m_a dOg (P, d, 1) by TMA, m_b W2 (n, d, E), m_out dH, m_out2 A', m_h H,
-  m_scores, m_ds dS parts. kind "swiglu": m_a X (T, d, 1) gathered by gather_index, m_b W1
-  (2n, d, E) (its gate and up column tiles), m_out H, m_out2 A (m_h, m_scores, m_ds unused)."""
+            stages: cutlass.Constexpr, tx_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
+            gather: cutlass.Constexpr):
+  """kind "dh": m_a dOg (P, d, 1) by TMA, or with gather dO (T, d, 1) gathered by
+  gather_index; m_b W2 (n, d, E), m_out dH, m_out2 A', m_h H, m_scores, m_ds dS parts. kind
+  "swiglu" (gather always): m_a X (T, d, 1) gathered by gather_index, m_b W1 (2n, d, E) (its
+  gate and up column tiles), m_out H, m_out2 A (m_h, m_scores, m_ds unused)."""
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -134,7 +139,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   my_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
   k_steps = cute.size(m_a, mode=[1]) // BLOCK_K
   tile_mnk = (TILE_M, block_n, BLOCK_K)
-  producer_regs, consumer_regs = REGISTERS[kind]
+  producer_regs, consumer_regs = REGISTERS[gather]
 
   smem = cutlass.memory.SmemAllocator()
   storage = smem.allocate(shared_storage)
@@ -145,16 +150,16 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
       # a full barrier completes on the TMA bytes and, gathering, every producer thread's copies
       producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                               GATHER_ARRIVALS if swiglu else 1),
+                                               GATHER_ARRIVALS if gather else 1),
       consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 // 32),
       tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
 
   if role == 0:
     cute.arch.setmaxregister_decrease(producer_regs)
-    if warp < (4 if swiglu else 1):   # gathering, the whole warpgroup; else warp 0
+    if warp < (4 if gather else 1):   # gathering, the whole warpgroup; else warp 0
       if warp == 0:
         cpasync.prefetch_descriptor(tma_b)
-        if cutlass.const_expr(not swiglu):
+        if cutlass.const_expr(not gather):
           cpasync.prefetch_descriptor(tma_a)
       produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
       for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
@@ -165,7 +170,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
           operands = [grouped_gemm.tma_operand(tma_b, sb, cute.local_tile(
               m_b, tile_mnk, (rows, c, None, owner), proj=(None, 1, 1)))
               for sb, c in zip(s_bs, rhs_cols)]
-          if cutlass.const_expr(swiglu):
+          if cutlass.const_expr(gather):
             # this thread's rows' tokens in each of the M tile's GATHER_BLOCKS row blocks
             tokens = [grouped_gemm._gather_tokens(gather_index, rows, tidx + 128 * block)
                       for block in range(GATHER_BLOCKS)]
@@ -212,7 +217,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
           acc.fill(0.0)
         for kk in cutlass.range(num_k, unroll=1):
           loads.consumer_wait(consume)
-          if cutlass.const_expr(swiglu):   # the gathered rows are generic-proxy writes
+          if cutlass.const_expr(gather):   # the gathered rows are generic-proxy writes
             cute.arch.fence_proxy("async.shared", space="cta")
           grouped_gemm.issue_k_step(tiled_mma, accs, frag_a, frag_bs, consume.index)
           consume.advance()
@@ -241,7 +246,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
-            block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr):
+            block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
+            gather: cutlass.Constexpr):
   """The persistent grid and the kernel's static configuration (see _kernel's operands)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
@@ -258,7 +264,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
                                            cute.slice_(b_smem_staged, (None, None, 0)),
                                            (block_n, BLOCK_K))
   tma_a, m_a = tma_b, lhs   # gathering: lhs stays the source rows, no TMA (B's atom, unused)
-  if cutlass.const_expr(not swiglu):
+  if cutlass.const_expr(not gather):
     tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), lhs,
                                              cute.slice_(a_smem_staged, (None, None, 0)),
                                              (TILE_M, BLOCK_K))
@@ -279,13 +285,13 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
 
   # the bytes TMA brings per stage: the rhs tiles, and unless gathered the lhs tile
   tx_bytes = (2 if swiglu else 1) * cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
-  if cutlass.const_expr(not swiglu):
+  if cutlass.const_expr(not gather):
     tx_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   num_tiles = cute.size(out2, mode=[0]) // TILE_M * (cute.size(out2, mode=[1]) // block_n)
   _kernel(tma_a, m_a, tma_b, m_b, out, out2, m_h, m_scores, m_ds, tile_expert, gather_index,
           tiled_mma, a_smem_staged, b_smem_staged, cute.size(rhs, mode=[2]),
           SwigluSharedStorage if swiglu else SharedStorage, block_n, stages, tx_bytes,
-          kind).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
+          kind, gather).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
                        stream=stream)
 
 
@@ -296,7 +302,18 @@ def _dh_pingpong(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute
   """dOg (P, d, 1), w2 (n, d, E) K-major, H (P, 2n, 1), scores (P,), dH (P, 2n, 1), A' (P, n, 1),
   dS parts (n / block_n, P): the operands of grouped_gemm._dh."""
   _launch(stream, dout_g, w2, tile_expert, tile_expert, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh")
+          block_n, stages, "dh", False)
+
+
+@cute.jit
+def _gathered_dh_pingpong(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor,
+                          gather_index: cute.Tensor, h: cute.Tensor, scores: cute.Tensor,
+                          dh: cute.Tensor, a_scaled: cute.Tensor, ds_parts: cute.Tensor,
+                          block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+  """_dh_pingpong with dO (T, d, 1) the source rows, slot r reading dO[gather_index[r]]: the
+  operands of grouped_gemm._gathered_dh."""
+  _launch(stream, dout, w2, tile_expert, gather_index, dh, a_scaled, (h, scores, ds_parts),
+          block_n, stages, "dh", True)
 
 
 @cute.jit
@@ -305,7 +322,7 @@ def _up_proj_pingpong(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute
                       block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
   """x (T, d, 1) the source rows, w1 (2n, d, E) N-major, H (P, 2n, 1), A (P, n, 1): the
   operands of grouped_gemm._gathered_up_proj."""
-  _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu")
+  _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True)
 
 
 def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str) -> int:
@@ -325,26 +342,32 @@ def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str) ->
   return stages
 
 
-def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None):
-  """grouped_gemm.dh (no gather, register stores) on the ping-pong schedule: the same operands
-  and outputs. block_n: at most widest_block_n(1) (128); stages: the ring's depth (default: as
-  many as fit, at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL =
-  "pingpong". On an H200 (session 9) its 64-row-tile version gave grouped_gemm.dh's bits but
-  took 3.53 vs 2.78 ms at 30B-n256; the 128-row tiles are not yet run there."""
+def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None,
+       gather_index=None):
+  """grouped_gemm.dh (register stores) on the ping-pong schedule: the same operands and
+  outputs; with gather_index [P], dout_g is dO [T, d] and the producer warpgroup gathers slot
+  r's row dO[gather_index[r]] by cp.async (zeros where it is T or more), as up_proj gathers X.
+  block_n: at most widest_block_n(1) (128); stages: the ring's depth (default: as many as fit,
+  at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL = "pingpong". On an H200
+  (session 9) its 64-row-tile version gave grouped_gemm.dh's bits but took 3.53 vs 2.78 ms at
+  30B-n256; the 128-row tiles and the gather are not yet run there."""
   n = w2.shape[1]
-  reason = grouped_gemm.dh_unsupported(dout_g, w2, h, scores, block_n)
+  num_slots = dout_g.shape[0] if gather_index is None else gather_index.shape[0]
+  slots = jax.ShapeDtypeStruct((num_slots, dout_g.shape[1]), dout_g.dtype)   # the rows it reads
+  reason = grouped_gemm.dh_unsupported(slots, w2, h, scores, block_n)
   if reason:
     raise ValueError(f"cute ping-pong dh: {reason}")
   stages = _check_tile(block_n, dout_g.dtype.itemsize, 1, stages, "dh")
-  num_slots = dout_g.shape[0]
+  fn, index = (_dh_pingpong, ()) if gather_index is None else \
+      (_gathered_dh_pingpong, (gather_index.astype(jnp.int32),))
   dh_, a_scaled, ds_parts = xla_call.call(
-      _dh_pingpong, [dout_g[None], w2, tile_expert.astype(jnp.int32), h[None],
-                     scores.astype(jnp.float32)],
+      fn, [dout_g[None], w2, tile_expert.astype(jnp.int32), *index, h[None],
+           scores.astype(jnp.float32)],
       [jax.ShapeDtypeStruct((1, num_slots, 2 * n), h.dtype),
        jax.ShapeDtypeStruct((1, num_slots, n), h.dtype),
        jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)],
-      modes=[grouped_gemm.ROW_MODES, (1, 2, 0), None, grouped_gemm.ROW_MODES, None,
-             grouped_gemm.ROW_MODES, grouped_gemm.ROW_MODES, None],
+      modes=[grouped_gemm.ROW_MODES, (1, 2, 0), None, *[None] * len(index),
+             grouped_gemm.ROW_MODES, None, grouped_gemm.ROW_MODES, grouped_gemm.ROW_MODES, None],
       block_n=block_n, stages=stages)
   return dh_[0], a_scaled[0], ds_parts
 

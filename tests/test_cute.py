@@ -195,7 +195,7 @@ CUTE_GEMMS = {"up_proj": "cute", "down_proj": "cute", "dh": "cute", "dx_tilde": 
 
 @needs_cute
 @pytest.mark.parametrize("dout_gather_max_column_tiles,dh_kernel", [
-    (0, "registers"), (2, "registers"), (0, "pingpong")])
+    (0, "registers"), (2, "registers"), (0, "pingpong"), (2, "pingpong")])
 def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_kernel,
                                                monkeypatch):
   """The layer's forward and gradients with the CuTe grouped GEMMs: the kernels compile for
@@ -403,8 +403,9 @@ def test_cute_dh_against_float32_on_gpu(block_n):
 @needs_cute
 @pytest.mark.parametrize("block_n,stages", [(128, None), (64, 3)])
 def test_cute_pingpong_dh_compiles_for_cuda(block_n, stages):
-  """The ping-pong dH kernel compiles for sm_90a and lowers as an FFI call; its stage count
-  is checked against SMEM and its tile width against the accumulator's registers."""
+  """The ping-pong dH kernel, reading dOg or gathering dO's rows, compiles for sm_90a and
+  lowers as an FFI call; its stage count is checked against SMEM and its tile width against
+  the accumulator's registers."""
   from ffi import pingpong
   P, d, n, E = 1024, 256, 256, 4
   shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [
@@ -419,6 +420,12 @@ def test_cute_pingpong_dh_compiles_for_cuda(block_n, stages):
     jax.eval_shape(lambda *a: pingpong.dh(*a), *shapes[:2], shapes[1], *shapes[3:])
   with pytest.raises(ValueError, match="dh: block_n=256 is wider than 128"):
     jax.eval_shape(lambda *a: pingpong.dh(*a, block_n=256), *shapes)
+  # gathering dO's rows: dO [T, d] and the slots' source rows [P]
+  gathered = [jax.ShapeDtypeStruct((300, d), jnp.bfloat16), *shapes[1:],
+              jax.ShapeDtypeStruct((P,), jnp.int32)]
+  fn = lambda g, w, h, s, t, i: pingpong.dh(g, w, h, s, t, block_n=block_n, stages=stages,
+                                            gather_index=i)
+  assert FFI_TARGET in _cuda_module(fn, *gathered)
 
 
 @needs_cute
@@ -469,12 +476,11 @@ def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles):
 @pytest.mark.gpu
 @needs_cute
 def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(monkeypatch):
-  """The layer with every op on cute, dH and up_proj on the ping-pong kernels, against the xla
-  backend."""
+  """The layer with every op on cute, dH (gathering dO's rows: n = 256) and up_proj on the
+  ping-pong kernels, against the xla backend."""
   cute_ops = importlib.import_module("ffi.ops")
   monkeypatch.setattr(cute_ops, "DH_KERNEL", "pingpong")
   monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong")
-  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", 0)   # (it gathers no dO rows)
   T, d, n, E, K = 4096, 1536, 256, 128, 8
   args = make_inputs(3, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(4), (T, d))
@@ -495,10 +501,6 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
   monkeypatch.setattr(cute_ops, "DH_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"DH_KERNEL must be one of .*'fast'"):
     grad()
-  monkeypatch.setattr(cute_ops, "DH_KERNEL", "pingpong")
-  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", 2)   # n = 64: one column tile
-  with pytest.raises(ValueError, match="does not gather dO's rows.*at n=64"):
-    grad()
   monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"UP_PROJ_KERNEL must be one of .*'fast'"):
     sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"up_proj": "cute"})
@@ -506,25 +508,31 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("num_tiles,block_n", [(4, 128), (80, 128), (81, 64)])
-def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n):
-  """The ping-pong schedule gives grouped_gemm.dh's bits: M tiles of experts with and without
-  rows and past the last group; fewer work tiles than CTAs (one consumer busy), and several
-  per CTA (both consumers, an odd count: the turn handed over to no one at the end)."""
+@pytest.mark.parametrize("num_tiles,block_n,gather", [
+    (4, 128, False), (80, 128, False), (81, 64, False), (81, 128, True), (4, 64, True)])
+def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n, gather):
+  """The ping-pong schedule gives grouped_gemm.dh's bits, reading dOg or gathering dO's rows
+  (padding slots among them): M tiles of experts with and without rows and past the last
+  group; fewer work tiles than CTAs (one consumer busy), and several per CTA (both consumers,
+  an odd count: the turn handed over to no one at the end)."""
   from ffi import grouped_gemm, pingpong
-  E, d, n = 5, 384, 256
+  T, E, d, n = 1000, 5, 384, 256
   tile_expert = jnp.sort(jax.random.randint(jax.random.key(61), (num_tiles,), 0, E + 1))
   tile_expert = tile_expert.at[tile_expert == 1].set(2).astype(jnp.int32)   # expert 1: no rows
   P = num_tiles * grouped_gemm.BLOCK_M
-  keys = jax.random.split(jax.random.key(62), 4)
-  dout_g = jax.random.normal(keys[0], (P, d)).astype(jnp.bfloat16)
+  keys = jax.random.split(jax.random.key(62), 5)
+  dout = jax.random.normal(keys[0], (T if gather else P, d)).astype(jnp.bfloat16)
   w2 = (jax.random.normal(keys[1], (E, n, d)) / 8).astype(jnp.bfloat16)
   h = (2 * jax.random.normal(keys[2], (P, 2 * n))).astype(jnp.bfloat16)
   h = jnp.where((jnp.repeat(tile_expert, grouped_gemm.BLOCK_M) < E)[:, None], h, 0)
   scores = jax.random.uniform(keys[3], (P,), minval=0.05, maxval=1.0)
-  got = jax.jit(lambda *a: pingpong.dh(*a, block_n=block_n))(dout_g, w2, h, scores, tile_expert)
-  want = jax.jit(lambda *a: grouped_gemm.dh(*a, block_n=block_n))(dout_g, w2, h, scores,
-                                                                  tile_expert)
+  index = {}
+  if gather:
+    index = dict(gather_index=jax.random.randint(keys[4], (P,), 0, T).at[::7].set(T))
+  got = jax.jit(lambda *a: pingpong.dh(*a, block_n=block_n, **index))(
+      dout, w2, h, scores, tile_expert)
+  want = jax.jit(lambda *a: grouped_gemm.dh(*a, block_n=block_n, **index))(
+      dout, w2, h, scores, tile_expert)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
 
@@ -850,14 +858,16 @@ def test_exported_program_runs_in_a_new_process_on_gpu(tmp_path, monkeypatch):
 def test_kernel_resources_keep_the_tiles_ffi_ops_relies_on():
   """From the sm_90a cubins: the store GEMMs' tile (block_n 128, 3 stages) fits two CTAs per SM
   (what ffi/ops.py's STORE_STAGES is for), and the dH kernel at block_n 128 and the ping-pong
-  kernels at the tiles ffi/ops.py runs them with (dH 128, up_proj 64) do not spill."""
+  kernels at the tiles ffi/ops.py runs them with (dH 128, reading or gathering dO; up_proj 64)
+  do not spill."""
   from benchmarks import kernel_resources as kr
   from ffi import grouped_gemm
   store = kr.measure("matmul", 128, 3)
   assert kr.ctas_per_sm(store["registers"], kr.smem_bytes("matmul", 128, 3), grouped_gemm.THREADS) == 2
   dh = kr.measure("dh", 128, 0)
   assert dh["stack_bytes"] == 0 and 0 < dh["registers"] <= 128
-  for kernel, block_n in [("dh_pingpong", 128), ("up_proj_pingpong", 64)]:
+  for kernel, block_n in [("dh_pingpong", 128), ("dh_pingpong_gather", 128),
+                          ("up_proj_pingpong", 64)]:
     assert kr.measure(kernel, block_n, 0)["stack_bytes"] == 0, kernel
 
 
