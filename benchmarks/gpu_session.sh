@@ -93,8 +93,9 @@ for mode in "$@"; do
         echo "ping-pong tests ($part): rc $?"
       done
       grep -E "(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_pingpong.log" | tail -12
-      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 --stages 3,0 \
-        --kernels up_proj_gather,up_proj_pingpong,dh,dh_pingpong --block-n 64,128 \
+      timeout 280 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 --stages 3,0 \
+        --kernels up_proj_gather,up_proj_pingpong,dh,dh_pingpong,dh_gather,dh_pingpong_gather \
+        --block-n 64,128 \
         --out "$OUT/sweep_pingpong.json" 2>&1 | grep -v '^{' ;;
     cute_sweep)
       sweep() { timeout "$1" python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 \
