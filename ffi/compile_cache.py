@@ -6,9 +6,10 @@ compiles again. get_or_compile() writes each compiled function as an object file
 export_to_c) and later processes load it back (cute.runtime.load_module) instead of compiling.
 
 An entry is keyed on what determines it: the sources of the kernel function's package (every
-ffi/*.py file, hashed: a kernel also runs helpers of the other modules), its name, the operands' shapes, dtypes and modes and the static configuration
-(block_n, ...), the installed nvidia-cutlass-dsl version and the CUTE_DSL_* environment (the
-target architecture). Changing any of the package's source files invalidates the entries.
+ffi/*.py file, hashed: a kernel also runs helpers of the other modules), its name, the
+operands' shapes, dtypes and modes and the static configuration (block_n, ...), the installed
+nvidia-cutlass-dsl version and the CUTE_DSL_* environment (the target architecture). Changing
+any of the package's source files invalidates the entries.
 
 Directory: install(directory) if called, else $SONICMOE_CUTE_CACHE if set ("" turns the cache
 off), else ~/.cache/sonicmoe_jax/cute. An entry is <key>.o with <key>.sha256 beside it, both

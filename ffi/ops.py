@@ -2,11 +2,11 @@
 grouped GEMMs (grouped_gemm.py) up_proj (SwiGLU epilogue; X's rows gathered in the kernel by
 cp.async, UP_PROJ_GATHER_IN_KERNEL), down_proj, dh (the dSwiGLU epilogue), dx_tilde and the
 varlen-K weight gradients dw1 (X's rows gathered in the kernel where its output is narrow,
-DW1_GATHER_MAX_COLUMN_TILES) and dw2 (dO's rows for dh and dw2 gathered by both kernels
-where dH is narrow, DOUT_GATHER_MAX_COLUMN_TILES, else by XLA); all match float32 references and the xla backend on an H200
-(tests/test_cute.py). Speed against the pallas backend:
-benchmarks/results/2026-11-30-h200-session8 and -session9; the shapes where dh, dx_tilde and dw1 are the GPU
-default: sonicmoe_jax/backends.py.
+DW1_GATHER_MAX_COLUMN_TILES) and dw2 (dO's rows for dh and dw2 gathered by both kernels where
+dH is narrow, DOUT_GATHER_MAX_COLUMN_TILES, else by XLA); all match float32 references and the
+xla backend on an H200 (tests/test_cute.py). Speed against the pallas backend:
+benchmarks/results/2026-11-30-h200-session8 and -session9; the shapes where dh, dx_tilde, dw1
+and dw2 are the GPU default: sonicmoe_jax/backends.py.
 
 Implements a subset of the dispatch table; mix it with others, e.g.
 backend={"aggregate": "cute"} (other ops default). The GEMMs need the plan aligned to

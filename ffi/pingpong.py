@@ -85,9 +85,9 @@ def _gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid):
   lane with elect.sync, which one lane alone must not reach); every thread cp.async-copies its
   share of the TILE_M gathered rows (grouped_gemm._gather_step for each of GATHER_BLOCKS row
   blocks, as if it were each of grouped_gemm's warpgroups in turn; tokens: the blocks' source
-  rows; padding rows it writes as zeros by plain stores) and arrives on the full barrier twice: once its copies land (cp.async's noinc
-  arrive) and once at once (a release arrive, which publishes its plain stores). The barrier
-  counts GATHER_ARRIVALS."""
+  rows; padding rows it writes as zeros by plain stores) and arrives on the full barrier
+  twice: once its copies land (cp.async's noinc arrive) and once at once (a release arrive,
+  which publishes its plain stores). The barrier counts GATHER_ARRIVALS."""
   loads.sync_object_empty.wait(state.index, state.phase)
   bar = loads.producer_get_barrier(state)
   if ptid < 32:
@@ -284,7 +284,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
     s_b2: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
 
   # the bytes TMA brings per stage: the rhs tiles, and unless gathered the lhs tile
-  tx_bytes = (2 if swiglu else 1) * cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+  rhs_bytes = cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+  tx_bytes = (2 if swiglu else 1) * rhs_bytes
   if cutlass.const_expr(not gather):
     tx_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   num_tiles = cute.size(out2, mode=[0]) // TILE_M * (cute.size(out2, mode=[1]) // block_n)
