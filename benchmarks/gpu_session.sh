@@ -19,7 +19,8 @@
 #   cute_dh: the layer with the cute dH's register-store / TMA-store / ping-pong kernel (~7 min)
 #   cute_bench: then (kernels read back from the disk cache) the FFI call cost and the layer
 #           at the five anchors, the default ("auto") vs all-pallas                  (~5 min)
-#   kernels_auto: the per-op breakdown of the default at 7B-n256 and 30B-n256           (~3 min)
+#   kernels_auto: the per-op breakdown of the default at 7B-n256 and 30B-n256, then the
+#           router logits (bf16 operands vs an fp32 copy of X) at 30B-n256           (~4 min)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
 #           staging the upstream wheels                                                (~9 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
@@ -53,7 +54,8 @@ for mode in "$@"; do
     kernels_auto)  # the per-op breakdown of the default ("auto": cute ops where it picks them,
                    # source /tmp/devsite-cute/env.sh first) at 7B-n256 and 30B-n256   (~3 min)
       timeout 280 python3 -m benchmarks.kernels --backend auto --configs 7B-n256,30B-n256 \
-        --out "$OUT/kernels_auto.json" 2>&1 | grep -v '^{' | tail -40 ;;
+        --out "$OUT/kernels_auto.json" 2>&1 | grep -v '^{' | tail -40
+      timeout 90 python3 -m benchmarks.router_logits ;;   # router logits: bf16 vs fp32 copy
     torch_warm)  # the PyTorch SonicMoE's first runs at the five anchors (its CuTe compiles and
                  # autotuning, ~510 s on a fresh machine, cached on its disk for `bench`)
       tp=$(torch_pythonpath)
