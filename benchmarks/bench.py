@@ -302,15 +302,19 @@ def main(argv=None):
                  help="cute dh's kernel variant (ffi/ops.py DH_KERNEL)")
   p.add_argument("--cute-up-proj", choices=("grouped", "pingpong"), default="grouped",
                  help="cute up_proj's kernel variant (ffi/ops.py UP_PROJ_KERNEL)")
+  p.add_argument("--cute-store", choices=("grouped", "pingpong"), default="grouped",
+                 help="cute down_proj's and dx_tilde's kernel (ffi/ops.py STORE_KERNEL)")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
-  if (a.cute_dout_gather, a.cute_dh, a.cute_up_proj) != ("rule", "registers", "grouped"):
+  if (a.cute_dout_gather, a.cute_dh, a.cute_up_proj, a.cute_store) != (
+      "rule", "registers", "grouped", "grouped"):
     cute_ops = importlib.import_module("ffi.ops")   # (the cute extra: only when asked)
     if a.cute_dout_gather != "rule":
       cute_ops.DOUT_GATHER_MAX_COLUMN_TILES = 0 if a.cute_dout_gather == "xla" else 1 << 30
     cute_ops.DH_KERNEL = a.cute_dh
     cute_ops.UP_PROJ_KERNEL = a.cute_up_proj
+    cute_ops.STORE_KERNEL = a.cute_store
 
   cases = dict(C.TINY) if a.tiny else {c: C.ANCHORS[c] for c in a.configs.split(",") if c}
   cases.update(C.parse_config(c) for c in a.custom)
@@ -319,7 +323,7 @@ def main(argv=None):
   meta = dict(gpu=dev.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               versions=versions(), pallas_gather=a.pallas_gather,
               pallas_dw1_gather=a.pallas_dw1_gather, cute_dout_gather=a.cute_dout_gather,
-              cute_dh=a.cute_dh, cute_up_proj=a.cute_up_proj)
+              cute_dh=a.cute_dh, cute_up_proj=a.cute_up_proj, cute_store=a.cute_store)
   print(f"devices {jax.devices()} | {meta['versions']} | impls {impls}", flush=True)
   os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
   records = []

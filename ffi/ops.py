@@ -59,6 +59,11 @@ DOUT_GATHER_MAX_COLUMN_TILES = 2
 # on 128-row tiles, and gathering dO, not yet run).
 DH_KERNEL = "registers"
 DH_KERNELS = ("registers", "tma_store", "pingpong")
+# down_proj's and dx_tilde's kernel: "grouped" (grouped_gemm.grouped_matmul, STORE_STAGES, its
+# TMA-store epilogue overlapping the mainloop of the SM's other CTA) or "pingpong"
+# (pingpong.grouped_matmul: register stores under the other consumer's mainloop; not yet run)
+STORE_KERNEL = "grouped"
+STORE_KERNELS = ("grouped", "pingpong")
 
 
 def unsupported(dtype, d: int, n: int):
@@ -110,10 +115,21 @@ def _wide_tile(cols: int, widest: int) -> int:
 STORE_STAGES = 3
 
 
+def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int):
+  """out = lhs_e rhs_e (rhs_e^T with transpose_rhs) per expert group on the STORE_KERNEL."""
+  if STORE_KERNEL not in STORE_KERNELS:
+    raise ValueError(f"ffi.ops.STORE_KERNEL must be one of {STORE_KERNELS}; got {STORE_KERNEL!r}")
+  block_n = _wide_tile(n_out, 128)
+  if STORE_KERNEL == "pingpong":
+    return pingpong.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
+                                   block_n=block_n)
+  return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
+                                     block_n=block_n, stages=STORE_STAGES)
+
+
 def down_proj(a, w2, plan):
   """Y = A W2_e per expert group (rows in slot order)."""
-  return grouped_gemm.grouped_matmul(a, w2, _tiles(plan), block_n=_wide_tile(w2.shape[2], 128),
-                                     stages=STORE_STAGES)
+  return _store_matmul(a, w2, plan, False, w2.shape[2])
 
 
 def _dout_gathered_in_kernel(n: int) -> bool:
@@ -148,8 +164,7 @@ def dh(dout, w2, h, scores, plan):
 
 def dx_tilde(dh, w1, plan):
   """dX~ = dH W1_e^T per expert group (W1 read K-major, not transposed in memory)."""
-  return grouped_gemm.grouped_matmul(dh, w1, _tiles(plan), transpose_rhs=True,
-                                     block_n=_wide_tile(w1.shape[1], 128), stages=STORE_STAGES)
+  return _store_matmul(dh, w1, plan, True, w1.shape[1])
 
 
 def dw1(x, dh_, plan):

@@ -1,7 +1,8 @@
 """Persistent, warp-specialized ping-pong grouped GEMMs for Hopper (CuTe DSL), beside
 grouped_gemm.py's kernels with the same operands, outputs and epilogue math: dh (the dSwiGLU
-epilogue, grouped_gemm._dh_outputs; dO's rows read in slot order or gathered) and up_proj
-gathering X's rows (the SwiGLU epilogue).
+epilogue, grouped_gemm._dh_outputs; dO's rows read in slot order or gathered), up_proj
+gathering X's rows (the SwiGLU epilogue) and grouped_matmul (out = lhs_e rhs_e: down_proj,
+dx_tilde), all storing their outputs from registers.
 grouped_gemm's kernel runs its epilogue after its mainloop with the tensor cores idle, and its
 MMA warpgroups issue the gather's copies between their wgmmas; here one consumer warpgroup's
 epilogue runs while the other's mainloop does, and a producer warpgroup does all the loading.
@@ -102,14 +103,16 @@ def _gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid):
 
 
 @cute.jit
-def _swiglu_outputs(accs, out_tiles, thr_mma, dtype, block_n: cutlass.Constexpr):
-  """H's gate and up tiles (the two accumulators) and A = silu(gate) * up, in dtype, stored
-  from registers to out_tiles (H gate, H up, A) one fragment column group at a time."""
+def _register_outputs(accs, out_tiles, thr_mma, dtype, block_n: cutlass.Constexpr,
+                      swiglu: cutlass.Constexpr):
+  """The output tiles in dtype, stored from registers to out_tiles one fragment column group
+  at a time: plain, out = the accumulator; SwiGLU, H's gate and up tiles (the two
+  accumulators) and A = silu(gate) * up (out_tiles: H gate, H up, A)."""
   for m in cutlass.range_constexpr(cute.size(accs[0], mode=[1])):
     for k in cutlass.range_constexpr(block_n // 8):
       group = ((None, None, k), m, 0)
-      values = grouped_gemm._epilogue_values([acc[group].load() for acc in accs], True)
-      for q in cutlass.range_constexpr(3):
+      values = grouped_gemm._epilogue_values([acc[group].load() for acc in accs], swiglu)
+      for q in cutlass.range_constexpr(len(out_tiles)):
         frag = cute.make_rmem_tensor(accs[0][group].shape, dtype)
         frag.store(values[q].to(dtype))
         cute.autovec_copy(frag, thr_mma.partition_C(out_tiles[q])[group])
@@ -127,7 +130,9 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   """kind "dh": m_a dOg (P, d, 1) by TMA, or with gather dO (T, d, 1) gathered by
   gather_index; m_b W2 (n, d, E), m_out dH, m_out2 A', m_h H, m_scores, m_ds dS parts. kind
   "swiglu" (gather always): m_a X (T, d, 1) gathered by gather_index, m_b W1 (2n, d, E) (its
-  gate and up column tiles), m_out H, m_out2 A (m_h, m_scores, m_ds unused)."""
+  gate and up column tiles), m_out H, m_out2 A. kind "store": m_a lhs (P, K, 1) by TMA, m_b
+  rhs (N, K, E), m_out = m_out2 out (P, N, 1) = lhs_e rhs_e. (Unused operands: m_h, m_scores,
+  m_ds outside dh.)"""
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -232,14 +237,18 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
           loads.consumer_release(release)
           release.advance()
         tile_of = lambda m, c: cute.local_tile(m, tile_mnk, (rows, c, None, 0), proj=(1, 1, None))
-        halves = [cols, cols + num_n_tiles]   # H's (and dH's) gate and up column tiles
-        outs = [tile_of(m_out, halves[0]), tile_of(m_out, halves[1]), tile_of(m_out2, cols)]
-        if cutlass.const_expr(swiglu):
-          _swiglu_outputs(accs, outs, thr_mma, m_out.element_type, block_n)
+        if cutlass.const_expr(kind == "store"):
+          _register_outputs(accs, [tile_of(m_out, cols)], thr_mma, m_out.element_type, block_n,
+                            False)
         else:
-          grouped_gemm._dh_outputs(
-              accs[0], [tile_of(m_h, c) for c in halves], tile_of(scores, 0), m_ds, thr_mma,
-              wg_tidx, rows * TILE_M, cols, m_out.element_type, outs, block_n, TILE_M)
+          halves = [cols, cols + num_n_tiles]   # H's (and dH's) gate and up column tiles
+          outs = [tile_of(m_out, halves[0]), tile_of(m_out, halves[1]), tile_of(m_out2, cols)]
+          if cutlass.const_expr(swiglu):
+            _register_outputs(accs, outs, thr_mma, m_out.element_type, block_n, True)
+          else:
+            grouped_gemm._dh_outputs(
+                accs[0], [tile_of(m_h, c) for c in halves], tile_of(scores, 0), m_ds, thr_mma,
+                wg_tidx, rows * TILE_M, cols, m_out.element_type, outs, block_n, TILE_M)
       i += 1
 
 
@@ -251,7 +260,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   """The persistent grid and the kernel's static configuration (see _kernel's operands)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
-  m_h, m_scores, m_ds = (out, tile_expert, out) if swiglu else dh_inputs   # (unused: swiglu)
+  m_h, m_scores, m_ds = dh_inputs if kind == "dh" else (out, tile_expert, out)   # (unused)
   a_major, b_major = LayoutEnum.from_tensor(lhs), LayoutEnum.from_tensor(rhs)
   tile_mnk = (TILE_M, block_n, BLOCK_K)
   # one warpgroup's wgmma (MMA_M rows); partitioned over TILE_M rows, it repeats along M
@@ -318,6 +327,15 @@ def _gathered_dh_pingpong(stream, dout: cute.Tensor, w2: cute.Tensor, tile_exper
 
 
 @cute.jit
+def _matmul_pingpong(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
+                     out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+  """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, N, 1): the operands of
+  grouped_gemm._matmul."""
+  _launch(stream, lhs, rhs, tile_expert, tile_expert, out, out, None, block_n, stages, "store",
+          False)
+
+
+@cute.jit
 def _up_proj_pingpong(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor,
                       gather_index: cute.Tensor, h: cute.Tensor, a: cute.Tensor,
                       block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
@@ -341,6 +359,29 @@ def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str) ->
     raise ValueError(f"cute ping-pong {name}: stages={stages} must be between 2 and {fit} (what "
                      f"fits in SMEM at block_n={block_n})")
   return stages
+
+
+def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
+                   stages: int | None = None):
+  """grouped_gemm.grouped_matmul on the ping-pong schedule (register stores of out): out
+  [P, N] = lhs_e rhs_e per M tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major.
+  block_n: at most widest_block_n(1) (128); stages: the ring's depth (default: as many as fit).
+  ffi.ops runs down_proj and dx_tilde on it with STORE_KERNEL = "pingpong". Not yet run on a
+  GPU."""
+  rhs_ekn = jax.ShapeDtypeStruct((rhs.shape[0], rhs.shape[2], rhs.shape[1]), rhs.dtype) \
+      if transpose_rhs else rhs
+  reason = grouped_gemm.unsupported(lhs, rhs_ekn, block_n)
+  if reason:
+    raise ValueError(f"cute ping-pong grouped_matmul: {reason}")
+  stages = _check_tile(block_n, lhs.dtype.itemsize, 1, stages, "grouped_matmul")
+  out, = xla_call.call(
+      _matmul_pingpong, [lhs[None], rhs, tile_expert.astype(jnp.int32)],
+      [jax.ShapeDtypeStruct((1, lhs.shape[0], rhs_ekn.shape[2]), lhs.dtype)],
+      # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major
+      modes=[grouped_gemm.ROW_MODES, (1, 2, 0) if transpose_rhs else (2, 1, 0), None,
+             grouped_gemm.ROW_MODES],
+      block_n=block_n, stages=stages)
+  return out[0]
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None,

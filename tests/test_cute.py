@@ -201,11 +201,14 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_
   """The layer's forward and gradients with the CuTe grouped GEMMs: the kernels compile for
   sm_90a here and the program exports for CUDA with them as FFI calls (forward: up_proj,
   down_proj and aggregate; backward adds dh, dx_tilde, aggregate, dw1 and dw2), with dO's rows
-  gathered by XLA or by dh and dw2, and with the ping-pong kernels (dH and up_proj)."""
+  gathered by XLA or by dh and dw2, and with the ping-pong kernels (dH, up_proj and the store
+  GEMMs)."""
   cute_ops = importlib.import_module("ffi.ops")
   monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", dout_gather_max_column_tiles)
   monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
-  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong" if dh_kernel == "pingpong" else "grouped")
+  pingpong = dh_kernel == "pingpong"
+  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong" if pingpong else "grouped")
+  monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong" if pingpong else "grouped")
   T, d, n, E, K = 256, 256, 128, 8, 2
   args = make_inputs(0, T, d, n, E, jnp.bfloat16)
 
@@ -429,6 +432,23 @@ def test_cute_pingpong_dh_compiles_for_cuda(block_n, stages):
 
 
 @needs_cute
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs):
+  """The ping-pong grouped_matmul (down_proj, and dx_tilde with W1 read K-major) compiles for
+  sm_90a and lowers as an FFI call; a tile wider than its accumulator's registers is refused."""
+  from ffi import pingpong
+  P, K, N, E = 1024, 256, 512, 4
+  rhs = jax.ShapeDtypeStruct((E, N, K) if transpose_rhs else (E, K, N), jnp.bfloat16)
+  shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), rhs,
+            jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
+  fn = lambda a, b, t: pingpong.grouped_matmul(a, b, t, transpose_rhs=transpose_rhs)
+  assert FFI_TARGET in _cuda_module(fn, *shapes)
+  with pytest.raises(ValueError, match="grouped_matmul: block_n=256 is wider than 128"):
+    jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(
+        a, b, t, transpose_rhs=transpose_rhs, block_n=256), *shapes)
+
+
+@needs_cute
 @pytest.mark.parametrize("block_n,stages", [(64, None), (64, 3)])
 def test_cute_pingpong_up_proj_compiles_for_cuda(block_n, stages):
   """The ping-pong up-projection (the producer warpgroup gathering X) compiles for sm_90a and
@@ -448,6 +468,29 @@ def test_cute_pingpong_up_proj_compiles_for_cuda(block_n, stages):
                    shapes[0], jax.ShapeDtypeStruct((E, d, 192), jnp.bfloat16), *shapes[2:])
   with pytest.raises(ValueError, match=r"up_proj: block_n=128 is wider than 64 \(its 2 acc"):
     jax.eval_shape(lambda *a: pingpong.up_proj(*a, block_n=128), *shapes)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("num_tiles,transpose_rhs", [(1, False), (4, True), (81, False),
+                                                     (81, True)])
+def test_cute_pingpong_matmul_matches_grouped_matmul_on_gpu(num_tiles, transpose_rhs):
+  """The ping-pong grouped_matmul gives grouped_gemm.grouped_matmul's bits (experts without
+  rows, tiles past the last group: zeros; one tile, and several per CTA)."""
+  from ffi import grouped_gemm, pingpong
+  E, K, N = 5, 384, 512
+  tile_expert = jnp.sort(jax.random.randint(jax.random.key(81), (num_tiles,), 0, E + 1))
+  tile_expert = tile_expert.at[tile_expert == 1].set(2).astype(jnp.int32)
+  P = num_tiles * grouped_gemm.BLOCK_M
+  lhs = jax.random.normal(jax.random.key(82), (P, K)).astype(jnp.bfloat16)
+  rhs = (jax.random.normal(jax.random.key(83), (E, N, K) if transpose_rhs else (E, K, N))
+         / 8).astype(jnp.bfloat16)
+  got = jax.jit(lambda *a: pingpong.grouped_matmul(*a, transpose_rhs=transpose_rhs))(
+      lhs, rhs, tile_expert)
+  want = jax.jit(lambda *a: grouped_gemm.grouped_matmul(*a, transpose_rhs=transpose_rhs))(
+      lhs, rhs, tile_expert)
+  np.testing.assert_array_equal(got, want)
+  assert not np.any(np.asarray(got, np.float32)[np.repeat(np.asarray(tile_expert) >= E, 128)])
 
 
 @pytest.mark.gpu
@@ -476,11 +519,12 @@ def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles):
 @pytest.mark.gpu
 @needs_cute
 def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(monkeypatch):
-  """The layer with every op on cute, dH (gathering dO's rows: n = 256) and up_proj on the
-  ping-pong kernels, against the xla backend."""
+  """The layer with every op on cute, dH (gathering dO's rows: n = 256), up_proj, down_proj
+  and dx_tilde on the ping-pong kernels, against the xla backend."""
   cute_ops = importlib.import_module("ffi.ops")
   monkeypatch.setattr(cute_ops, "DH_KERNEL", "pingpong")
   monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong")
+  monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong")
   T, d, n, E, K = 4096, 1536, 256, 128, 8
   args = make_inputs(3, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(4), (T, d))
@@ -492,8 +536,8 @@ def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(monkeypatch):
 
 @needs_cute
 def test_cute_kernel_settings_are_checked(monkeypatch):
-  """A DH_KERNEL or UP_PROJ_KERNEL outside its list, or the ping-pong dH with the dO gather, is
-  refused by name (runs on CPU: the error comes before any kernel)."""
+  """A DH_KERNEL, UP_PROJ_KERNEL or STORE_KERNEL outside its list is refused by name (runs on
+  CPU: the error comes before any kernel)."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(6, 256, 128, 64, 4, jnp.bfloat16)
   grad = lambda: jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={
@@ -504,6 +548,9 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
   monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"UP_PROJ_KERNEL must be one of .*'fast'"):
     sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"up_proj": "cute"})
+  monkeypatch.setattr(cute_ops, "STORE_KERNEL", "fast")
+  with pytest.raises(ValueError, match=r"STORE_KERNEL must be one of .*'fast'"):
+    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
 
 
 @pytest.mark.gpu
@@ -858,8 +905,8 @@ def test_exported_program_runs_in_a_new_process_on_gpu(tmp_path, monkeypatch):
 def test_kernel_resources_keep_the_tiles_ffi_ops_relies_on():
   """From the sm_90a cubins: the store GEMMs' tile (block_n 128, 3 stages) fits two CTAs per SM
   (what ffi/ops.py's STORE_STAGES is for), and the dH kernel at block_n 128 and the ping-pong
-  kernels at the tiles ffi/ops.py runs them with (dH 128, reading or gathering dO; up_proj 64)
-  do not spill."""
+  kernels at the tiles ffi/ops.py runs them with (dH 128, reading or gathering dO; up_proj 64;
+  the store GEMMs 128) do not spill."""
   from benchmarks import kernel_resources as kr
   from ffi import grouped_gemm
   store = kr.measure("matmul", 128, 3)
@@ -867,7 +914,7 @@ def test_kernel_resources_keep_the_tiles_ffi_ops_relies_on():
   dh = kr.measure("dh", 128, 0)
   assert dh["stack_bytes"] == 0 and 0 < dh["registers"] <= 128
   for kernel, block_n in [("dh_pingpong", 128), ("dh_pingpong_gather", 128),
-                          ("up_proj_pingpong", 64)]:
+                          ("up_proj_pingpong", 64), ("matmul_pingpong", 128)]:
     assert kr.measure(kernel, block_n, 0)["stack_bytes"] == 0, kernel
 
 
