@@ -89,7 +89,7 @@ for mode in "$@"; do
     pingpong)  # after `cute`: the ping-pong kernels' GPU tests under a short timeout (rc 124:
                # a hang), then their tile sweep rows at 30B-n256
       # one kernel at a time, unbuffered and verbose: a hang names its test
-      for part in "pingpong and dh" "pingpong and up_proj" "layer and pingpong"; do
+      for part in "pingpong and dh" "pingpong and up_proj" "pingpong and matmul" "layer and pingpong"; do
         PYTHONUNBUFFERED=1 timeout 90 python3 -m pytest -p no:cacheprovider -v -m gpu \
           tests/test_cute.py -k "$part" >> "$OUT/pytest_pingpong.log" 2>&1
         echo "ping-pong tests ($part): rc $?"
