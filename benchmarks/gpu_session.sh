@@ -14,7 +14,7 @@
 #   cute  : the CuTe kernels' GPU tests, compiling into the disk cache /tmp/cute-cache (carry
 #           the cute wheels first, ../shared/tools/device-wheels cute; source their env.sh) (~3 min)
 #   pingpong: the ping-pong kernels' GPU tests (90 s cap per kernel: a hang), their sweep
-#           rows beside grouped_gemm's at 30B-n256                                     (~3 min)
+#           rows beside grouped_gemm's at 30B-n256                                     (~8 min)
 #   cute_sweep: their tile/epilogue sweep at 30B-n256                                 (~5 min)
 #   cute_dh: the layer with the cute dH's register-store / TMA-store / ping-pong kernel (~7 min)
 #   cute_bench: then (kernels read back from the disk cache) the FFI call cost and the layer
