@@ -302,7 +302,7 @@ def main(argv=None):
                  help="cute dh's kernel variant (ffi/ops.py DH_KERNEL)")
   p.add_argument("--cute-up-proj", choices=("grouped", "pingpong"), default="grouped",
                  help="cute up_proj's kernel variant (ffi/ops.py UP_PROJ_KERNEL)")
-  p.add_argument("--cute-store", choices=("grouped", "pingpong"), default="grouped",
+  p.add_argument("--cute-store", choices=("grouped", "pingpong", "pingpong_tma"), default="grouped",
                  help="cute down_proj's and dx_tilde's kernel (ffi/ops.py STORE_KERNEL)")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"

@@ -98,8 +98,9 @@ for mode in "$@"; do
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 --stages 3,0 \
         --kernels up_proj_gather,up_proj_pingpong,dh,dh_pingpong,dh_gather,dh_pingpong_gather \
         --block-n 64,128 --out "$OUT/sweep_pingpong.json" 2>&1 | grep -v '^{'
-      timeout 120 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 --stages 3,0 \
-        --kernels down_proj,down_proj_pingpong,dx_tilde,dx_tilde_pingpong --block-n 128 \
+      timeout 150 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 --stages 3,0 \
+        --kernels down_proj,down_proj_pingpong,down_proj_pingpong_tma,dx_tilde,dx_tilde_pingpong,dx_tilde_pingpong_tma \
+        --block-n 128 \
         --out "$OUT/sweep_pingpong_store.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
     cute_sweep)
       sweep() { timeout "$1" python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 \

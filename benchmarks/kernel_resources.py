@@ -39,6 +39,7 @@ VARIANTS = [
     ("wgrad bn256 fit", "wgrad", 256, 0), ("wgrad gather bn128 st3", "wgrad_gather", 128, 3),
     ("wgrad gather bn256 fit", "wgrad_gather", 256, 0),
     ("store pingpong bn128 fit", "matmul_pingpong", 128, 0),
+    ("store pingpong tma bn128 fit", "matmul_pingpong_tma", 128, 0),
     ("dh pingpong bn128 fit", "dh_pingpong", 128, 0), ("dh pingpong bn64 fit", "dh_pingpong", 64, 0),
     ("dh pingpong gather bn128 fit", "dh_pingpong_gather", 128, 0),
     ("up_proj pingpong bn64 fit", "up_proj_pingpong", 64, 0),
@@ -68,6 +69,8 @@ fn, args = {
                    sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
     "matmul_pingpong": (lambda a, b, t: pp.grouped_matmul(a, b, t, **kw),
                         (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
+    "matmul_pingpong_tma": (lambda a, b, t: pp.grouped_matmul(a, b, t, tma_store=True, **kw),
+                            (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "dh_pingpong": (lambda a, w, h, s, t: pp.dh(a, w, h, s, t, **kw),
                     (sds(P, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32), sds(P // 128, dt=jnp.int32))),
     "dh_pingpong_gather": (lambda a, w, h, s, t, i: pp.dh(a, w, h, s, t, gather_index=i, **kw),
@@ -130,8 +133,10 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
   from ffi import grouped_gemm as g, pingpong as pp
   num_rhs = 2 if kernel.startswith("up_proj") else 1
   if "pingpong" in kernel:
-    depth = stages or pp.stages_that_fit(block_n, 2, num_rhs)
-    return g.smem_bytes(block_n, num_rhs, 2, depth, rows=pp.TILE_M)
+    tma_store = kernel.endswith("_tma")
+    depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store)
+    return (g.smem_bytes(block_n, num_rhs, 2, depth, rows=pp.TILE_M)
+            + (pp.epilogue_bytes(2) if tma_store else 0))
   depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None)
   return g.smem_bytes(block_n, num_rhs, 2, depth)
 

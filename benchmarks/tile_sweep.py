@@ -86,8 +86,8 @@ def _with_backward_rows(rows, dh, dw, x, w2, dout, plan, tiles, pairs):
 
 def cute_kernels(x, w1, w2, dout, plan, pairs):
   """The CuTe DSL kernels' rows (_gemm_rows, dh, dh_tma: dh storing through the TMA-store
-  epilogue, up_proj_pingpong, dh_pingpong, down_proj_pingpong and dx_tilde_pingpong: the
-  ping-pong kernels (ffi/pingpong.py), dh_gather
+  epilogue, up_proj_pingpong, dh_pingpong, down_proj_pingpong and dx_tilde_pingpong (_tma: with
+  the TMA-store epilogue): the ping-pong kernels (ffi/pingpong.py), dh_gather
   and dh_pingpong_gather: dh gathering dO's rows in the kernel, dw1, dw1_gather: dW1 gathering X's
   rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows; cfg a CuteTile)."""
   from ffi import grouped_gemm as cute_gemm, pingpong  # optional extra
@@ -115,10 +115,11 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
       dg, w2, h, s, t, **dataclasses.asdict(c)), static_argnums=0), dh_args, dh_flops, dh_n)
   for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands
     _, mm_args, mm_flops, mm_n = rows[name]
-    rows[f"{name}_pingpong"] = (jax.jit(lambda c, lhs, rhs, t, tr=transpose_rhs:
-                                        pingpong.grouped_matmul(lhs, rhs, t, transpose_rhs=tr,
-                                                                **dataclasses.asdict(c)),
-                                        static_argnums=0), mm_args, mm_flops, mm_n)
+    for suffix, tma_store in [("", False), ("_tma", True)]:
+      rows[f"{name}_pingpong{suffix}"] = (jax.jit(
+          lambda c, lhs, rhs, t, tr=transpose_rhs, tma=tma_store: pingpong.grouped_matmul(
+              lhs, rhs, t, transpose_rhs=tr, tma_store=tma, **dataclasses.asdict(c)),
+          static_argnums=0), mm_args, mm_flops, mm_n)
   rows["dh_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(   # dO's rows too
       g, w2, h, s, t, gather_index=i, **dataclasses.asdict(c)), static_argnums=0),
       (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)

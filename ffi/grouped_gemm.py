@@ -193,11 +193,15 @@ def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dty
 
 
 @cute.jit
-def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, warp, swiglu: cutlass.Constexpr):
+def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutlass.Constexpr,
+                        barrier_id: cutlass.Constexpr = EPILOGUE_BARRIER,
+                        threads: cutlass.Constexpr = THREADS, first_buffer=0):
   """The output tiles through SMEM: EPI_TILE column slices at a time, each thread writes its
-  fragments' outputs to an SMEM buffer (stmatrix, swizzled; EPI_STAGES buffers over A's
-  stages), then warp 0 stores the buffer by TMA and waits before a buffer is reused.
-  stores: (TMA atom, that output's (BLOCK_M, block_n) tile of its TMA tensor) per output."""
+  fragments' outputs to an SMEM buffer (stmatrix, swizzled; EPI_STAGES buffers of s_c from
+  first_buffer: here over A's stages), then the leader warp (warp 0) stores the buffer by TMA
+  and waits before a buffer is reused. stores: (TMA atom, that output's (BLOCK_M, block_n)
+  tile of its TMA tensor) per output. The `threads` threads of tiled_mma (thread tidx here)
+  sync on named barrier barrier_id."""
   dtype = s_c.element_type
   r2s = cute.make_tiled_copy_S(
       sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dtype, cutlass.Float32),
@@ -211,7 +215,7 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, warp, swiglu: cutlas
   gmem_parts = [cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2),
                                       cute.zipped_divide(tile, EPI_TILE)) for atom, tile in stores]
   buffers = pipeline.PipelineTmaStore.create(
-      num_stages=EPI_STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS))
+      num_stages=EPI_STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, threads))
   for chunk in cutlass.range_constexpr(cute.size(stores[0][1], mode=[1]) // EPI_TILE[1]):
     vals = []
     for view in acc_views:
@@ -221,19 +225,19 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, warp, swiglu: cutlas
       vals.append(frag.load().to(cutlass.Float32))
     outs = _epilogue_values(vals, swiglu)
     for j in cutlass.range_constexpr(len(stores)):
-      buf = (chunk * len(stores) + j) % EPI_STAGES
+      buf = first_buffer + (chunk * len(stores) + j) % EPI_STAGES
       frag = cute.make_rmem_tensor_like(chunk_layout, dtype)
       frag.store(outs[j].to(dtype))
       cute.copy(r2s, frag, s_dst[None, None, None, buf])
       cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA engine
-      cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
-      if warp == 0:
+      cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+      if leader:
         s_part, g_part = gmem_parts[j]
         cute.copy(stores[j][0], s_part[None, buf], g_part[None, (0, chunk)])
         buffers.producer_commit()
         buffers.producer_acquire()   # the next buffer's last store has read it
-      cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
-  if warp == 0:
+      cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+  if leader:
     buffers.producer_tail()
 
 
@@ -462,7 +466,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, c_smem_staged.inner, dtype=m_out.element_type),
                            c_smem_staged.outer)
     stores = [(atom, tile_of(t, c, out_l, (1, 1, None))) for atom, t, _, c in outputs]
-    _tma_store_epilogue(tiles, stores, s_c, tiled_mma, tidx, warp, swiglu)
+    _tma_store_epilogue(tiles, stores, s_c, tiled_mma, tidx, warp == 0, swiglu)
 
 
 @cute.jit

@@ -60,10 +60,12 @@ DOUT_GATHER_MAX_COLUMN_TILES = 2
 DH_KERNEL = "registers"
 DH_KERNELS = ("registers", "tma_store", "pingpong")
 # down_proj's and dx_tilde's kernel: "grouped" (grouped_gemm.grouped_matmul, STORE_STAGES, its
-# TMA-store epilogue overlapping the mainloop of the SM's other CTA) or "pingpong"
-# (pingpong.grouped_matmul: register stores under the other consumer's mainloop; not yet run)
+# TMA-store epilogue overlapping the mainloop of the SM's other CTA), "pingpong"
+# (pingpong.grouped_matmul: register stores under the other consumer's mainloop) or
+# "pingpong_tma" (the same with each consumer's TMA-store epilogue; neither yet run; register
+# stores took 1.4-1.7x as long as TMA stores in grouped_gemm's down_proj, session 6)
 STORE_KERNEL = "grouped"
-STORE_KERNELS = ("grouped", "pingpong")
+STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
 
 
 def unsupported(dtype, d: int, n: int):
@@ -120,9 +122,9 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int):
   if STORE_KERNEL not in STORE_KERNELS:
     raise ValueError(f"ffi.ops.STORE_KERNEL must be one of {STORE_KERNELS}; got {STORE_KERNEL!r}")
   block_n = _wide_tile(n_out, 128)
-  if STORE_KERNEL == "pingpong":
+  if STORE_KERNEL.startswith("pingpong"):
     return pingpong.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                   block_n=block_n)
+                                   block_n=block_n, tma_store=STORE_KERNEL == "pingpong_tma")
   return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                      block_n=block_n, stages=STORE_STAGES)
 

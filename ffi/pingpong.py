@@ -47,7 +47,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ffi import grouped_gemm, xla_call
-from ffi.grouped_gemm import BARRIER_BYTES, BLOCK_K, BLOCK_M, SMEM_BYTES
+from ffi.grouped_gemm import BARRIER_BYTES, BLOCK_K, BLOCK_M, EPI_TILE, SMEM_BYTES
 
 TILE_M = BLOCK_M            # a work tile's rows: one M tile of the plan (one expert's rows)
 MMA_M = 64                  # one wgmma's rows: a consumer warpgroup covers TILE_M in TILE_M / 64
@@ -61,15 +61,24 @@ THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 # gathering producer keeps its rows' token ids and copy addresses in registers
 REGISTERS = {False: (40, 232), True: (56, 224)}   # by whether the producer gathers
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
+EPILOGUE_BARRIER = 6        # named barriers 6 and 7: consumer 0's and 1's TMA-store epilogue
 GATHER_ARRIVALS = 1 + 2 * 128   # a gathered stage's full barrier: the TMA warp's, then two
                                 # per producer thread (its copies landed; its plain stores)
 MAX_STAGES = 8
 
 
-def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1) -> int:
+def epilogue_bytes(itemsize: int) -> int:
+  """SMEM of the TMA-store epilogue: EPI_STAGES EPI_TILE buffers for each consumer."""
+  return 2 * grouped_gemm.EPI_STAGES * EPI_TILE[0] * EPI_TILE[1] * itemsize
+
+
+def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1, tma_store: bool = False) -> int:
   """The ring's deepest: stages of a [TILE_M, BLOCK_K] lhs tile and num_rhs [block_n,
-  BLOCK_K] rhs tiles that fit in SMEM, at most MAX_STAGES."""
-  return min(MAX_STAGES, grouped_gemm._stages_that_fit(block_n, num_rhs, itemsize, TILE_M))
+  BLOCK_K] rhs tiles that fit in SMEM (beside the epilogue's buffers with tma_store), at most
+  MAX_STAGES."""
+  per_stage = grouped_gemm.smem_bytes(block_n, num_rhs, itemsize, 1, TILE_M) - BARRIER_BYTES
+  room = SMEM_BYTES - BARRIER_BYTES - (epilogue_bytes(itemsize) if tma_store else 0)
+  return min(MAX_STAGES, room // per_stage)
 
 
 def widest_block_n(num_rhs: int) -> int:
@@ -123,16 +132,19 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             m_out: cute.Tensor, m_out2: cute.Tensor, m_h: cute.Tensor, m_scores: cute.Tensor,
             m_ds: cute.Tensor, tile_expert: cute.Tensor, gather_index: cute.Tensor,
             tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout,
-            b_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
+            b_smem_staged: cute.ComposedLayout, tma_out: cute.CopyAtom, m_out_tma: cute.Tensor,
+            c_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, tx_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr):
+            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr):
   """kind "dh": m_a dOg (P, d, 1) by TMA, or with gather dO (T, d, 1) gathered by
   gather_index; m_b W2 (n, d, E), m_out dH, m_out2 A', m_h H, m_scores, m_ds dS parts. kind
   "swiglu" (gather always): m_a X (T, d, 1) gathered by gather_index, m_b W1 (2n, d, E) (its
   gate and up column tiles), m_out H, m_out2 A. kind "store": m_a lhs (P, K, 1) by TMA, m_b
-  rhs (N, K, E), m_out = m_out2 out (P, N, 1) = lhs_e rhs_e. (Unused operands: m_h, m_scores,
-  m_ds outside dh.)"""
+  rhs (N, K, E), m_out = m_out2 out (P, N, 1) = lhs_e rhs_e, stored from registers or (tma_store)
+  by the TMA-store epilogue (tma_out, m_out_tma: out's TMA atom and tensor; c_smem_staged: both
+  consumers' epilogue buffers). (Unused operands: m_h, m_scores, m_ds outside dh; tma_out,
+  m_out_tma, c_smem_staged without tma_store.)"""
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -151,6 +163,9 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
   s_bs = [buf.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
           for buf in ([storage.s_b, storage.s_b2] if cutlass.const_expr(swiglu) else [storage.s_b])]
+  s_c = None
+  if cutlass.const_expr(tma_store):   # consumer c's epilogue buffers: EPI_STAGES from c * EPI_STAGES
+    s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
   loads = pipeline.PipelineTmaAsync.create(   # (initialises the barriers, then syncs the CTA)
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
       # a full barrier completes on the TMA bytes and, gathering, every producer thread's copies
@@ -237,7 +252,11 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
           loads.consumer_release(release)
           release.advance()
         tile_of = lambda m, c: cute.local_tile(m, tile_mnk, (rows, c, None, 0), proj=(1, 1, None))
-        if cutlass.const_expr(kind == "store"):
+        if cutlass.const_expr(kind == "store" and tma_store):
+          grouped_gemm._tma_store_epilogue(
+              accs, [(tma_out, tile_of(m_out_tma, cols))], s_c, tiled_mma, wg_tidx, warp % 4 == 0,
+              False, EPILOGUE_BARRIER + me, 128, me * grouped_gemm.EPI_STAGES)
+        elif cutlass.const_expr(kind == "store"):
           _register_outputs(accs, [tile_of(m_out, cols)], thr_mma, m_out.element_type, block_n,
                             False)
         else:
@@ -256,7 +275,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr):
+            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr = False):
   """The persistent grid and the kernel's static configuration (see _kernel's operands)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
@@ -278,12 +297,26 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
                                              cute.slice_(a_smem_staged, (None, None, 0)),
                                              (TILE_M, BLOCK_K))
   a_elems, b_elems = cute.cosize(a_smem_staged), cute.cosize(b_smem_staged)
+  # the TMA-store epilogue (kind "store" with tma_store): EPI_STAGES buffers per consumer and
+  # out's TMA atom (made for every kind: the kernel takes them, unused elsewhere)
+  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, EPI_TILE,
+                                                  2 * grouped_gemm.EPI_STAGES)
+  tma_out, m_out_tma = cpasync.make_tiled_tma_atom(
+      cpasync.CopyBulkTensorTileS2GOp(), out, cute.slice_(c_smem_staged, (None, None, 0)),
+      EPI_TILE)
 
   @cute.struct
   class SharedStorage:
     barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
     s_a: cute.struct.Align[cute.struct.MemRange[dtype, a_elems], 1024]
     s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
+
+  @cute.struct
+  class StoreSharedStorage:
+    barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
+    s_a: cute.struct.Align[cute.struct.MemRange[dtype, a_elems], 1024]
+    s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
+    s_c: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(c_smem_staged)], 1024]
 
   @cute.struct
   class SwigluSharedStorage:
@@ -298,10 +331,11 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   if cutlass.const_expr(not gather):
     tx_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   num_tiles = cute.size(out2, mode=[0]) // TILE_M * (cute.size(out2, mode=[1]) // block_n)
+  storage = SwigluSharedStorage if swiglu else StoreSharedStorage if tma_store else SharedStorage
   _kernel(tma_a, m_a, tma_b, m_b, out, out2, m_h, m_scores, m_ds, tile_expert, gather_index,
-          tiled_mma, a_smem_staged, b_smem_staged, cute.size(rhs, mode=[2]),
-          SwigluSharedStorage if swiglu else SharedStorage, block_n, stages, tx_bytes,
-          kind, gather).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
+          tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma, c_smem_staged,
+          cute.size(rhs, mode=[2]), storage, block_n, stages, tx_bytes, kind, gather,
+          tma_store).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
                        stream=stream)
 
 
@@ -328,11 +362,12 @@ def _gathered_dh_pingpong(stream, dout: cute.Tensor, w2: cute.Tensor, tile_exper
 
 @cute.jit
 def _matmul_pingpong(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
-                     out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+                     out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+                     tma_store: cutlass.Constexpr):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, N, 1): the operands of
   grouped_gemm._matmul."""
   _launch(stream, lhs, rhs, tile_expert, tile_expert, out, out, None, block_n, stages, "store",
-          False)
+          False, tma_store)
 
 
 @cute.jit
@@ -344,15 +379,17 @@ def _up_proj_pingpong(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute
   _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True)
 
 
-def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str) -> int:
+def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str,
+                tma_store: bool = False) -> int:
   """block_n within the accumulators' registers (widest_block_n) and the ring's depth:
-  `stages`, or as many as fit; ValueError naming the limit."""
+  `stages`, or as many as fit (beside the TMA-store epilogue's buffers with tma_store);
+  ValueError naming the limit."""
   widest = widest_block_n(num_rhs)
   if block_n > widest:
     raise ValueError(f"cute ping-pong {name}: block_n={block_n} is wider than {widest} (its "
                      f"{num_rhs} accumulator(s) of {TILE_M} x block_n fp32 in "
                      f"{MAX_ACCUMULATOR_REGISTERS} registers per consumer thread)")
-  fit = stages_that_fit(block_n, itemsize, num_rhs)
+  fit = stages_that_fit(block_n, itemsize, num_rhs, tma_store)
   if stages is None:
     return fit
   if not 2 <= stages <= fit:
@@ -362,25 +399,27 @@ def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str) ->
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
-                   stages: int | None = None):
-  """grouped_gemm.grouped_matmul on the ping-pong schedule (register stores of out): out
-  [P, N] = lhs_e rhs_e per M tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major.
-  block_n: at most widest_block_n(1) (128); stages: the ring's depth (default: as many as fit).
-  ffi.ops runs down_proj and dx_tilde on it with STORE_KERNEL = "pingpong". Not yet run on a
-  GPU."""
+                   stages: int | None = None, tma_store: bool = False):
+  """grouped_gemm.grouped_matmul on the ping-pong schedule: out [P, N] = lhs_e rhs_e per M
+  tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major. out is stored from
+  registers, or with tma_store through SMEM buffers of each consumer's own and TMA stores
+  (grouped_gemm._tma_store_epilogue; fewer ring stages fit). block_n: at most
+  widest_block_n(1) (128); stages: the ring's depth (default: as many as fit). ffi.ops runs
+  down_proj and dx_tilde on it with STORE_KERNEL = "pingpong" / "pingpong_tma". Not yet run
+  on a GPU."""
   rhs_ekn = jax.ShapeDtypeStruct((rhs.shape[0], rhs.shape[2], rhs.shape[1]), rhs.dtype) \
       if transpose_rhs else rhs
   reason = grouped_gemm.unsupported(lhs, rhs_ekn, block_n)
   if reason:
     raise ValueError(f"cute ping-pong grouped_matmul: {reason}")
-  stages = _check_tile(block_n, lhs.dtype.itemsize, 1, stages, "grouped_matmul")
+  stages = _check_tile(block_n, lhs.dtype.itemsize, 1, stages, "grouped_matmul", tma_store)
   out, = xla_call.call(
       _matmul_pingpong, [lhs[None], rhs, tile_expert.astype(jnp.int32)],
       [jax.ShapeDtypeStruct((1, lhs.shape[0], rhs_ekn.shape[2]), lhs.dtype)],
       # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major
       modes=[grouped_gemm.ROW_MODES, (1, 2, 0) if transpose_rhs else (2, 1, 0), None,
              grouped_gemm.ROW_MODES],
-      block_n=block_n, stages=stages)
+      block_n=block_n, stages=stages, tma_store=tma_store)
   return out[0]
 
 

@@ -432,17 +432,25 @@ def test_cute_pingpong_dh_compiles_for_cuda(block_n, stages):
 
 
 @needs_cute
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs):
-  """The ping-pong grouped_matmul (down_proj, and dx_tilde with W1 read K-major) compiles for
-  sm_90a and lowers as an FFI call; a tile wider than its accumulator's registers is refused."""
+@pytest.mark.parametrize("transpose_rhs,tma_store", [(False, False), (True, True)])
+def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs, tma_store):
+  """The ping-pong grouped_matmul (down_proj, and dx_tilde with W1 read K-major; register or
+  TMA stores) compiles for sm_90a and lowers as an FFI call; a tile wider than its
+  accumulator's registers, or a ring deeper than SMEM beside the epilogue's buffers, is
+  refused."""
   from ffi import pingpong
   P, K, N, E = 1024, 256, 512, 4
   rhs = jax.ShapeDtypeStruct((E, N, K) if transpose_rhs else (E, K, N), jnp.bfloat16)
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), rhs,
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
-  fn = lambda a, b, t: pingpong.grouped_matmul(a, b, t, transpose_rhs=transpose_rhs)
+  fn = lambda a, b, t: pingpong.grouped_matmul(a, b, t, transpose_rhs=transpose_rhs,
+                                               tma_store=tma_store)
   assert FFI_TARGET in _cuda_module(fn, *shapes)
+  fit = pingpong.stages_that_fit(128, 2, 1, tma_store)
+  assert fit == (5 if tma_store else 7)   # 32 KiB stages; 64 KiB of epilogue buffers
+  with pytest.raises(ValueError, match=f"stages={fit + 1} must be between 2 and {fit}"):
+    jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(
+        a, b, t, transpose_rhs=transpose_rhs, tma_store=tma_store, stages=fit + 1), *shapes)
   with pytest.raises(ValueError, match="grouped_matmul: block_n=256 is wider than 128"):
     jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(
         a, b, t, transpose_rhs=transpose_rhs, block_n=256), *shapes)
@@ -472,11 +480,14 @@ def test_cute_pingpong_up_proj_compiles_for_cuda(block_n, stages):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("num_tiles,transpose_rhs", [(1, False), (4, True), (81, False),
-                                                     (81, True)])
-def test_cute_pingpong_matmul_matches_grouped_matmul_on_gpu(num_tiles, transpose_rhs):
-  """The ping-pong grouped_matmul gives grouped_gemm.grouped_matmul's bits (experts without
-  rows, tiles past the last group: zeros; one tile, and several per CTA)."""
+@pytest.mark.parametrize("num_tiles,transpose_rhs,tma_store", [
+    (1, False, False), (4, True, False), (81, False, False), (81, True, False),
+    (1, True, True), (4, False, True), (81, True, True)])
+def test_cute_pingpong_matmul_matches_grouped_matmul_on_gpu(num_tiles, transpose_rhs,
+                                                            tma_store):
+  """The ping-pong grouped_matmul, storing from registers or by TMA, gives
+  grouped_gemm.grouped_matmul's bits (experts without rows, tiles past the last group: zeros;
+  one tile, and several per CTA)."""
   from ffi import grouped_gemm, pingpong
   E, K, N = 5, 384, 512
   tile_expert = jnp.sort(jax.random.randint(jax.random.key(81), (num_tiles,), 0, E + 1))
@@ -485,8 +496,8 @@ def test_cute_pingpong_matmul_matches_grouped_matmul_on_gpu(num_tiles, transpose
   lhs = jax.random.normal(jax.random.key(82), (P, K)).astype(jnp.bfloat16)
   rhs = (jax.random.normal(jax.random.key(83), (E, N, K) if transpose_rhs else (E, K, N))
          / 8).astype(jnp.bfloat16)
-  got = jax.jit(lambda *a: pingpong.grouped_matmul(*a, transpose_rhs=transpose_rhs))(
-      lhs, rhs, tile_expert)
+  got = jax.jit(lambda *a: pingpong.grouped_matmul(*a, transpose_rhs=transpose_rhs,
+                                                   tma_store=tma_store))(lhs, rhs, tile_expert)
   want = jax.jit(lambda *a: grouped_gemm.grouped_matmul(*a, transpose_rhs=transpose_rhs))(
       lhs, rhs, tile_expert)
   np.testing.assert_array_equal(got, want)
@@ -520,11 +531,11 @@ def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles):
 @needs_cute
 def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(monkeypatch):
   """The layer with every op on cute, dH (gathering dO's rows: n = 256), up_proj, down_proj
-  and dx_tilde on the ping-pong kernels, against the xla backend."""
+  and dx_tilde (TMA stores) on the ping-pong kernels, against the xla backend."""
   cute_ops = importlib.import_module("ffi.ops")
   monkeypatch.setattr(cute_ops, "DH_KERNEL", "pingpong")
   monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong")
-  monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong")
+  monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong_tma")
   T, d, n, E, K = 4096, 1536, 256, 128, 8
   args = make_inputs(3, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(4), (T, d))
@@ -914,7 +925,8 @@ def test_kernel_resources_keep_the_tiles_ffi_ops_relies_on():
   dh = kr.measure("dh", 128, 0)
   assert dh["stack_bytes"] == 0 and 0 < dh["registers"] <= 128
   for kernel, block_n in [("dh_pingpong", 128), ("dh_pingpong_gather", 128),
-                          ("up_proj_pingpong", 64), ("matmul_pingpong", 128)]:
+                          ("up_proj_pingpong", 64), ("matmul_pingpong", 128),
+                          ("matmul_pingpong_tma", 128)]:
     assert kr.measure(kernel, block_n, 0)["stack_bytes"] == 0, kernel
 
 
