@@ -2,7 +2,7 @@
 grouped_gemm.py's kernels with the same operands, outputs and epilogue math: dh (the dSwiGLU
 epilogue, grouped_gemm._dh_outputs; dO's rows read in slot order or gathered), up_proj
 gathering X's rows (the SwiGLU epilogue) and grouped_matmul (out = lhs_e rhs_e: down_proj,
-dx_tilde), all storing their outputs from registers.
+dx_tilde), storing their outputs from registers (grouped_matmul also by TMA stores).
 grouped_gemm's kernel runs its epilogue after its mainloop with the tensor cores idle, and its
 MMA warpgroups issue the gather's copies between their wgmmas; here one consumer warpgroup's
 epilogue runs while the other's mainloop does, and a producer warpgroup does all the loading.
@@ -31,8 +31,10 @@ Schedule:
               its tile's stages: the two read the ring in tile order, so a stage's phase bit is
               never read one lap early), runs the wgmma mainloop (one k step in flight, each
               stage released once its wgmmas are done; gathered stages fenced for the async
-              proxy first), hands the turn over, then runs the epilogue, registers to global,
-              while the other warpgroup's mainloop runs. The other's tiles it steps over.
+              proxy first), hands the turn over, then runs the epilogue (registers to global,
+              or through its own EPI_STAGES SMEM buffers and TMA stores, synced on named
+              barrier EPILOGUE_BARRIER + its index) while the other warpgroup's mainloop runs.
+              The other's tiles it steps over.
 """
 from __future__ import annotations
 
