@@ -120,12 +120,11 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
           lambda c, lhs, rhs, t, tr=transpose_rhs, tma=tma_store: pingpong.grouped_matmul(
               lhs, rhs, t, transpose_rhs=tr, tma_store=tma, **dataclasses.asdict(c)),
           static_argnums=0), mm_args, mm_flops, mm_n)
-  rows["dh_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(   # dO's rows too
-      g, w2, h, s, t, gather_index=i, **dataclasses.asdict(c)), static_argnums=0),
-      (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
-  rows["dh_pingpong_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: pingpong.dh(
-      g, w2, h, s, t, gather_index=i, **dataclasses.asdict(c)), static_argnums=0),
-      (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
+  # dO's rows gathered too
+  for name, dh in [("dh_gather", cute_gemm.dh), ("dh_pingpong_gather", pingpong.dh)]:
+    rows[name] = (jax.jit(lambda c, g, w2, h, s, t, i, dh=dh: dh(
+        g, w2, h, s, t, gather_index=i, **dataclasses.asdict(c)), static_argnums=0),
+        (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
   _, (_, h, offsets), flops, _ = rows["dw1"]
   rows["dw1_gather"] = (jax.jit(lambda c, x, h, o, i: cute_gemm.weight_grad(
       x, h, o, E, gather_index=i, **dataclasses.asdict(c)), static_argnums=0),

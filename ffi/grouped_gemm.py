@@ -72,10 +72,11 @@ def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int
   return stages * (rows + num_rhs * block_n) * BLOCK_K * itemsize + BARRIER_BYTES
 
 
-def _stages_that_fit(block_n: int, num_rhs: int, itemsize: int, rows: int = BLOCK_M) -> int:
-  """How many pipeline stages fit in SMEM (smem_bytes)."""
+def _stages_that_fit(block_n: int, num_rhs: int, itemsize: int, rows: int = BLOCK_M,
+                     reserved: int = 0) -> int:
+  """How many pipeline stages fit in SMEM (smem_bytes) beside `reserved` other bytes."""
   per_stage = smem_bytes(block_n, num_rhs, itemsize, 1, rows) - BARRIER_BYTES
-  return (SMEM_BYTES - BARRIER_BYTES) // per_stage
+  return (SMEM_BYTES - BARRIER_BYTES - reserved) // per_stage
 
 
 def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, stages) -> int:
@@ -215,7 +216,8 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutl
   gmem_parts = [cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2),
                                       cute.zipped_divide(tile, EPI_TILE)) for atom, tile in stores]
   buffers = pipeline.PipelineTmaStore.create(
-      num_stages=EPI_STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, threads))
+      num_stages=EPI_STAGES,
+      producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, threads))
   for chunk in cutlass.range_constexpr(cute.size(stores[0][1], mode=[1]) // EPI_TILE[1]):
     vals = []
     for view in acc_views:
@@ -634,21 +636,37 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   rhs is [E, N, K] and out = lhs_e rhs_e^T (read K-major, no transposed copy).
   tile_expert: [P / BLOCK_M] int32, E or more past the last group. stages: the TMA pipeline's
   depth (default: as many as fit in SMEM, at most 8)."""
-  rhs_ekn = jax.ShapeDtypeStruct((rhs.shape[0], rhs.shape[2], rhs.shape[1]), rhs.dtype) \
-      if transpose_rhs else rhs
-  reason = unsupported(lhs, rhs_ekn, block_n)
+  reason = unsupported(lhs, rhs_as_ekn(rhs, transpose_rhs), block_n)
   if reason:
     raise ValueError(f"cute grouped_matmul: {reason}")
   stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K, stages)
-  num_slots, n_out = lhs.shape[0], rhs_ekn.shape[2]
+  return matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, block_n=block_n,
+                     stages=stages)
+
+
+def rhs_as_ekn(rhs, transpose_rhs: bool):
+  """rhs's shape as [E, K, N] (with transpose_rhs it is stored [E, N, K])."""
+  if not transpose_rhs:
+    return rhs
+  return jax.ShapeDtypeStruct((rhs.shape[0], rhs.shape[2], rhs.shape[1]), rhs.dtype)
+
+
+def matmul_call(kernel, lhs, rhs, tile_expert, transpose_rhs: bool, **config):
+  """out [P, N] of a grouped-matmul kernel (grouped_matmul's operands, checked by the
+  caller) as an FFI call."""
   # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major
-  rhs_mode = (1, 2, 0) if transpose_rhs else (2, 1, 0)
   out, = xla_call.call(
-      _matmul, [lhs[None], rhs, tile_expert.astype(jnp.int32)],
-      [jax.ShapeDtypeStruct((1, num_slots, n_out), lhs.dtype)],
-      modes=[ROW_MODES, rhs_mode, None, ROW_MODES],
-      block_n=block_n, stages=stages)
+      kernel, [lhs[None], rhs, tile_expert.astype(jnp.int32)],
+      [jax.ShapeDtypeStruct((1, lhs.shape[0], rhs_as_ekn(rhs, transpose_rhs).shape[2]),
+                            lhs.dtype)],
+      modes=[ROW_MODES, (1, 2, 0) if transpose_rhs else (2, 1, 0), None, ROW_MODES], **config)
   return out[0]
+
+
+def rows_read(rows, gather_index):
+  """The [P, C] rows a kernel reads: `rows` itself, or the gather_index [P] rows of it."""
+  num_slots = rows.shape[0] if gather_index is None else gather_index.shape[0]
+  return jax.ShapeDtypeStruct((num_slots, rows.shape[1]), rows.dtype)
 
 
 def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
@@ -658,20 +676,25 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
   gather_index [P], xg is X [T, d] and slot r reads X[gather_index[r]] (zeros where it is T or
   more), gathered inside the kernel by cp.async. stages: as grouped_matmul's."""
   n = w1.shape[2] // 2
-  num_slots = xg.shape[0] if gather_index is None else gather_index.shape[0]
-  slots = jax.ShapeDtypeStruct((num_slots, *xg.shape[1:]), xg.dtype)   # the rows the GEMM reads
-  reason = unsupported(slots, jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n)
+  reason = unsupported(rows_read(xg, gather_index),
+                       jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n)
   if reason:
     raise ValueError(f"cute up_proj: {reason}")
   stages = _pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)
-  fn, index = (_up_proj, ()) if gather_index is None else \
-      (_gathered_up_proj, (gather_index.astype(jnp.int32),))
+  return up_proj_call((_up_proj, _gathered_up_proj), xg, w1, tile_expert, gather_index,
+                      block_n=block_n, stages=stages)
+
+
+def up_proj_call(kernels, xg, w1, tile_expert, gather_index, **config):
+  """(H, A) of an up-projection kernel (up_proj's operands, checked by the caller) as an FFI
+  call: kernels = (reading xg's rows, gathering them by gather_index)."""
+  num_slots, n = rows_read(xg, gather_index).shape[0], w1.shape[2] // 2
+  index = () if gather_index is None else (gather_index.astype(jnp.int32),)
   h, a = xla_call.call(
-      fn, [xg[None], w1, tile_expert.astype(jnp.int32), *index],
+      kernels[len(index)], [xg[None], w1, tile_expert.astype(jnp.int32), *index],
       [jax.ShapeDtypeStruct((1, num_slots, 2 * n), xg.dtype),
        jax.ShapeDtypeStruct((1, num_slots, n), xg.dtype)],
-      modes=[ROW_MODES, (2, 1, 0), None, *[None] * len(index), ROW_MODES, ROW_MODES],
-      block_n=block_n, stages=stages)
+      modes=[ROW_MODES, (2, 1, 0), None, *[None] * len(index), ROW_MODES, ROW_MODES], **config)
   return h[0], a[0]
 
 
@@ -702,24 +725,29 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
   by cp.async as up_proj gathers X."""
-  n = w2.shape[1]
-  num_slots = dout_g.shape[0] if gather_index is None else gather_index.shape[0]
-  slots = jax.ShapeDtypeStruct((num_slots, dout_g.shape[1]), dout_g.dtype)   # the rows it reads
-  reason = dh_unsupported(slots, w2, h, scores, block_n)
+  reason = dh_unsupported(rows_read(dout_g, gather_index), w2, h, scores, block_n)
   if reason:
     raise ValueError(f"cute dh: {reason}")
   stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, dout_g.shape[1] // BLOCK_K, stages)
-  fn, index = (_dh, ()) if gather_index is None else \
-      (_gathered_dh, (gather_index.astype(jnp.int32),))
+  return dh_call((_dh, _gathered_dh), dout_g, w2, h, scores, tile_expert, gather_index,
+                 block_n=block_n, stages=stages, register_store=not tma_store)
+
+
+def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, *, block_n: int,
+            **config):
+  """(dH, A', dS parts) of a dH kernel (dh's operands, checked by the caller) as an FFI call:
+  kernels = (reading dOg's rows, gathering dO's by gather_index)."""
+  n, num_slots = w2.shape[1], h.shape[0]
+  index = () if gather_index is None else (gather_index.astype(jnp.int32),)
   dh_, a_scaled, ds_parts = xla_call.call(
-      fn, [dout_g[None], w2, tile_expert.astype(jnp.int32), *index, h[None],
-           scores.astype(jnp.float32)],
+      kernels[len(index)], [dout_g[None], w2, tile_expert.astype(jnp.int32), *index, h[None],
+                            scores.astype(jnp.float32)],
       [jax.ShapeDtypeStruct((1, num_slots, 2 * n), h.dtype),
        jax.ShapeDtypeStruct((1, num_slots, n), h.dtype),
        jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)],
       modes=[ROW_MODES, (1, 2, 0), None, *[None] * len(index), ROW_MODES, None, ROW_MODES,
              ROW_MODES, None],
-      block_n=block_n, stages=stages, register_store=not tma_store)
+      block_n=block_n, **config)
   return dh_[0], a_scaled[0], ds_parts
 
 
@@ -749,9 +777,8 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   zeros). dW1 = weight_grad(Xg, dH), dW2 = weight_grad(A', dOg). With gather_index [P], lhs
   is X [T, M] and slot r reads X[gather_index[r]] (zeros where it is T or more), gathered inside
   the kernel by cp.async (bitwise equal to gathering first; H200 timings in ops.dw1)."""
-  P = lhs.shape[0] if gather_index is None else gather_index.shape[0]
-  M = lhs.shape[1]
-  slots = jax.ShapeDtypeStruct((P, M), lhs.dtype)   # the rows the GEMM reads
+  slots = rows_read(lhs, gather_index)   # the rows the GEMM reads
+  P, M = slots.shape
   reason = _weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
   if reason:
     raise ValueError(f"cute weight_grad: {reason}")

@@ -43,13 +43,11 @@ import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-import jax
-import jax.numpy as jnp
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ffi import grouped_gemm, xla_call
-from ffi.grouped_gemm import BARRIER_BYTES, BLOCK_K, BLOCK_M, EPI_TILE, SMEM_BYTES
+from ffi import grouped_gemm
+from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE
 
 TILE_M = BLOCK_M            # a work tile's rows: one M tile of the plan (one expert's rows)
 MMA_M = 64                  # one wgmma's rows: a consumer warpgroup covers TILE_M in TILE_M / 64
@@ -78,9 +76,8 @@ def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1, tma_store: bo
   """The ring's deepest: stages of a [TILE_M, BLOCK_K] lhs tile and num_rhs [block_n,
   BLOCK_K] rhs tiles that fit in SMEM (beside the epilogue's buffers with tma_store), at most
   MAX_STAGES."""
-  per_stage = grouped_gemm.smem_bytes(block_n, num_rhs, itemsize, 1, TILE_M) - BARRIER_BYTES
-  room = SMEM_BYTES - BARRIER_BYTES - (epilogue_bytes(itemsize) if tma_store else 0)
-  return min(MAX_STAGES, room // per_stage)
+  return min(MAX_STAGES, grouped_gemm._stages_that_fit(
+      block_n, num_rhs, itemsize, TILE_M, epilogue_bytes(itemsize) if tma_store else 0))
 
 
 def widest_block_n(num_rhs: int) -> int:
@@ -166,7 +163,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   s_bs = [buf.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
           for buf in ([storage.s_b, storage.s_b2] if cutlass.const_expr(swiglu) else [storage.s_b])]
   s_c = None
-  if cutlass.const_expr(tma_store):   # consumer c's epilogue buffers: EPI_STAGES from c * EPI_STAGES
+  if cutlass.const_expr(tma_store):   # consumer c's epilogue buffers: c * EPI_STAGES onwards
     s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
   loads = pipeline.PipelineTmaAsync.create(   # (initialises the barriers, then syncs the CTA)
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
@@ -409,20 +406,12 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   widest_block_n(1) (128); stages: the ring's depth (default: as many as fit). ffi.ops runs
   down_proj and dx_tilde on it with STORE_KERNEL = "pingpong" / "pingpong_tma". Not yet run
   on a GPU."""
-  rhs_ekn = jax.ShapeDtypeStruct((rhs.shape[0], rhs.shape[2], rhs.shape[1]), rhs.dtype) \
-      if transpose_rhs else rhs
-  reason = grouped_gemm.unsupported(lhs, rhs_ekn, block_n)
+  reason = grouped_gemm.unsupported(lhs, grouped_gemm.rhs_as_ekn(rhs, transpose_rhs), block_n)
   if reason:
     raise ValueError(f"cute ping-pong grouped_matmul: {reason}")
   stages = _check_tile(block_n, lhs.dtype.itemsize, 1, stages, "grouped_matmul", tma_store)
-  out, = xla_call.call(
-      _matmul_pingpong, [lhs[None], rhs, tile_expert.astype(jnp.int32)],
-      [jax.ShapeDtypeStruct((1, lhs.shape[0], rhs_ekn.shape[2]), lhs.dtype)],
-      # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major
-      modes=[grouped_gemm.ROW_MODES, (1, 2, 0) if transpose_rhs else (2, 1, 0), None,
-             grouped_gemm.ROW_MODES],
-      block_n=block_n, stages=stages, tma_store=tma_store)
-  return out[0]
+  return grouped_gemm.matmul_call(_matmul_pingpong, lhs, rhs, tile_expert, transpose_rhs,
+                                  block_n=block_n, stages=stages, tma_store=tma_store)
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None,
@@ -434,25 +423,13 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
   at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL = "pingpong". On an H200
   (session 9) its 64-row-tile version gave grouped_gemm.dh's bits but took 3.53 vs 2.78 ms at
   30B-n256; the 128-row tiles and the gather are not yet run there."""
-  n = w2.shape[1]
-  num_slots = dout_g.shape[0] if gather_index is None else gather_index.shape[0]
-  slots = jax.ShapeDtypeStruct((num_slots, dout_g.shape[1]), dout_g.dtype)   # the rows it reads
-  reason = grouped_gemm.dh_unsupported(slots, w2, h, scores, block_n)
+  reason = grouped_gemm.dh_unsupported(grouped_gemm.rows_read(dout_g, gather_index), w2, h,
+                                       scores, block_n)
   if reason:
     raise ValueError(f"cute ping-pong dh: {reason}")
   stages = _check_tile(block_n, dout_g.dtype.itemsize, 1, stages, "dh")
-  fn, index = (_dh_pingpong, ()) if gather_index is None else \
-      (_gathered_dh_pingpong, (gather_index.astype(jnp.int32),))
-  dh_, a_scaled, ds_parts = xla_call.call(
-      fn, [dout_g[None], w2, tile_expert.astype(jnp.int32), *index, h[None],
-           scores.astype(jnp.float32)],
-      [jax.ShapeDtypeStruct((1, num_slots, 2 * n), h.dtype),
-       jax.ShapeDtypeStruct((1, num_slots, n), h.dtype),
-       jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)],
-      modes=[grouped_gemm.ROW_MODES, (1, 2, 0), None, *[None] * len(index),
-             grouped_gemm.ROW_MODES, None, grouped_gemm.ROW_MODES, grouped_gemm.ROW_MODES, None],
-      block_n=block_n, stages=stages)
-  return dh_[0], a_scaled[0], ds_parts
+  return grouped_gemm.dh_call((_dh_pingpong, _gathered_dh_pingpong), dout_g, w2, h, scores,
+                              tile_expert, gather_index, block_n=block_n, stages=stages)
 
 
 def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | None = None):
@@ -462,19 +439,12 @@ def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | N
   H's gate (and up) columns per tile, at most widest_block_n(2) (64). On an H200 (session 9)
   its 64-row-tile version gave grouped_gemm.up_proj's bits but took 4.13 vs 3.88 ms at
   30B-n256; the 128-row tiles are not yet run there."""
-  num_slots, n = gather_index.shape[0], w1.shape[2] // 2
-  slots = jax.ShapeDtypeStruct((num_slots, x.shape[1]), x.dtype)   # the rows it reads
-  reason = grouped_gemm.unsupported(slots, w1, block_n) or (
+  n = w1.shape[2] // 2
+  reason = grouped_gemm.unsupported(grouped_gemm.rows_read(x, gather_index), w1, block_n) or (
       None if n % block_n == 0 else f"n={n} must be a multiple of block_n={block_n}")
   if reason:
     raise ValueError(f"cute ping-pong up_proj: {reason}")
   stages = _check_tile(block_n, x.dtype.itemsize, 2, stages, "up_proj")
-  h, a = xla_call.call(
-      _up_proj_pingpong, [x[None], w1, tile_expert.astype(jnp.int32),
-                          gather_index.astype(jnp.int32)],
-      [jax.ShapeDtypeStruct((1, num_slots, 2 * n), x.dtype),
-       jax.ShapeDtypeStruct((1, num_slots, n), x.dtype)],
-      modes=[grouped_gemm.ROW_MODES, (2, 1, 0), None, None, grouped_gemm.ROW_MODES,
-             grouped_gemm.ROW_MODES],
-      block_n=block_n, stages=stages)
-  return h[0], a[0]
+  # (the ping-pong kernel always gathers: no kernel reading rows in slot order)
+  return grouped_gemm.up_proj_call((None, _up_proj_pingpong), x, w1, tile_expert, gather_index,
+                                   block_n=block_n, stages=stages)
