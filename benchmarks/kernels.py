@@ -49,8 +49,8 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
   topk_xla = jax.jit(lambda lg: jax.lax.top_k(lg, K))
   topk = jax.jit(lambda lg: ops.top_k(lg, K))
   top_logits, top_experts = topk(logits)
-  scores = routing._score_matrix(logits, top_logits, "softmax_topk", False)
-  plan_only = jax.jit(lambda s, e: routing._topk_plan(s, e, ops.align))
+  scores = routing._scores(top_logits, logits, top_logits, "softmax_topk", False)
+  plan_only = jax.jit(lambda s, e: routing._topk_plan(s, e, E, ops.align))
   pallas_only = lambda rows: rows if backend == "pallas" else []
   gather_cfg = pallas_config.up_proj_gather_tiles(n)   # the tiles ops.up_proj gathers with
   up_proj_tiles = lambda cfg, **kw: jax.jit(lambda x, w1: grouped_gemm.up_proj(

@@ -126,13 +126,15 @@ def _router_logits_bwd(residuals, dlogits):
 router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)
 
 
-def _score_matrix(logits, topk_logits, score_fn: str, renormalize: bool):
-  """s_te = exp(l_te - c_t) for every pair (see module docstring), [T, E]."""
+def _scores(pair_logits, logits, topk_logits, score_fn: str, renormalize: bool):
+  """s_te = exp(l_te - c_t) (see module docstring) for the pairs whose logits pair_logits
+  holds: [T, K] (the chosen pairs) or [T, E] (every pair, for token rounding). With the
+  default score_fn, scoring the chosen pairs only keeps no [T, E] array for the backward."""
   if score_fn == "softmax_all" and not renormalize:
     c = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
   else:
     c = jax.nn.logsumexp(topk_logits, axis=-1, keepdims=True)
-  return jnp.exp(logits - c)
+  return jnp.exp(pair_logits - c)
 
 
 def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool = False,
@@ -174,9 +176,9 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
   # the implementation picks the experts; the logits are re-read here so gradients reach them
   _, topk_experts = top_k(jax.lax.stop_gradient(logits), k)
   topk_logits = jnp.take_along_axis(logits, topk_experts, axis=1)
-  scores = _score_matrix(logits, topk_logits, score_fn, renormalize)
   if rounding is None:
-    plan = _topk_plan(scores, topk_experts, align)
+    topk_scores = _scores(topk_logits, logits, topk_logits, score_fn, renormalize)
+    plan = _topk_plan(topk_scores, topk_experts, num_experts, align)
     topk_counts = plan.group_sizes
     changed = jnp.zeros((), jnp.int32)
   else:
@@ -184,6 +186,7 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
     topk_counts = jnp.sum(chosen, axis=0, dtype=jnp.int32)
     targets = token_rounding.round_counts(topk_counts, tile=tile, num_tokens=num_tokens,
                                           mode=rounding, rng=rng)
+    scores = _scores(logits, logits, topk_logits, score_fn, renormalize)
     plan = _rounded_plan(scores, chosen, targets, k, tile, align)
     changed = jnp.sum(jnp.abs(targets - topk_counts))
 
@@ -227,11 +230,10 @@ def _aligned_offsets(counts, align: int):
   return _exclusive_cumsum(_round_up(counts, align) if align > 1 else counts)
 
 
-def _topk_plan(scores, topk_experts, align: int) -> RoutingPlan:
-  num_tokens, num_experts = scores.shape
-  k = topk_experts.shape[1]
-  pair_score = jnp.take_along_axis(scores, topk_experts, axis=1)
-  return _pairs_to_plan(topk_experts, pair_score, num_experts, align,
+def _topk_plan(topk_scores, topk_experts, num_experts: int, align: int) -> RoutingPlan:
+  """The plan of plain top-K routing from each token's K experts and their scores, [T, K]."""
+  num_tokens, k = topk_experts.shape
+  return _pairs_to_plan(topk_experts, topk_scores, num_experts, align,
                         num_slots(num_tokens, num_experts, k, 1, align), fixed_k=True)
 
 

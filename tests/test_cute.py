@@ -842,32 +842,80 @@ def chain(a, w, tiles):   # cute kernel, an XLA fusion, cute kernel, fusion, cut
     a = jnp.tanh(grouped_gemm.grouped_matmul(a, w, tiles).astype(jnp.float32)).astype(a.dtype)
   return a
 
-compiled = jax.jit(chain).lower(a, w, tiles).compile()
-print("command_buffer" in compiled.as_text())
-np.save(sys.argv[1], np.asarray(compiled(a, w, tiles).astype(jnp.float32)))
+np.save(sys.argv[1], np.asarray(jax.jit(chain)(a, w, tiles).astype(jnp.float32)))
 """
+
+
+def _custom_calls_in_command_buffers(dump_dir, module="jit_chain"):
+  """(inside, outside): the custom-call thunks of `module` inside a top-level command buffer
+  (a CUDA graph) and outside one, read from XLA's thunk-sequence dump. Since XLA forms command
+  buffers on thunks, after HLO, the HLO text no longer shows them; the dump does. Each thunk
+  line reads '<indent><index>: <kind> ...', a command buffer's thunks indented under it."""
+  import pathlib
+  files = sorted(pathlib.Path(dump_dir).glob(f"*{module}*thunk_sequence_after_thunk_passes*.txt"))
+  if not files:   # the passes changed nothing (no command buffer formed): the plain dump
+    files = sorted(pathlib.Path(dump_dir).glob(f"*{module}*thunk_sequence*.txt"))
+  assert files, f"no thunk-sequence dump for {module} in {dump_dir}"
+  inside = outside = 0
+  in_command_buffer = False
+  for line in files[-1].read_text().splitlines():
+    thunk = line.lstrip()
+    index, sep, rest = thunk.partition(": ")
+    if not sep or not index.isdigit():
+      continue
+    if thunk == line:   # top level
+      in_command_buffer = rest.startswith("kCommandBuffer")
+    if rest.startswith("kCustomCall"):
+      if in_command_buffer:
+        inside += 1
+      else:
+        outside += 1
+  return inside, outside
 
 
 @pytest.mark.gpu
 @needs_cute
 def test_cute_kernels_run_inside_cuda_graphs_on_gpu(tmp_path):
-  """With XLA's command buffers (CUDA graphs) on for custom calls, a chain of cute kernels and
-  fusions is captured into a command buffer and gives the same bits as without graphs (each
-  run in its own process: XLA_FLAGS are read once)."""
+  """With XLA's command buffers (CUDA graphs) on for custom calls, the three cute kernels of a
+  chain (kernel, fusion, kernel, ...) are captured into a command buffer, read from XLA's
+  thunk-sequence dump, and give the same bits as without graphs (each run in its own process:
+  XLA_FLAGS are read once)."""
   import os
   import subprocess
   results = {}
   for mode, flags in [("off", "--xla_gpu_enable_command_buffer="),
                       ("on", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
                              "--xla_gpu_graph_min_graph_size=1")]:
-    env = dict(os.environ, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    dump = tmp_path / f"dump_{mode}"
+    env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_dump_to={dump}",
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")
     run = subprocess.run([sys.executable, "-c", _RUN_CHAINED_KERNELS, str(tmp_path / mode)],
                          env=env, capture_output=True, text=True, timeout=300,
                          cwd=str(__import__("pathlib").Path(__file__).parent.parent))
     assert run.returncode == 0, run.stderr[-3000:]
-    results[mode] = (run.stdout.split()[-1], np.load(tmp_path / f"{mode}.npy"))
-  assert results["off"][0] == "False" and results["on"][0] == "True"
+    results[mode] = (_custom_calls_in_command_buffers(dump), np.load(tmp_path / f"{mode}.npy"))
+  assert results["off"][0] == (0, 3), results["off"][0]
+  assert results["on"][0] == (3, 0), results["on"][0]
   np.testing.assert_array_equal(results["on"][1], results["off"][1])
+
+
+def test_thunk_dump_reader_counts_custom_calls_in_and_out_of_command_buffers(tmp_path):
+  """The dump reader behind the CUDA-graph test, on a hand-written dump: custom calls nested
+  under a top-level kCommandBuffer count as inside, top-level ones as outside."""
+  (tmp_path / "module_0001.jit_chain.thunk_sequence_after_thunk_passes.txt").write_text(
+      "000: kCommandBuffer\n"
+      "  000: kCustomCall\n"
+      "  001: kKernel\n"
+      "  002: kCustomCall\n"
+      "001: kCustomCall\n"
+      "002: kKernel\n"
+      "  body:\n")
+  (tmp_path / "module_0002.jit_other.thunk_sequence_after_thunk_passes.txt").write_text(
+      "000: kCustomCall\n")
+  assert _custom_calls_in_command_buffers(tmp_path) == (2, 1)
+  (tmp_path / "module_0003.jit_plain.thunk_sequence.txt").write_text(
+      "000: kCustomCall\n001: kKernel\n")
+  assert _custom_calls_in_command_buffers(tmp_path, "jit_plain") == (0, 1)
 
 
 _RUN_EXPORTED = """

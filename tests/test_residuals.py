@@ -49,6 +49,22 @@ def test_residuals_are_x_h_and_plan(rounding, dtype, backend, d, n):
   assert any(tkd_sized(r) and not r.source.startswith("argument") for r in plain_res)
 
 
+@pytest.mark.parametrize("score_fn,renormalize,keeps_t_by_e", [
+    ("softmax_topk", False, False), ("softmax_all", True, False), ("softmax_all", False, True)])
+def test_plain_topk_keeps_no_router_score_matrix(score_fn, renormalize, keeps_t_by_e):
+  """Plain top-K scores only the chosen pairs, so no [T, E] array is kept for the backward
+  (the PyTorch SonicMoE keeps none either); only softmax over all E experts needs the full
+  softmax (its normalizer's gradient reaches every logit)."""
+  T, d, n, E, K = 96, 64, 16, 32, 4
+  x, router_w, w1, w2 = make_inputs(1, T, d, n, E, jnp.bfloat16)
+  fn = lambda *a: sm.moe(*a, k=K, score_fn=score_fn, renormalize=renormalize,
+                         backend="xla").out
+  kept = [r for r in sm.saved_residuals(fn, x, router_w, w1, w2)
+          if not r.source.startswith("argument") and int(np.prod(r.shape)) >= T * E]
+  t_by_e = [r for r in kept if r.shape[0] == T and int(np.prod(r.shape[1:])) == E]
+  assert bool(t_by_e) == keeps_t_by_e, kept
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_backward_gathers_x_again_on_gpu(backend, monkeypatch):
