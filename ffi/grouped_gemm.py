@@ -210,9 +210,12 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutl
           cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), dtype), tiled_mma))
   thr_r2s = r2s.get_slice(tidx)
   s_dst = thr_r2s.partition_D(s_c)                       # (R2S, R2S_M, R2S_N, EPI_STAGES)
+  # a chunk's fragment: (R2S values, R2S_M, R2S_N), an EPI_TILE's (rows, 16-column groups)
   chunk_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(s_c))[:3])
   chunk_size = cute.size(chunk_layout)
-  acc_views = [r2s.retile(acc) for acc in accs]   # accumulators, or dh's bf16/f16 outputs
+  chunk_vals, chunk_m, chunk_n = (cute.size(chunk_layout, mode=[i]) for i in range(3))
+  # accumulators (or dh's bf16/f16 outputs) seen as ((R2S values, 16-column groups), MMA_M, 1)
+  acc_views = [r2s.retile(acc) for acc in accs]
   gmem_parts = [cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2),
                                       cute.zipped_divide(tile, EPI_TILE)) for atom, tile in stores]
   buffers = pipeline.PipelineTmaStore.create(
@@ -223,7 +226,7 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutl
     for view in acc_views:
       frag = cute.make_rmem_tensor_like(chunk_layout, view.element_type)
       for v in cutlass.range_constexpr(chunk_size):
-        frag[v] = view[chunk * chunk_size + v]
+        frag[v] = view[_acc_coord(v, chunk, chunk_vals, chunk_m, chunk_n)]
       vals.append(frag.load().to(cutlass.Float32))
     outs = _epilogue_values(vals, swiglu)
     for j in cutlass.range_constexpr(len(stores)):
@@ -241,6 +244,15 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutl
       cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
   if leader:
     buffers.producer_tail()
+
+
+def _acc_coord(v: int, chunk: int, chunk_vals: int, chunk_m: int, chunk_n: int):
+  """The accumulator view's coordinate ((value, column group), row block, 0) of element v of
+  epilogue chunk `chunk`'s fragment (chunk_layout: values fastest, then row blocks, then column
+  groups). The view orders column groups before row blocks, so with several row blocks (the
+  ping-pong kernel's two m64 wgmmas) a chunk is not a contiguous range of it."""
+  value, m, group = v % chunk_vals, v // chunk_vals % chunk_m, v // (chunk_vals * chunk_m)
+  return ((value, chunk * chunk_n + group), m, 0)
 
 
 @cute.jit

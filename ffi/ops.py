@@ -35,8 +35,8 @@ ALIGN = grouped_gemm.BLOCK_M
 # The up-projection gathers X's rows itself (bitwise equal to gathering first, H200 session 6)
 UP_PROJ_GATHER_IN_KERNEL = True
 # Its kernel when gathering: "grouped" (grouped_gemm.up_proj, the MMA warpgroups issuing the
-# copies) or "pingpong" (ffi/pingpong.py, the producer warpgroup gathering; bitwise equal but
-# slower: 4.13 vs 3.88 ms at 30B-n256, session 9)
+# copies) or "pingpong" (ffi/pingpong.py, the producer warpgroup gathering; bitwise equal, as
+# fast on 128-row tiles: 4.06 vs 4.05 ms at 30B-n256, session 10; 64-row: 4.13 vs 3.88)
 UP_PROJ_KERNEL = "grouped"
 UP_PROJ_KERNELS = ("grouped", "pingpong")
 # dW1 gathers X's rows itself (bitwise equal to gathering first) where its output has at most
@@ -56,14 +56,18 @@ DOUT_GATHER_MAX_COLUMN_TILES = 2
 # "tma_store" (the same through SMEM and TMA stores: 2.56 vs 2.69 ms at 30B-n256 in session
 # 8's sweep, not yet timed in the layer) or "pingpong" (ffi/pingpong.py; its 64-row-tile
 # version was bitwise equal to "registers" but slower: 3.53 vs 2.78 ms at 30B-n256, session 9;
-# on 128-row tiles, and gathering dO, not yet run).
+# on 128-row tiles bitwise equal and as fast, session 10: 2.76 vs 2.75 ms, gathering dO 2.93 vs
+# 3.02, one sweep each: not enough to switch).
 DH_KERNEL = "registers"
 DH_KERNELS = ("registers", "tma_store", "pingpong")
 # down_proj's and dx_tilde's kernel: "grouped" (grouped_gemm.grouped_matmul, STORE_STAGES, its
 # TMA-store epilogue overlapping the mainloop of the SM's other CTA), "pingpong"
 # (pingpong.grouped_matmul: register stores under the other consumer's mainloop) or
-# "pingpong_tma" (the same with each consumer's TMA-store epilogue; neither yet run; register
-# stores took 1.4-1.7x as long as TMA stores in grouped_gemm's down_proj, session 6)
+# "pingpong_tma" (the same with each consumer's TMA-store epilogue). Session 10: the register
+# stores gave grouped's bits at small sizes and overflowed their 32-bit offsets at 30B-n256
+# (out past 2^31 elements: such outputs now take the TMA stores); the TMA stores were wrong
+# (fixed on the CPU since, not yet rerun). Neither timed yet; register stores took 1.4-1.7x as
+# long as TMA stores in grouped_gemm's down_proj, session 6.
 STORE_KERNEL = "grouped"
 STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
 
@@ -123,8 +127,11 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int):
     raise ValueError(f"ffi.ops.STORE_KERNEL must be one of {STORE_KERNELS}; got {STORE_KERNEL!r}")
   block_n = _wide_tile(n_out, 128)
   if STORE_KERNEL.startswith("pingpong"):
+    # register stores address out with 32-bit offsets: a larger out takes the TMA stores
+    too_large = lhs.shape[0] * n_out > grouped_gemm.MAX_REGISTER_ADDRESSED
     return pingpong.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                   block_n=block_n, tma_store=STORE_KERNEL == "pingpong_tma")
+                                   block_n=block_n,
+                                   tma_store=STORE_KERNEL == "pingpong_tma" or too_large)
   return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                      block_n=block_n, stages=STORE_STAGES)
 

@@ -404,9 +404,18 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   registers, or with tma_store through SMEM buffers of each consumer's own and TMA stores
   (grouped_gemm._tma_store_epilogue; fewer ring stages fit). block_n: at most
   widest_block_n(1) (128); stages: the ring's depth (default: as many as fit). ffi.ops runs
-  down_proj and dx_tilde on it with STORE_KERNEL = "pingpong" / "pingpong_tma". Not yet run
-  on a GPU."""
-  reason = grouped_gemm.unsupported(lhs, grouped_gemm.rhs_as_ekn(rhs, transpose_rhs), block_n)
+  down_proj and dx_tilde on it with STORE_KERNEL = "pingpong" / "pingpong_tma". On an H200
+  (session 10) the register stores gave grouped_matmul's bits; the TMA stores did not (their
+  epilogue read the two m64 accumulators' fragments in the wrong order: fixed, not yet rerun),
+  and at 30B-n256 (out past 2^31 elements) the register stores' 32-bit offsets overflowed (now
+  refused)."""
+  rhs_ekn = grouped_gemm.rhs_as_ekn(rhs, transpose_rhs)
+  reason = grouped_gemm.unsupported(lhs, rhs_ekn, block_n)
+  if not reason and not tma_store and lhs.shape[0] * rhs_ekn.shape[2] > \
+      grouped_gemm.MAX_REGISTER_ADDRESSED:
+    reason = (f"out [{lhs.shape[0]}, {rhs_ekn.shape[2]}] has more than "
+              f"{grouped_gemm.MAX_REGISTER_ADDRESSED} elements, past the register stores' 32-bit "
+              f"offsets: use tma_store=True")
   if reason:
     raise ValueError(f"cute ping-pong grouped_matmul: {reason}")
   stages = _check_tile(block_n, lhs.dtype.itemsize, 1, stages, "grouped_matmul", tma_store)
@@ -421,8 +430,9 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
   r's row dO[gather_index[r]] by cp.async (zeros where it is T or more), as up_proj gathers X.
   block_n: at most widest_block_n(1) (128); stages: the ring's depth (default: as many as fit,
   at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL = "pingpong". On an H200
-  (session 9) its 64-row-tile version gave grouped_gemm.dh's bits but took 3.53 vs 2.78 ms at
-  30B-n256; the 128-row tiles and the gather are not yet run there."""
+  it gives grouped_gemm.dh's bits; at 30B-n256, block_n 128, 3 stages it took 2.76 ms (dOg's
+  rows read in slot order; grouped_gemm.dh 2.75 with as many stages as fit) and 2.93 gathering
+  dO (grouped_gemm.dh 3.02), session 10 (its 64-row-tile version, session 9: 3.53 vs 2.78)."""
   reason = grouped_gemm.dh_unsupported(grouped_gemm.rows_read(dout_g, gather_index), w2, h,
                                        scores, block_n)
   if reason:
@@ -436,9 +446,10 @@ def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | N
   """grouped_gemm.up_proj with gather_index on the ping-pong schedule, the producer warpgroup
   gathering X's rows by cp.async: x [T, d], w1 [E, d, 2n], gather_index [P] (slot r reads
   X[gather_index[r]], zeros where it is T or more); returns H [P, 2n] and A [P, n]. block_n:
-  H's gate (and up) columns per tile, at most widest_block_n(2) (64). On an H200 (session 9)
-  its 64-row-tile version gave grouped_gemm.up_proj's bits but took 4.13 vs 3.88 ms at
-  30B-n256; the 128-row tiles are not yet run there."""
+  H's gate (and up) columns per tile, at most widest_block_n(2) (64). On an H200 it gives
+  grouped_gemm.up_proj's bits; at 30B-n256 it took 4.06 ms with as many stages as fit (5.38
+  with 3), grouped_gemm.up_proj at block_n 128 4.05, session 10 (its 64-row-tile version,
+  session 9: 4.13 vs 3.88)."""
   n = w1.shape[2] // 2
   reason = grouped_gemm.unsupported(grouped_gemm.rows_read(x, gather_index), w1, block_n) or (
       None if n % block_n == 0 else f"n={n} must be a multiple of block_n={block_n}")

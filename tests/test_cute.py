@@ -432,6 +432,28 @@ def test_cute_pingpong_dh_compiles_for_cuda(block_n, stages):
 
 
 @needs_cute
+@pytest.mark.parametrize("row_blocks,block_n", [(1, 128), (1, 64), (2, 128), (2, 64)])
+def test_tma_store_epilogue_reads_each_accumulator_element_once(row_blocks, block_n):
+  """The TMA-store epilogue's map from a chunk's fragment (values, row blocks, 16-column
+  groups) to the accumulator view ((values, column groups), row blocks, 0): every element once,
+  each chunk its own 64 columns, row blocks and column groups kept (the ping-pong kernel's two
+  m64 accumulators came out in the wrong order on the H200 when read as a contiguous range);
+  with one row block it is that contiguous range (grouped_gemm's kernels, bitwise checked)."""
+  from ffi.grouped_gemm import EPI_TILE, _acc_coord
+  values, groups = 8, EPI_TILE[1] // 16                 # stmatrix x4 values; groups per chunk
+  chunks = block_n // EPI_TILE[1]
+  seen = []
+  for chunk in range(chunks):
+    for v in range(values * row_blocks * groups):
+      (value, group), m, _ = _acc_coord(v, chunk, values, row_blocks, groups)
+      assert (value, m) == (v % values, v // values % row_blocks)
+      assert group // groups == chunk and group % groups == v // (values * row_blocks)
+      seen.append(value + values * (group + chunks * groups * m))   # the view's linear index
+  assert sorted(seen) == list(range(values * row_blocks * groups * chunks))
+  assert (seen == list(range(len(seen)))) == (row_blocks == 1)
+
+
+@needs_cute
 @pytest.mark.parametrize("transpose_rhs,tma_store", [(False, False), (True, True)])
 def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs, tma_store):
   """The ping-pong grouped_matmul (down_proj, and dx_tilde with W1 read K-major; register or
