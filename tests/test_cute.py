@@ -476,6 +476,13 @@ def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs, tma_store):
   with pytest.raises(ValueError, match="grouped_matmul: block_n=256 is wider than 128"):
     jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(
         a, b, t, transpose_rhs=transpose_rhs, block_n=256), *shapes)
+  # register stores address out by 32-bit offsets: 2^20 x 4096 (30B-n256's size) is refused
+  big = [jax.ShapeDtypeStruct((2**20, K), jnp.bfloat16),
+         jax.ShapeDtypeStruct((E, 4096, K) if transpose_rhs else (E, K, 4096), jnp.bfloat16),
+         jax.ShapeDtypeStruct((2**20 // 128,), jnp.int32)]
+  with pytest.raises(ValueError, match="past the register stores' 32-bit offsets"):
+    jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(a, b, t, transpose_rhs=transpose_rhs),
+                   *big)
 
 
 @needs_cute
