@@ -15,6 +15,8 @@
 #           the cute wheels first, ../shared/tools/device-wheels cute; source their env.sh) (~3 min)
 #   pingpong: the ping-pong kernels' GPU tests (90 s cap per kernel: a hang), their sweep
 #           rows beside grouped_gemm's at 30B-n256                                     (~8 min)
+#   pingpong_store: the ping-pong down_proj / dx_tilde (tests, sweep at 7B-n256 and 30B-n256,
+#           the layer with them)                                                        (~7 min)
 #   cute_sweep: their tile/epilogue sweep at 30B-n256                                 (~5 min)
 #   cute_dh: the layer with the cute dH's register-store / TMA-store / ping-pong kernel (~7 min)
 #   cute_bench: then (kernels read back from the disk cache) the FFI call cost and the layer
@@ -56,14 +58,17 @@ for mode in "$@"; do
       timeout 280 python3 -m benchmarks.kernels --backend auto --configs 7B-n256,30B-n256 \
         --out "$OUT/kernels_auto.json" 2>&1 | grep -v '^{' | tail -40
       timeout 90 python3 -m benchmarks.router_logits ;;   # router logits: bf16 vs fp32 copy
-    torch_warm)  # the PyTorch SonicMoE's first runs at the five anchors (its CuTe compiles and
-                 # autotuning, ~510 s on a fresh machine, cached on its disk for `bench`)
+    torch_warm)  # the PyTorch SonicMoE's first runs at the anchors (TORCH_CONFIGS, default all
+                 # five; its CuTe compiles and autotuning, cached on its disk for `bench`: > 570 s
+                 # for all five on a fresh machine in session 10, 7B-n256 then took 44 s)
       tp=$(torch_pythonpath)
       PYTHONPATH=$tp timeout 570 python3 benchmarks/torch_sonicmoe.py "$(python3 -c \
-        'from benchmarks import configs as C; import json; print(json.dumps(C.ANCHORS))')" \
+        'from benchmarks import configs as C; import json, os; names = os.environ.get("TORCH_CONFIGS");
+print(json.dumps({k: v for k, v in C.ANCHORS.items() if not names or k in names.split(",")}))')" \
         > "$OUT/torch_warm.jsonl" 2> "$OUT/torch_warm.log"; echo "torch_warm: rc $?"
       grep "first forward" "$OUT/torch_warm.log" ;;
-    bench)
+    bench)  # BENCH_CONFIGS / BENCH_IMPLS (comma lists) narrow it: all five anchors with every
+            # impl do not fit one call with the PyTorch SonicMoE in it
       impls=pallas,dense; torch=()
       python3 -c "import tokamax" 2>/dev/null && impls=$impls,tokamax   # staged
       # cute staged too: the default, and the default with the cute up-projection (its sweep
@@ -73,8 +78,10 @@ for mode in "$@"; do
       if PYTHONPATH=$tp python3 -c "import sonicmoe" 2>/dev/null; then
         impls=$impls,torch_sonicmoe; torch=(--torch-pythonpath "$tp")
       fi
-      timeout 580 python3 -m benchmarks.bench --impls "$impls" --iters 5 --reps 3 --torch-timeout 300 \
-        "${torch[@]}" --out "$OUT/bench" 2>&1 | tail -40 ;;
+      [ -n "${BENCH_IMPLS:-}" ] && impls=$BENCH_IMPLS
+      configs=(); [ -n "${BENCH_CONFIGS:-}" ] && configs=(--configs "$BENCH_CONFIGS")
+      timeout 580 python3 -m benchmarks.bench --impls "$impls" "${configs[@]}" --iters 5 --reps 3 \
+        --torch-timeout 300 "${torch[@]}" --out "$OUT/bench" 2>&1 | tail -40 ;;
     gathers)
       timeout 240 python3 -m pytest -p no:cacheprovider -rA -k "gather" tests/test_pallas.py \
         tests/test_residuals.py > "$OUT/pytest_gathers.log" 2>&1
@@ -102,6 +109,23 @@ for mode in "$@"; do
         --kernels down_proj,down_proj_pingpong,down_proj_pingpong_tma,dx_tilde,dx_tilde_pingpong,dx_tilde_pingpong_tma \
         --block-n 128 \
         --out "$OUT/sweep_pingpong_store.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
+    pingpong_store)  # after `cute`: the ping-pong store GEMMs (down_proj, dx_tilde) after the
+                     # TMA-store epilogue's fix: their GPU tests, the sweep at 7B-n256 and
+                     # 30B-n256 beside grouped_gemm's, the layer with each store kernel  (~7 min)
+      for part in "pingpong and matmul" "layer and pingpong"; do
+        PYTHONUNBUFFERED=1 timeout 120 python3 -m pytest -p no:cacheprovider -v -m gpu \
+          tests/test_cute.py -k "$part" >> "$OUT/pytest_pingpong_store.log" 2>&1
+        echo "ping-pong tests ($part): rc $?"
+      done
+      grep -E "(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_pingpong_store.log" | tail -12
+      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256,30B-n256 \
+        --stages 3,0 --block-n 128 --out "$OUT/sweep_pingpong_store.json" \
+        --kernels down_proj,down_proj_pingpong,down_proj_pingpong_tma,dx_tilde,dx_tilde_pingpong_tma \
+        2>&1 | grep -v '^{' | grep -v "^config"
+      for store in grouped pingpong_tma; do
+        timeout 100 python3 -m benchmarks.bench --configs 7B-n256,30B-n256 --impls auto \
+          --cute-store $store --iters 5 --reps 3 --out "$OUT/bench_store_$store" 2>&1 | tail -3
+      done ;;
     cute_sweep)
       sweep() { timeout "$1" python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 \
         --stages 3,0 "${@:3}" --out "$OUT/sweep_cute_$2.json" 2>&1 | grep -v '^{' | grep -v "^config"; }
