@@ -51,6 +51,7 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
   top_logits, top_experts = topk(logits)
   scores = routing._scores(top_logits, logits, top_logits, "softmax_topk", False)
   plan_only = jax.jit(lambda s, e: routing._topk_plan(s, e, E, ops.align))
+  plan_sorted = jax.jit(lambda s, e: routing._topk_plan(s, e, E, ops.align, "sort"))
   pallas_only = lambda rows: rows if backend == "pallas" else []
   gather_cfg = pallas_config.up_proj_gather_tiles(n)   # the tiles ops.up_proj gathers with
   up_proj_tiles = lambda cfg, **kw: jax.jit(lambda x, w1: grouped_gemm.up_proj(
@@ -60,7 +61,8 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
       ("  of which router logits", jax.jit(sm.router_logits), (x, wr), (T, d, E), None),
       (f"  of which top_k ({backend})", topk, (logits,), None, T * E * 4),
       ("  (top_k as jax.lax.top_k)", topk_xla, (logits,), None, T * E * 4),
-      ("  of which sort, counts, slots", plan_only, (scores, top_experts), None, T * K * 4 * 2),
+      ("  of which counts, slots", plan_only, (scores, top_experts), None, T * K * 4 * 2),
+      ("  (by a sort of the pairs)", plan_sorted, (scores, top_experts), None, T * K * 4 * 2),
       ("gather X rows (xla)", jax.jit(lambda x: xla_ops.gather_rows(x, plan.token_index)), (x,), None,
        2 * P * d * bf),
       *pallas_only([("gather X rows (pallas cp.async)",

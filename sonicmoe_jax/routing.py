@@ -230,11 +230,60 @@ def _aligned_offsets(counts, align: int):
   return _exclusive_cumsum(_round_up(counts, align) if align > 1 else counts)
 
 
-def _topk_plan(topk_scores, topk_experts, num_experts: int, align: int) -> RoutingPlan:
-  """The plan of plain top-K routing from each token's K experts and their scores, [T, K]."""
+# Plain top-K plans count instead of sorting up to this many experts: the count keeps [T, E]
+# arrays (bf16 and fp32), the sort [T * K] ones.
+COUNT_MAX_EXPERTS = 1024
+COUNT_BLOCK = 128   # rows per block of the blocked prefix count (one lower-triangular matmul)
+
+
+def _topk_plan(topk_scores, topk_experts, num_experts: int, align: int,
+               method: Optional[str] = None) -> RoutingPlan:
+  """The plan of plain top-K routing from each token's K distinct experts and their scores,
+  [T, K]: by counting (each expert's tokens in token order from a prefix count down the
+  [T, E] chosen mask; no sort) up to COUNT_MAX_EXPERTS experts, else by a sort of the pairs
+  by expert. Both give the same plan. method: "count" or "sort" to force one."""
   num_tokens, k = topk_experts.shape
-  return _pairs_to_plan(topk_experts, topk_scores, num_experts, align,
-                        num_slots(num_tokens, num_experts, k, 1, align), fixed_k=True)
+  size = num_slots(num_tokens, num_experts, k, 1, align)
+  if method is None:
+    method = "count" if num_experts <= COUNT_MAX_EXPERTS and num_tokens < 2**24 else "sort"
+  if method == "sort":
+    return _pairs_to_plan(topk_experts, topk_scores, num_experts, align, size, fixed_k=True)
+  if method != "count":
+    raise ValueError(f"method must be 'count', 'sort' or None; got {method!r}")
+  ranks, counts = _column_prefix_counts(_chosen_mask(topk_experts, num_experts))
+  offsets = _aligned_offsets(counts, align)
+  # pair (t, j)'s slot: its expert's first slot + the expert's tokens before t
+  slot = (offsets[topk_experts] + jnp.take_along_axis(ranks, topk_experts, axis=1) - 1).reshape(-1)
+  # one scatter of each pair's index t * K + j into its slot; the rest follows by gathers
+  pair = jnp.full((size,), -1, jnp.int32).at[slot].set(
+      jnp.arange(num_tokens * k, dtype=jnp.int32), unique_indices=True)
+  valid = pair >= 0
+  pair_c = jnp.maximum(pair, 0)
+  return RoutingPlan(
+      token_index=jnp.where(valid, pair_c // k, num_tokens),
+      expert_index=jnp.where(valid, topk_experts.reshape(-1)[pair_c].astype(jnp.int32),
+                             num_experts),
+      scores=jnp.where(valid, topk_scores.reshape(-1)[pair_c].astype(jnp.float32), 0.0),
+      valid=valid, group_sizes=counts, group_offsets=offsets, token_slots=slot,
+      token_offsets=jnp.arange(num_tokens + 1, dtype=jnp.int32) * k,
+      num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=True, align=align)
+
+
+def _column_prefix_counts(mask):
+  """(counts [T, E] int32, totals [E] int32) of a [T, E] bool mask: counts[t, e] = how many of
+  rows 0..t are True in column e. Blocks of COUNT_BLOCK rows: inside a block one matmul with
+  a lower-triangular matrix of ones (bf16 0/1 operands, fp32 sums: exact), then each block
+  adds the totals of the blocks before it (a prefix sum over T / COUNT_BLOCK rows)."""
+  num_rows, cols = mask.shape
+  blocks = -(-num_rows // COUNT_BLOCK)
+  ones = jnp.pad(mask, ((0, blocks * COUNT_BLOCK - num_rows), (0, 0))).astype(jnp.bfloat16)
+  lower = jnp.tril(jnp.ones((COUNT_BLOCK, COUNT_BLOCK), jnp.bfloat16))
+  within = jnp.einsum("ij,bje->bie", lower, ones.reshape(blocks, COUNT_BLOCK, cols),
+                      preferred_element_type=jnp.float32)
+  block_totals = within[:, -1, :]
+  before = jnp.cumsum(block_totals, axis=0) - block_totals
+  counts = (within + before[:, None, :]).reshape(blocks * COUNT_BLOCK, cols)[:num_rows]
+  return counts.astype(jnp.int32), jnp.sum(block_totals, axis=0).astype(jnp.int32)
 
 
 def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: int,

@@ -263,6 +263,56 @@ def test_routing_plan_has_no_device_loops(rounding):
   assert "stablehlo.while" not in text
 
 
+PLAN_FIELDS = ("token_index", "expert_index", "scores", "valid", "group_sizes", "group_offsets",
+               "token_slots", "token_offsets")
+
+
+@pytest.mark.parametrize("T,E,K,align", [(300, 8, 2, 1), (300, 8, 2, 128), (37, 4, 1, 16),
+                                         (20, 1, 1, 1), (1000, 64, 6, 128), (129, 130, 3, 8),
+                                         (256, 16, 16, 1)])
+def test_topk_plan_by_counting_equals_the_sorted_plan(T, E, K, align):
+  """The counting plan (a blocked prefix count down the [T, E] chosen mask: T not a multiple
+  of its 128-row blocks, experts without tokens, K = 1, K = E, E = 1) equals the sorted plan
+  field for field, and gradients reach the scores alike."""
+  from sonicmoe_jax import routing
+  logits = _logits(T + E, T, E)
+  if E > 4:
+    logits = logits.at[:, 0].add(-100.0)   # expert 0 gets no tokens
+  values, experts = jax.lax.top_k(logits, K)
+  scores = jax.nn.softmax(values, axis=-1)
+  plans = {m: routing._topk_plan(scores, experts, E, align, m) for m in ("count", "sort")}
+  for field in PLAN_FIELDS:
+    np.testing.assert_array_equal(getattr(plans["count"], field), getattr(plans["sort"], field),
+                                  err_msg=field)
+  weights = jax.random.normal(jax.random.key(1), (plans["sort"].num_slots,))
+  grads = {m: jax.grad(lambda s: jnp.sum(routing._topk_plan(s, experts, E, align, m).scores
+                                          * weights))(scores) for m in ("count", "sort")}
+  np.testing.assert_array_equal(grads["count"], grads["sort"])
+  assert np.any(np.asarray(grads["count"]) != 0)
+
+
+def test_column_prefix_counts_match_numpy():
+  from sonicmoe_jax.routing import _column_prefix_counts
+  mask = np.random.default_rng(0).random((517, 40)) < 0.3
+  counts, totals = _column_prefix_counts(jnp.asarray(mask))
+  np.testing.assert_array_equal(counts, np.cumsum(mask, axis=0))
+  np.testing.assert_array_equal(totals, mask.sum(axis=0))
+
+
+def test_topk_plan_method_is_checked_and_many_experts_sort(monkeypatch):
+  from sonicmoe_jax import routing
+  values, experts = jax.lax.top_k(_logits(0, 64, 8), 2)
+  with pytest.raises(ValueError, match="method must be 'count', 'sort' or None; got 'radix'"):
+    routing._topk_plan(values, experts, 8, 1, "radix")
+  calls = []
+  monkeypatch.setattr(routing, "_pairs_to_plan", lambda *a, **kw: calls.append(a[2]))
+  routing._topk_plan(values, experts, 8, 1)
+  assert calls == []                       # 8 experts: counted
+  monkeypatch.setattr(routing, "COUNT_MAX_EXPERTS", 4)
+  routing._topk_plan(values, experts, 8, 1)
+  assert calls == [8]                      # more than COUNT_MAX_EXPERTS: sorted
+
+
 @pytest.mark.parametrize("num_experts", [1, 7, 300])
 def test_sort_pairs_by_expert_is_a_stable_argsort(num_experts):
   from sonicmoe_jax.routing import _sort_pairs_by_expert
