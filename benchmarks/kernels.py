@@ -22,7 +22,7 @@ from benchmarks.bench import backend_spec, make_args, time_ms
 from pallas_kernels import config as pallas_config
 from pallas_kernels import grouped_gemm, row_gather, weight_grad
 from pallas_kernels import ops as pallas_ops
-from sonicmoe_jax import routing, xla_ops
+from sonicmoe_jax import backends, routing, xla_ops
 
 
 def segment_sum_aggregate(y, scores, plan):
@@ -48,6 +48,12 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
   logits = jax.jit(sm.router_logits)(x, wr)
   topk_xla = jax.jit(lambda lg: jax.lax.top_k(lg, K))
   topk = jax.jit(lambda lg: ops.top_k(lg, K))
+  cute_topk = []   # the cute top-K beside the backend's, on GPUs with the extra installed
+  if jax.default_backend() == "gpu" and backends._cute_installed():
+    from ffi import topk as cute_topk_kernel
+    if cute_topk_kernel.unsupported(E, K) is None:
+      cute_topk = [("  (top_k on cute)", jax.jit(lambda lg: cute_topk_kernel.top_k(lg, K)),
+                    (logits,), None, T * E * 4)]
   top_logits, top_experts = topk(logits)
   scores = routing._scores(top_logits, logits, top_logits, "softmax_topk", False)
   plan_only = jax.jit(lambda s, e: routing._topk_plan(s, e, E, ops.align))
@@ -61,6 +67,7 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
       ("  of which router logits", jax.jit(sm.router_logits), (x, wr), (T, d, E), None),
       (f"  of which top_k ({backend})", topk, (logits,), None, T * E * 4),
       ("  (top_k as jax.lax.top_k)", topk_xla, (logits,), None, T * E * 4),
+      *cute_topk,
       ("  of which counts, slots", plan_only, (scores, top_experts), None, T * K * 4 * 2),
       ("  (by a sort of the pairs)", plan_sorted, (scores, top_experts), None, T * K * 4 * 2),
       ("gather X rows (xla)", jax.jit(lambda x: xla_ops.gather_rows(x, plan.token_index)), (x,), None,

@@ -1,14 +1,15 @@
-"""Backend "cute": the ops written as CuTe DSL kernels: aggregation (gather_sum.py) and the
-grouped GEMMs (grouped_gemm.py) up_proj (SwiGLU epilogue; X's rows gathered in the kernel by
-cp.async, UP_PROJ_GATHER_IN_KERNEL), down_proj, dh (the dSwiGLU epilogue), dx_tilde and the
-varlen-K weight gradients dw1 (X's rows gathered in the kernel where its output is narrow,
-DW1_GATHER_MAX_COLUMN_TILES) and dw2 (dO's rows for dh and dw2 gathered by both kernels where
-dH is narrow, DOUT_GATHER_MAX_COLUMN_TILES, else by XLA); all match float32 references and the
-xla backend on an H200 (tests/test_cute.py). Speed against the pallas backend:
+"""Backend "cute": the ops written as CuTe DSL kernels: the router's top-K (topk.py; not yet
+run on a GPU), aggregation (gather_sum.py) and the grouped GEMMs (grouped_gemm.py) up_proj
+(SwiGLU epilogue; X's rows gathered in the kernel by cp.async, UP_PROJ_GATHER_IN_KERNEL),
+down_proj, dh (the dSwiGLU epilogue), dx_tilde and the varlen-K weight gradients dw1 (X's rows
+gathered in the kernel where its output is narrow, DW1_GATHER_MAX_COLUMN_TILES) and dw2 (dO's
+rows for dh and dw2 gathered by both kernels where dH is narrow, DOUT_GATHER_MAX_COLUMN_TILES,
+else by XLA); all but top_k match float32 references and the xla backend on an H200
+(tests/test_cute.py). Speed against the pallas backend:
 benchmarks/results/2026-11-30-h200-session8 and -session9; the shapes where dh, dx_tilde, dw1
 and dw2 are the GPU default: sonicmoe_jax/backends.py.
 
-Implements a subset of the dispatch table; mix it with others, e.g.
+Implements every op of the dispatch table; mix it with others, e.g.
 backend={"aggregate": "cute"} (other ops default). The GEMMs need the plan aligned to
 grouped_gemm.BLOCK_M rows per expert (ALIGN). On a machine without a GPU the kernels are
 compiled for sm_90a (CUTE_DSL_ARCH), so programs using them lower and export there too.
@@ -25,9 +26,10 @@ except ImportError as e:  # the optional extra is missing
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 
-from ffi import gather_sum, grouped_gemm, pingpong
+from ffi import gather_sum, grouped_gemm, pingpong, topk
 from pallas_kernels import schedule
 from sonicmoe_jax import xla_ops
 
@@ -86,6 +88,16 @@ def unsupported(dtype, d: int, n: int):
 
 def _tiles(plan):
   return schedule.tile_experts(plan, grouped_gemm.BLOCK_M)
+
+
+def top_k(logits, k):
+  """The router's top-K, one warp per token (topk.py); logits it cannot take (E not a multiple
+  of 32 or above 1024, k above 32) go to jax.lax.top_k with a warning (the same result)."""
+  reason = topk.unsupported(logits.shape[1], k)
+  if reason:
+    warnings.warn(f"backend 'cute' top_k: {reason}; using jax.lax.top_k", stacklevel=2)
+    return jax.lax.top_k(logits, k)
+  return topk.top_k(logits, k)
 
 
 def aggregate(y, scores, plan):
@@ -201,5 +213,5 @@ def dw2(a_scaled, dout, plan):
                                   plan.group_offsets, plan.num_experts)
 
 
-OPS = dict(up_proj=up_proj, down_proj=down_proj, aggregate=aggregate, dh=dh, dx_tilde=dx_tilde,
-           dw1=dw1, dw2=dw2)
+OPS = dict(top_k=top_k, up_proj=up_proj, down_proj=down_proj, aggregate=aggregate, dh=dh,
+           dx_tilde=dx_tilde, dw1=dw1, dw2=dw2)

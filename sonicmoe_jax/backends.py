@@ -12,10 +12,9 @@ Ops (signatures as in xla_ops.py):
 
 A backend is a module exposing OPS: {op name: function}, imported on first use, and optionally
 ALIGN: the row alignment its kernels need for each expert's group of slots (the routing plan
-is built with the largest ALIGN among the chosen backends). A backend may implement a subset
-of the ops. Users pick a backend by name for all ops ("xla", "pallas",
-"cute"), "auto" for the platform default, or a mapping {op: backend} for a mix (ops left out
-use "auto").
+is built with the largest ALIGN among the chosen backends). Every backend implements every
+op. Users pick a backend by name for all ops ("xla", "pallas", "cute"), "auto" for the
+platform default, or a mapping {op: backend} for a mix (ops left out use "auto").
 
 "auto" picks the platform default (PLATFORM_DEFAULTS, from measurements: the pallas kernels
 on GPUs), except that on GPUs dh, dx_tilde, dw1 and dw2 run on "cute" at the layer widths
@@ -121,7 +120,7 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype
   cannot run them.
 
   Raises ValueError for an unknown backend or op name, ImportError when a backend's
-  dependencies are missing, NotImplementedError when a backend lacks a requested op.
+  dependencies are missing.
   """
   if isinstance(backend, str):
     choice = {op: backend for op in OP_NAMES}
@@ -143,9 +142,6 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype
                       stacklevel=3)
         name = "xla"
     module = _backend_module(name)
-    if op not in module.OPS:
-      raise NotImplementedError(f"backend {name!r} has no implementation of op {op!r}; "
-                                f"it implements {sorted(module.OPS)}. Use a mapping to mix backends.")
     impls[op] = module.OPS[op]
     align = max(align, getattr(module, "ALIGN", 1))
   return Ops(**impls, align=align)

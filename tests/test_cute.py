@@ -51,9 +51,6 @@ def test_missing_extra_gives_clear_error(monkeypatch, missing):
   monkeypatch.delitem(sys.modules, "ffi.ops", raising=False)
   with pytest.raises(ImportError, match=r"pip install 'sonicmoe-jax\[cute\]'"):
     sm.resolve_backend({"aggregate": "cute"})
-  with pytest.raises(NotImplementedError, match="has no implementation of op 'top_k'"):
-    monkeypatch.setattr(builtins, "__import__", real_import)
-    sm.resolve_backend("cute")
 
 
 @needs_cute
@@ -191,6 +188,56 @@ def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
 
 CUTE_GEMMS = {"up_proj": "cute", "down_proj": "cute", "dh": "cute", "dx_tilde": "cute",
               "dw1": "cute", "dw2": "cute", "aggregate": "cute"}
+
+
+def _top_k_logits(T, E, seed):
+  """Random logits with ties (rounded to a coarse grid), -inf entries and a constant row."""
+  logits = jnp.round(jax.random.normal(jax.random.key(seed), (T, E)) * 4) / 4
+  logits = logits.at[::7, ::5].set(-jnp.inf)
+  return logits.at[1].set(0.5)
+
+
+@needs_cute
+@pytest.mark.parametrize("T,E,k", [(1000, 128, 8), (37, 32, 1), (64, 256, 16), (5, 1024, 32)])
+def test_cute_top_k_compiles_and_lowers_for_cuda(T, E, k):
+  from ffi import topk
+  assert FFI_TARGET in _cuda_module(lambda l: topk.top_k(l, k),
+                                    jax.ShapeDtypeStruct((T, E), jnp.float32))
+
+
+@needs_cute
+def test_cute_top_k_refuses_what_it_cannot_take():
+  from ffi import topk
+  cute_ops = importlib.import_module("ffi.ops")
+  logits = jnp.zeros((16, 48), jnp.float32)
+  with pytest.raises(ValueError, match="E=48 is not a multiple of 32"):
+    topk.top_k(logits, 2)
+  with pytest.raises(ValueError, match="E=2048 is above 1024"):
+    topk.top_k(jnp.zeros((4, 2048), jnp.float32), 2)
+  with pytest.raises(ValueError, match=r"k=33 must be between 1 and min\(E, 32\)"):
+    topk.top_k(jnp.zeros((4, 64), jnp.float32), 33)
+  with pytest.raises(TypeError, match="logits must be float32; got bfloat16"):
+    topk.top_k(jnp.zeros((4, 64), jnp.bfloat16), 2)
+  with pytest.warns(UserWarning, match="backend 'cute' top_k: E=48 .*using jax.lax.top_k"):
+    values, experts = cute_ops.top_k(_top_k_logits(16, 48, 0), 3)
+  want = jax.lax.top_k(_top_k_logits(16, 48, 0), 3)
+  np.testing.assert_array_equal(values, want[0])
+  np.testing.assert_array_equal(experts, want[1])
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("T,E,k", [(1000, 128, 8), (37, 32, 1), (333, 256, 16), (5, 1024, 32),
+                                   (64, 64, 64 // 2)])
+def test_cute_top_k_matches_lax_on_gpu(T, E, k):
+  """Values and experts equal jax.lax.top_k's: ties to the lower expert, -inf logits, T not a
+  multiple of the CTA's tokens, k = 1 and k = 32."""
+  from ffi import topk
+  logits = _top_k_logits(T, E, T + E)
+  got = jax.jit(lambda l: topk.top_k(l, k))(logits)
+  want = jax.lax.top_k(logits, k)
+  np.testing.assert_array_equal(got[1], want[1])
+  np.testing.assert_array_equal(got[0], want[0])
 
 
 @needs_cute
@@ -685,12 +732,17 @@ def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("shape,dout_gather_max_column_tiles,dh_kernel", [
-    ((1000, 512, 256, 16, 4), 0, "registers"), ((4096, 1536, 256, 128, 8), 0, "registers"),
-    ((1000, 512, 256, 16, 4), 2, "registers"), ((1000, 512, 1024, 16, 4), 8, "tma_store")])
-def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_max_column_tiles, dh_kernel, monkeypatch):
-  """Every op on cute (dO's rows gathered by XLA, or by dh and dw2; dH's register or TMA
-  stores) against the xla backend: forward and all four gradients."""
+@pytest.mark.parametrize("shape,dout_gather_max_column_tiles,dh_kernel,backend", [
+    ((1000, 512, 256, 16, 4), 0, "registers", CUTE_GEMMS),
+    ((4096, 1536, 256, 128, 8), 0, "registers", CUTE_GEMMS),
+    ((1000, 512, 256, 16, 4), 2, "registers", CUTE_GEMMS),
+    ((1000, 512, 1024, 16, 4), 8, "tma_store", CUTE_GEMMS),
+    ((4096, 1536, 256, 128, 8), 2, "registers", "cute")])
+def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_max_column_tiles, dh_kernel, backend,
+                                     monkeypatch):
+  """Every expert op on cute (dO's rows gathered by XLA, or by dh and dw2; dH's register or TMA
+  stores), and backend "cute" for everything (its top-K too), against the xla backend:
+  forward and all four gradients."""
   cute_ops = importlib.import_module("ffi.ops")
   monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", dout_gather_max_column_tiles)
   monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
@@ -701,7 +753,7 @@ def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_max_column_tiles, dh_ker
   def grads(backend):
     f = lambda *a: jnp.sum(sm.moe(*a, k=K, backend=backend).out.astype(jnp.float32) * cot)
     return sm.moe(*args, k=K, backend=backend).out, jax.grad(f, argnums=(0, 1, 2, 3))(*args)
-  out_c, g_c = grads(CUTE_GEMMS)
+  out_c, g_c = grads(backend)
   out_x, g_x = grads("xla")
   assert rel_err(out_c, out_x) < 1e-2
   for a, b in zip(g_c, g_x):

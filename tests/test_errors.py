@@ -97,3 +97,16 @@ def test_auto_backend_falls_back_explicitly_on_gpu_platform():
   ops = backends.resolve("auto", platform="gpu", dtype=jnp.bfloat16, d=128, n=64)
   assert ops.up_proj is not xla_ops.up_proj and ops.align == 128
   assert backends.resolve("auto", platform="cpu").up_proj is xla_ops.up_proj
+
+
+@pytest.mark.parametrize("name", ["xla", "pallas", "cute"])
+def test_every_backend_implements_every_op(name):
+  """Any backend by name (or any mix) forms a whole layer: each module's OPS has every op."""
+  from sonicmoe_jax import backends
+  if name == "cute":
+    pytest.importorskip("cutlass")
+    pytest.importorskip("jax_tvm_ffi")
+  module = backends._backend_module(name)
+  assert set(module.OPS) == set(backends.OP_NAMES)
+  ops = backends.resolve(name)
+  assert all(callable(getattr(ops, op)) for op in backends.OP_NAMES)
