@@ -15,6 +15,7 @@
 #           the cute wheels first, ../shared/tools/device-wheels cute; source their env.sh) (~3 min)
 #   pingpong: the ping-pong kernels' GPU tests (90 s cap per kernel: a hang), their sweep
 #           rows beside grouped_gemm's at 30B-n256                                     (~8 min)
+#   new_tests: the cute top-K, the CUDA-graph test, the counting routing plan on the GPU (~4 min)
 #   pingpong_store: the ping-pong down_proj / dx_tilde (tests, sweep at 7B-n256 and 30B-n256,
 #           the layer with them)                                                        (~7 min)
 #   cute_sweep: their tile/epilogue sweep at 30B-n256                                 (~5 min)
@@ -109,6 +110,13 @@ print(json.dumps({k: v for k, v in C.ANCHORS.items() if not names or k in names.
         --kernels down_proj,down_proj_pingpong,down_proj_pingpong_tma,dx_tilde,dx_tilde_pingpong,dx_tilde_pingpong_tma \
         --block-n 128 \
         --out "$OUT/sweep_pingpong_store.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
+    new_tests)  # after `cute`: session 10's CPU work on the GPU: the cute top-K against
+                # jax.lax.top_k and the layer on backend "cute", the CUDA-graph test's thunk
+                # dump, the counting plan against the sorted one (on the GPU's matmul)   (~4 min)
+      timeout 400 python3 -m pytest -p no:cacheprovider -rA tests/test_cute.py tests/test_routing.py \
+        -k "top_k or cuda_graphs or (gemms_match and shape4) or counting or column_prefix" \
+        > "$OUT/pytest_new.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_new.log" | tail -12 ;;
     pingpong_store)  # after `cute`: the ping-pong store GEMMs (down_proj, dx_tilde) after the
                      # TMA-store epilogue's fix: their GPU tests, the sweep at 7B-n256 and
                      # 30B-n256 beside grouped_gemm's, the layer with each store kernel  (~7 min)
