@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 import sonicmoe_jax as sm
 from benchmarks import configs as C
+from benchmarks import device_kernels
 from pallas_kernels import config as pallas_config
 
 
@@ -113,7 +114,24 @@ def measure(fn, args, dout, iters, reps):
   fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
   t_f = time_ms(fwd, args, iters, reps)
   t_fb = time_ms(fwd_bwd, args, iters, reps)
-  return t_f, t_fb, step_bytes(fwd_bwd, args)
+  return t_f, t_fb, step_bytes(fwd_bwd, args), kernels_of(fwd, fwd_bwd, args)
+
+
+def kernels_of(fwd, fwd_bwd, args):
+  """The GPU kernels of a forward and of a forward+backward step (device_kernels.kernel_times),
+  as the torch subprocess records them: {} off the GPU."""
+  if jax.default_backend() != "gpu":
+    return {}
+  rec = {}
+  for key, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+    try:
+      times = device_kernels.kernel_times(fn, args)
+    except Exception as e:   # the profiler is a nicety: the row keeps its timings
+      rec["kernels_status"] = f"{type(e).__name__}: {str(e)[:200]}"
+      break
+    if times is not None:
+      rec[f"kernel_{key}_ms"], rec[f"kernels_{key}"] = times
+  return rec
 
 
 def step_bytes(jitted, args):
@@ -166,7 +184,8 @@ def run_case(impl, name, cfg, args_ns, meta):
   try:
     fn = impl_fn(impl, K, args_ns.rounding, args_ns.tile)
     args, dout = make_args(T, d, n, E, K)
-    t_f, t_fb, step = measure(fn, args, dout, args_ns.iters, args_ns.reps)
+    t_f, t_fb, step, kernels = measure(fn, args, dout, args_ns.iters, args_ns.reps)
+    rec.update(kernels)
     rec.update(fwd_ms=t_f, fwd_bwd_ms=t_fb, bwd_ms=t_fb - t_f, step_bytes=step,
                fwd_tflops=C.fwd_flops(*cfg) / t_f / 1e9,
                fwd_bwd_tflops=C.fwd_bwd_flops(*cfg) / t_fb / 1e9)
@@ -245,7 +264,7 @@ def table(records):
                  f"{fmt(r.get('fwd_tflops'), '9.0f')} {fmt(r.get('fwd_bwd_ms'), '9.3f')} "
                  f"{fmt(r.get('fwd_bwd_tflops'), '9.0f')} {fmt(mib(r.get('act_bytes')), '9.1f')} "
                  f"{fmt(mib(r.get('step_bytes')), '9.1f')}  {r['status'][:60]}")
-    if "kernel_fwd_bwd_ms" in r:   # the PyTorch layer's GPU kernels alone (no host overhead)
+    if "kernel_fwd_bwd_ms" in r:   # its GPU kernels alone (no host overhead), from a profiler
       lines.append(f"{'':12s} {'  its kernels':15s} {fmt(r.get('kernel_fwd_ms'), '9.3f')} "
                    f"{'':9s} {fmt(r.get('kernel_fwd_bwd_ms'), '9.3f')}")
   return "\n".join(lines)

@@ -87,3 +87,29 @@ def test_kernels_breakdown_of_a_per_op_mix(tmp_path):
              "dw1 (+ gather X)", "dw2 (+ gather dO)"):
     assert ops[op]["ms"] > 0
   assert "up_proj (gather in kernel)" not in ops   # Pallas-only rows need backend "pallas"
+
+
+def test_device_kernel_times_count_gpu_stream_events_only():
+  """Our per-kernel times (device_kernels.per_kernel) sum the GPU planes' stream lines per
+  kernel name and step: host planes and the planes' summary lines are not counted twice."""
+  from types import SimpleNamespace as NS
+  from benchmarks import device_kernels
+  event = lambda name, ns: NS(name=name, duration_ns=ns)
+  planes = [
+      NS(name="/host:CPU", lines=[NS(name="python3", events=[event("gemm", 5e6)])]),
+      NS(name="/device:GPU:0", lines=[
+          NS(name="Stream #14(compute)", events=[event("gemm", 2e6), event("gather", 1e6),
+                                                 event("gemm", 2e6)]),
+          NS(name="Stream #15(copy)", events=[event("gather", 1e6)]),
+          NS(name="XLA Ops", events=[event("fusion.1", 6e6)])]),
+  ]
+  total, ranked = device_kernels.per_kernel(planes, steps=2)
+  assert ranked == [("gemm", 2.0), ("gather", 1.0)] and total == 3.0
+  assert device_kernels.per_kernel(planes[:1], steps=2) is None
+
+
+def test_device_kernel_times_off_the_gpu_are_none():
+  import jax
+  import jax.numpy as jnp
+  from benchmarks import device_kernels
+  assert device_kernels.kernel_times(jax.jit(jnp.tanh), (jnp.ones(8),), steps=1) is None
