@@ -48,12 +48,16 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
   logits = jax.jit(sm.router_logits)(x, wr)
   topk_xla = jax.jit(lambda lg: jax.lax.top_k(lg, K))
   topk = jax.jit(lambda lg: ops.top_k(lg, K))
-  cute_topk = []   # the cute top-K beside the backend's, on GPUs with the extra installed
+  # the cute top-K and aggregation beside the backend's, on GPUs with the extra installed
+  cute_topk, cute_aggregate = [], []
   if jax.default_backend() == "gpu" and backends._cute_installed():
+    from ffi import ops as cute_ops
     from ffi import topk as cute_topk_kernel
     if cute_topk_kernel.unsupported(E, K) is None:
       cute_topk = [("  (top_k on cute)", jax.jit(lambda lg: cute_topk_kernel.top_k(lg, K)),
                     (logits,), None, T * E * 4)]
+    cute_aggregate = [("  (aggregate on cute)", jax.jit(cute_ops.aggregate), (y, plan.scores, plan),
+                       None, P * d * bf + T * d * bf)]
   top_logits, top_experts = topk(logits)
   scores = routing._scores(top_logits, logits, top_logits, "softmax_topk", False)
   plan_only = jax.jit(lambda s, e: routing._topk_plan(s, e, E, ops.align))
@@ -83,6 +87,7 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
                      (xla_ops.gather_rows(x, plan.token_index), w1), (P, d, 2 * n), None)]),
       ("down_proj", jax.jit(ops.down_proj), (a, w2, plan), (P, n, d), None),
       ("aggregate", jax.jit(ops.aggregate), (y, plan.scores, plan), None, P * d * bf + T * d * bf),
+      *cute_aggregate,
       ("  (as a sorted segment_sum)", jax.jit(segment_sum_aggregate), (y, plan.scores, plan), None,
        P * d * bf + T * d * bf),
       ("dh (+ gather dO)", jax.jit(ops.dh), (dout, w2, h, plan.scores, plan), (P, d, n), None),

@@ -1,11 +1,12 @@
 """Per-token gather-and-sum as a CuTe DSL kernel: O[t] = sum over token t's slots of s * Y[slot].
 
-One CTA per token, 128 threads striding over the d columns; each thread accumulates its
-columns in fp32 over the token's slots (token_slots[token_offsets[t]:token_offsets[t+1]]),
-optionally weighted by the slot's score, and writes O[t] in Y's dtype. Bandwidth-bound: reads
-each slot row once, writes each token row once. Callable from any jitted JAX program: the
-kernel is compiled for the GPU when the program is lowered (CUTE_DSL_ARCH=sm_90a compiles it
-on a machine without a GPU) and runs as an XLA FFI custom call on XLA's stream.
+One CTA per token, 128 threads striding over the row in chunks of `vec` columns (16 bytes: 8
+bf16 values, one vector load each); each thread accumulates its chunks in fp32 over the
+token's slots (token_slots[token_offsets[t]:token_offsets[t+1]]), optionally weighted by the
+slot's score, and writes O[t] in Y's dtype. Bandwidth-bound: reads each slot row once, writes
+each token row once. Callable from any jitted JAX program: the kernel is compiled for the GPU
+when the program is lowered (CUTE_DSL_ARCH=sm_90a compiles it on a machine without a GPU) and
+runs as an XLA FFI custom call on XLA's stream.
 """
 from __future__ import annotations
 
@@ -16,39 +17,51 @@ import jax
 from ffi import xla_call
 
 THREADS = 128
+ACCESS_BYTES = 16   # one vector load or store per chunk
 
 
 @cute.kernel
 def _gather_sum_kernel(y: cute.Tensor, scores: cute.Tensor, token_slots: cute.Tensor,
-                       token_offsets: cute.Tensor, out: cute.Tensor, weighted: cutlass.Constexpr):
+                       token_offsets: cute.Tensor, out: cute.Tensor, weighted: cutlass.Constexpr,
+                       vec: cutlass.Constexpr):
   tidx, _, _ = cute.arch.thread_idx()
   token, _, _ = cute.arch.block_idx()
   start = token_offsets[token]
   end = token_offsets[token + 1]
-  for col in range(tidx, y.shape[1], THREADS):
-    acc = cutlass.Float32(0.0)
+  for chunk in range(tidx, y.shape[1] // vec, THREADS):
+    acc = cute.make_rmem_tensor((vec,), cutlass.Float32)
+    acc.fill(0.0)
+    row = cute.make_rmem_tensor((vec,), y.element_type)
     for j in range(start, end):
       slot = token_slots[j]
-      value = y[cutlass.Int64(slot), col].to(cutlass.Float32)
+      cute.autovec_copy(cute.local_tile(y[cutlass.Int64(slot), None], (vec,), (chunk,)), row)
+      values = row.load().to(cutlass.Float32)
       if cutlass.const_expr(weighted):
-        value = value * scores[slot]
-      acc = acc + value
-    out[cutlass.Int64(token), col] = acc.to(out.element_type)
+        values = values * scores[slot]
+      acc.store(acc.load() + values)
+    result = cute.make_rmem_tensor((vec,), out.element_type)
+    result.store(acc.load().to(out.element_type))
+    cute.autovec_copy(result, cute.local_tile(out[cutlass.Int64(token), None], (vec,), (chunk,)))
 
 
 @cute.jit
 def _gather_sum(stream, y: cute.Tensor, scores: cute.Tensor, token_slots: cute.Tensor,
-                token_offsets: cute.Tensor, out: cute.Tensor, weighted: cutlass.Constexpr):
-  _gather_sum_kernel(y, scores, token_slots, token_offsets, out, weighted).launch(
+                token_offsets: cute.Tensor, out: cute.Tensor, weighted: cutlass.Constexpr,
+                vec: cutlass.Constexpr):
+  _gather_sum_kernel(y, scores, token_slots, token_offsets, out, weighted, vec).launch(
       grid=(out.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream)
 
 
 def gather_sum(y, scores, token_slots, token_offsets, num_tokens: int):
-  """[num_tokens, d] in y's dtype; scores=None sums unweighted."""
+  """[num_tokens, d] in y's dtype; scores=None sums unweighted. Rows whose width is not a
+  multiple of a 16-byte access are read one value at a time."""
   weighted = scores is not None
   if scores is None:
     scores = jax.numpy.zeros((y.shape[0],), jax.numpy.float32)
+  vec = ACCESS_BYTES // y.dtype.itemsize
+  if y.shape[1] % vec:
+    vec = 1
   out, = xla_call.call(
       _gather_sum, [y, scores.astype(jax.numpy.float32), token_slots, token_offsets],
-      [jax.ShapeDtypeStruct((num_tokens, y.shape[1]), y.dtype)], weighted=weighted)
+      [jax.ShapeDtypeStruct((num_tokens, y.shape[1]), y.dtype)], weighted=weighted, vec=vec)
   return out
