@@ -130,6 +130,10 @@ print(json.dumps({k: v for k, v in C.ANCHORS.items() if not names or k in names.
         --stages 3,0 --block-n 128 --out "$OUT/sweep_pingpong_store.json" \
         --kernels down_proj,down_proj_pingpong,down_proj_pingpong_tma,dx_tilde,dx_tilde_pingpong_tma \
         2>&1 | grep -v '^{' | grep -v "^config"
+      # the up-projections at 7B-n256 (Pallas's 0.79 ms there, the PyTorch SonicMoE's 0.52)
+      timeout 90 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256 --stages 0 \
+        --block-n 64,128 --kernels up_proj_gather,up_proj_pingpong --out "$OUT/sweep_up_7b.json" \
+        2>&1 | grep -v '^{' | grep -v "^config"
       for store in grouped pingpong_tma; do
         timeout 100 python3 -m benchmarks.bench --configs 7B-n256,30B-n256 --impls auto \
           --cute-store $store --iters 5 --reps 3 --out "$OUT/bench_store_$store" 2>&1 | tail -3
