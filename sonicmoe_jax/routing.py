@@ -245,7 +245,7 @@ def _topk_plan(topk_scores, topk_experts, num_experts: int, align: int,
   num_tokens, k = topk_experts.shape
   size = num_slots(num_tokens, num_experts, k, 1, align)
   if method is None:
-    method = "count" if num_experts <= COUNT_MAX_EXPERTS and num_tokens < 2**24 else "sort"
+    method = "count" if num_experts <= COUNT_MAX_EXPERTS else "sort"
   if method == "sort":
     return _pairs_to_plan(topk_experts, topk_scores, num_experts, align, size, fixed_k=True)
   if method != "count":
@@ -273,8 +273,12 @@ def _column_prefix_counts(mask):
   """(counts [T, E] int32, totals [E] int32) of a [T, E] bool mask: counts[t, e] = how many of
   rows 0..t are True in column e. Blocks of COUNT_BLOCK rows: inside a block one matmul with
   a lower-triangular matrix of ones (bf16 0/1 operands, fp32 sums: exact), then each block
-  adds the totals of the blocks before it (a prefix sum over T / COUNT_BLOCK rows)."""
+  adds the totals of the blocks before it (a prefix sum over T / COUNT_BLOCK rows). From 2^24
+  rows on (past fp32's exact integers) a plain cumulative sum."""
   num_rows, cols = mask.shape
+  if num_rows >= 2**24:
+    counts = jnp.cumsum(mask, axis=0, dtype=jnp.int32)
+    return counts, counts[-1]
   blocks = -(-num_rows // COUNT_BLOCK)
   ones = jnp.pad(mask, ((0, blocks * COUNT_BLOCK - num_rows), (0, 0))).astype(jnp.bfloat16)
   lower = jnp.tril(jnp.ones((COUNT_BLOCK, COUNT_BLOCK), jnp.bfloat16))
@@ -395,7 +399,7 @@ def _top_per_column(values, counts):
   above = keys > threshold[None, :]
   tie = keys == threshold[None, :]
   ties_needed = counts - jnp.sum(above, axis=0, dtype=jnp.int32)
-  return above | (tie & (jnp.cumsum(tie, axis=0, dtype=jnp.int32) <= ties_needed[None, :]))
+  return above | (tie & (_column_prefix_counts(tie)[0] <= ties_needed[None, :]))
 
 
 def _chosen_mask(topk_experts, num_experts: int):
@@ -412,7 +416,7 @@ def _rounded_plan(scores, chosen, targets, k: int, tile: int, align: int) -> Rou
 
   size = num_slots(num_tokens, num_experts, k, tile, align)
   offsets = _aligned_offsets(targets, align)
-  rank = jnp.cumsum(selected, axis=0, dtype=jnp.int32) - 1               # within the expert
+  rank = _column_prefix_counts(selected)[0] - 1                          # within the expert
   slot = jnp.where(selected, offsets[None, :num_experts] + rank, size).reshape(-1)
   # one scatter of each selected pair's flat index t * E + e; the rest follows by gathers
   pair = jnp.full((size,), -1, jnp.int32).at[slot].set(
