@@ -302,13 +302,13 @@ def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: 
   num_tokens, j = pair_expert.shape
   flat = pair_expert.reshape(-1).astype(jnp.int32)             # pair i = t * j + column
   order, sorted_expert = _sort_pairs_by_expert(flat, num_experts)
-  first = _count_below(sorted_expert, jnp.arange(num_experts + 1, dtype=jnp.int32),
+  first = count_below(sorted_expert, jnp.arange(num_experts + 1, dtype=jnp.int32),
                        inclusive=False)                        # expert e's pairs: first[e]..
   counts = first[1:] - first[:-1]
   offsets = _aligned_offsets(counts, align)
 
   slot = jnp.arange(size, dtype=jnp.int32)
-  expert = _count_below(offsets[1:], slot, inclusive=True)     # groups ending at or before
+  expert = count_below(offsets[1:], slot, inclusive=True)     # groups ending at or before
   expert_c = jnp.minimum(expert, num_experts - 1)
   rank = slot - offsets[expert_c]
   valid = (expert < num_experts) & (rank < counts[expert_c])
@@ -347,7 +347,7 @@ def _sort_pairs_by_expert(flat_expert, num_experts: int):
   return (packed % num_pairs).astype(jnp.int32), (packed // num_pairs).astype(jnp.int32)
 
 
-def _count_below(sorted_values, queries, *, inclusive: bool):
+def count_below(sorted_values, queries, *, inclusive: bool):
   """For each query, how many of the ascending sorted_values are < it (<= it if inclusive).
 
   jnp.searchsorted's binary search is a loop, which on the GPU runs as a while loop with a

@@ -226,6 +226,18 @@ def _top_k_logits(T, E, seed):
 
 
 @needs_cute
+def test_cute_layer_step_has_no_device_loops():
+  """A forward+backward step on backend "cute", lowered for CUDA, has no while loop: on a GPU
+  each step of one waits for the host (two came from the tiles' owner search)."""
+  T, d, n, E, K = 1024, 256, 128, 32, 4
+  args = make_inputs(0, T, d, n, E, jnp.bfloat16)
+  step = jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=K, backend="cute").out.astype(jnp.float32)),
+                  argnums=(0, 1, 2, 3))
+  text = _cuda_module(step, *args)
+  assert FFI_TARGET in text and "stablehlo.while" not in text
+
+
+@needs_cute
 @pytest.mark.parametrize("T,E,k", [(1000, 128, 8), (37, 32, 1), (64, 256, 16), (5, 1024, 32)])
 def test_cute_top_k_compiles_and_lowers_for_cuda(T, E, k):
   from ffi import topk

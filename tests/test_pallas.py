@@ -349,3 +349,22 @@ def test_gather_in_kernel_flag_leaves_op_unchanged(monkeypatch, op):
 @pytest.mark.parametrize("op", GATHER_FLAGS)
 def test_layer_with_gather_in_kernel_on_gpu(monkeypatch, op):
   _layer_unchanged_by_gather_in_kernel(monkeypatch, op, 4096, 1024, 256, 32, 4, seed=9)
+
+
+@pytest.mark.parametrize("num_groups", [1, 5, 128, 300])
+def test_tile_owners_match_a_search_and_have_no_device_loop(num_groups):
+  """Each M tile's group, E past the last group, as numpy's searchsorted; lowered without a
+  while loop (jnp.searchsorted's default is one: a host round trip per step on a GPU, in the
+  forward and the backward of every step)."""
+  from pallas_kernels import schedule
+  rng = np.random.default_rng(num_groups)
+  sizes = rng.integers(0, 4, num_groups) * 128
+  sizes[::3] = 0
+  offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+  num_rows = int(offsets[-1]) + 3 * 128                  # tiles past the last group too
+  got = schedule.tile_owners(jnp.asarray(offsets), num_rows, 128)
+  want = np.searchsorted(offsets[1:], np.arange(num_rows // 128) * 128, side="right")
+  np.testing.assert_array_equal(got, want)
+  text = jax.jit(lambda o: schedule.tile_owners(o, num_rows, 128)).lower(
+      jnp.asarray(offsets)).as_text()
+  assert "stablehlo.while" not in text

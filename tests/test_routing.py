@@ -245,12 +245,12 @@ def test_aggregate_with_many_slots_per_token():
 
 @pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 129, 1000])
 def test_count_below_matches_searchsorted(n):
-  from sonicmoe_jax.routing import _count_below
+  from sonicmoe_jax.routing import count_below
   rng = np.random.default_rng(n)
   values = np.sort(rng.integers(0, 40, n)).astype(np.int32)
   queries = rng.integers(-3, 44, 200).astype(np.int32)
   for inclusive, side in ((False, "left"), (True, "right")):
-    got = _count_below(jnp.asarray(values), jnp.asarray(queries), inclusive=inclusive)
+    got = count_below(jnp.asarray(values), jnp.asarray(queries), inclusive=inclusive)
     np.testing.assert_array_equal(got, np.searchsorted(values, queries, side=side))
 
 
