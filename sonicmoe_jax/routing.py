@@ -49,7 +49,8 @@ class RoutingPlan:
   Static fields:
     num_tokens (T), num_experts (E), k (top-K), fixed_k: True when every token has exactly k
     slots and token_slots.reshape(T, k) lists them (plain top-K routing), align: the
-    alignment of group starts.
+    alignment of group starts, max_token_slots: the most slots a token can have where known
+    before running (None under token rounding).
   """
   token_index: jax.Array
   expert_index: jax.Array
@@ -64,6 +65,7 @@ class RoutingPlan:
   k: int = dataclasses.field(metadata=dict(static=True))
   fixed_k: bool = dataclasses.field(metadata=dict(static=True))
   align: int = dataclasses.field(default=1, metadata=dict(static=True))
+  max_token_slots: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
   def num_slots(self) -> int:
@@ -266,7 +268,8 @@ def _topk_plan(topk_scores, topk_experts, num_experts: int, align: int,
       scores=jnp.where(valid, topk_scores.reshape(-1)[pair_c].astype(jnp.float32), 0.0),
       valid=valid, group_sizes=counts, group_offsets=offsets, token_slots=slot,
       token_offsets=jnp.arange(num_tokens + 1, dtype=jnp.int32) * k,
-      num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=True, align=align)
+      num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=True, align=align,
+      max_token_slots=k)
 
 
 def _column_prefix_counts(mask):
@@ -328,7 +331,7 @@ def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: 
       valid=valid,
       group_sizes=counts, group_offsets=offsets, token_slots=token_slots,
       token_offsets=token_offsets, num_tokens=num_tokens, num_experts=num_experts, k=j,
-      fixed_k=fixed_k, align=align)
+      fixed_k=fixed_k, align=align, max_token_slots=j)
 
 
 def _sort_pairs_by_expert(flat_expert, num_experts: int):

@@ -66,7 +66,8 @@ def aggregate(y, scores, plan: RoutingPlan):
   A gather-and-sum, never a scatter: with a variable slot count per token (token rounding),
   tokens' slots are read in column blocks of k (slot j of token t in block j // k), as many
   blocks as the busiest token needs (usually two: rounding adds fewer than a tile of tokens
-  per expert).
+  per expert), or where the plan bounds a token's slots (plan.max_token_slots: plans from
+  given assignments) that many, unrolled.
   """
   if plan.fixed_k:  # every token has exactly k slots
     rows = y.astype(_F32)
@@ -89,7 +90,13 @@ def aggregate(y, scores, plan: RoutingPlan):
       block = block * scores.at[slot].get(mode="fill", fill_value=0)[..., None]
     return jnp.sum(block, axis=1)
 
-  # the first block covers every slot of most tokens; the loop only the busiest tokens' rest
+  if plan.max_token_slots is not None:   # as many blocks as a token can fill: no device loop
+    out = block_sum(0)
+    for b in range(1, -(-plan.max_token_slots // plan.k)):
+      out = out + block_sum(b)
+    return out.astype(y.dtype)
+  # the first block covers every slot of most tokens; the loop (a device while loop: a host
+  # round trip per step on a GPU) only the busiest tokens' rest
   num_blocks = (jnp.max(counts) + plan.k - 1) // plan.k
   out = jax.lax.fori_loop(1, num_blocks, lambda b, acc: acc + block_sum(b), block_sum(0))
   return out.astype(y.dtype)

@@ -342,3 +342,26 @@ def test_router_logits_of_16_bit_inputs_equal_the_float32_product(dtype):
   assert gx.dtype == dtype and gw.dtype == dtype
   np.testing.assert_allclose(gx.astype(jnp.float32), rx.astype(jnp.float32), rtol=2e-2, atol=1e-3)
   np.testing.assert_allclose(gw.astype(jnp.float32), rw.astype(jnp.float32), rtol=2e-2, atol=1e-3)
+
+
+def test_aggregate_of_a_plan_from_assignments_has_no_device_loop():
+  """A plan from given assignments bounds each token's slots (max_token_slots = J), so the
+  aggregation unrolls its blocks (no while loop: a host round trip per step on a GPU) and
+  equals the sum; under token rounding the bound is unknown and the loop stays."""
+  from sonicmoe_jax import routing, xla_ops
+  T, E, J, d = 50, 6, 3, 16
+  rng = np.random.default_rng(0)
+  experts = rng.integers(0, E + 1, (T, J)).astype(np.int32)    # E: no expert
+  scores = rng.random((T, J)).astype(np.float32)
+  plan = routing.plan_from_experts(jnp.asarray(experts), jnp.asarray(scores), E, align=4)
+  assert plan.max_token_slots == J and not plan.fixed_k
+  y = jnp.asarray(rng.normal(size=(plan.num_slots, d)), jnp.float32)
+  text = jax.jit(lambda v: xla_ops.aggregate(v, plan.scores, plan)).lower(y).as_text()
+  assert "stablehlo.while" not in text
+  got = xla_ops.aggregate(y, plan.scores, plan)
+  tok, sc, valid = (np.asarray(a) for a in (plan.token_index, plan.scores, plan.valid))
+  want = np.zeros((T, d), np.float32)
+  np.add.at(want, tok[valid], np.asarray(y)[valid] * sc[valid, None])
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  rounded, _ = sm.route(_logits(1, 256, 8), k=2, rounding="nearest", tile=64)
+  assert rounded.max_token_slots is None
