@@ -7,9 +7,10 @@ warp's largest (redux.sync max), the lowest expert holding it (redux.sync min ov
 lowest such expert), and that expert's key is masked with INT32_MIN, below every key. Lane j
 keeps round j's result; lanes below k store them, [k] values and experts per token.
 
-Keys: the logits come as int32 keys in the order of their float32 values (negative floats with
-their magnitude bits flipped: _ordered_keys), so -inf logits stay selectable and ties go to the
-lower expert, as jax.lax.top_k.
+Keys: each logit's float32 bits read as an int32 key in the order of the float values
+(negative floats with their magnitude bits flipped: _ordered_key, its own inverse, which turns
+the chosen keys back into values), so -inf logits stay selectable and ties go to the lower
+expert, as jax.lax.top_k.
 """
 from __future__ import annotations
 
@@ -39,29 +40,27 @@ def unsupported(num_experts: int, k: int):
   return None
 
 
-def _ordered_keys(x):
-  """int32 keys in the order of the float32 values x (the map is its own inverse)."""
-  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-  return jnp.where(bits < 0, bits ^ jnp.int32(_MAGNITUDE_BITS), bits)
-
-
-def _key_values(keys):
-  """The float32 values of _ordered_keys."""
-  return jax.lax.bitcast_convert_type(
-      jnp.where(keys < 0, keys ^ jnp.int32(_MAGNITUDE_BITS), keys), jnp.float32)
+@cute.jit
+def _ordered_key(bits):
+  """An int32 key in the order of the float32 whose bits these are (its own inverse)."""
+  key = bits
+  if bits < 0:
+    key = bits ^ cutlass.Int32(_MAGNITUDE_BITS)
+  return key
 
 
 @cute.kernel
-def _top_k_kernel(keys: cute.Tensor, top_keys: cute.Tensor, top_experts: cute.Tensor,
+def _top_k_kernel(logits: cute.Tensor, top_values: cute.Tensor, top_experts: cute.Tensor,
                   k: cutlass.Constexpr, per_lane: cutlass.Constexpr):
-  tidx, _, _ = cute.arch.thread_idx()
+  keys = cute.recast_tensor(logits, cutlass.Int32)           # the float32 bits
+  top_keys = cute.recast_tensor(top_values, cutlass.Int32)
   block, _, _ = cute.arch.block_idx()
   lane = cute.arch.lane_idx()
   token = block * WARPS + cute.arch.make_warp_uniform(cute.arch.warp_idx())
   if token < keys.shape[0]:
     mine = cute.make_rmem_tensor((per_lane,), cutlass.Int32)
     for i in cutlass.range_constexpr(per_lane):
-      mine[i] = keys[token, lane + 32 * i]
+      mine[i] = _ordered_key(keys[token, lane + 32 * i])
     kept_key = cutlass.Int32(0)
     kept_expert = cutlass.Int32(0)
     for j in cutlass.range_constexpr(k):
@@ -82,15 +81,15 @@ def _top_k_kernel(keys: cute.Tensor, top_keys: cute.Tensor, top_experts: cute.Te
         kept_key = best
         kept_expert = expert
     if lane < k:
-      top_keys[token, lane] = kept_key
+      top_keys[token, lane] = _ordered_key(kept_key)         # the value's bits again
       top_experts[token, lane] = kept_expert
 
 
 @cute.jit
-def _top_k(stream, keys: cute.Tensor, top_keys: cute.Tensor, top_experts: cute.Tensor,
+def _top_k(stream, logits: cute.Tensor, top_values: cute.Tensor, top_experts: cute.Tensor,
            k: cutlass.Constexpr, per_lane: cutlass.Constexpr):
-  _top_k_kernel(keys, top_keys, top_experts, k, per_lane).launch(
-      grid=((keys.shape[0] + WARPS - 1) // WARPS, 1, 1), block=(THREADS, 1, 1), stream=stream)
+  _top_k_kernel(logits, top_values, top_experts, k, per_lane).launch(
+      grid=((logits.shape[0] + WARPS - 1) // WARPS, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
 
 def top_k(logits, k: int):
@@ -105,9 +104,9 @@ def top_k(logits, k: int):
   reason = unsupported(num_experts, k)
   if reason:
     raise ValueError(f"cute top_k: {reason}")
-  top_keys, experts = xla_call.call(
-      _top_k, [_ordered_keys(logits)],
-      [jax.ShapeDtypeStruct((num_tokens, k), jnp.int32),
+  values, experts = xla_call.call(
+      _top_k, [logits],
+      [jax.ShapeDtypeStruct((num_tokens, k), jnp.float32),
        jax.ShapeDtypeStruct((num_tokens, k), jnp.int32)],
       k=k, per_lane=num_experts // 32)
-  return _key_values(top_keys), experts
+  return values, experts
