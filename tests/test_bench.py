@@ -113,3 +113,29 @@ def test_device_kernel_times_off_the_gpu_are_none():
   import jax.numpy as jnp
   from benchmarks import device_kernels
   assert device_kernels.kernel_times(jax.jit(jnp.tanh), (jnp.ones(8),), steps=1) is None
+
+
+def test_kernel_table_puts_impls_side_by_side(tmp_path):
+  """benchmarks.kernel_table lists each impl's kernels per config in columns, longest first,
+  skipping rows without profiles (and the torch session-10 JSON reads back)."""
+  from benchmarks import kernel_table
+  records = [
+      dict(config="7B", impl="auto", kernel_fwd_bwd_ms=3.0,
+           kernels_fwd_bwd=[["up_proj_kernel", 2.0], ["fusion.3", 1.0]]),
+      dict(config="7B", impl="torch_sonicmoe", kernel_fwd_bwd_ms=2.5,
+           kernels_fwd_bwd=[["GemmGated", 1.5], ["gather_sum", 0.6], ["add", 0.4]]),
+      dict(config="7B", impl="dense", status="ok"),
+  ]
+  path = tmp_path / "bench.json"
+  path.write_text(json.dumps(records))
+  lines = kernel_table.main([str(path), "--top", "5"]).splitlines()
+  assert lines[0] == "7B: auto 3.000 ms   torch_sonicmoe 2.500 ms"
+  assert len(lines) == 4 and "up_proj_kernel" in lines[1] and "GemmGated" in lines[1]
+  assert "fusion.3" in lines[2] and "  1.000" in lines[2] and lines[3].split("|")[1].strip().startswith("add")
+  assert kernel_table.short_name(
+      "kernel_cutlass_kernel_quackgemm_actGemmGatedSm90_object_at__TiledMMA_ThrLayoutVMNK1282111"
+      "12800_PermutationMNK____MMAAtom_ThrID1281_ShapeMNK6425616_TVLayoutA") == \
+      "quackgemm_actGemmGatedSm90 [MNK 64,256,16]"
+  assert kernel_table.short_name("token_gather_sum_kernel") == "token_gather_sum_kernel"
+  saved = "benchmarks/results/2026-11-30-h200-session10/call6_bench.json"
+  assert "torch_sonicmoe" in kernel_table.main([saved, "--top", "2"])

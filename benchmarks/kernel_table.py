@@ -1,0 +1,62 @@
+"""Per-kernel side by side from a bench.py JSON: for each config, every impl's GPU kernels of a
+forward+backward step (their profilers' per-step times, longest first), in columns.
+
+  python -m benchmarks.kernel_table benchmarks/results/<run>/bench.json [--top 12] [--fwd]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+NAME_WIDTH = 52
+
+
+def short_name(name: str) -> str:
+  """A kernel name without CuTe DSL's generated prefix and its parameter dump (keeping the MMA
+  tile, e.g. 'quackgemm_actGemmGatedSm90 [MNK 64,256,16]')."""
+  for prefix in ("kernel_cutlass_kernel_", "kernel_cutlass_"):
+    if name.startswith(prefix):
+      name = name[len(prefix):]
+      break
+  head, sep, params = name.partition("_object_at_")
+  if not sep:
+    return name
+  mma = re.search(r"ShapeMNK(64)(\d+)(16)", params)   # Hopper wgmma: m64 nN k16 (bf16)
+  return head + (f" [MNK {','.join(mma.groups())}]" if mma else "")
+
+
+def table(records, top: int = 12, key: str = "kernels_fwd_bwd") -> str:
+  """Text table: per config, one column pair (kernel, ms) per impl that has `key`."""
+  lines = []
+  for config in dict.fromkeys(r["config"] for r in records):
+    rows = [r for r in records if r["config"] == config and r.get(key)]
+    if not rows:
+      continue
+    total_key = key.replace("kernels_", "kernel_") + "_ms"
+    lines.append(f"{config}: " + "   ".join(f"{r['impl']} {r[total_key]:.3f} ms" for r in rows))
+    for i in range(min(top, max(len(r[key]) for r in rows))):
+      cells = []
+      for r in rows:
+        name, ms = r[key][i] if i < len(r[key]) else ("", None)
+        cells.append(f"{short_name(name)[:NAME_WIDTH]:{NAME_WIDTH}s} "
+                     f"{'' if ms is None else f'{ms:7.3f}':>7s}")
+      lines.append("  " + " | ".join(cells))
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser()
+  p.add_argument("bench_json")
+  p.add_argument("--top", type=int, default=12)
+  p.add_argument("--fwd", action="store_true", help="the forward's kernels instead")
+  a = p.parse_args(argv)
+  with open(a.bench_json) as f:
+    records = json.load(f)
+  text = table(records, a.top, "kernels_fwd" if a.fwd else "kernels_fwd_bwd")
+  print(text)
+  return text
+
+
+if __name__ == "__main__":
+  main()
