@@ -135,7 +135,7 @@ print(json.dumps({k: v for k, v in C.ANCHORS.items() if not names or k in names.
         --block-n 64,128 --kernels up_proj_gather,up_proj_pingpong --out "$OUT/sweep_up_7b.json" \
         2>&1 | grep -v '^{' | grep -v "^config"
       for store in grouped pingpong_tma; do
-        timeout 100 python3 -m benchmarks.bench --configs 7B-n256,30B-n256 --impls auto \
+        timeout 150 python3 -m benchmarks.bench --configs 7B-n256,30B-n256 --impls auto \
           --cute-store $store --iters 5 --reps 3 --out "$OUT/bench_store_$store" 2>&1 | tail -3
       done ;;
     cute_sweep)
