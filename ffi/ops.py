@@ -139,11 +139,11 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int):
     raise ValueError(f"ffi.ops.STORE_KERNEL must be one of {STORE_KERNELS}; got {STORE_KERNEL!r}")
   block_n = _wide_tile(n_out, 128)
   if STORE_KERNEL.startswith("pingpong"):
-    # register stores address out with 32-bit offsets: a larger out takes the TMA stores
-    too_large = lhs.shape[0] * n_out > grouped_gemm.MAX_REGISTER_ADDRESSED
+    # an out past the register stores' 32-bit offsets takes the TMA stores
+    tma_store = (STORE_KERNEL == "pingpong_tma"
+                 or not pingpong.register_stores_fit(lhs.shape[0], n_out))
     return pingpong.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                   block_n=block_n,
-                                   tma_store=STORE_KERNEL == "pingpong_tma" or too_large)
+                                   block_n=block_n, tma_store=tma_store)
   return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                      block_n=block_n, stages=STORE_STAGES)
 

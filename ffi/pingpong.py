@@ -397,6 +397,11 @@ def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str,
   return stages
 
 
+def register_stores_fit(num_rows: int, num_cols: int) -> bool:
+  """Whether an out [num_rows, num_cols] is within the register stores' 32-bit offsets."""
+  return num_rows * num_cols <= grouped_gemm.MAX_REGISTER_ADDRESSED
+
+
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
                    stages: int | None = None, tma_store: bool = False):
   """grouped_gemm.grouped_matmul on the ping-pong schedule: out [P, N] = lhs_e rhs_e per M
@@ -411,8 +416,7 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   refused)."""
   rhs_ekn = grouped_gemm.rhs_as_ekn(rhs, transpose_rhs)
   reason = grouped_gemm.unsupported(lhs, rhs_ekn, block_n)
-  if not reason and not tma_store and lhs.shape[0] * rhs_ekn.shape[2] > \
-      grouped_gemm.MAX_REGISTER_ADDRESSED:
+  if not reason and not tma_store and not register_stores_fit(lhs.shape[0], rhs_ekn.shape[2]):
     reason = (f"out [{lhs.shape[0]}, {rhs_ekn.shape[2]}] has more than "
               f"{grouped_gemm.MAX_REGISTER_ADDRESSED} elements, past the register stores' 32-bit "
               f"offsets: use tma_store=True")

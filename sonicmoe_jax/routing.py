@@ -256,9 +256,7 @@ def _topk_plan(topk_scores, topk_experts, num_experts: int, align: int,
   offsets = _aligned_offsets(counts, align)
   # pair (t, j)'s slot: its expert's first slot + the expert's tokens before t
   slot = (offsets[topk_experts] + jnp.take_along_axis(ranks, topk_experts, axis=1) - 1).reshape(-1)
-  # one scatter of each pair's index t * K + j into its slot; the rest follows by gathers
-  pair = jnp.full((size,), -1, jnp.int32).at[slot].set(
-      jnp.arange(num_tokens * k, dtype=jnp.int32), unique_indices=True)
+  pair = _pair_of_slot(slot, size)                   # pair t * K + j; the rest by gathers
   valid = pair >= 0
   pair_c = jnp.maximum(pair, 0)
   return RoutingPlan(
@@ -270,6 +268,13 @@ def _topk_plan(topk_scores, topk_experts, num_experts: int, align: int,
       token_offsets=jnp.arange(num_tokens + 1, dtype=jnp.int32) * k,
       num_tokens=num_tokens, num_experts=num_experts, k=k, fixed_k=True, align=align,
       max_token_slots=k)
+
+
+def _pair_of_slot(slot, size: int):
+  """[size] int32: the pair each slot holds (-1 for padding slots), from slot [pairs], each
+  pair's slot (size or more: none), by one scatter of the pair indices."""
+  return jnp.full((size,), -1, jnp.int32).at[slot].set(
+      jnp.arange(slot.shape[0], dtype=jnp.int32), mode="drop")
 
 
 def _column_prefix_counts(mask):
@@ -421,9 +426,7 @@ def _rounded_plan(scores, chosen, targets, k: int, tile: int, align: int) -> Rou
   offsets = _aligned_offsets(targets, align)
   rank = _column_prefix_counts(selected)[0] - 1                          # within the expert
   slot = jnp.where(selected, offsets[None, :num_experts] + rank, size).reshape(-1)
-  # one scatter of each selected pair's flat index t * E + e; the rest follows by gathers
-  pair = jnp.full((size,), -1, jnp.int32).at[slot].set(
-      jnp.arange(num_tokens * num_experts, dtype=jnp.int32), mode="drop")
+  pair = _pair_of_slot(slot, size)                   # pair t * E + e; the rest by gathers
   valid = pair >= 0
   token_index = jnp.where(valid, pair // num_experts, num_tokens)
   expert_index = jnp.where(valid, pair % num_experts, num_experts)
