@@ -317,26 +317,26 @@ def main(argv=None):
                  help="pallas up-projection: gather X's rows inside the kernel (default) or by XLA")
   p.add_argument("--pallas-dw1-gather", choices=("xla", "kernel"), default="xla",
                  help="pallas dW1: gather X's rows by XLA (default) or inside the kernel (slower, less memory)")
-  p.add_argument("--cute-dout-gather", choices=("rule", "xla", "kernel"), default="rule",
-                 help="cute dh and dw2: gather dO's rows as ffi/ops.py's rule says (default, "
-                      "DOUT_GATHER_MAX_COLUMN_TILES), by XLA, or inside both kernels")
-  p.add_argument("--cute-dh", choices=("registers", "tma_store", "pingpong"), default="registers",
-                 help="cute dh's kernel variant (ffi/ops.py DH_KERNEL)")
-  p.add_argument("--cute-up-proj", choices=("grouped", "pingpong"), default="grouped",
-                 help="cute up_proj's kernel variant (ffi/ops.py UP_PROJ_KERNEL)")
-  p.add_argument("--cute-store", choices=("grouped", "pingpong", "pingpong_tma"), default="grouped",
-                 help="cute down_proj's and dx_tilde's kernel (ffi/ops.py STORE_KERNEL)")
+  p.add_argument("--cute-dout-gather", choices=("xla", "kernel"),
+                 help="cute dh and dw2: gather dO's rows by XLA or inside both kernels (default: "
+                      "ffi/ops.py's rule, DOUT_GATHER_MAX_COLUMN_TILES)")
+  p.add_argument("--cute-dh", choices=("registers", "tma_store", "pingpong"),
+                 help="cute dh's kernel variant (default: ffi/ops.py DH_KERNEL)")
+  p.add_argument("--cute-up-proj", choices=("grouped", "pingpong"),
+                 help="cute up_proj's kernel variant (default: ffi/ops.py UP_PROJ_KERNEL)")
+  p.add_argument("--cute-store", choices=("grouped", "pingpong", "pingpong_tma"),
+                 help="cute down_proj's and dx_tilde's kernel (default: ffi/ops.py STORE_KERNEL)")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
-  if (a.cute_dout_gather, a.cute_dh, a.cute_up_proj, a.cute_store) != (
-      "rule", "registers", "grouped", "grouped"):
+  cute_settings = dict(DH_KERNEL=a.cute_dh, UP_PROJ_KERNEL=a.cute_up_proj, STORE_KERNEL=a.cute_store)
+  if a.cute_dout_gather:
+    cute_settings["DOUT_GATHER_MAX_COLUMN_TILES"] = 0 if a.cute_dout_gather == "xla" else 1 << 30
+  cute_settings = {k: v for k, v in cute_settings.items() if v is not None}
+  if cute_settings:
     cute_ops = importlib.import_module("ffi.ops")   # (the cute extra: only when asked)
-    if a.cute_dout_gather != "rule":
-      cute_ops.DOUT_GATHER_MAX_COLUMN_TILES = 0 if a.cute_dout_gather == "xla" else 1 << 30
-    cute_ops.DH_KERNEL = a.cute_dh
-    cute_ops.UP_PROJ_KERNEL = a.cute_up_proj
-    cute_ops.STORE_KERNEL = a.cute_store
+    for name, value in cute_settings.items():
+      setattr(cute_ops, name, value)
 
   cases = dict(C.TINY) if a.tiny else {c: C.ANCHORS[c] for c in a.configs.split(",") if c}
   cases.update(C.parse_config(c) for c in a.custom)
@@ -344,8 +344,7 @@ def main(argv=None):
   dev = jax.devices()[0]
   meta = dict(gpu=dev.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               versions=versions(), pallas_gather=a.pallas_gather,
-              pallas_dw1_gather=a.pallas_dw1_gather, cute_dout_gather=a.cute_dout_gather,
-              cute_dh=a.cute_dh, cute_up_proj=a.cute_up_proj, cute_store=a.cute_store)
+              pallas_dw1_gather=a.pallas_dw1_gather, cute_settings=cute_settings)
   print(f"devices {jax.devices()} | {meta['versions']} | impls {impls}", flush=True)
   os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
   records = []

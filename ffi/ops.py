@@ -65,12 +65,12 @@ DH_KERNELS = ("registers", "tma_store", "pingpong")
 # down_proj's and dx_tilde's kernel: "grouped" (grouped_gemm.grouped_matmul, STORE_STAGES, its
 # TMA-store epilogue overlapping the mainloop of the SM's other CTA), "pingpong"
 # (pingpong.grouped_matmul: register stores under the other consumer's mainloop) or
-# "pingpong_tma" (the same with each consumer's TMA-store epilogue). Session 10: the register
-# stores gave grouped's bits at small sizes and overflowed their 32-bit offsets at 30B-n256
-# (out past 2^31 elements: such outputs now take the TMA stores); the TMA stores were wrong
-# (fixed on the CPU since, not yet rerun). Neither timed yet; register stores took 1.4-1.7x as
-# long as TMA stores in grouped_gemm's down_proj, session 6.
-STORE_KERNEL = "grouped"
+# "pingpong_tma" (the same with each consumer's TMA-store epilogue). H200 session 11, ms at
+# 7B-n256 / 30B-n256: down_proj 0.438 / 2.680 grouped, 0.336 / 2.049 pingpong_tma; dx_tilde
+# 0.654 / 4.054 and 0.547 / 3.466; the layer 21.70 -> 20.88 at 30B-n256. Register stores: 0.751
+# for down_proj at 7B-n256, and their 32-bit offsets cannot address outs past 2^31 elements
+# (such outs take the TMA stores).
+STORE_KERNEL = "pingpong_tma"
 STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
 
 

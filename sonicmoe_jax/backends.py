@@ -17,7 +17,7 @@ op. Users pick a backend by name for all ops ("xla", "pallas", "cute"), "auto" f
 platform default, or a mapping {op: backend} for a mix (ops left out use "auto").
 
 "auto" picks the platform default (PLATFORM_DEFAULTS, from measurements: the pallas kernels
-on GPUs), except that on GPUs dh, dx_tilde, dw1 and dw2 run on "cute" at the layer widths
+on GPUs), except that on GPUs down_proj, dh, dx_tilde, dw1 and dw2 run on "cute" at the layer widths
 where it measured faster (GPU_CUTE_WHERE) when the optional cute extra is installed. When the
 default backend's `unsupported(dtype, d, n)` names a reason (for example float32 inputs for
 pallas), "auto" falls back to "xla" and says so with a warning; a backend asked for by name
@@ -62,9 +62,12 @@ def _narrow_experts(d: int, n: int) -> bool:
 # 23.4-24.2 -> 23.1-23.4; 120B-n1024 37.5-38.3 -> 35.2-36.3; pallas stays at 7B-n1024 (2.92-2.97
 # vs 3.01-3.09) and olmoe (17.9-18.7 vs 18.5-19.1). Session 9 (-session9): dw2 on cute too,
 # dO's rows gathered in dh and dw2 (n <= 256): 7B-n256 3.64 -> 3.50, 30B-n256 22.38 -> 21.17;
-# at n = 1024 dw2 on cute (XLA's gather) ties or loses: 120B-n1024 35.64 vs 35.91.
-GPU_CUTE_WHERE = {"dh": _wide_model_or_narrow_experts, "dx_tilde": _wide_model_or_narrow_experts,
-                  "dw1": _wide_model_or_narrow_experts, "dw2": _narrow_experts}
+# at n = 1024 dw2 on cute (XLA's gather) ties or loses: 120B-n1024 35.64 vs 35.91. Session 11
+# (-session11): down_proj on cute's ping-pong TMA-store kernel 0.336 / 2.049 ms at 7B-n256 /
+# 30B-n256 against Pallas's 0.385 / 2.770.
+GPU_CUTE_WHERE = {"down_proj": _wide_model_or_narrow_experts, "dh": _wide_model_or_narrow_experts,
+                  "dx_tilde": _wide_model_or_narrow_experts, "dw1": _wide_model_or_narrow_experts,
+                  "dw2": _narrow_experts}
 
 
 def _cute_installed() -> bool:
