@@ -748,7 +748,9 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
 def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, *, block_n: int,
             **config):
   """(dH, A', dS parts) of a dH kernel (dh's operands, checked by the caller) as an FFI call:
-  kernels = (reading dOg's rows, gathering dO's by gather_index)."""
+  kernels = (reading dOg's rows, gathering dO's by gather_index). dH is written over H's
+  buffer: each thread reads its fragments of H before it writes dH's there, and no other
+  thread touches them."""
   n, num_slots = w2.shape[1], h.shape[0]
   index = () if gather_index is None else (gather_index.astype(jnp.int32),)
   dh_, a_scaled, ds_parts = xla_call.call(
@@ -756,7 +758,7 @@ def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, *, block_
                             scores.astype(jnp.float32)],
       [jax.ShapeDtypeStruct((1, num_slots, 2 * n), h.dtype),
        jax.ShapeDtypeStruct((1, num_slots, n), h.dtype),
-       jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)],
+       jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)], in_place={3 + len(index): 0},
       modes=[ROW_MODES, (1, 2, 0), None, *[None] * len(index), ROW_MODES, None, ROW_MODES,
              ROW_MODES, None],
       block_n=block_n, **config)

@@ -124,14 +124,17 @@ def register_from_cache(exported: jax.export.Exported) -> list[str]:
 
 
 def call(kernel, inputs: Sequence, outputs: Sequence[jax.ShapeDtypeStruct], *,
-         modes: Sequence | None = None, **config):
+         modes: Sequence | None = None, in_place: dict[int, int] | None = None, **config):
   """`kernel` on `inputs` (arrays), writing `outputs` (shapes and dtypes): a list of arrays.
-  modes: per input, then per output, its dimensions' order in the kernel (None: as stored)."""
+  modes: per input, then per output, its dimensions' order in the kernel (None: as stored).
+  in_place: {input index: output index} of outputs the kernel writes over an input's buffer
+  (XLA's operand aliasing: it copies the input first where the input is used later)."""
   modes = list(modes) if modes is not None else [None] * (len(inputs) + len(outputs))
   if len(modes) != len(inputs) + len(outputs):
     raise ValueError(f"CuTe FFI call: {len(modes)} modes for {len(inputs) + len(outputs)} operands")
   name = target(kernel, inputs, outputs, modes, config)
-  return jax.ffi.ffi_call(name, list(outputs), vmap_method="sequential")(*inputs)
+  return jax.ffi.ffi_call(name, list(outputs), vmap_method="sequential",
+                         input_output_aliases=in_place)(*inputs)
 
 
 def targets() -> tuple[str, ...]:

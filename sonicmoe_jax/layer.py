@@ -39,12 +39,13 @@ def _expert_mlp_bwd(ops, residuals, dout):
   x, h, scores, w1, w2, plan = residuals
   dout = dout.astype(x.dtype)
   dh, dscores, a_scaled = ops.dh(dout, w2, h, scores, plan)
+  # dW2 first: A' (and dO's rows, where a backend gathers them in XLA) die before dX~ is made
+  dw2 = ops.dw2(a_scaled, dout, plan).astype(w2.dtype)
   dx = ops.aggregate(ops.dx_tilde(dh, w1, plan), None, plan)
   # The barrier keeps XLA from merging dW1's gather of X's rows with the forward's (when a
   # backend gathers them in XLA): merged, the gathered X [pairs, d] would be kept from the
   # forward to the backward, which is what this layer exists to avoid.
   dw1 = ops.dw1(jax.lax.optimization_barrier(x), dh, plan).astype(w1.dtype)
-  dw2 = ops.dw2(a_scaled, dout, plan).astype(w2.dtype)
   plan_ct = jax.tree_util.tree_map(lambda _: None, plan)
   return dx, dscores.astype(scores.dtype), dw1, dw2, plan_ct
 

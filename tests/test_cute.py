@@ -302,7 +302,14 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_
   def loss(*a):
     return jnp.sum(sm.moe(*a, k=K, backend=CUTE_GEMMS).out.astype(jnp.float32))
 
-  assert _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args).count(FFI_TARGET) >= 8
+  text = _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
+  assert text.count(FFI_TARGET) >= 8
+  # dH written over H: dh's FFI call aliases its output 0 to H (operand 3, after dOg, W2,
+  # tile_expert and, when it gathers, the gather index); no other call aliases
+  h_operand = 4 if dout_gather_max_column_tiles else 3
+  assert re.findall(r"output_operand_alias<[^>]*>", text) == [
+      f"output_operand_alias<output_tuple_indices = [0], operand_index = {h_operand}, "
+      "operand_tuple_indices = []>"]
 
 
 @needs_cute

@@ -1,6 +1,8 @@
 """Backend "pallas": Mosaic GPU kernels in interpret mode on CPU, lowered for CUDA, and (marked
 gpu) at real sizes on the GPU. bf16 tolerances: relative Frobenius error < 2e-2 against the
 float32 oracle, < 1e-2 against the xla backend on the same bf16 inputs."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,6 +89,9 @@ def test_pallas_lowers_for_cuda():
   text = exported.mlir_module()
   assert text.count("mosaic_gpu") >= 6  # up, down, dh, dX~, dW1, dW2
   assert "stablehlo.while" not in text   # a device loop syncs with the host once per step
+  # dH written over H (operand 3 of dh's kernel: tile_expert, dOg, W2, H): the only alias
+  assert re.findall(r"output_operand_alias<[^>]*>", text) == [
+      "output_operand_alias<output_tuple_indices = [2], operand_index = 3, operand_tuple_indices = []>"]
 
 
 @pytest.mark.gpu
