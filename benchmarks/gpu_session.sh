@@ -24,6 +24,9 @@
 #           at the five anchors, the default ("auto") vs all-pallas                  (~5 min)
 #   kernels_auto: the per-op breakdown of the default at 7B-n256 and 30B-n256, then the
 #           router logits (bf16 operands vs an fp32 copy of X) at 30B-n256           (~4 min)
+#   inplace: session 11's changes (dH over H, dW2 before dX~, down_proj on the ping-pong TMA
+#           stores): the dH and layer GPU tests on pallas and cute, then the default at the
+#           five anchors (time, step memory)                                      (~7 min)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
 #           staging the upstream wheels                                                (~9 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
@@ -59,6 +62,15 @@ for mode in "$@"; do
       timeout 280 python3 -m benchmarks.kernels --backend auto --configs 7B-n256,30B-n256 \
         --out "$OUT/kernels_auto.json" 2>&1 | grep -v '^{' | tail -40
       timeout 90 python3 -m benchmarks.router_logits ;;   # router logits: bf16 vs fp32 copy
+    inplace)  # after `cute` staging (source /tmp/devsite-cute/env.sh first)
+      timeout 120 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_pallas.py \
+        -k "matches_xla" > "$OUT/pytest_inplace.log" 2>&1; echo "pallas layer tests: rc $?"
+      timeout 150 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
+        -k "dh_against or pingpong_kernels_matches or shape4" >> "$OUT/pytest_inplace.log" 2>&1
+      echo "cute dh and layer tests: rc $?"
+      grep -E "^(PASSED|FAILED|ERROR)" "$OUT/pytest_inplace.log"
+      timeout 300 python3 -m benchmarks.bench --impls auto --iters 5 --reps 3 \
+        --out "$OUT/bench_auto" 2>&1 | tail -12 ;;
     torch_warm)  # the PyTorch SonicMoE's first runs at the anchors (TORCH_CONFIGS, default all
                  # five; its CuTe compiles and autotuning, cached on its disk for `bench`: > 570 s
                  # for all five on a fresh machine in session 10, 7B-n256 then took 44 s)
