@@ -106,12 +106,19 @@ def activation_bytes(fn, args):
   return sum(r.nbytes for r in res if not r.source.startswith("argument"))
 
 
-def measure(fn, args, dout, iters, reps):
-  fwd = jax.jit(fn)
-
+def forward_backward(fn, dout):
+  """The timed step: loss = sum(fn(x, router_w, w1, w2) * dout), its value and gradients.
+  The value too, as a training step (and the PyTorch SonicMoE's out.backward) needs it: with
+  the gradients alone XLA drops the forward's work past the residuals (the down-projection and
+  the aggregation), as the fwd+bwd rows measured before 2026-11-30 (session 11) did."""
   def loss(*a):
     return jnp.sum(fn(*a).astype(jnp.float32) * dout.astype(jnp.float32))
-  fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+
+
+def measure(fn, args, dout, iters, reps):
+  fwd = jax.jit(fn)
+  fwd_bwd = forward_backward(fn, dout)
   t_f = time_ms(fwd, args, iters, reps)
   t_fb = time_ms(fwd_bwd, args, iters, reps)
   return t_f, t_fb, step_bytes(fwd_bwd, args), kernels_of(fwd, fwd_bwd, args)

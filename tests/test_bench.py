@@ -139,3 +139,20 @@ def test_kernel_table_puts_impls_side_by_side(tmp_path):
   assert kernel_table.short_name("token_gather_sum_kernel") == "token_gather_sum_kernel"
   saved = "benchmarks/results/2026-11-30-h200-session10/call6_bench.json"
   assert "torch_sonicmoe" in kernel_table.main([saved, "--top", "2"])
+
+
+def test_timed_step_computes_the_forward_output():
+  """The fwd+bwd rows time the loss's value with its gradients (as a training step does, and
+  as the PyTorch SonicMoE's out.backward runs the whole forward): gradients alone would let
+  XLA drop the forward's down-projection and aggregation."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import sonicmoe_jax as sm
+  from conftest import make_inputs
+  args = make_inputs(0, 64, 32, 16, 4, jnp.float32)
+  fn = lambda *a: sm.moe(*a, k=2, backend="xla").out
+  dout = jax.random.normal(jax.random.key(1), (64, 32))
+  value, grads = bench.forward_backward(fn, dout)(*args)
+  np.testing.assert_allclose(value, jnp.sum(fn(*args) * dout), rtol=1e-5)
+  assert len(grads) == 4 and grads[2].shape == args[2].shape
