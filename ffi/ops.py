@@ -62,6 +62,11 @@ DOUT_GATHER_MAX_COLUMN_TILES = 2
 # 3.02, one sweep each: not enough to switch).
 DH_KERNEL = "registers"
 DH_KERNELS = ("registers", "tma_store", "pingpong")
+# Pipeline stages of dH's kernel when it gathers dO's rows (None: as many as fit). Session 10's
+# sweep at 30B-n256, block_n 128: 3.016 ms with 3 stages (two CTAs fit on an SM), 3.454 with as
+# many as fit (one CTA); block_n 64: 3.330 vs 4.376. Reading dOg in slot order, as many as
+# fit win (2.752 vs 3.083), so that case keeps them.
+DH_GATHER_STAGES = 3
 # down_proj's and dx_tilde's kernel: "grouped" (grouped_gemm.grouped_matmul, STORE_STAGES, its
 # TMA-store epilogue overlapping the mainloop of the SM's other CTA), "pingpong"
 # (pingpong.grouped_matmul: register stores under the other consumer's mainloop) or
@@ -171,7 +176,9 @@ def dh(dout, w2, h, scores, plan):
     raise ValueError(f"ffi.ops.DH_KERNEL must be one of {DH_KERNELS}; got {DH_KERNEL!r}")
   n = w2.shape[1]
   if _dout_gathered_in_kernel(n):
-    rows, gather = dout, dict(gather_index=plan.token_index)
+    k_steps = dout.shape[1] // grouped_gemm.BLOCK_K
+    rows, gather = dout, dict(gather_index=plan.token_index,
+                              stages=max(2, min(DH_GATHER_STAGES, k_steps)))
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
   block_n = _wide_tile(n, 128)
