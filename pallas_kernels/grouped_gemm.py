@@ -25,6 +25,7 @@ Epilogues: `store` (Y = A W2, dX~ = dH W1^T), `swiglu` (H and A = silu(gate) * u
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -281,10 +282,19 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence, *, col_blocks: Calla
   # (pl.kernel, not plgpu.kernel: its operands may be Refs, written in place)
   mesh = plgpu.Mesh(grid=(cfg_lib.num_sms(),), grid_names=("sm",),
                     num_threads=NUM_CONSUMERS + 1, thread_name="wg")
-  kernel = pl.kernel(body, out_type=out_types, mesh=mesh, compiler_params=cfg_lib.compiler_params(),
-                     interpret=cfg_lib.interpret_mode())
   index = [gather_index.astype(jnp.int32)] if gathering else []
-  return kernel(tile_expert, lhs, rhs, *index, *extra_inputs)
+  with _vma_unchecked():   # (pl.kernel reads the output types at once)
+    kernel = pl.kernel(body, out_type=out_types, mesh=mesh,
+                       compiler_params=cfg_lib.compiler_params(), interpret=cfg_lib.interpret_mode())
+    return kernel(tile_expert, lhs, rhs, *index, *extra_inputs)
+
+
+def _vma_unchecked():
+  """Inside shard_map (check_vma=True) pl.kernel wants each output's varying mesh axes; like
+  plgpu.kernel, the kernels skip that check (their outputs vary as their operands)."""
+  from jax._src import config as jax_config   # (private: what plgpu.kernel itself uses)
+  check_vma = getattr(jax_config, "_check_vma", None)
+  return check_vma(False) if check_vma is not None else contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------- epilogues
