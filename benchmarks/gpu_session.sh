@@ -27,6 +27,7 @@
 #   inplace: session 11's changes (dH over H, dW2 before dX~, down_proj on the ping-pong TMA
 #           stores): the dH and layer GPU tests on pallas and cute, then the default at the
 #           five anchors (time, step memory)                                      (~7 min)
+#   pallas_layer: the Pallas layer's GPU tests against xla (dH written over H: session 11)  (~4 min)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
 #           staging the upstream wheels                                                (~9 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
@@ -71,6 +72,10 @@ for mode in "$@"; do
       grep -E "^(PASSED|FAILED|ERROR)" "$OUT/pytest_inplace.log"
       timeout 300 python3 -m benchmarks.bench --impls auto --iters 5 --reps 3 \
         --out "$OUT/bench_auto" 2>&1 | tail -12 ;;
+    pallas_layer)
+      XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 280 python3 -m pytest -p no:cacheprovider -rA \
+        -m gpu tests/test_pallas.py -k "matches_xla or gather_in_kernel" > "$OUT/pytest_pallas_layer.log" 2>&1
+      echo "pallas layer tests: rc $?"; grep -E "^(PASSED|FAILED|ERROR)" "$OUT/pytest_pallas_layer.log" ;;
     torch_warm)  # the PyTorch SonicMoE's first runs at the anchors (TORCH_CONFIGS, default all
                  # five; its CuTe compiles and autotuning, cached on its disk for `bench`: > 570 s
                  # for all five on a fresh machine in session 10, 7B-n256 then took 44 s)
