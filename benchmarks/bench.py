@@ -329,6 +329,8 @@ def main(argv=None):
                       "ffi/ops.py's rule, DOUT_GATHER_MAX_COLUMN_TILES)")
   p.add_argument("--cute-dh", choices=("registers", "tma_store", "pingpong"),
                  help="cute dh's kernel variant (default: ffi/ops.py DH_KERNEL)")
+  p.add_argument("--cute-dh-block-n", type=int, choices=(64, 128, 256),
+                 help="cute dh's widest column tile (default: ffi/ops.py DH_BLOCK_N)")
   p.add_argument("--cute-up-proj", choices=("grouped", "pingpong"),
                  help="cute up_proj's kernel variant (default: ffi/ops.py UP_PROJ_KERNEL)")
   p.add_argument("--cute-store", choices=("grouped", "pingpong", "pingpong_tma"),
@@ -336,7 +338,8 @@ def main(argv=None):
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
-  cute_settings = dict(DH_KERNEL=a.cute_dh, UP_PROJ_KERNEL=a.cute_up_proj, STORE_KERNEL=a.cute_store)
+  cute_settings = dict(DH_KERNEL=a.cute_dh, DH_BLOCK_N=a.cute_dh_block_n,
+                       UP_PROJ_KERNEL=a.cute_up_proj, STORE_KERNEL=a.cute_store)
   if a.cute_dout_gather:
     cute_settings["DOUT_GATHER_MAX_COLUMN_TILES"] = 0 if a.cute_dout_gather == "xla" else 1 << 30
   cute_settings = {k: v for k, v in cute_settings.items() if v is not None}

@@ -28,6 +28,8 @@
 #           stores): the dH and layer GPU tests on pallas and cute, then the default at the
 #           five anchors (time, step memory)                                      (~7 min)
 #   pallas_layer: the Pallas layer's GPU tests against xla (dH written over H: session 11)  (~4 min)
+#   dh_wide: cute dH at block_n 256 (dO's rows gathered once per M tile at n = 256) beside 128:
+#           sweep at 7B-n256, 30B-n256, olmoe, then the layer with it            (~6 min)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
 #           staging the upstream wheels                                                (~9 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
@@ -76,6 +78,14 @@ for mode in "$@"; do
       XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 280 python3 -m pytest -p no:cacheprovider -rA \
         -m gpu tests/test_pallas.py -k "matches_xla or gather_in_kernel" > "$OUT/pytest_pallas_layer.log" 2>&1
       echo "pallas layer tests: rc $?"; grep -E "^(PASSED|FAILED|ERROR)" "$OUT/pytest_pallas_layer.log" ;;
+    dh_wide)  # after `cute` staging
+      timeout 240 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256,30B-n256,olmoe \
+        --stages 3,0 --block-n 128,256 --kernels dh,dh_gather --out "$OUT/sweep_dh_wide.json" \
+        2>&1 | grep -v '^{' | grep -v "^config"
+      for bn in 128 256; do
+        timeout 150 python3 -m benchmarks.bench --configs 7B-n256,30B-n256 --impls auto \
+          --cute-dh-block-n $bn --iters 5 --reps 3 --out "$OUT/bench_dh_bn$bn" 2>&1 | tail -4
+      done ;;
     torch_warm)  # the PyTorch SonicMoE's first runs at the anchors (TORCH_CONFIGS, default all
                  # five; its CuTe compiles and autotuning, cached on its disk for `bench`: > 570 s
                  # for all five on a fresh machine in session 10, 7B-n256 then took 44 s)

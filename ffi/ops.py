@@ -67,6 +67,11 @@ DH_KERNELS = ("registers", "tma_store", "pingpong")
 # many as fit (one CTA); block_n 64: 3.330 vs 4.376. Reading dOg in slot order, as many as
 # fit win (2.752 vs 3.083), so that case keeps them.
 DH_GATHER_STAGES = 3
+# dH's widest column tile (block_n: halved until it divides n). 256 (grouped_gemm's dh only; the
+# ping-pong dh takes at most 128) makes n = 256 one column tile, so each M tile reads (and
+# gathers) its dO rows once instead of twice: compiled for sm_90a it needs 174 registers and
+# no stack, one CTA per SM; not yet timed (gpu_session.sh dh_wide).
+DH_BLOCK_N = 128
 # down_proj's and dx_tilde's kernel: "grouped" (grouped_gemm.grouped_matmul, STORE_STAGES, its
 # TMA-store epilogue overlapping the mainloop of the SM's other CTA), "pingpong"
 # (pingpong.grouped_matmul: register stores under the other consumer's mainloop) or
@@ -158,10 +163,15 @@ def down_proj(a, w2, plan):
   return _store_matmul(a, w2, plan, False, w2.shape[2])
 
 
+def _dh_block_n(n: int) -> int:
+  """dH's column tile: DH_BLOCK_N (at most 128 on the ping-pong kernel), halved to divide n."""
+  return _wide_tile(n, min(DH_BLOCK_N, 128) if DH_KERNEL == "pingpong" else DH_BLOCK_N)
+
+
 def _dout_gathered_in_kernel(n: int) -> bool:
-  """Whether dh and dw2 gather dO's rows themselves (DOUT_GATHER_MAX_COLUMN_TILES; the two
-  ops decide alike, so that XLA's gather, when made, is one copy shared by both)."""
-  return n // _wide_tile(n, 128) <= DOUT_GATHER_MAX_COLUMN_TILES
+  """Whether dh and dw2 gather dO's rows themselves (DOUT_GATHER_MAX_COLUMN_TILES of dH; the
+  two ops decide alike, so that XLA's gather, when made, is one copy shared by both)."""
+  return n // _dh_block_n(n) <= DOUT_GATHER_MAX_COLUMN_TILES
 
 
 def dh(dout, w2, h, scores, plan):
@@ -174,6 +184,8 @@ def dh(dout, w2, h, scores, plan):
     return xla_ops.dh(dout, w2, h, scores, plan)
   if DH_KERNEL not in DH_KERNELS:
     raise ValueError(f"ffi.ops.DH_KERNEL must be one of {DH_KERNELS}; got {DH_KERNEL!r}")
+  if DH_BLOCK_N not in (64, 128, 256):
+    raise ValueError(f"ffi.ops.DH_BLOCK_N must be 64, 128 or 256; got {DH_BLOCK_N!r}")
   n = w2.shape[1]
   if _dout_gathered_in_kernel(n):
     k_steps = dout.shape[1] // grouped_gemm.BLOCK_K
@@ -181,11 +193,12 @@ def dh(dout, w2, h, scores, plan):
                               stages=max(2, min(DH_GATHER_STAGES, k_steps)))
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
-  block_n = _wide_tile(n, 128)
+  block_n = _dh_block_n(n)
   if DH_KERNEL == "pingpong":
-    dh_, a_scaled, ds_parts = pingpong.dh(rows, w2, h, scores, _tiles(plan), block_n, **gather)
+    dh_, a_scaled, ds_parts = pingpong.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
+                                          **gather)
   else:
-    dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan), block_n,
+    dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
                                               tma_store=DH_KERNEL == "tma_store", **gather)
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
 

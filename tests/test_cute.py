@@ -281,10 +281,11 @@ def test_cute_top_k_matches_lax_on_gpu(T, E, k):
 
 
 @needs_cute
-@pytest.mark.parametrize("dout_gather_max_column_tiles,dh_kernel", [
-    (0, "registers"), (2, "registers"), (0, "pingpong"), (2, "pingpong")])
+@pytest.mark.parametrize("dout_gather_max_column_tiles,dh_kernel,dh_block_n", [
+    (0, "registers", 128), (2, "registers", 128), (0, "pingpong", 128), (2, "pingpong", 128),
+    (1, "registers", 256)])
 def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_kernel,
-                                               monkeypatch):
+                                               dh_block_n, monkeypatch):
   """The layer's forward and gradients with the CuTe grouped GEMMs: the kernels compile for
   sm_90a here and the program exports for CUDA with them as FFI calls (forward: up_proj,
   down_proj and aggregate; backward adds dh, dx_tilde, aggregate, dw1 and dw2), with dO's rows
@@ -293,10 +294,16 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_
   cute_ops = importlib.import_module("ffi.ops")
   monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", dout_gather_max_column_tiles)
   monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
+  monkeypatch.setattr(cute_ops, "DH_BLOCK_N", dh_block_n)
   pingpong = dh_kernel == "pingpong"
   monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong" if pingpong else "grouped")
   monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong" if pingpong else "grouped")
-  T, d, n, E, K = 256, 256, 128, 8, 2
+  dh_block_ns = []   # the dH kernel's column tile, as ffi.ops calls it
+  kernel_module = importlib.import_module("ffi.pingpong" if pingpong else "ffi.grouped_gemm")
+  real_dh = kernel_module.dh
+  monkeypatch.setattr(kernel_module, "dh", lambda *a, block_n, **k: (
+      dh_block_ns.append(block_n), real_dh(*a, block_n=block_n, **k))[1])
+  T, d, n, E, K = 256, 256, max(128, dh_block_n), 8, 2
   args = make_inputs(0, T, d, n, E, jnp.bfloat16)
 
   def loss(*a):
@@ -304,6 +311,7 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_
 
   text = _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
   assert text.count(FFI_TARGET) >= 8
+  assert set(dh_block_ns) == {dh_block_n}
   # dH written over H: dh's FFI call aliases its output 0 to H (operand 3, after dOg, W2,
   # tile_expert and, when it gathers, the gather index); no other call aliases
   h_operand = 4 if dout_gather_max_column_tiles else 3
@@ -670,12 +678,15 @@ def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(monkeypatch):
 
 @needs_cute
 def test_cute_kernel_settings_are_checked(monkeypatch):
-  """A DH_KERNEL, UP_PROJ_KERNEL or STORE_KERNEL outside its list is refused by name (runs on
-  CPU: the error comes before any kernel)."""
+  """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL or STORE_KERNEL outside its list is refused by
+  name (runs on CPU: the error comes before any kernel)."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(6, 256, 128, 64, 4, jnp.bfloat16)
   grad = lambda: jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={
       op: "xla" for op in sm.OP_NAMES} | {"dh": "cute"}).out.astype(jnp.float32)))(*args)
+  monkeypatch.setattr(cute_ops, "DH_BLOCK_N", 96)
+  with pytest.raises(ValueError, match=r"DH_BLOCK_N must be 64, 128 or 256; got 96"):
+    grad()
   monkeypatch.setattr(cute_ops, "DH_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"DH_KERNEL must be one of .*'fast'"):
     grad()
