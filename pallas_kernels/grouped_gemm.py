@@ -25,9 +25,7 @@ Epilogues: `store` (Y = A W2, dX~ = dH W1^T), `swiglu` (H and A = silu(gate) * u
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import math
 from typing import Callable, Sequence
 
@@ -119,13 +117,10 @@ def _smem_bytes(cfg: TileConfig, num_rhs: int, rhs_block: tuple, dtype, epilogue
   return cfg.stages * stage + NUM_CONSUMERS * scratch
 
 
-def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence, *, col_blocks: Callable,
+def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence[jax.Array], *, col_blocks: Callable,
              num_col_tiles: int, transpose_rhs: bool, epilogue: Epilogue, out_types,
              cfg: TileConfig, gather_index=None):
   """Runs the persistent warp-specialized grouped GEMM (see the module docstring).
-
-  extra_inputs (the epilogue's operands) may hold global-memory Refs (jax.new_ref(x,
-  memory_space=plgpu.GMEM)) that the epilogue overwrites in place.
 
   gather_index (GPU only): lhs is then the source [N, K] and slot
   row r reads lhs[gather_index[r]]. Each compute warpgroup gathers its own rows by cp.async
@@ -279,22 +274,12 @@ def varlen_m(lhs, rhs, tile_expert, extra_inputs: Sequence, *, col_blocks: Calla
                   *[plgpu.SMEM((NUM_CONSUMERS, *shape), dt) for shape, dt in epilogue.scratch],
                   *rings, collective_axes="wg")
 
-  # (pl.kernel, not plgpu.kernel: its operands may be Refs, written in place)
-  mesh = plgpu.Mesh(grid=(cfg_lib.num_sms(),), grid_names=("sm",),
-                    num_threads=NUM_CONSUMERS + 1, thread_name="wg")
+  kernel = plgpu.kernel(body, out_type=out_types, grid=(cfg_lib.num_sms(),), grid_names=("sm",),
+                        num_threads=NUM_CONSUMERS + 1, thread_name="wg",
+                        compiler_params=cfg_lib.compiler_params(),
+                        interpret=cfg_lib.interpret_mode())
   index = [gather_index.astype(jnp.int32)] if gathering else []
-  with _vma_unchecked():   # (pl.kernel reads the output types at once)
-    kernel = pl.kernel(body, out_type=out_types, mesh=mesh,
-                       compiler_params=cfg_lib.compiler_params(), interpret=cfg_lib.interpret_mode())
-    return kernel(tile_expert, lhs, rhs, *index, *extra_inputs)
-
-
-def _vma_unchecked():
-  """Inside shard_map (check_vma=True) pl.kernel wants each output's varying mesh axes; like
-  plgpu.kernel, the kernels skip that check (their outputs vary as their operands)."""
-  from jax._src import config as jax_config   # (private: what plgpu.kernel itself uses)
-  check_vma = getattr(jax_config, "_check_vma", None)
-  return check_vma(False) if check_vma is not None else contextlib.nullcontext()
+  return kernel(tile_expert, lhs, rhs, *index, *extra_inputs)
 
 
 # ----------------------------------------------------------------------------- epilogues
@@ -335,9 +320,7 @@ def dswiglu_epilogue(cfg: TileConfig, n: int, out_dtype):
   dS partial = sum over the tile's columns of dA' * A (A recomputed from H),
   dH = dSwiGLU(s dA', H) into both halves, A' = s A. H and s are prefetched during the
   mainloop; the dH halves are stored from the buffers the H halves arrived in (once read into
-  registers), which saves two tiles of shared memory per warpgroup, and over H's own tiles
-  in global memory (H is a Ref: each tile's H is read by the one warpgroup that later stores
-  its dH, so dH needs no second [P, 2n] buffer)."""
+  registers), which saves two tiles of shared memory per warpgroup."""
   bn = cfg.block_n
   rows_per_wg = cfg.block_m // NUM_CONSUMERS
   tile = ((rows_per_wg, bn), out_dtype)
@@ -351,10 +334,9 @@ def dswiglu_epilogue(cfg: TileConfig, n: int, out_dtype):
     plgpu.copy_gmem_to_smem(h_ref.at[rows, pl.ds(n + col * bn, bn)], up_smem, bars(1))
     plgpu.copy_gmem_to_smem(scores_ref.at[rows], s_smem, bars(2))
 
-  def finish(rows, col, accs, extra, outs, scratch, bars):
+  def finish(rows, col, accs, _extra, outs, scratch, bars):
     (da_prime,) = accs
-    dh_ref, _ = extra   # H's Ref
-    a_scaled_ref, ds_ref = outs
+    dh_ref, a_scaled_ref, ds_ref = outs
     gate_smem, up_smem, s_smem, a_scaled_smem, ds_smem = scratch
     for i in range(3):
       plgpu.barrier_wait(bars(i))
@@ -411,21 +393,16 @@ def matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool, cfg: TileConfig = cfg_
                   epilogue=store_epilogue(cfg, lhs.dtype), out_types=out_type, cfg=cfg)
 
 
-@functools.partial(jax.jit, static_argnames="cfg")   # (a Ref with a memory space needs a jit)
 def dh(dout_g, w2, h, scores, tile_expert, cfg: TileConfig = cfg_lib.DH):
   """dA' = dOg W2_e^T fused with dSwiGLU: returns dH [P, 2n], A' [P, n], dS partials
-  [n // block_n, P] fp32 (sum over axis 0 gives dS). dOg: [P, d] rows in slot order.
-  dH is written over H's buffer (an aliased operand: XLA reuses it where H has no later use,
-  else copies H first)."""
+  [n // block_n, P] fp32 (sum over axis 0 gives dS). dOg: [P, d] rows in slot order."""
   num_slots = h.shape[0]
   n = w2.shape[1]
   num_cols = n // cfg.block_n
-  out_types = (jax.ShapeDtypeStruct((num_slots, n), h.dtype),
+  out_types = (jax.ShapeDtypeStruct((num_slots, 2 * n), h.dtype),
+               jax.ShapeDtypeStruct((num_slots, n), h.dtype),
                jax.ShapeDtypeStruct((num_cols, num_slots), _F32))
   w2, transpose = _transposed_in_xla(w2, True)
-  h_then_dh = jax.new_ref(h, memory_space=plgpu.GMEM)
-  a_scaled, ds_parts = varlen_m(dout_g, w2, tile_expert, (h_then_dh, scores.astype(_F32)),
-                                col_blocks=lambda c: (c,), num_col_tiles=num_cols,
-                                transpose_rhs=transpose, epilogue=dswiglu_epilogue(cfg, n, h.dtype),
-                                out_types=out_types, cfg=cfg)
-  return h_then_dh[...], a_scaled, ds_parts
+  return varlen_m(dout_g, w2, tile_expert, (h, scores.astype(_F32)), col_blocks=lambda c: (c,),
+                  num_col_tiles=num_cols, transpose_rhs=transpose,
+                  epilogue=dswiglu_epilogue(cfg, n, h.dtype), out_types=out_types, cfg=cfg)

@@ -1,8 +1,6 @@
 """Backend "pallas": Mosaic GPU kernels in interpret mode on CPU, lowered for CUDA, and (marked
 gpu) at real sizes on the GPU. bf16 tolerances: relative Frobenius error < 2e-2 against the
 float32 oracle, < 1e-2 against the xla backend on the same bf16 inputs."""
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +71,22 @@ def test_pallas_errors():
     sm.moe(x, r, w1, w2, k=1, backend="pallas")
 
 
+def test_vmapped_pallas_layer_matches_each_element_interpret():
+  """jax.vmap of the layer's value and gradients on the pallas backend (plgpu.kernel batches
+  its kernels along the grid) against each element alone."""
+  T, d, n, E, K = 128, 128, 64, 8, 2
+  per_element = [make_inputs(s, T, d, n, E, jnp.bfloat16) for s in (5, 6)]
+  stacked = [jnp.stack(parts) for parts in zip(*per_element)]
+  step = jax.value_and_grad(lambda *a: jnp.sum(
+      sm.moe(*a, k=K, backend="pallas").out.astype(jnp.float32)), argnums=(0, 2, 3))
+  got_value, got_grads = jax.jit(jax.vmap(step))(*stacked)
+  for i, args in enumerate(per_element):   # (the router's matmul is batched: not bitwise)
+    value, grads = jax.jit(step)(*args)
+    assert rel_err(got_value[i], value) < 1e-2
+    for got, want in zip(got_grads, grads):
+      assert rel_err(got[i], want) < 1e-2
+
+
 def test_pallas_lowers_for_cuda():
   """The real (non-interpreted) kernels trace and lower to Mosaic GPU custom calls for CUDA."""
   T, d, n, E, K = 512, 256, 128, 8, 2
@@ -89,9 +103,6 @@ def test_pallas_lowers_for_cuda():
   text = exported.mlir_module()
   assert text.count("mosaic_gpu") >= 6  # up, down, dh, dX~, dW1, dW2
   assert "stablehlo.while" not in text   # a device loop syncs with the host once per step
-  # dH written over H (operand 3 of dh's kernel: tile_expert, dOg, W2, H): the only alias
-  assert re.findall(r"output_operand_alias<[^>]*>", text) == [
-      "output_operand_alias<output_tuple_indices = [2], operand_index = 3, operand_tuple_indices = []>"]
 
 
 @pytest.mark.gpu
