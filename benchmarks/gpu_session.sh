@@ -27,7 +27,7 @@
 #   inplace: session 11's changes (dH over H, dW2 before dX~, down_proj on the ping-pong TMA
 #           stores): the dH and layer GPU tests on pallas and cute, then the default at the
 #           five anchors (time, step memory)                                      (~7 min)
-#   pallas_layer: the Pallas layer's GPU tests against xla (dH written over H: session 11)  (~4 min)
+#   pallas_layer: the Pallas layer's GPU tests against xla (timed out at 120 s in session 11) (~4 min)
 #   dh_wide: cute dH at block_n 256 (dO's rows gathered once per M tile at n = 256) beside 128:
 #           sweep at 7B-n256, 30B-n256, olmoe, then the layer with it            (~6 min)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
