@@ -24,9 +24,6 @@
 #           at the five anchors, the default ("auto") vs all-pallas                  (~5 min)
 #   kernels_auto: the per-op breakdown of the default at 7B-n256 and 30B-n256, then the
 #           router logits (bf16 operands vs an fp32 copy of X) at 30B-n256           (~4 min)
-#   inplace: session 11's changes (dH over H, dW2 before dX~, down_proj on the ping-pong TMA
-#           stores): the dH and layer GPU tests on pallas and cute, then the default at the
-#           five anchors (time, step memory)                                      (~7 min)
 #   pallas_layer: the Pallas layer's GPU tests against xla (timed out at 120 s in session 11) (~4 min)
 #   dh_wide: cute dH at block_n 256 (dO's rows gathered once per M tile at n = 256) beside 128:
 #           sweep at 7B-n256, 30B-n256, olmoe, then the layer with it            (~6 min)
@@ -65,15 +62,6 @@ for mode in "$@"; do
       timeout 280 python3 -m benchmarks.kernels --backend auto --configs 7B-n256,30B-n256 \
         --out "$OUT/kernels_auto.json" 2>&1 | grep -v '^{' | tail -40
       timeout 90 python3 -m benchmarks.router_logits ;;   # router logits: bf16 vs fp32 copy
-    inplace)  # after `cute` staging (source /tmp/devsite-cute/env.sh first)
-      timeout 120 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_pallas.py \
-        -k "matches_xla" > "$OUT/pytest_inplace.log" 2>&1; echo "pallas layer tests: rc $?"
-      timeout 150 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "dh_against or pingpong_kernels_matches or shape4" >> "$OUT/pytest_inplace.log" 2>&1
-      echo "cute dh and layer tests: rc $?"
-      grep -E "^(PASSED|FAILED|ERROR)" "$OUT/pytest_inplace.log"
-      timeout 300 python3 -m benchmarks.bench --impls auto --iters 5 --reps 3 \
-        --out "$OUT/bench_auto" 2>&1 | tail -12 ;;
     pallas_layer)
       XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 280 python3 -m pytest -p no:cacheprovider -rA \
         -m gpu tests/test_pallas.py -k "matches_xla or gather_in_kernel" > "$OUT/pytest_pallas_layer.log" 2>&1
