@@ -17,8 +17,8 @@ op. Users pick a backend by name for all ops ("xla", "pallas", "cute"), "auto" f
 platform default, or a mapping {op: backend} for a mix (ops left out use "auto").
 
 "auto" picks the platform default (PLATFORM_DEFAULTS, from measurements: the pallas kernels
-on GPUs), except that on GPUs down_proj, dh, dx_tilde, dw1 and dw2 run on "cute" at the layer widths
-where it measured faster (GPU_CUTE_WHERE) when the optional cute extra is installed. When the
+on GPUs), except that on GPUs down_proj, dh, dx_tilde, dw1 and dw2 run on "cute" at the layer
+widths where it measured faster (GPU_CUTE_WHERE) when the optional cute extra is installed. When the
 default backend's `unsupported(dtype, d, n)` names a reason (for example float32 inputs for
 pallas), "auto" falls back to "xla" and says so with a warning; a backend asked for by name
 raises instead.
