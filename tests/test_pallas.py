@@ -73,15 +73,15 @@ def test_pallas_errors():
 
 def test_vmapped_pallas_layer_matches_each_element_interpret():
   """jax.vmap of the layer's value and gradients on the pallas backend (plgpu.kernel batches
-  its kernels along the grid) against each element alone."""
+  its kernels along the grid) against each element alone on the xla backend."""
   T, d, n, E, K = 128, 128, 64, 8, 2
   per_element = [make_inputs(s, T, d, n, E, jnp.bfloat16) for s in (5, 6)]
   stacked = [jnp.stack(parts) for parts in zip(*per_element)]
-  step = jax.value_and_grad(lambda *a: jnp.sum(
-      sm.moe(*a, k=K, backend="pallas").out.astype(jnp.float32)), argnums=(0, 2, 3))
-  got_value, got_grads = jax.jit(jax.vmap(step))(*stacked)
-  for i, args in enumerate(per_element):   # (the router's matmul is batched: not bitwise)
-    value, grads = jax.jit(step)(*args)
+  step = lambda backend: jax.value_and_grad(lambda *a: jnp.sum(
+      sm.moe(*a, k=K, backend=backend).out.astype(jnp.float32)), argnums=(0, 2, 3))
+  got_value, got_grads = jax.jit(jax.vmap(step("pallas")))(*stacked)
+  for i, args in enumerate(per_element):
+    value, grads = jax.jit(step("xla"))(*args)
     assert rel_err(got_value[i], value) < 1e-2
     for got, want in zip(got_grads, grads):
       assert rel_err(got[i], want) < 1e-2
