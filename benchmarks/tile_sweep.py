@@ -100,19 +100,22 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
                                                       **dataclasses.asdict(c)),
       x, w1, w2, plan, tiles, pairs, cute_gemm.up_proj)
   E = plan.num_experts
+  # (dh rows: over_h=False, H being an argument of the timed program: XLA would copy it first)
   rows = _with_backward_rows(
-      rows, lambda c, dg, w2, h, s, t: cute_gemm.dh(dg, w2, h, s, t, **dataclasses.asdict(c)),
+      rows, lambda c, dg, w2, h, s, t: cute_gemm.dh(dg, w2, h, s, t, over_h=False,
+                                                  **dataclasses.asdict(c)),
       lambda c, a, b, o: cute_gemm.weight_grad(a, b, o, E, **dataclasses.asdict(c)), x, w2, dout,
       plan, tiles, pairs)
   _, dh_args, dh_flops, dh_n = rows["dh"]   # and dh storing through the TMA-store epilogue
   rows["dh_tma"] = (jax.jit(lambda c, dg, w2, h, s, t: cute_gemm.dh(
-      dg, w2, h, s, t, tma_store=True, **dataclasses.asdict(c)), static_argnums=0),
+      dg, w2, h, s, t, tma_store=True, over_h=False, **dataclasses.asdict(c)), static_argnums=0),
       dh_args, dh_flops, dh_n)
   _, up_args, up_flops, up_n = rows["up_proj_gather"]   # (x, w1, index, tiles)
   rows["up_proj_pingpong"] = (jax.jit(lambda c, x, w1, i, t: pingpong.up_proj(
       x, w1, t, i, **dataclasses.asdict(c)), static_argnums=0), up_args, up_flops, up_n)
   rows["dh_pingpong"] = (jax.jit(lambda c, dg, w2, h, s, t: pingpong.dh(   # the same operands
-      dg, w2, h, s, t, **dataclasses.asdict(c)), static_argnums=0), dh_args, dh_flops, dh_n)
+      dg, w2, h, s, t, over_h=False, **dataclasses.asdict(c)), static_argnums=0),
+      dh_args, dh_flops, dh_n)
   for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands
     _, mm_args, mm_flops, mm_n = rows[name]
     for suffix, tma_store in [("", False), ("_tma", True)]:
@@ -123,7 +126,7 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   # dO's rows gathered too
   for name, dh in [("dh_gather", cute_gemm.dh), ("dh_pingpong_gather", pingpong.dh)]:
     rows[name] = (jax.jit(lambda c, g, w2, h, s, t, i, dh=dh: dh(
-        g, w2, h, s, t, gather_index=i, **dataclasses.asdict(c)), static_argnums=0),
+        g, w2, h, s, t, gather_index=i, over_h=False, **dataclasses.asdict(c)), static_argnums=0),
         (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
   _, (_, h, offsets), flops, _ = rows["dw1"]
   rows["dw1_gather"] = (jax.jit(lambda c, x, h, o, i: cute_gemm.weight_grad(

@@ -728,7 +728,7 @@ def dh_unsupported(dout_g, w2, h, scores, block_n: int):
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None,
-       tma_store: bool = False, gather_index=None):
+       tma_store: bool = False, gather_index=None, over_h: bool = True):
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
@@ -736,21 +736,22 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   stored straight from registers, or with tma_store through SMEM by TMA stores (bitwise the
   same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
-  by cp.async as up_proj gathers X."""
+  by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call)."""
   reason = dh_unsupported(rows_read(dout_g, gather_index), w2, h, scores, block_n)
   if reason:
     raise ValueError(f"cute dh: {reason}")
   stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, dout_g.shape[1] // BLOCK_K, stages)
   return dh_call((_dh, _gathered_dh), dout_g, w2, h, scores, tile_expert, gather_index,
-                 block_n=block_n, stages=stages, register_store=not tma_store)
+                 over_h, block_n=block_n, stages=stages, register_store=not tma_store)
 
 
-def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, *, block_n: int,
-            **config):
+def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: bool, *,
+            block_n: int, **config):
   """(dH, A', dS parts) of a dH kernel (dh's operands, checked by the caller) as an FFI call:
-  kernels = (reading dOg's rows, gathering dO's by gather_index). dH is written over H's
-  buffer: each thread reads its fragments of H before it writes dH's there, and no other
-  thread touches them."""
+  kernels = (reading dOg's rows, gathering dO's by gather_index). With over_h, dH is written
+  over H's buffer (each thread reads its fragments of H before it writes dH's there, and no
+  other thread touches them); XLA copies H first where H is used later or is an argument of
+  the jitted program (which per-kernel timings should avoid: over_h False)."""
   n, num_slots = w2.shape[1], h.shape[0]
   index = () if gather_index is None else (gather_index.astype(jnp.int32),)
   dh_, a_scaled, ds_parts = xla_call.call(
@@ -758,7 +759,8 @@ def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, *, block_
                             scores.astype(jnp.float32)],
       [jax.ShapeDtypeStruct((1, num_slots, 2 * n), h.dtype),
        jax.ShapeDtypeStruct((1, num_slots, n), h.dtype),
-       jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)], in_place={3 + len(index): 0},
+       jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)],
+      in_place={3 + len(index): 0} if over_h else None,
       modes=[ROW_MODES, (1, 2, 0), None, *[None] * len(index), ROW_MODES, None, ROW_MODES,
              ROW_MODES, None],
       block_n=block_n, **config)

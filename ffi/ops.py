@@ -72,6 +72,10 @@ DH_GATHER_STAGES = 3
 # gathers) its dO rows once instead of twice: compiled for sm_90a it needs 174 registers and
 # no stack, one CTA per SM; not yet timed (gpu_session.sh dh_wide).
 DH_BLOCK_N = 128
+# dH written over H's buffer (FFI operand aliasing: the backward then holds one [P, 2n] buffer
+# for both). Per-op timings of dh alone turn it off (benchmarks/kernels.py): with H an argument
+# of the timed program XLA would copy it first, which the layer's step never does.
+DH_OVER_H = True
 # down_proj's and dx_tilde's kernel: "grouped" (grouped_gemm.grouped_matmul, STORE_STAGES, its
 # TMA-store epilogue overlapping the mainloop of the SM's other CTA), "pingpong"
 # (pingpong.grouped_matmul: register stores under the other consumer's mainloop) or
@@ -196,10 +200,11 @@ def dh(dout, w2, h, scores, plan):
   block_n = _dh_block_n(n)
   if DH_KERNEL == "pingpong":
     dh_, a_scaled, ds_parts = pingpong.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
-                                          **gather)
+                                          over_h=DH_OVER_H, **gather)
   else:
     dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
-                                              tma_store=DH_KERNEL == "tma_store", **gather)
+                                              tma_store=DH_KERNEL == "tma_store",
+                                              over_h=DH_OVER_H, **gather)
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
 
 

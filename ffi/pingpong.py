@@ -428,7 +428,7 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None,
-       gather_index=None):
+       gather_index=None, over_h: bool = True):
   """grouped_gemm.dh (register stores) on the ping-pong schedule: the same operands and
   outputs; with gather_index [P], dout_g is dO [T, d] and the producer warpgroup gathers slot
   r's row dO[gather_index[r]] by cp.async (zeros where it is T or more), as up_proj gathers X.
@@ -436,14 +436,15 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
   at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL = "pingpong". On an H200
   it gives grouped_gemm.dh's bits; at 30B-n256, block_n 128, 3 stages it took 2.76 ms (dOg's
   rows read in slot order; grouped_gemm.dh 2.75 with as many stages as fit) and 2.93 gathering
-  dO (grouped_gemm.dh 3.02), session 10 (its 64-row-tile version, session 9: 3.53 vs 2.78)."""
+  dO (grouped_gemm.dh 3.02), session 10 (its 64-row-tile version, session 9: 3.53 vs 2.78).
+  over_h: dH written over H's buffer (grouped_gemm.dh_call)."""
   reason = grouped_gemm.dh_unsupported(grouped_gemm.rows_read(dout_g, gather_index), w2, h,
                                        scores, block_n)
   if reason:
     raise ValueError(f"cute ping-pong dh: {reason}")
   stages = _check_tile(block_n, dout_g.dtype.itemsize, 1, stages, "dh")
   return grouped_gemm.dh_call((_dh_pingpong, _gathered_dh_pingpong), dout_g, w2, h, scores,
-                              tile_expert, gather_index, block_n=block_n, stages=stages)
+                              tile_expert, gather_index, over_h, block_n=block_n, stages=stages)
 
 
 def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | None = None):

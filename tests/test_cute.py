@@ -321,6 +321,17 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_
 
 
 @needs_cute
+def test_dh_over_h_can_be_turned_off(monkeypatch):
+  """ffi.ops.DH_OVER_H = False (per-op timings) lowers the layer with no operand aliasing."""
+  cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "DH_OVER_H", False)
+  args = make_inputs(0, 256, 256, 128, 8, jnp.bfloat16)
+  loss = lambda *a: jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
+  text = _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
+  assert text.count(FFI_TARGET) >= 8 and "output_operand_alias" not in text
+
+
+@needs_cute
 @pytest.mark.parametrize("kernel,block_n,stages", [
     ("matmul", 256, None), ("matmul_t", 256, 2), ("up_proj", 64, 3), ("dh", 128, None),
     ("dh_tma", 64, 3), ("dh_gather", 128, None),
