@@ -231,8 +231,9 @@ def test_cute_layer_step_has_no_device_loops():
   each step of one waits for the host (two came from the tiles' owner search)."""
   T, d, n, E, K = 1024, 256, 128, 32, 4
   args = make_inputs(0, T, d, n, E, jnp.bfloat16)
-  step = jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=K, backend="cute").out.astype(jnp.float32)),
-                  argnums=(0, 1, 2, 3))
+  step = jax.value_and_grad(   # (the value too: the whole forward, down_proj and aggregate)
+      lambda *a: jnp.sum(sm.moe(*a, k=K, backend="cute").out.astype(jnp.float32)),
+      argnums=(0, 1, 2, 3))
   text = _cuda_module(step, *args)
   assert FFI_TARGET in text and "stablehlo.while" not in text
 
