@@ -138,9 +138,9 @@ def main(argv=None):
     cases = {"T{}-d{}-n{}-E{}-K{}".format(*cfg): cfg}
   else:
     cases = {c: C.ANCHORS[c] for c in a.configs.split(",")}
-  if "cute" in a.backend or (a.backend == "auto" and backends._cute_installed()):
-    # dh timed alone: no writing over H, which as an argument of the timed program XLA would
-    # copy first (the layer's step never does)
+  if backends._cute_installed():
+    # the cute dh timed alone: no writing over H, which as an argument of the timed program
+    # XLA would copy first (the layer's step never does)
     importlib.import_module("ffi.ops").DH_OVER_H = False
   recs = []
   for name, cfg in cases.items():

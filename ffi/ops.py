@@ -1,13 +1,13 @@
-"""Backend "cute": the ops written as CuTe DSL kernels: the router's top-K (topk.py; not yet
-run on a GPU), aggregation (gather_sum.py) and the grouped GEMMs (grouped_gemm.py) up_proj
+"""Backend "cute": the ops written as CuTe DSL kernels: the router's top-K (topk.py),
+aggregation (gather_sum.py) and the grouped GEMMs (grouped_gemm.py) up_proj
 (SwiGLU epilogue; X's rows gathered in the kernel by cp.async, UP_PROJ_GATHER_IN_KERNEL),
 down_proj, dh (the dSwiGLU epilogue), dx_tilde and the varlen-K weight gradients dw1 (X's rows
 gathered in the kernel where its output is narrow, DW1_GATHER_MAX_COLUMN_TILES) and dw2 (dO's
 rows for dh and dw2 gathered by both kernels where dH is narrow, DOUT_GATHER_MAX_COLUMN_TILES,
-else by XLA); all but top_k match float32 references and the xla backend on an H200
-(tests/test_cute.py). Speed against the pallas backend:
-benchmarks/results/2026-11-30-h200-session8 and -session9; the shapes where dh, dx_tilde, dw1
-and dw2 are the GPU default: sonicmoe_jax/backends.py.
+else by XLA); all match float32 references (top_k: jax.lax.top_k) and the xla backend on an
+H200 (tests/test_cute.py). Speed against the pallas backend:
+benchmarks/results/2026-11-30-h200-session8, -session9 and -session11; the shapes where
+down_proj, dh, dx_tilde, dw1 and dw2 are the GPU default: sonicmoe_jax/backends.py.
 
 Implements every op of the dispatch table; mix it with others, e.g.
 backend={"aggregate": "cute"} (other ops default). The GEMMs need the plan aligned to
@@ -169,7 +169,8 @@ def down_proj(a, w2, plan):
 
 def _dh_block_n(n: int) -> int:
   """dH's column tile: DH_BLOCK_N (at most 128 on the ping-pong kernel), halved to divide n."""
-  return _wide_tile(n, min(DH_BLOCK_N, 128) if DH_KERNEL == "pingpong" else DH_BLOCK_N)
+  widest = pingpong.widest_block_n(1) if DH_KERNEL == "pingpong" else DH_BLOCK_N
+  return _wide_tile(n, min(DH_BLOCK_N, widest))
 
 
 def _dout_gathered_in_kernel(n: int) -> bool:
