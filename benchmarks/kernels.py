@@ -11,6 +11,7 @@ written once).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 
@@ -120,6 +121,21 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
   return recs
 
 
+@contextlib.contextmanager
+def _dh_not_over_h():
+  """The cute dh timed alone writes no dH over H (ffi.ops.DH_OVER_H off while inside): H is
+  an argument of the timed program, which XLA would copy first; the layer's step never does."""
+  if not backends._cute_installed():
+    yield
+    return
+  cute_ops = importlib.import_module("ffi.ops")
+  old, cute_ops.DH_OVER_H = cute_ops.DH_OVER_H, False
+  try:
+    yield
+  finally:
+    cute_ops.DH_OVER_H = old
+
+
 def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--backend", default="pallas")
@@ -138,13 +154,10 @@ def main(argv=None):
     cases = {"T{}-d{}-n{}-E{}-K{}".format(*cfg): cfg}
   else:
     cases = {c: C.ANCHORS[c] for c in a.configs.split(",")}
-  if backends._cute_installed():
-    # the cute dh timed alone: no writing over H, which as an argument of the timed program
-    # XLA would copy first (the layer's step never does)
-    importlib.import_module("ffi.ops").DH_OVER_H = False
   recs = []
-  for name, cfg in cases.items():
-    recs += breakdown(name, cfg, a.backend, a.rounding, a.iters, a.reps)
+  with _dh_not_over_h():
+    for name, cfg in cases.items():
+      recs += breakdown(name, cfg, a.backend, a.rounding, a.iters, a.reps)
   print(f"{'config':11s} {'op':28s} {'ms':>8s} {'TF/s':>6s} {'dense':>6s} {'GB/s':>6s}")
   for r in recs:
     print(f"{r['config']:11s} {r['op']:28s} {r['ms']:8.3f} {r.get('tflops', 0):6.0f} "
