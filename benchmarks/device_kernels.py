@@ -39,9 +39,41 @@ def per_kernel(planes, steps: int):
   return sum(per_name.values()), [(name, round(ms, 4)) for name, ms in ranked]
 
 
-def kernel_times(fn, args, steps: int = 3):
-  """per_kernel of `steps` calls of the jitted fn(*args) (one call first, untraced, to
-  compile), or None off the GPU."""
+def stream_events(planes):
+  """[(start_ns, end_ns, name)] of every kernel or copy on the GPU streams, in start order."""
+  events = []
+  for plane in planes:
+    if not plane.name.startswith(DEVICE_PLANE_PREFIX):
+      continue
+    for line in plane.lines:
+      if line.name.startswith(STREAM_LINE_PREFIX):
+        events += [(e.start_ns, e.start_ns + e.duration_ns, e.name[:NAME_CHARS])
+                   for e in line.events]
+  return sorted(events)
+
+
+def idle_gaps(events, top: int = 8):
+  """Where the GPU sat idle between kernels: (span ms, busy ms, [(gap ms, kernel before, kernel
+  after)] longest first) over events from stream_events (overlapping kernels count once)."""
+  if not events:
+    return 0.0, 0.0, []
+  busy, gaps = 0, []
+  cur_start, cur_end, cur_name = events[0]
+  for start, end, name in events[1:]:
+    if start > cur_end:
+      busy += cur_end - cur_start
+      gaps.append(((start - cur_end) / 1e6, cur_name, name))
+      cur_start = start
+    if end >= cur_end:
+      cur_end, cur_name = end, name
+  busy += cur_end - cur_start
+  span = (events[-1][1] if events[-1][1] > cur_end else cur_end) - events[0][0]
+  return span / 1e6, busy / 1e6, sorted(gaps, key=lambda g: -g[0])[:top]
+
+
+def profile(fn, args, steps: int = 3):
+  """ProfileData planes of `steps` calls of the jitted fn(*args) (one call first, untraced, to
+  compile), or None when the trace wrote nothing."""
   jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir):
@@ -50,5 +82,11 @@ def kernel_times(fn, args, steps: int = 3):
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not files:
       return None
-    data = jax.profiler.ProfileData.from_file(files[0])
-    return per_kernel(data.planes, steps)
+    return jax.profiler.ProfileData.from_file(files[0]).planes
+
+
+def kernel_times(fn, args, steps: int = 3):
+  """per_kernel of `steps` calls of the jitted fn(*args) (one call first, untraced, to
+  compile), or None off the GPU."""
+  planes = profile(fn, args, steps)
+  return None if planes is None else per_kernel(planes, steps)

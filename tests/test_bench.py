@@ -108,6 +108,24 @@ def test_device_kernel_times_count_gpu_stream_events_only():
   assert device_kernels.per_kernel(planes[:1], steps=2) is None
 
 
+def test_idle_gaps_count_overlaps_once_and_name_the_kernels_around_each_gap():
+  """device_kernels.idle_gaps: the span of a step's stream events, the time some kernel ran
+  (overlapping kernels on two streams counted once), and the idle gaps longest first."""
+  from types import SimpleNamespace as NS
+  from benchmarks import device_kernels
+  ev = lambda name, start, end: NS(name=name, start_ns=start * 1e6, duration_ns=(end - start) * 1e6)
+  planes = [NS(name="/device:GPU:0", lines=[
+      NS(name="Stream #14(compute)", events=[ev("a", 0, 10), ev("c", 30, 40), ev("e", 100, 110)]),
+      NS(name="Stream #15(copy)", events=[ev("b", 5, 20), ev("d", 40, 50)]),
+      NS(name="XLA Ops", events=[ev("fusion", 0, 200)])])]
+  events = device_kernels.stream_events(planes)
+  assert [e[2] for e in events] == ["a", "b", "c", "d", "e"]
+  span, busy, gaps = device_kernels.idle_gaps(events)
+  assert (span, busy) == (110.0, 50.0)
+  assert gaps == [(50.0, "d", "e"), (10.0, "b", "c")]
+  assert device_kernels.idle_gaps([]) == (0.0, 0.0, [])
+
+
 def test_device_kernel_times_off_the_gpu_are_none():
   import jax
   import jax.numpy as jnp
