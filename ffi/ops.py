@@ -62,16 +62,19 @@ DOUT_GATHER_MAX_COLUMN_TILES = 2
 # 3.02, one sweep each: not enough to switch).
 DH_KERNEL = "registers"
 DH_KERNELS = ("registers", "tma_store", "pingpong")
-# Pipeline stages of dH's kernel when it gathers dO's rows (None: as many as fit). Session 10's
-# sweep at 30B-n256, block_n 128: 3.016 ms with 3 stages (two CTAs fit on an SM), 3.454 with as
-# many as fit (one CTA); block_n 64: 3.330 vs 4.376. Reading dOg in slot order, as many as
-# fit win (2.752 vs 3.083), so that case keeps them.
-DH_GATHER_STAGES = 3
+# Pipeline stages of dH's kernel when it gathers dO's rows, by block_n (None: as many as fit).
+# block_n 128 and 64 (session 10's sweep at 30B-n256): 3.016 ms with 3 stages (two CTAs fit on
+# an SM), 3.454 with as many as fit (one CTA); block_n 64: 3.330 vs 4.376. block_n 256 (one
+# CTA per SM either way; session 12): 2.600 ms as many as fit vs 2.993 with 3 at 30B-n256,
+# 0.802 vs 0.737 at 7B-n256. Reading dOg in slot order, as many as fit win (2.752 vs 3.083), so
+# that case keeps them.
+DH_GATHER_STAGES = {64: 3, 128: 3, 256: None}
 # dH's widest column tile (block_n: halved until it divides n). 256 (grouped_gemm's dh only; the
 # ping-pong dh takes at most 128) makes n = 256 one column tile, so each M tile reads (and
-# gathers) its dO rows once instead of twice: compiled for sm_90a it needs 174 registers and
-# no stack, one CTA per SM; not yet timed (gpu_session.sh dh_wide).
-DH_BLOCK_N = 128
+# gathers) its dO rows once instead of twice (174 registers, no stack, one CTA per SM). H200
+# session 12's sweep, ms, 256 vs 128 (each at its best stage count): 30B-n256 gathering dO
+# 2.600 vs 3.011; 7B-n256 0.737 vs 0.790; olmoe (dO gathered by XLA) 3.368 vs 3.509.
+DH_BLOCK_N = 256
 # dH written over H's buffer (FFI operand aliasing: the backward then holds one [P, 2n] buffer
 # for both). Per-op timings of dh alone turn it off (benchmarks/kernels.py): with H an argument
 # of the timed program XLA would copy it first, which the layer's step never does.
@@ -192,13 +195,14 @@ def dh(dout, w2, h, scores, plan):
   if DH_BLOCK_N not in (64, 128, 256):
     raise ValueError(f"ffi.ops.DH_BLOCK_N must be 64, 128 or 256; got {DH_BLOCK_N!r}")
   n = w2.shape[1]
+  block_n = _dh_block_n(n)
   if _dout_gathered_in_kernel(n):
     k_steps = dout.shape[1] // grouped_gemm.BLOCK_K
+    stages = DH_GATHER_STAGES[block_n]
     rows, gather = dout, dict(gather_index=plan.token_index,
-                              stages=max(2, min(DH_GATHER_STAGES, k_steps)))
+                              stages=stages and max(2, min(stages, k_steps)))
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
-  block_n = _dh_block_n(n)
   if DH_KERNEL == "pingpong":
     dh_, a_scaled, ds_parts = pingpong.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
                                           over_h=DH_OVER_H, **gather)

@@ -17,8 +17,8 @@ op. Users pick a backend by name for all ops ("xla", "pallas", "cute"), "auto" f
 platform default, or a mapping {op: backend} for a mix (ops left out use "auto").
 
 "auto" picks the platform default (PLATFORM_DEFAULTS, from measurements: the pallas kernels
-on GPUs), except that on GPUs down_proj, dh, dx_tilde, dw1 and dw2 run on "cute" at the layer
-widths where it measured faster (GPU_CUTE_WHERE) when the optional cute extra is installed. When the
+on GPUs), except that on GPUs the GEMM ops run on "cute" at the layer widths where it measured
+faster (GPU_CUTE_WHERE) when the optional cute extra is installed. When the
 default backend's `unsupported(dtype, d, n)` names a reason (for example float32 inputs for
 pallas), "auto" falls back to "xla" and says so with a warning; a backend asked for by name
 raises instead.
@@ -48,6 +48,14 @@ PLATFORM_DEFAULTS: dict[str, dict[str, str]] = {
     "gpu": {op: "pallas" for op in ("top_k", "up_proj", "down_proj", "dh", "dx_tilde", "dw1", "dw2")},
 }
 
+def _everywhere(d: int, n: int) -> bool:
+  return True
+
+
+def _narrow_model(d: int, n: int) -> bool:
+  return d < 4096
+
+
 def _wide_model_or_narrow_experts(d: int, n: int) -> bool:
   return d >= 4096 or n <= 256
 
@@ -59,15 +67,19 @@ def _narrow_experts(d: int, n: int) -> bool:
 # GPU ops the cute backend takes over, and where (by hidden size d and expert width n): where
 # it measured faster on an H200, forward+backward ms. Session 8 (results/2026-11-30-h200-
 # session8), pallas -> dh, dx_tilde, dw1 on cute: 7B-n256 3.81-3.89 -> 3.73; 30B-n256
-# 23.4-24.2 -> 23.1-23.4; 120B-n1024 37.5-38.3 -> 35.2-36.3; pallas stays at 7B-n1024 (2.92-2.97
-# vs 3.01-3.09) and olmoe (17.9-18.7 vs 18.5-19.1). Session 9 (-session9): dw2 on cute too,
-# dO's rows gathered in dh and dw2 (n <= 256): 7B-n256 3.64 -> 3.50, 30B-n256 22.38 -> 21.17;
-# at n = 1024 dw2 on cute (XLA's gather) ties or loses: 120B-n1024 35.64 vs 35.91. Session 11
-# (-session11): down_proj on cute's ping-pong TMA-store kernel 0.336 / 2.049 ms at 7B-n256 /
-# 30B-n256 against Pallas's 0.385 / 2.770.
-GPU_CUTE_WHERE = {"down_proj": _wide_model_or_narrow_experts, "dh": _wide_model_or_narrow_experts,
-                  "dx_tilde": _wide_model_or_narrow_experts, "dw1": _wide_model_or_narrow_experts,
-                  "dw2": _narrow_experts}
+# 23.4-24.2 -> 23.1-23.4; 120B-n1024 37.5-38.3 -> 35.2-36.3. Session 9 (-session9): dw2 on cute
+# too, dO's rows gathered in dh and dw2 (n <= 256): 7B-n256 3.64 -> 3.50, 30B-n256 22.38 ->
+# 21.17; at n = 1024 dw2 on cute (XLA's gather) ties or loses: 120B-n1024 35.64 vs 35.91.
+# Session 11 (-session11): down_proj on cute's ping-pong TMA-store kernel 0.336 / 2.049 ms at
+# 7B-n256 / 30B-n256 against Pallas's 0.385 / 2.770. Session 12 (-session12), at the two
+# configs left on pallas, kernel ms per step: down_proj, dx_tilde, dw1 on cute too: olmoe
+# 18.71 -> 18.51, 7B-n1024 2.98 -> 2.88 (each op faster alone too); the up-projection too:
+# olmoe 18.38 (3.96 vs 4.18 ms alone), 7B-n1024 2.88 (0.68 vs 0.74); at d = 4096 it loses in
+# the layer (30B-n256 22.11 vs 21.75, 120B-n1024 40.73 vs 38.69). dh stays on pallas at
+# olmoe (3.78 ms vs cute's ~3.9 with XLA's gather of dO) and 7B-n1024.
+GPU_CUTE_WHERE = {"up_proj": _narrow_model, "down_proj": _everywhere,
+                  "dh": _wide_model_or_narrow_experts, "dx_tilde": _everywhere,
+                  "dw1": _everywhere, "dw2": _narrow_experts}
 
 
 def _cute_installed() -> bool:

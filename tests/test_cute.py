@@ -193,20 +193,22 @@ def test_cute_dh_past_its_offsets_falls_back_to_xla(monkeypatch):
 
 @needs_cute
 def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
-  """On GPUs "auto" runs dh, dx_tilde and dw1 on cute at the widths where it measured faster
-  (d >= 4096 or n <= 256) and dw2 where n <= 256, pallas elsewhere and without the extra;
-  float32 goes to xla."""
+  """On GPUs "auto" runs down_proj, dx_tilde and dw1 on cute at every width, up_proj where
+  d < 4096, dh where d >= 4096 or n <= 256 and dw2 where n <= 256 (where each measured
+  faster), pallas elsewhere and without the extra; float32 goes to xla."""
   from sonicmoe_jax import backends, xla_ops
   # the modules as the dispatch table imports them (an earlier test may re-import ffi.ops)
   cute_ops, pallas_ops = map(importlib.import_module, ("ffi.ops", "pallas_kernels.ops"))
   resolve = lambda d, n, dtype=jnp.bfloat16: backends.resolve("auto", platform="gpu",
                                                               dtype=dtype, d=d, n=n)
-  for d, n in [(4096, 1024), (4096, 256), (1536, 256)]:
+  for d, n in [(4096, 1024), (4096, 256), (1536, 256), (1536, 1024), (2048, 1024)]:
     ops = resolve(d, n)
-    assert (ops.dh, ops.dx_tilde, ops.dw1) == (cute_ops.dh, cute_ops.dx_tilde, cute_ops.dw1)
-    assert (ops.up_proj, ops.align) == (pallas_ops.up_proj, 128)
+    assert ((ops.down_proj, ops.dx_tilde, ops.dw1, ops.align)
+            == (cute_ops.down_proj, cute_ops.dx_tilde, cute_ops.dw1, 128))
+    assert ops.up_proj is (cute_ops.up_proj if d < 4096 else pallas_ops.up_proj)
+    assert ops.dh is (cute_ops.dh if d >= 4096 or n <= 256 else pallas_ops.dh)
     assert ops.dw2 is (cute_ops.dw2 if n <= 256 else pallas_ops.dw2)
-  assert resolve(1536, 1024).dh is pallas_ops.dh and resolve(2048, 1024).dw1 is pallas_ops.dw1
+    assert ops.top_k is pallas_ops.top_k
   with pytest.warns(UserWarning, match="float32"):
     assert resolve(4096, 256, jnp.float32).dh is xla_ops.dh
   assert "multiple of 64" in cute_ops.unsupported(jnp.bfloat16, 4096, 96)
@@ -480,7 +482,7 @@ def test_cute_up_proj_against_float32_on_gpu(block_n):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("block_n", [64, 128, 256])
 def test_cute_dh_against_float32_on_gpu(block_n):
   """dH = dSwiGLU(s dA', H), A' = s A and dS = rowsum(dA' A) with dA' = dOg W2_e^T; tiles of
   experts 0, 2 (1 has none) and past the last group (all zeros there). The TMA-store epilogue
@@ -766,7 +768,8 @@ def test_cute_weight_grad_against_float32_on_gpu(block_n, stages):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,tma_store", [(128, False), (64, False), (128, True)])
+@pytest.mark.parametrize("block_n,tma_store", [(128, False), (64, False), (128, True),
+                                               (256, False)])
 def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store):
   """Gathering dO's rows in the dH kernel (padding slots: index T, zero rows) gives the
   bitwise same dH, A' and dS parts as the kernel on rows gathered by XLA first."""
