@@ -35,7 +35,9 @@ VARIANTS = [
     ("store bn128 st3", "matmul", 128, 3), ("store bn256 fit", "matmul", 256, 0),
     ("up_proj bn128 fit", "up_proj", 128, 0), ("up_proj gather bn128 fit", "up_proj_gather", 128, 0),
     ("dh bn64 fit", "dh", 64, 0), ("dh bn128 fit", "dh", 128, 0), ("dh bn128 st3", "dh", 128, 3),
-    ("dh tma bn128 fit", "dh_tma", 128, 0), ("dh gather bn128 fit", "dh_gather", 128, 0), ("wgrad bn128 st3", "wgrad", 128, 3),
+    ("dh bn256 fit", "dh", 256, 0), ("dh tma bn128 fit", "dh_tma", 128, 0),
+    ("dh gather bn128 fit", "dh_gather", 128, 0), ("dh gather bn256 fit", "dh_gather", 256, 0),
+    ("wgrad bn128 st3", "wgrad", 128, 3),
     ("wgrad bn256 fit", "wgrad", 256, 0), ("wgrad gather bn128 st3", "wgrad_gather", 128, 3),
     ("wgrad gather bn256 fit", "wgrad_gather", 256, 0),
     ("store pingpong bn128 fit", "matmul_pingpong", 128, 0),
@@ -155,10 +157,13 @@ def ctas_per_sm(registers: int, smem: int, threads: int) -> int:
 def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--out", default=None)
+  p.add_argument("--only", default="", help="variants whose name contains this text")
   a = p.parse_args(argv)
   import ffi  # noqa: F401
   recs = []
   for name, kernel, block_n, stages in VARIANTS:
+    if a.only not in name:
+      continue
     rec = dict(variant=name, **measure(kernel, block_n, stages), smem_bytes=smem_bytes(kernel, block_n, stages))
     rec["ctas_per_sm"] = ctas_per_sm(rec["registers"], rec["smem_bytes"], threads(kernel))
     recs.append(rec)

@@ -58,6 +58,10 @@ MAX_GRID_Y = 65535          # CUDA's limit on the grid's second dimension (the M
 MAX_REGISTER_ADDRESSED = 2**31 - 1   # elements of an operand read or written by 32-bit offsets
 ROW_MODES = (1, 2, 0)       # how the kernel sees a [1, P, C] operand: (P, C, 1)
 EPILOGUE_BARRIER = 3        # named barrier ids 1, 2: the gather's per-warpgroup syncs
+# dH's epilogue: H's column groups loaded this many groups ahead of their math, by block_n
+# (8 at 256: 174 -> 210 registers, one CTA per SM either way; 2 below, where 8 took block_n
+# 128 from 112 to 146 registers, no longer two CTAs per SM, and spilled in the ping-pong dH)
+DH_LOAD_AHEAD = {64: 2, 128: 2, 256: 8}
 GATHER_CHUNKS = BLOCK_K * 2 // 16                      # 16-byte cp.async chunks per bf16 row
 GATHER_ROWS_PER_THREAD = (BLOCK_M // WARPGROUPS) * GATHER_CHUNKS // 128
 # the weight gradient's gather (rows along K): a warpgroup's 8-column chunks of a row, and each
@@ -134,9 +138,15 @@ def _epilogue_values(vals, swiglu: cutlass.Constexpr):
 @cute.jit
 def _group_fp32(src):
   """A small global (or register) slice loaded into registers, in fp32."""
+  return _load_group(src).to(cutlass.Float32)
+
+
+@cute.jit
+def _load_group(src):
+  """A small global (or register) slice loaded into registers, in its own dtype."""
   frag = cute.make_rmem_tensor(src.shape, src.element_type)
   cute.autovec_copy(src, frag)
-  return frag.load().to(cutlass.Float32)
+  return frag.load()
 
 
 @cute.jit
@@ -152,8 +162,14 @@ def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dty
   (m blocks: tile_m / 64 when one warpgroup's wgmmas cover the tile's rows); it is worked
   through one column group (2 x 2 values) at a time, so that besides the accumulator only a
   few values are live: computed for the whole fragment at once, block_n 128 needed 255
-  registers and a 200-byte stack frame per thread (sm_90a cubin)."""
-  srcs = [thr_mma.partition_C(t) for t in (h_tiles[0], h_tiles[1], score_tile)]
+  registers and a 200-byte stack frame per thread (sm_90a cubin). H's values of a group are
+  loaded DH_LOAD_AHEAD[block_n] groups before its math (a group's loads issued after the previous
+  group's stores would each wait out a global load's latency); the scores, the same in every
+  column (stride 0), once per m block."""
+  h_srcs = [thr_mma.partition_C(t) for t in h_tiles]
+  s_src = thr_mma.partition_C(score_tile)
+  groups = block_n // 8
+  load_ahead = min(DH_LOAD_AHEAD[block_n], groups)
   outs = []
   if cutlass.const_expr(out_tiles is None):
     outs = [cute.make_rmem_tensor(acc.shape, dtype) for _ in range(3)]
@@ -161,9 +177,14 @@ def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dty
   row_sums = cute.make_rmem_tensor((2 * m_blocks,), cutlass.Float32)   # rows r, r + 8 per block
   row_sums.fill(0.0)
   for m in cutlass.range_constexpr(m_blocks):
-    for k in cutlass.range_constexpr(block_n // 8):
+    s = _group_fp32(s_src[((None, None, 0), m, 0)])
+    ahead = [[_load_group(src[((None, None, k), m, 0)]) for src in h_srcs]
+             for k in range(load_ahead)]
+    for k in cutlass.range_constexpr(groups):
+      if cutlass.const_expr(k + load_ahead < groups):
+        ahead.append([_load_group(src[((None, None, k + load_ahead), m, 0)]) for src in h_srcs])
       group = ((None, None, k), m, 0)
-      gate, up, s = [_group_fp32(src[group]) for src in srcs]
+      gate, up = [v.to(cutlass.Float32) for v in ahead[k]]
       da = acc[group].load()
       sig = 1.0 / (1.0 + cute.math.exp(-gate))
       silu = gate * sig
