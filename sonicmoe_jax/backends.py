@@ -56,10 +56,6 @@ def _narrow_model(d: int, n: int) -> bool:
   return d < 4096
 
 
-def _wide_model_or_narrow_experts(d: int, n: int) -> bool:
-  return d >= 4096 or n <= 256
-
-
 def _narrow_experts(d: int, n: int) -> bool:
   return n <= 256
 
@@ -75,11 +71,12 @@ def _narrow_experts(d: int, n: int) -> bool:
 # configs left on pallas, kernel ms per step: down_proj, dx_tilde, dw1 on cute too: olmoe
 # 18.71 -> 18.51, 7B-n1024 2.98 -> 2.88 (each op faster alone too); the up-projection too:
 # olmoe 18.38 (3.96 vs 4.18 ms alone), 7B-n1024 2.88 (0.68 vs 0.74); at d = 4096 it loses in
-# the layer (30B-n256 22.11 vs 21.75, 120B-n1024 40.73 vs 38.69). dh stays on pallas at
-# olmoe (3.78 ms vs cute's ~3.9 with XLA's gather of dO) and 7B-n1024.
-GPU_CUTE_WHERE = {"up_proj": _narrow_model, "down_proj": _everywhere,
-                  "dh": _wide_model_or_narrow_experts, "dx_tilde": _everywhere,
-                  "dw1": _everywhere, "dw2": _narrow_experts}
+# the layer (30B-n256 22.11 vs 21.75, 120B-n1024 40.73 vs 38.69). With its epilogue's H loads
+# issued ahead (bf54124: olmoe's dH 3.37-3.51 -> 2.97-3.11 ms alone), dh on cute at the last
+# two configs too: olmoe 18.63 -> 17.96, 7B-n1024 2.90 -> 2.86 (step memory 6182 -> 5126 and
+# 1297 -> 1089 MiB: dH over H).
+GPU_CUTE_WHERE = {"up_proj": _narrow_model, "down_proj": _everywhere, "dh": _everywhere,
+                  "dx_tilde": _everywhere, "dw1": _everywhere, "dw2": _narrow_experts}
 
 
 def _cute_installed() -> bool:
