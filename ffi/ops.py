@@ -6,8 +6,8 @@ gathered in the kernel where its output is narrow, DW1_GATHER_MAX_COLUMN_TILES) 
 rows for dh and dw2 gathered by both kernels where dH is narrow, DOUT_GATHER_MAX_COLUMN_TILES,
 else by XLA); all match float32 references (top_k: jax.lax.top_k) and the xla backend on an
 H200 (tests/test_cute.py). Speed against the pallas backend:
-benchmarks/results/2026-11-30-h200-session8, -session9 and -session11; the shapes where
-down_proj, dh, dx_tilde, dw1 and dw2 are the GPU default: sonicmoe_jax/backends.py.
+benchmarks/results/2026-11-30-h200-session8, -session9, -session11 and -session12; the shapes
+where each of the GEMMs is the GPU default: sonicmoe_jax/backends.py.
 
 Implements every op of the dispatch table; mix it with others, e.g.
 backend={"aggregate": "cute"} (other ops default). The GEMMs need the plan aligned to
