@@ -27,6 +27,10 @@
 #   pallas_layer: the Pallas layer's GPU tests against xla (timed out at 120 s in session 11) (~4 min)
 #   dh_wide: cute dH at block_n 256 (dO's rows gathered once per M tile at n = 256) beside 128:
 #           sweep at 7B-n256, 30B-n256, olmoe, then the layer with it            (~6 min)
+#   per_op_wide: the per-op breakdown of the default at 120B-n1024 and 30B-n256 (after `cute`
+#           staging: source /tmp/devsite-cute/env.sh first)                              (~3 min)
+#   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
+#           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
 #           staging the upstream wheels                                                (~9 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
@@ -74,6 +78,16 @@ for mode in "$@"; do
         timeout 150 python3 -m benchmarks.bench --configs 7B-n256,30B-n256 --impls auto \
           --cute-dh-block-n $bn --iters 5 --reps 3 --out "$OUT/bench_dh_bn$bn" 2>&1 | tail -4
       done ;;
+    per_op_wide)
+      timeout 280 python3 -m benchmarks.kernels --backend auto --configs 120B-n1024,30B-n256 \
+        --out "$OUT/kernels_auto_wide.json" 2>&1 | grep -v '^{' | tail -40 ;;
+    dout_gather)
+      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs olmoe,120B-n1024 \
+        --stages 3,0 --block-n 256 --kernels dh,dh_gather,dw2,dw2_gather \
+        --out "$OUT/sweep_dout_gather.json" 2>&1 | grep -v '^{' | grep -v "^config"
+      timeout 120 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,olmoe \
+        --stages 0 --block-n 128 --kernels dh_gather,dh_pingpong,dh_pingpong_gather \
+        --out "$OUT/sweep_dh_pingpong.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
     torch_warm)  # the PyTorch SonicMoE's first runs at the anchors (TORCH_CONFIGS, default all
                  # five; its CuTe compiles and autotuning, cached on its disk for `bench`: > 570 s
                  # for all five on a fresh machine in session 10, 7B-n256 then took 44 s)
