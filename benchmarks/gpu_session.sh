@@ -86,7 +86,7 @@ for mode in "$@"; do
         --stages 3,0 --block-n 256 --kernels dh,dh_gather,dw2,dw2_gather \
         --out "$OUT/sweep_dout_gather.json" 2>&1 | grep -v '^{' | grep -v "^config"
       timeout 120 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,olmoe \
-        --stages 0 --block-n 128 --kernels dh_gather,dh_pingpong,dh_pingpong_gather \
+        --stages 0 --block-n 128,256 --kernels dh_gather,dh_pingpong,dh_pingpong_gather \
         --out "$OUT/sweep_dh_pingpong.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
     torch_warm)  # the PyTorch SonicMoE's first runs at the anchors (TORCH_CONFIGS, default all
                  # five; its CuTe compiles and autotuning, cached on its disk for `bench`: > 570 s
