@@ -27,8 +27,8 @@ column tiles run next to each other, so its lhs rows are read from HBM once and 
              buffers over A's stages and TMA stores (each thread storing its fragments from
              registers took 1.4-1.7x as long in down_proj and dx_tilde at 30B-n256 and up to
              10% longer in up_proj, 2% shorter at one of its 8 tiles: session 6's sweep). dh
-             first computes its dH and A' tiles in registers (_dh_outputs: it reads H and the
-             scores per fragment, and writes dS's parts), then stores them straight from
+             first computes its dH and A' tiles in registers (_dh_outputs: it loads H a few
+             column groups ahead of their math, and writes dS's parts), then stores them from
              registers (register_store), or (dh(tma_store=True): bitwise the same) the same TMA
              way.
 """
@@ -753,7 +753,7 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
-  The epilogue math runs in registers (it reads H and the scores per fragment); dH and A' are
+  The epilogue math runs in registers (it loads H ahead of the math, _dh_outputs); dH and A' are
   stored straight from registers, or with tma_store through SMEM by TMA stores (bitwise the
   same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
