@@ -58,10 +58,12 @@ MAX_GRID_Y = 65535          # CUDA's limit on the grid's second dimension (the M
 MAX_REGISTER_ADDRESSED = 2**31 - 1   # elements of an operand read or written by 32-bit offsets
 ROW_MODES = (1, 2, 0)       # how the kernel sees a [1, P, C] operand: (P, C, 1)
 EPILOGUE_BARRIER = 3        # named barrier ids 1, 2: the gather's per-warpgroup syncs
-# dH's epilogue: H's column groups loaded this many groups ahead of their math, by block_n
-# (8 at 256: 174 -> 210 registers, one CTA per SM either way; 2 below, where 8 took block_n
-# 128 from 112 to 146 registers, no longer two CTAs per SM, and spilled in the ping-pong dH)
-DH_LOAD_AHEAD = {64: 2, 128: 2, 256: 8}
+# dH's epilogue: H's column groups loaded this many groups ahead of their math. Wide tiles
+# (block_n > 128: one CTA per SM whatever their registers) take 8 (block_n 256: 174 -> 210
+# registers); narrower ones 2, where 8 took block_n 128 from 112 to 146 registers, no longer
+# two CTAs per SM, and spilled in the ping-pong dH.
+DH_LOAD_AHEAD_WIDE, DH_LOAD_AHEAD_NARROW = 8, 2
+WGMMA_MAX_N = 256           # the widest N of one Hopper wgmma: dH's widest column tile
 GATHER_CHUNKS = BLOCK_K * 2 // 16                      # 16-byte cp.async chunks per bf16 row
 GATHER_ROWS_PER_THREAD = (BLOCK_M // WARPGROUPS) * GATHER_CHUNKS // 128
 # the weight gradient's gather (rows along K): a warpgroup's 8-column chunks of a row, and each
@@ -163,13 +165,13 @@ def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dty
   through one column group (2 x 2 values) at a time, so that besides the accumulator only a
   few values are live: computed for the whole fragment at once, block_n 128 needed 255
   registers and a 200-byte stack frame per thread (sm_90a cubin). H's values of a group are
-  loaded DH_LOAD_AHEAD[block_n] groups before its math (a group's loads issued after the previous
-  group's stores would each wait out a global load's latency); the scores, the same in every
-  column (stride 0), once per m block."""
+  loaded DH_LOAD_AHEAD_WIDE (or _NARROW) groups before its math (a group's loads issued after
+  the previous group's stores would each wait out a global load's latency); the scores, the
+  same in every column (stride 0), once per m block."""
   h_srcs = [thr_mma.partition_C(t) for t in h_tiles]
   s_src = thr_mma.partition_C(score_tile)
   groups = block_n // 8
-  load_ahead = min(DH_LOAD_AHEAD[block_n], groups)
+  load_ahead = min(DH_LOAD_AHEAD_WIDE if block_n > 128 else DH_LOAD_AHEAD_NARROW, groups)
   outs = []
   if cutlass.const_expr(out_tiles is None):
     outs = [cute.make_rmem_tensor(acc.shape, dtype) for _ in range(3)]
@@ -735,6 +737,8 @@ def dh_unsupported(dout_g, w2, h, scores, block_n: int):
   """Why the dH kernels cannot run these operands (a sentence naming the limit), or None:
   dOg [P, d] (the rows read), w2 [E, n, d], H [P, 2n], scores [P]."""
   n, num_slots = w2.shape[1], dout_g.shape[0]
+  if block_n > WGMMA_MAX_N:
+    return f"block_n={block_n} is wider than {WGMMA_MAX_N} (one wgmma's widest N)"
   reason = unsupported(dout_g, jax.ShapeDtypeStruct((w2.shape[0], w2.shape[2], n), w2.dtype),
                        block_n)
   if reason:

@@ -336,7 +336,7 @@ def test_dh_over_h_can_be_turned_off(monkeypatch):
 @needs_cute
 @pytest.mark.parametrize("kernel,block_n,stages", [
     ("matmul", 256, None), ("matmul_t", 256, 2), ("up_proj", 64, 3), ("dh", 128, None),
-    ("dh_tma", 64, 3), ("dh_gather", 128, None),
+    ("dh", 256, None), ("dh_tma", 64, 3), ("dh_gather", 128, None),
     ("weight_grad", 128, 3), ("weight_grad_gather", 128, None)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
@@ -386,6 +386,10 @@ def test_cute_gemm_rejects_unsupported_operands():
   dout, w2 = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((2, 96, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="cute dh: output columns N=96 must be a multiple of block_n=64"):
     grouped_gemm.dh(dout, w2, jnp.zeros((256, 192), jnp.bfloat16), jnp.zeros((256,)), tiles)
+  w2_wide = jnp.zeros((2, 320, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="cute dh: block_n=320 is wider than 256"):
+    grouped_gemm.dh(dout, w2_wide, jnp.zeros((256, 640), jnp.bfloat16), jnp.zeros((256,)), tiles,
+                    block_n=320)
   with pytest.raises(ValueError, match="cute weight_grad: lhs columns M=64 must be a multiple of 128"):
     grouped_gemm.weight_grad(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((256, 128), jnp.bfloat16),
                              jnp.zeros((3,), jnp.int32), 2)
