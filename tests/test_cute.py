@@ -446,6 +446,28 @@ def test_cute_up_proj_with_gather_compiles_for_cuda():
                          jnp.zeros((2,), jnp.int32), gather_index=jnp.zeros((200,), jnp.int32))
 
 
+@needs_cute
+def test_cute_up_proj_with_a_ring_of_its_own_compiles_and_checks_its_depth():
+  """The gathered rows in a deeper ring than the weights' (a_stages) compile for sm_90a; a depth
+  that does not fit, or a_stages without a gather, is refused naming the limit."""
+  from ffi import grouped_gemm
+  T, P, d, n, E = 300, 512, 1024, 128, 4
+  shapes = [jax.ShapeDtypeStruct((T, d), jnp.bfloat16), jax.ShapeDtypeStruct((E, d, 2 * n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((P // 128,), jnp.int32), jax.ShapeDtypeStruct((P,), jnp.int32)]
+  for a_stages in ("fit", 5):
+    fn = lambda x, w, t, i: grouped_gemm.up_proj(x, w, t, gather_index=i, stages=3, a_stages=a_stages)
+    assert FFI_TARGET in _cuda_module(fn, *shapes)
+  assert grouped_gemm.gather_stages(128, 2, 2, 64, 3, "fit") == (3, 8)   # 3 x 32 + 8 x 16 KiB
+  assert grouped_gemm.gather_stages(128, 2, 2, 4, 3, "fit") == (3, 4)    # no deeper than the k steps
+  with pytest.raises(ValueError, match=r"a_stages=9 must be between stages=3 \(at least 2\) and 8"):
+    grouped_gemm.gather_stages(128, 2, 2, 64, 3, 9)
+  with pytest.raises(ValueError, match="a_stages=2 must be between stages=3"):
+    grouped_gemm.gather_stages(128, 2, 2, 64, 3, 2)
+  with pytest.raises(ValueError, match="a_stages needs gather_index"):
+    jax.eval_shape(lambda x, w, t: grouped_gemm.up_proj(x, w, t, a_stages=4),
+                   jax.ShapeDtypeStruct((P, d), jnp.bfloat16), *shapes[1:3])
+
+
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("block_n,stages", [(128, None), (64, None), (128, 2)])
@@ -461,6 +483,28 @@ def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages):
   index = jax.random.randint(jax.random.key(9), (P,), 0, T).at[::7].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.up_proj, x, index, w1, tile_expert,
                                         block_n=block_n, stages=stages)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("block_n,stages,a_stages", [(128, 3, "fit"), (128, 2, 5), (64, 3, "fit")])
+def test_cute_up_proj_with_a_ring_of_its_own_matches_pregathered_on_gpu(block_n, stages, a_stages):
+  """The gathered rows in their own ring, deeper than the weights' (a_stages; 16 k steps, so
+  the rings wrap), give the bitwise same H and A as the kernel on rows gathered by XLA first."""
+  from ffi import grouped_gemm
+  T, d, n, E = 1000, 1024, 256, 4
+  tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
+  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
+  x = jax.random.normal(jax.random.key(17), (T, d)).astype(jnp.bfloat16)
+  w1 = (jax.random.normal(jax.random.key(18), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
+  index = jax.random.randint(jax.random.key(19), (P,), 0, T).at[::7].set(T)
+  fused = jax.jit(lambda x, w, t, i: grouped_gemm.up_proj(
+      x, w, t, block_n=block_n, gather_index=i, stages=stages, a_stages=a_stages))(
+          x, w1, tile_expert, index)
+  pregathered = jax.jit(lambda g, w, t: grouped_gemm.up_proj(g, w, t, block_n=block_n))(
+      x.at[index].get(mode="fill", fill_value=0), w1, tile_expert)
+  for got, want in zip(fused, pregathered):
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.gpu
