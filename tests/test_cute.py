@@ -485,6 +485,21 @@ def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages):
                                         block_n=block_n, stages=stages)
 
 
+@needs_cute
+def test_layer_up_proj_with_a_ring_of_its_own_lowers_for_cuda(monkeypatch):
+  """ffi.ops.UP_PROJ_A_STAGES reaches the up-projection kernel: the layer's forward with the
+  deep ring exports for CUDA with a kernel other than the one-ring default's."""
+  cute_ops = importlib.import_module("ffi.ops")
+  args = make_inputs(5, 256, 256, 128, 4, jnp.bfloat16)
+  backend = {op: "xla" for op in sm.OP_NAMES} | {"up_proj": "cute"}
+  targets = []
+  for a_stages in (None, "fit"):
+    monkeypatch.setattr(cute_ops, "UP_PROJ_A_STAGES", a_stages)
+    module = _cuda_module(lambda *a: sm.moe(*a, k=2, backend=backend).out, *args)   # traced anew
+    targets.append(set(re.findall(FFI_TARGET + r"\w+", module)))
+  assert targets[0] and targets[1] and targets[0] != targets[1]
+
+
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("block_n,stages,a_stages", [(128, 3, "fit"), (128, 2, 5), (64, 3, "fit")])
