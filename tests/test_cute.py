@@ -111,10 +111,12 @@ def test_cute_gather_sum_matches_numpy_on_gpu(d, dtype):
     assert np.all(np.asarray(got.astype(jnp.float32))[counts == 0] == 0)
 
 
-def _assert_gathering_matches_pregathered(op, rows, index, *operands, **kw):
-  """op(rows, *operands, gather_index=index), the kernel gathering rows[index] itself (zeros
-  where the index is past the end), equals op on the rows gathered by XLA first, bit for bit."""
-  fused = jax.jit(lambda r, i, *o: op(r, *o, gather_index=i, **kw))(rows, index, *operands)
+def _assert_gathering_matches_pregathered(op, rows, index, *operands, gather_kw=None, **kw):
+  """op(rows, *operands, gather_index=index, **gather_kw), the kernel gathering rows[index]
+  itself (zeros where the index is past the end), equals op on the rows gathered by XLA first,
+  bit for bit (kw: both calls')."""
+  fused = jax.jit(lambda r, i, *o: op(r, *o, gather_index=i, **kw, **(gather_kw or {})))(
+      rows, index, *operands)
   gathered = rows.at[index].get(mode="fill", fill_value=0)
   pregathered = jax.jit(lambda r, *o: op(r, *o, **kw))(gathered, *operands)
   for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(pregathered)):
@@ -468,23 +470,6 @@ def test_cute_up_proj_with_a_ring_of_its_own_compiles_and_checks_its_depth():
                    jax.ShapeDtypeStruct((P, d), jnp.bfloat16), *shapes[1:3])
 
 
-@pytest.mark.gpu
-@needs_cute
-@pytest.mark.parametrize("block_n,stages", [(128, None), (64, None), (128, 2)])
-def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages):
-  """Gathering X's rows in the kernel (padding slots: index T, zero rows) gives the bitwise
-  same H and A as the kernel on rows gathered by XLA first."""
-  from ffi import grouped_gemm
-  T, d, n, E = 1000, 512, 256, 4
-  tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
-  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
-  x = jax.random.normal(jax.random.key(7), (T, d)).astype(jnp.bfloat16)
-  w1 = (jax.random.normal(jax.random.key(8), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
-  index = jax.random.randint(jax.random.key(9), (P,), 0, T).at[::7].set(T)
-  _assert_gathering_matches_pregathered(grouped_gemm.up_proj, x, index, w1, tile_expert,
-                                        block_n=block_n, stages=stages)
-
-
 @needs_cute
 def test_layer_up_proj_with_a_ring_of_its_own_lowers_for_cuda(monkeypatch):
   """ffi.ops.UP_PROJ_A_STAGES reaches the up-projection kernel: the layer's forward with the
@@ -502,24 +487,23 @@ def test_layer_up_proj_with_a_ring_of_its_own_lowers_for_cuda(monkeypatch):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,a_stages", [(128, 3, "fit"), (128, 2, 5), (64, 3, "fit")])
-def test_cute_up_proj_with_a_ring_of_its_own_matches_pregathered_on_gpu(block_n, stages, a_stages):
-  """The gathered rows in their own ring, deeper than the weights' (a_stages; 16 k steps, so
-  the rings wrap), give the bitwise same H and A as the kernel on rows gathered by XLA first."""
+@pytest.mark.parametrize("block_n,stages,a_stages,d", [
+    (128, None, None, 512), (64, None, None, 512), (128, 2, None, 512),
+    (128, 3, "fit", 1024), (128, 2, 5, 1024), (64, 3, "fit", 1024)])
+def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, a_stages, d):
+  """Gathering X's rows in the kernel (padding slots: index T, zero rows), in the weights'
+  ring or (a_stages) a deeper one of their own (16 k steps at d = 1024: the rings wrap), gives
+  the bitwise same H and A as the kernel on rows gathered by XLA first."""
   from ffi import grouped_gemm
-  T, d, n, E = 1000, 1024, 256, 4
+  T, n, E = 1000, 256, 4
   tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
   P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
-  x = jax.random.normal(jax.random.key(17), (T, d)).astype(jnp.bfloat16)
-  w1 = (jax.random.normal(jax.random.key(18), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
-  index = jax.random.randint(jax.random.key(19), (P,), 0, T).at[::7].set(T)
-  fused = jax.jit(lambda x, w, t, i: grouped_gemm.up_proj(
-      x, w, t, block_n=block_n, gather_index=i, stages=stages, a_stages=a_stages))(
-          x, w1, tile_expert, index)
-  pregathered = jax.jit(lambda g, w, t: grouped_gemm.up_proj(g, w, t, block_n=block_n))(
-      x.at[index].get(mode="fill", fill_value=0), w1, tile_expert)
-  for got, want in zip(fused, pregathered):
-    np.testing.assert_array_equal(got, want)
+  x = jax.random.normal(jax.random.key(7), (T, d)).astype(jnp.bfloat16)
+  w1 = (jax.random.normal(jax.random.key(8), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
+  index = jax.random.randint(jax.random.key(9), (P,), 0, T).at[::7].set(T)
+  _assert_gathering_matches_pregathered(grouped_gemm.up_proj, x, index, w1, tile_expert,
+                                        block_n=block_n, stages=stages,
+                                        gather_kw=a_stages and dict(a_stages=a_stages))
 
 
 @pytest.mark.gpu
