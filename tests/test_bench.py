@@ -50,12 +50,12 @@ def test_tile_sweep_custom_shape(tmp_path):
   records the depth its chained pipeline ran; one that does not fit is a row with its error."""
   from benchmarks import tile_sweep
   out = tmp_path / "sweep.json"
-  tile_sweep.main(["--configs", "", "--custom", "256,128,256,4,2", "--kernels", "down_proj,dh,dw1,dw2",
+  tile_sweep.main(["--configs", "", "--custom", "256,128,256,4,2", "--kernels", "down_proj,dh,dw1",
                    "--block-n", "128,256", "--stages", "3", "--iters", "1", "--reps", "1", "--out", str(out)])
   recs = {(r["kernel"], r["block_n"]): r for r in json.loads(out.read_text())}
   down = recs[("down_proj", 128)]
   assert down["ms"] > 0 and down["chained_stages"] == 2  # K = n = 256: 4 steps, 3 does not divide
-  assert recs[("dw1", 128)]["ms"] > 0 and recs[("dw2", 128)]["ms"] > 0
+  assert recs[("dw1", 128)]["ms"] > 0   # (dw2 runs the same varlen-K kernel)
   dh_wide = recs[("dh", 256)]  # 2 stages x 48 KB + 2 warpgroups x 96.5 KB of epilogue buffers
   assert dh_wide["ms"] is None and "shared memory" in dh_wide["error"]
 
