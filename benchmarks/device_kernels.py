@@ -66,9 +66,8 @@ def idle_gaps(events, top: int = 8):
       cur_start = start
     if end >= cur_end:
       cur_end, cur_name = end, name
-  busy += cur_end - cur_start
-  span = (events[-1][1] if events[-1][1] > cur_end else cur_end) - events[0][0]
-  return span / 1e6, busy / 1e6, sorted(gaps, key=lambda g: -g[0])[:top]
+  busy += cur_end - cur_start   # (cur_end: the latest end of all)
+  return (cur_end - events[0][0]) / 1e6, busy / 1e6, sorted(gaps, key=lambda g: -g[0])[:top]
 
 
 def profile(fn, args, steps: int = 3):

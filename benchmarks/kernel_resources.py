@@ -144,8 +144,7 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
             + (pp.epilogue_bytes(2) if tma_store else 0))
   if kernel.endswith("_deep"):   # the gathered rows' own, deeper ring (grouped_gemm.gather_stages)
     stages, a_stages = g.gather_stages(block_n, num_rhs, 2, K_STEPS, stages, "fit")
-    return (g.smem_bytes(block_n, num_rhs, 2, stages) + (a_stages - stages) * g.BLOCK_M
-            * g.BLOCK_K * 2)
+    return g.smem_bytes(block_n, num_rhs, 2, stages, a_stages=a_stages)
   depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None)
   return g.smem_bytes(block_n, num_rhs, 2, depth)
 

@@ -112,9 +112,10 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
       dg, w2, h, s, t, tma_store=True, over_h=False, **dataclasses.asdict(c)), static_argnums=0),
       dh_args, dh_flops, dh_n)
   _, up_args, up_flops, up_n = rows["up_proj_gather"]   # (x, w1, index, tiles)
-  # the gathered rows in a ring of their own, as deep as fits beside cfg.stages (3 if None)
+  # the gathered rows in a ring of their own, as deep as fits beside cfg.stages (up_proj's
+  # default if None)
   rows["up_proj_gather_deep"] = (jax.jit(lambda c, x, w1, i, t: cute_gemm.up_proj(
-      x, w1, t, gather_index=i, block_n=c.block_n, stages=c.stages or 3, a_stages="fit"),
+      x, w1, t, gather_index=i, a_stages="fit", **dataclasses.asdict(c)),
       static_argnums=0), up_args, up_flops, up_n)
   rows["up_proj_pingpong"] = (jax.jit(lambda c, x, w1, i, t: pingpong.up_proj(
       x, w1, t, i, **dataclasses.asdict(c)), static_argnums=0), up_args, up_flops, up_n)

@@ -58,10 +58,12 @@ MAX_GRID_Y = 65535          # CUDA's limit on the grid's second dimension (the M
 MAX_REGISTER_ADDRESSED = 2**31 - 1   # elements of an operand read or written by 32-bit offsets
 ROW_MODES = (1, 2, 0)       # how the kernel sees a [1, P, C] operand: (P, C, 1)
 EPILOGUE_BARRIER = 3        # named barrier ids 1, 2: the gather's per-warpgroup syncs
-# dH's epilogue: H's column groups loaded this many groups ahead of their math. Wide tiles
-# (block_n > 128: one CTA per SM whatever their registers) take 8 (block_n 256: 174 -> 210
-# registers); narrower ones 2, where 8 took block_n 128 from 112 to 146 registers, no longer
-# two CTAs per SM, and spilled in the ping-pong dH.
+# dH's tiles up to this wide can run two CTAs per SM (3 stages, at most 128 registers); wider
+# ones run one whatever their stages and registers.
+DH_TWO_CTAS_MAX_BLOCK_N = 128
+# dH's epilogue: H's column groups loaded this many groups ahead of their math. Wide tiles take
+# 8 (block_n 256: 174 -> 210 registers); two-CTA ones 2, where 8 took block_n 128 from 112 to
+# 146 registers, no longer two CTAs per SM, and spilled in the ping-pong dH.
 DH_LOAD_AHEAD_WIDE, DH_LOAD_AHEAD_NARROW = 8, 2
 WGMMA_MAX_N = 256           # the widest N of one Hopper wgmma: dH's widest column tile
 GATHER_CHUNKS = BLOCK_K * 2 // 16                      # 16-byte cp.async chunks per bf16 row
@@ -72,10 +74,13 @@ K_CHUNKS_PER_WG = BLOCK_M // WARPGROUPS // 8
 K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128
 
 
-def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int = BLOCK_M) -> int:
-  """A CTA's SMEM: `stages` pipeline stages (a `rows`-row lhs tile and num_rhs rhs tiles each)
-  and 1 KiB for the barriers (the epilogue's buffers reuse the lhs stages)."""
-  return stages * (rows + num_rhs * block_n) * BLOCK_K * itemsize + BARRIER_BYTES
+def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int = BLOCK_M,
+               a_stages: int | None = None) -> int:
+  """A CTA's SMEM: `stages` pipeline stages (a `rows`-row lhs tile and num_rhs rhs tiles each;
+  with a_stages, the lhs tiles in a ring of that many instead) and 1 KiB for the barriers (the
+  epilogue's buffers reuse the lhs stages)."""
+  a_stages = stages if a_stages is None else a_stages
+  return (a_stages * rows + stages * num_rhs * block_n) * BLOCK_K * itemsize + BARRIER_BYTES
 
 
 def _stages_that_fit(block_n: int, num_rhs: int, itemsize: int, rows: int = BLOCK_M,
@@ -174,7 +179,8 @@ def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dty
   h_srcs = [thr_mma.partition_C(t) for t in h_tiles]
   s_src = thr_mma.partition_C(score_tile)
   groups = block_n // 8
-  load_ahead = min(DH_LOAD_AHEAD_WIDE if block_n > 128 else DH_LOAD_AHEAD_NARROW, groups)
+  wide = block_n > DH_TWO_CTAS_MAX_BLOCK_N
+  load_ahead = min(DH_LOAD_AHEAD_WIDE if wide else DH_LOAD_AHEAD_NARROW, groups)
   outs = []
   if cutlass.const_expr(out_tiles is None):
     outs = [cute.make_rmem_tensor(acc.shape, dtype) for _ in range(3)]
@@ -750,10 +756,8 @@ def gather_stages(block_n: int, num_rhs: int, itemsize: int, k_steps: int, stage
   stages (at least 2) and a_stages lhs stages ("fit": as many as fit beside them, at most 8
   and the k steps; at least `stages`). Raises ValueError, naming the limit, if they do not
   fit in SMEM."""
-  lhs_bytes = BLOCK_M * BLOCK_K * itemsize
-  rhs_bytes = num_rhs * block_n * BLOCK_K * itemsize
-  room = SMEM_BYTES - BARRIER_BYTES - stages * rhs_bytes
-  most = room // lhs_bytes
+  most = ((SMEM_BYTES - smem_bytes(block_n, num_rhs, itemsize, stages, a_stages=0))
+          // (BLOCK_M * BLOCK_K * itemsize))
   if a_stages == "fit":
     a_stages = max(stages, min(8, most, k_steps))
   if stages < 2 or not stages <= a_stages <= most:

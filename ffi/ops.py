@@ -67,13 +67,13 @@ DOUT_GATHER_MAX_COLUMN_TILES = 2
 # 3.02, one sweep each: not enough to switch).
 DH_KERNEL = "registers"
 DH_KERNELS = ("registers", "tma_store", "pingpong")
-# Pipeline stages of dH's kernel when it gathers dO's rows, by block_n (None: as many as fit).
-# block_n 128 and 64 (session 10's sweep at 30B-n256): 3.016 ms with 3 stages (two CTAs fit on
-# an SM), 3.454 with as many as fit (one CTA); block_n 64: 3.330 vs 4.376. block_n 256 (one
-# CTA per SM either way; session 12): 2.600 ms as many as fit vs 2.993 with 3 at 30B-n256,
-# 0.802 vs 0.737 at 7B-n256. Reading dOg in slot order, as many as fit win (2.752 vs 3.083), so
-# that case keeps them.
-DH_GATHER_STAGES = {64: 3, 128: 3, 256: None}
+# Pipeline stages of dH's kernel when it gathers dO's rows on tiles that fit two CTAs per SM
+# (grouped_gemm.DH_TWO_CTAS_MAX_BLOCK_N); wider tiles take as many as fit. Session 10's sweep at
+# 30B-n256, block_n 128: 3.016 ms with 3 stages (two CTAs on an SM), 3.454 with as many as fit
+# (one CTA); block_n 64: 3.330 vs 4.376. block_n 256 (one CTA either way; session 12): 2.600 ms
+# as many as fit vs 2.993 with 3 at 30B-n256, 0.802 vs 0.737 at 7B-n256. Reading dOg in slot
+# order, as many as fit win (2.752 vs 3.083), so that case keeps them.
+DH_GATHER_STAGES = 3
 # dH's widest column tile (block_n: halved until it divides n). 256 (grouped_gemm's dh only; the
 # ping-pong dh takes at most 128) makes n = 256 one column tile, so each M tile reads (and
 # gathers) its dO rows once instead of twice (174 registers, no stack, one CTA per SM). H200
@@ -205,9 +205,9 @@ def dh(dout, w2, h, scores, plan):
   block_n = _dh_block_n(n)
   if _dout_gathered_in_kernel(n):
     k_steps = dout.shape[1] // grouped_gemm.BLOCK_K
-    stages = DH_GATHER_STAGES[block_n]
+    two_ctas = block_n <= grouped_gemm.DH_TWO_CTAS_MAX_BLOCK_N
     rows, gather = dout, dict(gather_index=plan.token_index,
-                              stages=stages and max(2, min(stages, k_steps)))
+                              stages=max(2, min(DH_GATHER_STAGES, k_steps)) if two_ctas else None)
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
   if DH_KERNEL == "pingpong":
