@@ -29,8 +29,6 @@
 #           sweep at 7B-n256, 30B-n256, olmoe, then the layer with it            (~6 min)
 #   per_op_wide: the per-op breakdown of the default at 120B-n1024 and 30B-n256 (after `cute`
 #           staging: source /tmp/devsite-cute/env.sh first)                              (~3 min)
-#   up_deep: the up-projection with its gathered rows in a deeper ring of their own (its GPU
-#           tests, then beside the one-ring kernel at 30B-n256, olmoe, 120B-n1024)   (~4 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
 #           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
@@ -83,13 +81,6 @@ for mode in "$@"; do
     per_op_wide)
       timeout 280 python3 -m benchmarks.kernels --backend auto --configs 120B-n1024,30B-n256 \
         --out "$OUT/kernels_auto_wide.json" 2>&1 | grep -v '^{' | tail -40 ;;
-    up_deep)
-      timeout 150 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "ring_of_its_own or up_proj_with_gather_matches" > "$OUT/pytest_up_deep.log" 2>&1
-      grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_up_deep.log" | tail -8
-      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,olmoe,120B-n1024 \
-        --stages 2,3,0 --block-n 128 --kernels up_proj,up_proj_gather,up_proj_gather_deep \
-        --out "$OUT/sweep_up_deep.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
     dout_gather)
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs olmoe,120B-n1024 \
         --stages 3,0 --block-n 256 --kernels dh,dh_gather,dw2,dw2_gather \

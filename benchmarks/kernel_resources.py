@@ -34,7 +34,6 @@ _EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE = 0x2F, 0x11
 VARIANTS = [
     ("store bn128 st3", "matmul", 128, 3), ("store bn256 fit", "matmul", 256, 0),
     ("up_proj bn128 fit", "up_proj", 128, 0), ("up_proj gather bn128 fit", "up_proj_gather", 128, 0),
-    ("up_proj gather deep bn128 st3", "up_proj_gather_deep", 128, 3),
     ("dh bn64 fit", "dh", 64, 0), ("dh bn128 fit", "dh", 128, 0), ("dh bn128 st3", "dh", 128, 3),
     ("dh bn256 fit", "dh", 256, 0), ("dh tma bn128 fit", "dh_tma", 128, 0),
     ("dh gather bn128 fit", "dh_gather", 128, 0), ("dh gather bn256 fit", "dh_gather", 256, 0),
@@ -63,8 +62,6 @@ fn, args = {
     "up_proj": (lambda a, b, t: g.up_proj(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "up_proj_gather": (lambda a, b, t, i: g.up_proj(a, b, t, gather_index=i, **kw),
                        (sds(300, K), sds(E, K, N), sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
-    "up_proj_gather_deep": (lambda a, b, t, i: g.up_proj(a, b, t, gather_index=i, a_stages="fit", **kw),
-                            (sds(300, K), sds(E, K, N), sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
     "dh": (lambda a, w, h, s, t: g.dh(a, w, h, s, t, **kw),
            (sds(P, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32), sds(P // 128, dt=jnp.int32))),
     "dh_tma": (lambda a, w, h, s, t: g.dh(a, w, h, s, t, tma_store=True, **kw),
@@ -142,9 +139,6 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
     depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store)
     return (g.smem_bytes(block_n, num_rhs, 2, depth, rows=pp.TILE_M)
             + (pp.epilogue_bytes(2) if tma_store else 0))
-  if kernel.endswith("_deep"):   # the gathered rows' own, deeper ring (grouped_gemm.gather_stages)
-    stages, a_stages = g.gather_stages(block_n, num_rhs, 2, K_STEPS, stages, "fit")
-    return g.smem_bytes(block_n, num_rhs, 2, stages, a_stages=a_stages)
   depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None)
   return g.smem_bytes(block_n, num_rhs, 2, depth)
 

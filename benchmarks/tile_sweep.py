@@ -86,9 +86,8 @@ def _with_backward_rows(rows, dh, dw, x, w2, dout, plan, tiles, pairs):
 
 def cute_kernels(x, w1, w2, dout, plan, pairs):
   """The CuTe DSL kernels' rows (_gemm_rows, dh, dh_tma: dh storing through the TMA-store
-  epilogue, up_proj_gather_deep: the gathered rows in a deeper ring of their own,
-  up_proj_pingpong, dh_pingpong, down_proj_pingpong and dx_tilde_pingpong (_tma: with the
-  TMA-store epilogue): the ping-pong kernels (ffi/pingpong.py), dh_gather
+  epilogue, up_proj_pingpong, dh_pingpong, down_proj_pingpong and dx_tilde_pingpong (_tma: with
+  the TMA-store epilogue): the ping-pong kernels (ffi/pingpong.py), dh_gather
   and dh_pingpong_gather: dh gathering dO's rows in the kernel, dw1, dw1_gather: dW1 gathering X's
   rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows; cfg a CuteTile)."""
   from ffi import grouped_gemm as cute_gemm, pingpong  # optional extra
@@ -112,11 +111,6 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
       dg, w2, h, s, t, tma_store=True, over_h=False, **dataclasses.asdict(c)), static_argnums=0),
       dh_args, dh_flops, dh_n)
   _, up_args, up_flops, up_n = rows["up_proj_gather"]   # (x, w1, index, tiles)
-  # the gathered rows in a ring of their own, as deep as fits beside cfg.stages (up_proj's
-  # default if None)
-  rows["up_proj_gather_deep"] = (jax.jit(lambda c, x, w1, i, t: cute_gemm.up_proj(
-      x, w1, t, gather_index=i, a_stages="fit", **dataclasses.asdict(c)),
-      static_argnums=0), up_args, up_flops, up_n)
   rows["up_proj_pingpong"] = (jax.jit(lambda c, x, w1, i, t: pingpong.up_proj(
       x, w1, t, i, **dataclasses.asdict(c)), static_argnums=0), up_args, up_flops, up_n)
   rows["dh_pingpong"] = (jax.jit(lambda c, dg, w2, h, s, t: pingpong.dh(   # the same operands

@@ -74,13 +74,10 @@ K_CHUNKS_PER_WG = BLOCK_M // WARPGROUPS // 8
 K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128
 
 
-def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int = BLOCK_M,
-               a_stages: int | None = None) -> int:
-  """A CTA's SMEM: `stages` pipeline stages (a `rows`-row lhs tile and num_rhs rhs tiles each;
-  with a_stages, the lhs tiles in a ring of that many instead) and 1 KiB for the barriers (the
-  epilogue's buffers reuse the lhs stages)."""
-  a_stages = stages if a_stages is None else a_stages
-  return (a_stages * rows + stages * num_rhs * block_n) * BLOCK_K * itemsize + BARRIER_BYTES
+def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int = BLOCK_M) -> int:
+  """A CTA's SMEM: `stages` pipeline stages (a `rows`-row lhs tile and num_rhs rhs tiles each)
+  and 1 KiB for the barriers (the epilogue's buffers reuse the lhs stages)."""
+  return stages * (rows + num_rhs * block_n) * BLOCK_K * itemsize + BARRIER_BYTES
 
 
 def _stages_that_fit(block_n: int, num_rhs: int, itemsize: int, rows: int = BLOCK_M,
@@ -111,16 +108,13 @@ def tma_operand(atom, smem, gmem):
 
 
 @cute.jit
-def issue_k_step(tiled_mma, accs, frag_a, frag_bs, stage, a_stage=None):
-  """One k step's wgmmas on SMEM stage `stage` (each accumulator with its rhs fragments; the
-  lhs from stage a_stage where its ring is deeper than the rhs's), committed as one group."""
-  if cutlass.const_expr(a_stage is None):
-    a_stage = stage
+def issue_k_step(tiled_mma, accs, frag_a, frag_bs, stage):
+  """One k step's wgmmas on SMEM stage `stage` (each accumulator with its rhs fragments),
+  committed as one group."""
   warpgroup.fence()
   for kb in cutlass.range(cute.size(frag_a, mode=[2]), unroll_full=True):
     for acc, frag_b in zip(accs, frag_bs):
-      cute.gemm(tiled_mma, acc, frag_a[None, None, kb, a_stage], frag_b[None, None, kb, stage],
-                acc)
+      cute.gemm(tiled_mma, acc, frag_a[None, None, kb, stage], frag_b[None, None, kb, stage], acc)
   warpgroup.commit_group()
 
 
@@ -385,8 +379,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             c_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
-            a_stages: cutlass.Constexpr):
+            gather: cutlass.Constexpr, register_store: cutlass.Constexpr):
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   n_tile, m_tile, z_tile = cute.arch.block_idx()
@@ -460,32 +453,30 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   if cutlass.const_expr(gather and kind == "wgrad"):   # the first k step's, then step by step
     tokens = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
     _load_k_tokens(tokens, gather_index, k_begin * BLOCK_K, tidx)
-  if cutlass.const_expr(gather):   # A's first a_stages - 1 steps, one cp.async group each
-    for step in cutlass.range_constexpr(a_stages - 1):
+  if cutlass.const_expr(gather):   # A's first stages - 1 steps, one cp.async group each
+    for step in cutlass.range_constexpr(stages - 1):
       if step < num_k:
-        _gather_into_stage(m_a, gather_index, tokens, s_a, step, m_tile, k_begin, tidx,
-                           a_stages, kind)
+        _gather_into_stage(m_a, gather_index, tokens, s_a, step, m_tile, k_begin, tidx, stages,
+                           kind)
       cute.arch.cp_async_commit_group()
 
   for kk in cutlass.range(num_k, unroll=1):
     loads.consumer_wait(consume)
     if cutlass.const_expr(gather):
-      # of the a_stages - 1 + kk groups committed, step kk's (the kk + 1-th) has landed; make
+      # of the stages - 1 + kk groups committed, step kk's (the kk + 1-th) has landed; make
       # the warpgroup's copies visible to its wgmmas (async proxy)
-      cute.arch.cp_async_wait_group(a_stages - 2)
+      cute.arch.cp_async_wait_group(stages - 2)
       cute.arch.fence_proxy("async.shared", space="cta")
       cute.arch.barrier(barrier_id=1 + tidx // 128, number_of_threads=128)
-      issue_k_step(tiled_mma, accs, frag_a, frag_bs, consume.index, kk % a_stages)
-    else:
-      issue_k_step(tiled_mma, accs, frag_a, frag_bs, consume.index)
+    issue_k_step(tiled_mma, accs, frag_a, frag_bs, consume.index)
     consume.advance()
     # one step's wgmmas stay in flight: the previous step's are done, so its stage is free
     warpgroup.wait_group(1)
-    if cutlass.const_expr(gather):   # step kk + a_stages - 1 into the stage step kk - 1 read
-      ahead = kk + a_stages - 1
+    if cutlass.const_expr(gather):   # step kk + stages - 1 into the stage step kk - 1 read
+      ahead = kk + stages - 1
       if ahead < num_k:
-        _gather_into_stage(m_a, gather_index, tokens, s_a, ahead, m_tile, k_begin, tidx,
-                           a_stages, kind)
+        _gather_into_stage(m_a, gather_index, tokens, s_a, ahead, m_tile, k_begin, tidx, stages,
+                           kind)
       cute.arch.cp_async_commit_group()
     if kk > 0:
       loads.consumer_release(release)
@@ -537,12 +528,10 @@ def _up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor, 
 @cute.jit
 def _gathered_up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor,
                       gather_index: cute.Tensor, h: cute.Tensor, a: cute.Tensor,
-                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                      a_stages: cutlass.Constexpr = None):
-  """_up_proj with x (T, d, 1) the source rows and slot r reading x[gather_index[r]]; A's
-  gathered tiles in a ring of a_stages (None: `stages`, the weights' ring)."""
+                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+  """_up_proj with x (T, d, 1) the source rows and slot r reading x[gather_index[r]]."""
   _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True,
-          False, a_stages)
+          False)
 
 
 @cute.jit
@@ -586,8 +575,7 @@ def _gathered_weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offset
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
-            a_stages: cutlass.Constexpr = None):
+            gather: cutlass.Constexpr, register_store: cutlass.Constexpr):
   """The grid over (output column tiles, M tiles[, experts]) and the kernel's static
   configuration. kind: "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs
   W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
@@ -595,10 +583,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   (N, P, 1), out (M, N, E): out[e] = lhs_e rhs_e^T over expert e's rows, tile_expert holding
   group_offsets). With gather lhs is the source of the rows gather_index
   names (A's stages not in the TMA pipeline). register_store (dh only): each thread stores its
-  fragments from registers instead of the TMA-store epilogue. a_stages (gather only): A's
-  stages, a ring of their own (None: `stages`, one ring with B's)."""
-  if cutlass.const_expr(a_stages is None):
-    a_stages = stages
+  fragments from registers instead of the TMA-store epilogue."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
   num_rhs = 2 if swiglu else 1
@@ -610,7 +595,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   tiled_mma = sm90_utils.make_trivial_tiled_mma(
       dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
       cutlass.Float32, (WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
-  a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, a_stages)
+  a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
   b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
   tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
                                            cute.slice_(b_smem_staged, (None, None, 0)),
@@ -653,7 +638,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
           m_out2_tma, m_h, m_scores, m_ds, tile_expert, gather_index, tiled_mma, a_smem_staged,
           b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]),
           SwigluSharedStorage if swiglu else SharedStorage, block_n, stages, stage_bytes, kind,
-          gather, register_store, a_stages).launch(
+          gather, register_store).launch(
               grid=(num_n_tiles, num_m_tiles, num_z), block=(THREADS, 1, 1), stream=stream)
 
 
@@ -723,47 +708,19 @@ def rows_read(rows, gather_index):
 
 
 def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
-            stages: int | None = None, a_stages: int | str | None = None):
+            stages: int | None = None):
   """H = Xg W1_e (gate and up halves) and A = silu(gate) * up per M tile: xg [P, d] rows in
   slot order, w1 [E, d, 2n]; returns H [P, 2n], A [P, n] (the SwiGLU epilogue). With
   gather_index [P], xg is X [T, d] and slot r reads X[gather_index[r]] (zeros where it is T or
-  more), gathered inside the kernel by cp.async. stages: as grouped_matmul's. a_stages (with
-  gather_index): the gathered rows' own ring of stages, deeper than the weights' `stages` so
-  that more copies are in flight (gather_stages; "fit": as many as fit beside them); None
-  keeps one ring for both (bitwise the same results either way)."""
+  more), gathered inside the kernel by cp.async. stages: as grouped_matmul's."""
   n = w1.shape[2] // 2
   reason = unsupported(rows_read(xg, gather_index),
                        jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n)
   if reason:
     raise ValueError(f"cute up_proj: {reason}")
-  k_steps = xg.shape[1] // BLOCK_K
-  if a_stages is None:
-    stages = _pipeline_depth(block_n, 2, xg.dtype.itemsize, k_steps, stages)
-    return up_proj_call((_up_proj, _gathered_up_proj), xg, w1, tile_expert, gather_index,
-                        block_n=block_n, stages=stages)
-  if gather_index is None:
-    raise ValueError("cute up_proj: a_stages needs gather_index (a ring of their own for the "
-                     "gathered rows)")
-  stages, a_stages = gather_stages(block_n, 2, xg.dtype.itemsize, k_steps,
-                                   3 if stages is None else stages, a_stages)
+  stages = _pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)
   return up_proj_call((_up_proj, _gathered_up_proj), xg, w1, tile_expert, gather_index,
-                      block_n=block_n, stages=stages, a_stages=a_stages)
-
-
-def gather_stages(block_n: int, num_rhs: int, itemsize: int, k_steps: int, stages: int,
-                  a_stages: int | str) -> tuple[int, int]:
-  """(stages, a_stages) for a kernel whose gathered lhs has a ring of its own: `stages` rhs
-  stages (at least 2) and a_stages lhs stages ("fit": as many as fit beside them, at most 8
-  and the k steps; at least `stages`). Raises ValueError, naming the limit, if they do not
-  fit in SMEM."""
-  most = ((SMEM_BYTES - smem_bytes(block_n, num_rhs, itemsize, stages, a_stages=0))
-          // (BLOCK_M * BLOCK_K * itemsize))
-  if a_stages == "fit":
-    a_stages = max(stages, min(8, most, k_steps))
-  if stages < 2 or not stages <= a_stages <= most:
-    raise ValueError(f"a_stages={a_stages} must be between stages={stages} (at least 2) and "
-                     f"{most} (what fits in SMEM beside {stages} stages of block_n={block_n})")
-  return stages, a_stages
+                      block_n=block_n, stages=stages)
 
 
 def up_proj_call(kernels, xg, w1, tile_expert, gather_index, **config):

@@ -41,11 +41,6 @@ UP_PROJ_GATHER_IN_KERNEL = True
 # fast on 128-row tiles: 4.06 vs 4.05 ms at 30B-n256, session 10; 64-row: 4.13 vs 3.88)
 UP_PROJ_KERNEL = "grouped"
 UP_PROJ_KERNELS = ("grouped", "pingpong")
-# The "grouped" kernel's gathered rows in a ring of their own, deeper than the weights' 3
-# stages (grouped_gemm.up_proj's a_stages: an int, or "fit" for as many as fit, 8 at block_n
-# 128); None keeps one ring for both. Written in session 12, not yet timed on the GPU
-# (gpu_session.sh up_deep; bench --cute-up-a-stages).
-UP_PROJ_A_STAGES = None
 # dW1 gathers X's rows itself (bitwise equal to gathering first) where its output has at most
 # this many column tiles. H200 session 8, forward+backward ms with dh, dx_tilde, dw1 on cute:
 # 30B-n256 (2 tiles) 23.13 gathering in the kernel vs 23.97 after XLA's gather (and 7.0 vs 11.4
@@ -129,16 +124,14 @@ def aggregate(y, scores, plan):
 
 def up_proj(x, w1, plan):
   """H = X_e W1_e and A = SwiGLU(H) per expert group, X's rows gathered in the kernel (or by XLA
-  first: UP_PROJ_GATHER_IN_KERNEL = False) by the UP_PROJ_KERNEL variant (the grouped one with
-  UP_PROJ_A_STAGES)."""
+  first: UP_PROJ_GATHER_IN_KERNEL = False) by the UP_PROJ_KERNEL variant."""
   if UP_PROJ_KERNEL not in UP_PROJ_KERNELS:
     raise ValueError(f"ffi.ops.UP_PROJ_KERNEL must be one of {UP_PROJ_KERNELS}; got "
                      f"{UP_PROJ_KERNEL!r}")
   if UP_PROJ_GATHER_IN_KERNEL and UP_PROJ_KERNEL == "pingpong":
     return pingpong.up_proj(x, w1, _tiles(plan), plan.token_index)
   if UP_PROJ_GATHER_IN_KERNEL:
-    return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index,
-                                a_stages=UP_PROJ_A_STAGES)
+    return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index)
   return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan))
 
 

@@ -111,12 +111,10 @@ def test_cute_gather_sum_matches_numpy_on_gpu(d, dtype):
     assert np.all(np.asarray(got.astype(jnp.float32))[counts == 0] == 0)
 
 
-def _assert_gathering_matches_pregathered(op, rows, index, *operands, gather_kw=None, **kw):
-  """op(rows, *operands, gather_index=index, **gather_kw), the kernel gathering rows[index]
-  itself (zeros where the index is past the end), equals op on the rows gathered by XLA first,
-  bit for bit (kw: both calls')."""
-  fused = jax.jit(lambda r, i, *o: op(r, *o, gather_index=i, **kw, **(gather_kw or {})))(
-      rows, index, *operands)
+def _assert_gathering_matches_pregathered(op, rows, index, *operands, **kw):
+  """op(rows, *operands, gather_index=index), the kernel gathering rows[index] itself (zeros
+  where the index is past the end), equals op on the rows gathered by XLA first, bit for bit."""
+  fused = jax.jit(lambda r, i, *o: op(r, *o, gather_index=i, **kw))(rows, index, *operands)
   gathered = rows.at[index].get(mode="fill", fill_value=0)
   pregathered = jax.jit(lambda r, *o: op(r, *o, **kw))(gathered, *operands)
   for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(pregathered)):
@@ -448,52 +446,14 @@ def test_cute_up_proj_with_gather_compiles_for_cuda():
                          jnp.zeros((2,), jnp.int32), gather_index=jnp.zeros((200,), jnp.int32))
 
 
-@needs_cute
-def test_cute_up_proj_with_a_ring_of_its_own_compiles_and_checks_its_depth():
-  """The gathered rows in a deeper ring than the weights' (a_stages) compile for sm_90a; a depth
-  that does not fit, or a_stages without a gather, is refused naming the limit."""
-  from ffi import grouped_gemm
-  T, P, d, n, E = 300, 512, 1024, 128, 4
-  shapes = [jax.ShapeDtypeStruct((T, d), jnp.bfloat16), jax.ShapeDtypeStruct((E, d, 2 * n), jnp.bfloat16),
-            jax.ShapeDtypeStruct((P // 128,), jnp.int32), jax.ShapeDtypeStruct((P,), jnp.int32)]
-  for a_stages in ("fit", 5):
-    fn = lambda x, w, t, i: grouped_gemm.up_proj(x, w, t, gather_index=i, stages=3, a_stages=a_stages)
-    assert FFI_TARGET in _cuda_module(fn, *shapes)
-  assert grouped_gemm.gather_stages(128, 2, 2, 64, 3, "fit") == (3, 8)   # 3 x 32 + 8 x 16 KiB
-  assert grouped_gemm.gather_stages(128, 2, 2, 4, 3, "fit") == (3, 4)    # no deeper than the k steps
-  with pytest.raises(ValueError, match=r"a_stages=9 must be between stages=3 \(at least 2\) and 8"):
-    grouped_gemm.gather_stages(128, 2, 2, 64, 3, 9)
-  with pytest.raises(ValueError, match="a_stages=2 must be between stages=3"):
-    grouped_gemm.gather_stages(128, 2, 2, 64, 3, 2)
-  with pytest.raises(ValueError, match="a_stages needs gather_index"):
-    jax.eval_shape(lambda x, w, t: grouped_gemm.up_proj(x, w, t, a_stages=4),
-                   jax.ShapeDtypeStruct((P, d), jnp.bfloat16), *shapes[1:3])
-
-
-@needs_cute
-def test_layer_up_proj_with_a_ring_of_its_own_lowers_for_cuda(monkeypatch):
-  """ffi.ops.UP_PROJ_A_STAGES reaches the up-projection kernel: the layer's forward with the
-  deep ring exports for CUDA with a kernel other than the one-ring default's."""
-  cute_ops = importlib.import_module("ffi.ops")
-  args = make_inputs(5, 256, 256, 128, 4, jnp.bfloat16)
-  backend = {op: "xla" for op in sm.OP_NAMES} | {"up_proj": "cute"}
-  targets = []
-  for a_stages in (None, "fit"):
-    monkeypatch.setattr(cute_ops, "UP_PROJ_A_STAGES", a_stages)
-    module = _cuda_module(lambda *a: sm.moe(*a, k=2, backend=backend).out, *args)   # traced anew
-    targets.append(set(re.findall(FFI_TARGET + r"\w+", module)))
-  assert targets[0] and targets[1] and targets[0] != targets[1]
-
-
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,a_stages,d", [
-    (128, None, None, 512), (64, None, None, 512), (128, 2, None, 512),
-    (128, 3, "fit", 1024), (128, 2, 5, 1024), (64, 3, "fit", 1024)])
-def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, a_stages, d):
-  """Gathering X's rows in the kernel (padding slots: index T, zero rows), in the weights'
-  ring or (a_stages) a deeper one of their own (16 k steps at d = 1024: the rings wrap), gives
-  the bitwise same H and A as the kernel on rows gathered by XLA first."""
+@pytest.mark.parametrize("block_n,stages,d", [
+    (128, None, 512), (64, None, 512), (128, 2, 512), (128, 3, 1024)])
+def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, d):
+  """Gathering X's rows in the kernel (padding slots: index T, zero rows) gives the bitwise
+  same H and A as the kernel on rows gathered by XLA first (16 k steps at d = 1024: the
+  pipeline's ring wraps)."""
   from ffi import grouped_gemm
   T, n, E = 1000, 256, 4
   tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
@@ -502,8 +462,7 @@ def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, a_
   w1 = (jax.random.normal(jax.random.key(8), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(9), (P,), 0, T).at[::7].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.up_proj, x, index, w1, tile_expert,
-                                        block_n=block_n, stages=stages,
-                                        gather_kw=a_stages and dict(a_stages=a_stages))
+                                        block_n=block_n, stages=stages)
 
 
 @pytest.mark.gpu
