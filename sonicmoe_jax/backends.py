@@ -56,10 +56,6 @@ def _narrow_model(d: int, n: int) -> bool:
   return d < 4096
 
 
-def _narrow_experts(d: int, n: int) -> bool:
-  return n <= 256
-
-
 # GPU ops the cute backend takes over, and where (by hidden size d and expert width n): where
 # it measured faster on an H200, forward+backward ms. Session 8 (results/2026-11-30-h200-
 # session8), pallas -> dh, dx_tilde, dw1 on cute: 7B-n256 3.81-3.89 -> 3.73; 30B-n256
@@ -74,9 +70,12 @@ def _narrow_experts(d: int, n: int) -> bool:
 # the layer (30B-n256 22.11 vs 21.75, 120B-n1024 40.73 vs 38.69). With its epilogue's H loads
 # issued ahead (bf54124: olmoe's dH 3.37-3.51 -> 2.97-3.11 ms alone), dh on cute at the last
 # two configs too: olmoe 18.63 -> 17.96, 7B-n1024 2.90 -> 2.86 (step memory 6182 -> 5126 and
-# 1297 -> 1089 MiB: dH over H).
+# 1297 -> 1089 MiB: dH over H). Session 13 (-session13, calls 7 and 8, the order of the two
+# swapped), dw2 on cute at n = 1024 too (on XLA's gathered dO, which dh reads too): kernel ms
+# 120B-n1024 37.91 -> 37.36 and 38.22 -> 37.22, olmoe 18.43 -> 18.09 and 18.05 -> 17.84 (wall
+# within its noise: 39.90 -> 40.23 and 40.60 -> 40.61, 19.85 -> 19.99 and 19.98 -> 19.82).
 GPU_CUTE_WHERE = {"up_proj": _narrow_model, "down_proj": _everywhere, "dh": _everywhere,
-                  "dx_tilde": _everywhere, "dw1": _everywhere, "dw2": _narrow_experts}
+                  "dx_tilde": _everywhere, "dw1": _everywhere, "dw2": _everywhere}
 
 
 def _cute_installed() -> bool:
