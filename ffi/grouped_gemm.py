@@ -72,26 +72,34 @@ GATHER_ROWS_PER_THREAD = (BLOCK_M // WARPGROUPS) * GATHER_CHUNKS // 128
 # thread's (row, chunk) copies per k step
 K_CHUNKS_PER_WG = BLOCK_M // WARPGROUPS // 8
 K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128
+# ... and the source rows of its k steps, a ring of `stages` slots per warpgroup in SMEM filled
+# by cp.async (16 bytes: 4 indices per copy) stages - 1 steps ahead of their gathers
+K_INDEX_CHUNK = 4
+K_INDEX_BYTES_PER_STAGE = WARPGROUPS * BLOCK_K * 4
 
 
-def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int = BLOCK_M) -> int:
-  """A CTA's SMEM: `stages` pipeline stages (a `rows`-row lhs tile and num_rhs rhs tiles each)
-  and 1 KiB for the barriers (the epilogue's buffers reuse the lhs stages)."""
-  return stages * (rows + num_rhs * block_n) * BLOCK_K * itemsize + BARRIER_BYTES
+def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int = BLOCK_M,
+               extra_per_stage: int = 0) -> int:
+  """A CTA's SMEM: `stages` pipeline stages (a `rows`-row lhs tile, num_rhs rhs tiles and
+  extra_per_stage other bytes each: the gathered weight gradient's index ring) and 1 KiB for
+  the barriers (the epilogue's buffers reuse the lhs stages)."""
+  per_stage = (rows + num_rhs * block_n) * BLOCK_K * itemsize + extra_per_stage
+  return stages * per_stage + BARRIER_BYTES
 
 
 def _stages_that_fit(block_n: int, num_rhs: int, itemsize: int, rows: int = BLOCK_M,
-                     reserved: int = 0) -> int:
+                     reserved: int = 0, extra_per_stage: int = 0) -> int:
   """How many pipeline stages fit in SMEM (smem_bytes) beside `reserved` other bytes."""
-  per_stage = smem_bytes(block_n, num_rhs, itemsize, 1, rows) - BARRIER_BYTES
+  per_stage = smem_bytes(block_n, num_rhs, itemsize, 1, rows, extra_per_stage) - BARRIER_BYTES
   return (SMEM_BYTES - BARRIER_BYTES - reserved) // per_stage
 
 
-def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, stages) -> int:
+def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, stages,
+                    extra_per_stage: int = 0) -> int:
   """The stages a kernel runs: `stages` if given (fewer leave SMEM for a second CTA per SM),
   else as many as fit, at most 8 and at most the k steps (at least 2). Raises ValueError,
   naming the limit, if the given ones do not fit."""
-  fit = _stages_that_fit(block_n, num_rhs, itemsize)
+  fit = _stages_that_fit(block_n, num_rhs, itemsize, extra_per_stage=extra_per_stage)
   if stages is None:
     return max(2, min(8, fit, k_steps))
   if not 2 <= stages <= fit:
@@ -332,39 +340,44 @@ def _gather_k_slot(tidx, j: int):
 
 
 @cute.jit
-def _load_k_tokens(tokens, gather_index, row0, tidx):
-  """tokens[j] = the source row of thread tidx's j-th copy of the k step starting at slot row0
-  (clamped into gather_index: the step after an expert's last is loaded and never used)."""
-  last = cute.size(gather_index) - 1
-  for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
-    r, _ = _gather_k_slot(tidx, j)
-    tokens[j] = gather_index[cutlass.min(row0 + r, last)]
+def _copy_k_indices(gather_index, ring, step, k_begin, tidx, stages: cutlass.Constexpr):
+  """This warpgroup's ring slot of k step `step` = its BLOCK_K source rows, gather_index[(k_begin
+  + step) * BLOCK_K ...], by 16-byte cp.async copies of K_INDEX_CHUNK indices from the
+  warpgroup's first BLOCK_K / K_INDEX_CHUNK threads (in the caller's cp.async group)."""
+  t = tidx % 128
+  if t < BLOCK_K // K_INDEX_CHUNK:
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Int32, num_bits_per_copy=128)
+    chunk = (k_begin + step) * (BLOCK_K // K_INDEX_CHUNK) + t
+    cute.copy(atom, cute.local_tile(gather_index, (K_INDEX_CHUNK,), (chunk,)),
+              cute.local_tile(ring[None, step % stages], (K_INDEX_CHUNK,), (t,)))
 
 
 @cute.jit
-def _gather_k_step(x, tokens, a_stage, col0, tidx):
+def _gather_k_step(x, rows, a_stage, col0, tidx):
   """The weight gradient's A stage (M-major: BLOCK_M columns of X by BLOCK_K gathered rows, the
-  rows being the contraction): a_stage[c, r] = x[token of row r, col0 + c], each warpgroup
-  filling the BLOCK_M / WARPGROUPS columns its wgmmas read, in 16-byte cp.async chunks of 8
-  columns (tokens from _load_k_tokens); rows of indices outside x are zeros. Committed by the
-  caller as one cp.async group."""
+  rows being the contraction): a_stage[c, r] = x[rows[r], col0 + c], each warpgroup filling
+  the BLOCK_M / WARPGROUPS columns its wgmmas read, in 16-byte cp.async chunks of 8 columns
+  (rows: the step's slot of the warpgroup's index ring, in SMEM); rows of indices outside x
+  are zeros. Committed by the caller as one cp.async group."""
   for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
     r, chunk = _gather_k_slot(tidx, j)
-    _copy_row_chunk(x, tokens[j], col0 // 8 + chunk,
+    _copy_row_chunk(x, rows[r], col0 // 8 + chunk,
                     cute.local_tile(a_stage[None, r], (8,), (chunk,)))
 
 
 @cute.jit
-def _gather_into_stage(x, gather_index, tokens, s_a, step, m_tile, k_begin, tidx,
+def _gather_into_stage(x, gather_index, tokens, s_a, step, num_k, m_tile, k_begin, tidx,
                        stages: cutlass.Constexpr, kind: cutlass.Constexpr):
   """A's stage for k step `step` by this thread's cp.async copies: rows of the M tile (its
   tokens from _gather_tokens; _gather_step), or for the weight gradient rows of the
-  contraction (_gather_k_step with tokens holding this step's source rows; it then loads the
-  next step's, so their latency overlaps a k step instead of delaying the copies)."""
+  contraction (_gather_k_step; `tokens` is then the warpgroup's SMEM index ring, and the copies
+  also fill the ring's slot for step + stages - 1, which the step before this one read: the
+  caller syncs the warpgroup between the two)."""
   stage = s_a[None, None, step % stages]
   if cutlass.const_expr(kind == "wgrad"):
-    _gather_k_step(x, tokens, stage, m_tile * BLOCK_M, tidx)
-    _load_k_tokens(tokens, gather_index, (k_begin + step + 1) * BLOCK_K, tidx)
+    _gather_k_step(x, tokens[None, step % stages], stage, m_tile * BLOCK_M, tidx)
+    if step + stages - 1 < num_k:
+      _copy_k_indices(gather_index, tokens, step + stages - 1, k_begin, tidx, stages)
   else:
     _gather_step(x, tokens, stage, step * BLOCK_K, tidx)
 
@@ -447,17 +460,26 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     for _ in cutlass.range(cutlass.min(stages, num_k), unroll=1):
       load_stage(loads, produce, operands, k_begin + produce.count)
       produce.advance()
-  tokens = None   # the gathers' source rows of this thread's copies, in registers
+  tokens = None   # the gathers' source rows: this thread's, or the warpgroup's index ring
+  wg_barrier = 1 + tidx // 128   # named barrier ids 1, 2: one warpgroup's threads
   if cutlass.const_expr(gather and kind != "wgrad"):   # the same for every k step
     tokens = _gather_tokens(gather_index, m_tile, tidx)
-  if cutlass.const_expr(gather and kind == "wgrad"):   # the first k step's, then step by step
-    tokens = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
-    _load_k_tokens(tokens, gather_index, k_begin * BLOCK_K, tidx)
-  if cutlass.const_expr(gather):   # A's first stages - 1 steps, one cp.async group each
+  if cutlass.const_expr(gather and kind == "wgrad"):   # the first stages - 1 steps' rows
+    tokens = storage.s_idx.get_tensor(cute.make_layout((BLOCK_K, stages, WARPGROUPS)))[
+        None, None, tidx // 128]
     for step in cutlass.range_constexpr(stages - 1):
       if step < num_k:
-        _gather_into_stage(m_a, gather_index, tokens, s_a, step, m_tile, k_begin, tidx, stages,
-                           kind)
+        _copy_k_indices(gather_index, tokens, step, k_begin, tidx, stages)
+    cute.arch.cp_async_commit_group()
+    cute.arch.cp_async_wait_group(0)
+    cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=128)
+  if cutlass.const_expr(gather):   # A's first stages - 1 steps, one cp.async group each
+    for step in cutlass.range_constexpr(stages - 1):
+      if cutlass.const_expr(kind == "wgrad" and step > 0):   # step - 1's ring slot read
+        cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=128)
+      if step < num_k:
+        _gather_into_stage(m_a, gather_index, tokens, s_a, step, num_k, m_tile, k_begin, tidx,
+                           stages, kind)
       cute.arch.cp_async_commit_group()
 
   for kk in cutlass.range(num_k, unroll=1):
@@ -467,7 +489,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       # the warpgroup's copies visible to its wgmmas (async proxy)
       cute.arch.cp_async_wait_group(stages - 2)
       cute.arch.fence_proxy("async.shared", space="cta")
-      cute.arch.barrier(barrier_id=1 + tidx // 128, number_of_threads=128)
+      cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=128)
     issue_k_step(tiled_mma, accs, frag_a, frag_bs, consume.index)
     consume.advance()
     # one step's wgmmas stay in flight: the previous step's are done, so its stage is free
@@ -475,8 +497,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     if cutlass.const_expr(gather):   # step kk + stages - 1 into the stage step kk - 1 read
       ahead = kk + stages - 1
       if ahead < num_k:
-        _gather_into_stage(m_a, gather_index, tokens, s_a, ahead, m_tile, k_begin, tidx, stages,
-                           kind)
+        _gather_into_stage(m_a, gather_index, tokens, s_a, ahead, num_k, m_tile, k_begin, tidx,
+                           stages, kind)
       cute.arch.cp_async_commit_group()
     if kk > 0:
       loads.consumer_release(release)
@@ -628,17 +650,25 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
     s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
     s_b2: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
 
+  @cute.struct
+  class GatheredWgradSharedStorage:   # with each warpgroup's ring of k steps' source rows
+    barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
+    s_a: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(a_smem_staged)], 1024]
+    s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
+    s_idx: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WARPGROUPS * BLOCK_K * stages], 16]
+
   stage_bytes = num_rhs * cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
   if cutlass.const_expr(not gather):   # TMA brings A's tile too
     stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
   num_n_tiles = cute.size(out, mode=[1]) // ((1 if kind in ("store", "wgrad") else 2) * block_n)
   num_z = cute.size(out, mode=[2]) if kind == "wgrad" else 1   # wgrad: one per expert
+  storage = (SwigluSharedStorage if swiglu else
+             GatheredWgradSharedStorage if gather and kind == "wgrad" else SharedStorage)
   _kernel(tma_a, lhs if gather else m_a, tma_b, m_b, out, out2, tma_out, m_out_tma, tma_out2,
           m_out2_tma, m_h, m_scores, m_ds, tile_expert, gather_index, tiled_mma, a_smem_staged,
-          b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]),
-          SwigluSharedStorage if swiglu else SharedStorage, block_n, stages, stage_bytes, kind,
-          gather, register_store).launch(
+          b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage, block_n, stages,
+          stage_bytes, kind, gather, register_store).launch(
               grid=(num_n_tiles, num_m_tiles, num_z), block=(THREADS, 1, 1), stream=stream)
 
 
@@ -826,7 +856,8 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   reason = _weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
   if reason:
     raise ValueError(f"cute weight_grad: {reason}")
-  stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, P // BLOCK_K, stages)
+  stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, P // BLOCK_K, stages,
+                           0 if gather_index is None else K_INDEX_BYTES_PER_STAGE)
   rows_last = (2, 1, 0)   # [1, P, C] -> (C, P, 1): C contiguous
   if gather_index is None:
     fn, lhs_mode, index = _weight_grad, rows_last, ()

@@ -336,7 +336,7 @@ def test_dh_over_h_can_be_turned_off(monkeypatch):
 @pytest.mark.parametrize("kernel,block_n,stages", [
     ("matmul", 256, None), ("matmul_t", 256, 2), ("up_proj", 64, 3), ("dh", 128, None),
     ("dh", 256, None), ("dh_tma", 64, 3), ("dh_gather", 128, None),
-    ("weight_grad", 128, 3), ("weight_grad_gather", 128, None)])
+    ("weight_grad", 128, 3), ("weight_grad_gather", 128, None), ("weight_grad_gather", 256, 2)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
   from ffi import grouped_gemm
@@ -792,10 +792,12 @@ def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n", [128, 256])
-def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n):
+@pytest.mark.parametrize("block_n,stages", [(128, None), (256, None), (128, 2), (256, 3)])
+def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n, stages):
   """Gathering X's rows in the weight-gradient kernel (rows are its contraction; padding slots:
-  index T, zero rows) gives the bitwise same dW as the kernel on rows gathered by XLA first."""
+  index T, zero rows; their indices through an SMEM ring of `stages` k steps, which experts of
+  2, 4 and 10 k steps fill partly, exactly and wrap) gives the bitwise same dW as the kernel on
+  rows gathered by XLA first."""
   from ffi import grouped_gemm
   sizes = [256, 0, 640, 128]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
@@ -804,7 +806,7 @@ def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n):
   rhs = jax.random.normal(jax.random.key(32), (P, N)).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(33), (P,), 0, T).at[::5].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.weight_grad, x, index, rhs, offsets,
-                                        num_experts=E, block_n=block_n)
+                                        num_experts=E, block_n=block_n, stages=stages)
 
 
 @pytest.mark.gpu
