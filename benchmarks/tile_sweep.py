@@ -132,11 +132,11 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dw1_gather"] = (jax.jit(lambda c, x, h, o, i: cute_gemm.weight_grad(
       x, h, o, E, gather_index=i, **dataclasses.asdict(c)), static_argnums=0),
       (x, h, offsets, plan.token_index), flops, None)
-  # dW2 computed transposed with dO's rows gathered in the kernel (dO^T A', then [E, d, n] ->
-  # [E, n, d]), A standing in for A' as in the dw2 row
+  # dW2 computed transposed with dO's rows gathered in the kernel (dO^T A', stored [E, n, d] by
+  # the kernel's M-major epilogue), A standing in for A' as in the dw2 row
   _, (a, _, _), flops, _ = rows["dw2"]
-  rows["dw2_gather"] = (jax.jit(lambda c, g, a, o, i: jnp.swapaxes(cute_gemm.weight_grad(
-      g, a, o, E, gather_index=i, **dataclasses.asdict(c)), 1, 2), static_argnums=0),
+  rows["dw2_gather"] = (jax.jit(lambda c, g, a, o, i: cute_gemm.weight_grad(
+      g, a, o, E, gather_index=i, transpose_out=True, **dataclasses.asdict(c)), static_argnums=0),
       (dout, a, offsets, plan.token_index), flops, None)
   return rows
 

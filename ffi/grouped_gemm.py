@@ -230,18 +230,21 @@ def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dty
 @cute.jit
 def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutlass.Constexpr,
                         barrier_id: cutlass.Constexpr = EPILOGUE_BARRIER,
-                        threads: cutlass.Constexpr = THREADS, first_buffer=0):
+                        threads: cutlass.Constexpr = THREADS, first_buffer=0,
+                        m_major: cutlass.Constexpr = False):
   """The output tiles through SMEM: EPI_TILE column slices at a time, each thread writes its
   fragments' outputs to an SMEM buffer (stmatrix, swizzled; EPI_STAGES buffers of s_c from
   first_buffer: here over A's stages), then the leader warp (warp 0) stores the buffer by TMA
   and waits before a buffer is reused. stores: (TMA atom, that output's (BLOCK_M, block_n)
   tile of its TMA tensor) per output. The `threads` threads of tiled_mma (thread tidx here)
-  sync on named barrier barrier_id."""
+  sync on named barrier barrier_id. m_major: the outputs (and s_c) are M-major (columns
+  contiguous; stmatrix writes its 8 x 8 blocks transposed)."""
   dtype = s_c.element_type
+  layout = LayoutEnum.COL_MAJOR if m_major else LayoutEnum.ROW_MAJOR
   r2s = cute.make_tiled_copy_S(
-      sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dtype, cutlass.Float32),
+      sm90_utils.get_smem_store_op(layout, dtype, cutlass.Float32),
       cute.make_tiled_copy_C_atom(
-          cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), dtype), tiled_mma))
+          cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(m_major, 4), dtype), tiled_mma))
   thr_r2s = r2s.get_slice(tidx)
   s_dst = thr_r2s.partition_D(s_c)                       # (R2S, R2S_M, R2S_N, EPI_STAGES)
   # a chunk's fragment: (R2S values, R2S_M, R2S_N), an EPI_TILE's (rows, 16-column groups)
@@ -392,7 +395,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             c_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr, register_store: cutlass.Constexpr):
+            gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
+            out_m_major: cutlass.Constexpr):
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   n_tile, m_tile, z_tile = cute.arch.block_idx()
@@ -528,7 +532,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, c_smem_staged.inner, dtype=m_out.element_type),
                            c_smem_staged.outer)
     stores = [(atom, tile_of(t, c, out_l, (1, 1, None))) for atom, t, _, c in outputs]
-    _tma_store_epilogue(tiles, stores, s_c, tiled_mma, tidx, warp == 0, swiglu)
+    _tma_store_epilogue(tiles, stores, s_c, tiled_mma, tidx, warp == 0, swiglu,
+                        m_major=out_m_major)
 
 
 @cute.jit
@@ -602,8 +607,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   configuration. kind: "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs
   W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
   parts)); for those two the grid covers n's columns; or "wgrad" (lhs (M, P, 1) M-major, rhs
-  (N, P, 1), out (M, N, E): out[e] = lhs_e rhs_e^T over expert e's rows, tile_expert holding
-  group_offsets). With gather lhs is the source of the rows gather_index
+  (N, P, 1), out (M, N, E) N- or M-major: out[e] = lhs_e rhs_e^T over expert e's rows,
+  tile_expert holding group_offsets). With gather lhs is the source of the rows gather_index
   names (A's stages not in the TMA pipeline). register_store (dh only): each thread stores its
   fragments from registers instead of the TMA-store epilogue."""
   dtype = lhs.element_type
@@ -629,8 +634,10 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
                                              cute.slice_(a_smem_staged, (None, None, 0)),
                                              (BLOCK_M, BLOCK_K))
   b_elems = cute.cosize(b_smem_staged)
-  # the TMA-store epilogue's SMEM buffers (over A's stages) and its TMA atoms for out and out2
-  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, EPI_TILE, EPI_STAGES)
+  # the TMA-store epilogue's SMEM buffers (over A's stages, laid out like out: N-major, or
+  # M-major for a transposed weight gradient) and its TMA atoms for out and out2
+  out_layout = LayoutEnum.from_tensor(out)
+  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, EPI_TILE, EPI_STAGES)
   c_tile = cute.slice_(c_smem_staged, (None, None, 0))
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out, c_tile,
                                                    EPI_TILE)
@@ -668,7 +675,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   _kernel(tma_a, lhs if gather else m_a, tma_b, m_b, out, out2, tma_out, m_out_tma, tma_out2,
           m_out2_tma, m_h, m_scores, m_ds, tile_expert, gather_index, tiled_mma, a_smem_staged,
           b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage, block_n, stages,
-          stage_bytes, kind, gather, register_store).launch(
+          stage_bytes, kind, gather, register_store, out_layout.is_m_major_c()).launch(
               grid=(num_n_tiles, num_m_tiles, num_z), block=(THREADS, 1, 1), stream=stream)
 
 
@@ -844,13 +851,15 @@ def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n):
 
 
 def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
-                stages: int | None = None, gather_index=None):
+                stages: int | None = None, gather_index=None, transpose_out: bool = False):
   """out[e] = lhs[rows of e]^T rhs[rows of e] ([E, M, N] in lhs's dtype, fp32 accumulation):
   lhs [P, M] and rhs [P, N] rows in slot order, expert e's rows group_offsets[e] ..
   group_offsets[e + 1] (multiples of BLOCK_M, an aligned plan; an expert without rows gets
   zeros). dW1 = weight_grad(Xg, dH), dW2 = weight_grad(A', dOg). With gather_index [P], lhs
   is X [T, M] and slot r reads X[gather_index[r]] (zeros where it is T or more), gathered inside
-  the kernel by cp.async (bitwise equal to gathering first; H200 timings in ops.dw1)."""
+  the kernel by cp.async (bitwise equal to gathering first; H200 timings in ops.dw1). With
+  transpose_out the kernel stores out[e]^T: [E, N, M] (its epilogue writes M-major tiles; no
+  separate transpose)."""
   slots = rows_read(lhs, gather_index)   # the rows the GEMM reads
   P, M = slots.shape
   reason = _weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
@@ -863,9 +872,12 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
     fn, lhs_mode, index = _weight_grad, rows_last, ()
   else:   # X as (T, M, 1), like up_proj's gather source
     fn, lhs_mode, index = _gathered_weight_grad, ROW_MODES, (gather_index.astype(jnp.int32),)
+  N = rhs.shape[1]
+  # out [E, M, N] seen as (M, N, E) N-major, or [E, N, M] as (M, N, E) M-major
+  out_shape, out_mode = ((num_experts, N, M), rows_last) if transpose_out else ((num_experts, M, N), ROW_MODES)
   out, = xla_call.call(
       fn, [lhs[None], rhs[None], group_offsets.astype(jnp.int32), *index],
-      [jax.ShapeDtypeStruct((num_experts, M, rhs.shape[1]), lhs.dtype)],
-      modes=[lhs_mode, rows_last, None, *[None] * len(index), ROW_MODES],   # out [E, M, N]: (M, N, E)
+      [jax.ShapeDtypeStruct(out_shape, lhs.dtype)],
+      modes=[lhs_mode, rows_last, None, *[None] * len(index), out_mode],
       block_n=block_n, stages=stages)
   return out

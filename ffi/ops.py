@@ -233,12 +233,12 @@ def dw1(x, dh_, plan):
 def dw2(a_scaled, dout, plan):
   """dW2_e = A'_e^T dO_e over expert e's rows (dO's rows gathered by XLA first), or where
   _dout_gathered_in_kernel computed transposed, dW2_e^T = dO_e^T A'_e with dO's rows gathered
-  in the kernel (its gathered operand is the lhs), then transposed back."""
+  in the kernel (its gathered operand is the lhs), stored back as [E, n, d] by the kernel's
+  M-major epilogue."""
   if _dout_gathered_in_kernel(a_scaled.shape[1]):
-    dw2_t = grouped_gemm.weight_grad(dout, a_scaled, plan.group_offsets, plan.num_experts,
-                                     block_n=_wide_tile(a_scaled.shape[1], 256),
-                                     gather_index=plan.token_index)
-    return jnp.swapaxes(dw2_t, 1, 2)
+    return grouped_gemm.weight_grad(dout, a_scaled, plan.group_offsets, plan.num_experts,
+                                    block_n=_wide_tile(a_scaled.shape[1], 256),
+                                    gather_index=plan.token_index, transpose_out=True)
   return grouped_gemm.weight_grad(a_scaled, xla_ops.gather_rows(dout, plan.token_index),
                                   plan.group_offsets, plan.num_experts)
 

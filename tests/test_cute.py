@@ -336,7 +336,8 @@ def test_dh_over_h_can_be_turned_off(monkeypatch):
 @pytest.mark.parametrize("kernel,block_n,stages", [
     ("matmul", 256, None), ("matmul_t", 256, 2), ("up_proj", 64, 3), ("dh", 128, None),
     ("dh", 256, None), ("dh_tma", 64, 3), ("dh_gather", 128, None),
-    ("weight_grad", 128, 3), ("weight_grad_gather", 128, None), ("weight_grad_gather", 256, 2)])
+    ("weight_grad", 128, 3), ("weight_grad_gather", 128, None), ("weight_grad_gather", 256, 2),
+    ("weight_grad_t", 256, None), ("weight_grad_gather_t", 128, 3)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
   from ffi import grouped_gemm
@@ -359,7 +360,13 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
             a, jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E, **kw),
         "weight_grad_gather": lambda a, b, t: grouped_gemm.weight_grad(  # X = a's first 300 rows
             a[:300], jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E,
-            gather_index=jnp.arange(P, dtype=jnp.int32) % 301, **kw)}[kernel]
+            gather_index=jnp.arange(P, dtype=jnp.int32) % 301, **kw),
+        "weight_grad_t": lambda a, b, t: grouped_gemm.weight_grad(  # stored [E, 2K, K]
+            a, jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E,
+            transpose_out=True, **kw),
+        "weight_grad_gather_t": lambda a, b, t: grouped_gemm.weight_grad(
+            a[:300], jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E,
+            gather_index=jnp.arange(P, dtype=jnp.int32) % 301, transpose_out=True, **kw)}[kernel]
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -807,6 +814,29 @@ def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n, stages
   index = jax.random.randint(jax.random.key(33), (P,), 0, T).at[::5].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.weight_grad, x, index, rhs, offsets,
                                         num_experts=E, block_n=block_n, stages=stages)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("block_n,gather", [(256, True), (128, False)])
+def test_cute_weight_grad_stores_transposed_on_gpu(block_n, gather):
+  """transpose_out (the M-major epilogue: [E, N, M]) stores the bitwise same values as the
+  [E, M, N] kernel, swapped: experts of 256, 0 (zeros), 640 and 128 rows, reading rows in slot
+  order or gathering them (padding slots: index T)."""
+  from ffi import grouped_gemm
+  sizes = [256, 0, 640, 128]
+  offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
+  T, P, M, N, E = 1000, sum(sizes) + 128, 384, 512, len(sizes)
+  lhs = jax.random.normal(jax.random.key(34), (T if gather else P, M)).astype(jnp.bfloat16)
+  rhs = jax.random.normal(jax.random.key(35), (P, N)).astype(jnp.bfloat16)
+  index = {}
+  if gather:
+    index = dict(gather_index=jax.random.randint(jax.random.key(36), (P,), 0, T).at[::5].set(T))
+  run = lambda t: jax.jit(lambda a, b, o: grouped_gemm.weight_grad(
+      a, b, o, E, block_n, transpose_out=t, **index))(lhs, rhs, offsets)
+  got, want = run(True), run(False)
+  assert got.shape == (E, N, M)
+  np.testing.assert_array_equal(got, jnp.swapaxes(want, 1, 2))
 
 
 @pytest.mark.gpu
