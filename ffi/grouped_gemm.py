@@ -8,7 +8,9 @@ marked tile_expert >= E, store zeros). lhs [P, K] rows in slot order, rhs [E, K,
 The same kernel computes the varlen-K weight gradients (weight_grad: out[e] = lhs_e^T rhs_e over
 expert e's rows, one grid plane per expert, lhs read M-major and rhs N-major by TMA; or lhs's
 rows gathered in the kernel, _gather_k_step, each warpgroup copying its 64 columns of the
-stage's 64 gathered rows).
+stage's 64 gathered rows, whose indices it reads from its own SMEM ring filled by cp.async
+stages - 1 k steps ahead, _copy_k_indices; out [E, M, N], or with transpose_out [E, N, M]
+stored by the same epilogue M-major).
 
 Tiling (one CTA per BLOCK_M x block_n output tile, grid (N / block_n, P / BLOCK_M): an M tile's
 column tiles run next to each other, so its lhs rows are read from HBM once and then from L2):
