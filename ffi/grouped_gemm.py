@@ -22,7 +22,9 @@ column tiles run next to each other, so its lhs rows are read from HBM once and 
   gather   : up_proj or dh with gather_index: lhs is X (or dO) and A's stages leave
              the TMA pipeline; each warpgroup cp.async-copies its own rows of step kk + stages
              - 1 into the stage step kk - 1 read, once that step's wgmmas are done
-             (_gather_step), then waits, fences (async proxy) and syncs before its wgmmas
+             (_gather_step), then waits, fences (async proxy) and syncs before its wgmmas;
+             mmas_in_flight 2 (_gather_config) keeps two steps' wgmmas in flight instead of
+             one and gathers stages - 2 steps ahead
   epilogue : _epilogue_values gives the output tiles' values (out = acc; or SwiGLU's H gate,
              H up and A from two accumulators: W1's gate columns c and up columns n + c,
              loaded as two rhs tiles per stage); _tma_store_epilogue writes them through SMEM
@@ -108,6 +110,23 @@ def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, sta
     raise ValueError(f"stages={stages} must be between 2 and {fit} (what fits in SMEM at "
                      f"block_n={block_n})")
   return stages
+
+
+def _gather_config(op: str, gather_index, stages: int, mmas_in_flight: int) -> dict:
+  """The gathering kernels' mainloop option: mmas_in_flight k steps' wgmmas kept in flight (1,
+  or 2: the tensor cores then have a step queued while the warpgroup waits for its copies and
+  syncs, and the gathers run one step less ahead). Raises ValueError naming the limit; {} for
+  the default, which the kernels' FFI targets leave out."""
+  if mmas_in_flight not in (1, 2):
+    raise ValueError(f"cute {op}: mmas_in_flight={mmas_in_flight} must be 1 or 2")
+  if mmas_in_flight == 1:
+    return {}
+  if gather_index is None:
+    raise ValueError(f"cute {op}: mmas_in_flight={mmas_in_flight} needs gather_index (the "
+                     "gathering kernels' option)")
+  if stages <= mmas_in_flight:
+    raise ValueError(f"cute {op}: stages={stages} must be above mmas_in_flight={mmas_in_flight}")
+  return dict(mmas_in_flight=mmas_in_flight)
 
 
 def tma_operand(atom, smem, gmem):
@@ -372,17 +391,18 @@ def _gather_k_step(x, rows, a_stage, col0, tidx):
 
 @cute.jit
 def _gather_into_stage(x, gather_index, tokens, s_a, step, num_k, m_tile, k_begin, tidx,
-                       stages: cutlass.Constexpr, kind: cutlass.Constexpr):
+                       stages: cutlass.Constexpr, lookahead: cutlass.Constexpr,
+                       kind: cutlass.Constexpr):
   """A's stage for k step `step` by this thread's cp.async copies: rows of the M tile (its
   tokens from _gather_tokens; _gather_step), or for the weight gradient rows of the
   contraction (_gather_k_step; `tokens` is then the warpgroup's SMEM index ring, and the copies
-  also fill the ring's slot for step + stages - 1, which the step before this one read: the
-  caller syncs the warpgroup between the two)."""
+  also fill the ring's slot for step + lookahead (the gathers' lead), which an earlier step
+  read: the caller syncs the warpgroup between the two)."""
   stage = s_a[None, None, step % stages]
   if cutlass.const_expr(kind == "wgrad"):
     _gather_k_step(x, tokens[None, step % stages], stage, m_tile * BLOCK_M, tidx)
-    if step + stages - 1 < num_k:
-      _copy_k_indices(gather_index, tokens, step + stages - 1, k_begin, tidx, stages)
+    if step + lookahead < num_k:
+      _copy_k_indices(gather_index, tokens, step + lookahead, k_begin, tidx, stages)
   else:
     _gather_step(x, tokens, stage, step * BLOCK_K, tidx)
 
@@ -398,8 +418,9 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
-            out_m_major: cutlass.Constexpr):
+            out_m_major: cutlass.Constexpr, mmas_in_flight: cutlass.Constexpr):
   swiglu = kind == "swiglu"
+  lookahead = stages - mmas_in_flight   # k steps gathered ahead of the one computed
   tidx, _, _ = cute.arch.thread_idx()
   n_tile, m_tile, z_tile = cute.arch.block_idx()
   num_n_tiles = cute.arch.grid_dim()[0]
@@ -470,43 +491,44 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   wg_barrier = 1 + tidx // 128   # named barrier ids 1, 2: one warpgroup's threads
   if cutlass.const_expr(gather and kind != "wgrad"):   # the same for every k step
     tokens = _gather_tokens(gather_index, m_tile, tidx)
-  if cutlass.const_expr(gather and kind == "wgrad"):   # the first stages - 1 steps' rows
+  if cutlass.const_expr(gather and kind == "wgrad"):   # the first `lookahead` steps' rows
     tokens = storage.s_idx.get_tensor(cute.make_layout((BLOCK_K, stages, WARPGROUPS)))[
         None, None, tidx // 128]
-    for step in cutlass.range_constexpr(stages - 1):
+    for step in cutlass.range_constexpr(lookahead):
       if step < num_k:
         _copy_k_indices(gather_index, tokens, step, k_begin, tidx, stages)
     cute.arch.cp_async_commit_group()
     cute.arch.cp_async_wait_group(0)
     cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=128)
-  if cutlass.const_expr(gather):   # A's first stages - 1 steps, one cp.async group each
-    for step in cutlass.range_constexpr(stages - 1):
-      if cutlass.const_expr(kind == "wgrad" and step > 0):   # step - 1's ring slot read
+  if cutlass.const_expr(gather):   # A's first `lookahead` steps, one cp.async group each
+    for step in cutlass.range_constexpr(lookahead):
+      if cutlass.const_expr(kind == "wgrad" and step > 0):   # earlier steps' ring slots read
         cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=128)
       if step < num_k:
         _gather_into_stage(m_a, gather_index, tokens, s_a, step, num_k, m_tile, k_begin, tidx,
-                           stages, kind)
+                           stages, lookahead, kind)
       cute.arch.cp_async_commit_group()
 
   for kk in cutlass.range(num_k, unroll=1):
     loads.consumer_wait(consume)
     if cutlass.const_expr(gather):
-      # of the stages - 1 + kk groups committed, step kk's (the kk + 1-th) has landed; make
-      # the warpgroup's copies visible to its wgmmas (async proxy)
-      cute.arch.cp_async_wait_group(stages - 2)
+      # of the lookahead + kk groups committed, step kk's (the kk + 1-th) has landed; make the
+      # warpgroup's copies visible to its wgmmas (async proxy)
+      cute.arch.cp_async_wait_group(lookahead - 1)
       cute.arch.fence_proxy("async.shared", space="cta")
       cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=128)
     issue_k_step(tiled_mma, accs, frag_a, frag_bs, consume.index)
     consume.advance()
-    # one step's wgmmas stay in flight: the previous step's are done, so its stage is free
-    warpgroup.wait_group(1)
-    if cutlass.const_expr(gather):   # step kk + stages - 1 into the stage step kk - 1 read
-      ahead = kk + stages - 1
+    # mmas_in_flight steps' wgmmas stay in flight: step kk - mmas_in_flight's are done, so its
+    # stage is free
+    warpgroup.wait_group(mmas_in_flight)
+    if cutlass.const_expr(gather):   # step kk + lookahead into the stage that step read
+      ahead = kk + lookahead
       if ahead < num_k:
         _gather_into_stage(m_a, gather_index, tokens, s_a, ahead, num_k, m_tile, k_begin, tidx,
-                           stages, kind)
+                           stages, lookahead, kind)
       cute.arch.cp_async_commit_group()
-    if kk > 0:
+    if kk >= mmas_in_flight:
       loads.consumer_release(release)
       release.advance()
       if warp == 0 and produce.count < num_k:
@@ -557,10 +579,11 @@ def _up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor, 
 @cute.jit
 def _gathered_up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor,
                       gather_index: cute.Tensor, h: cute.Tensor, a: cute.Tensor,
-                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+                      mmas_in_flight: cutlass.Constexpr = 1):
   """_up_proj with x (T, d, 1) the source rows and slot r reading x[gather_index[r]]."""
   _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True,
-          False)
+          False, mmas_in_flight)
 
 
 @cute.jit
@@ -577,10 +600,11 @@ def _dh(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor, 
 def _gathered_dh(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor,
                  gather_index: cute.Tensor, h: cute.Tensor, scores: cute.Tensor, dh: cute.Tensor,
                  a_scaled: cute.Tensor, ds_parts: cute.Tensor, block_n: cutlass.Constexpr,
-                 stages: cutlass.Constexpr, register_store: cutlass.Constexpr):
+                 stages: cutlass.Constexpr, register_store: cutlass.Constexpr,
+                 mmas_in_flight: cutlass.Constexpr = 1):
   """_dh with dout (T, d, 1) the source rows and slot r reading dout[gather_index[r]]."""
   _launch(stream, dout, w2, tile_expert, gather_index, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", True, register_store)
+          block_n, stages, "dh", True, register_store, mmas_in_flight)
 
 
 @cute.jit
@@ -594,17 +618,18 @@ def _weight_grad(stream, lhs: cute.Tensor, rhs: cute.Tensor, group_offsets: cute
 @cute.jit
 def _gathered_weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.Tensor,
                           gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-                          stages: cutlass.Constexpr):
+                          stages: cutlass.Constexpr, mmas_in_flight: cutlass.Constexpr = 1):
   """_weight_grad with x (T, M, 1) the source rows and slot r reading x[gather_index[r]]."""
   _launch(stream, x, rhs, group_offsets, gather_index, out, out, None, block_n, stages, "wgrad",
-          True, False)
+          True, False, mmas_in_flight)
 
 
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr, register_store: cutlass.Constexpr):
+            gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
+            mmas_in_flight: cutlass.Constexpr = 1):
   """The grid over (output column tiles, M tiles[, experts]) and the kernel's static
   configuration. kind: "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs
   W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
@@ -612,7 +637,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   (N, P, 1), out (M, N, E) N- or M-major: out[e] = lhs_e rhs_e^T over expert e's rows,
   tile_expert holding group_offsets). With gather lhs is the source of the rows gather_index
   names (A's stages not in the TMA pipeline). register_store (dh only): each thread stores its
-  fragments from registers instead of the TMA-store epilogue."""
+  fragments from registers instead of the TMA-store epilogue. mmas_in_flight: k steps whose
+  wgmmas stay in flight (a stage refilled once the step that many before is done)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
   num_rhs = 2 if swiglu else 1
@@ -677,7 +703,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   _kernel(tma_a, lhs if gather else m_a, tma_b, m_b, out, out2, tma_out, m_out_tma, tma_out2,
           m_out2_tma, m_h, m_scores, m_ds, tile_expert, gather_index, tiled_mma, a_smem_staged,
           b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage, block_n, stages,
-          stage_bytes, kind, gather, register_store, out_layout.is_m_major_c()).launch(
+          stage_bytes, kind, gather, register_store, out_layout.is_m_major_c(),
+          mmas_in_flight).launch(
               grid=(num_n_tiles, num_m_tiles, num_z), block=(THREADS, 1, 1), stream=stream)
 
 
@@ -747,11 +774,12 @@ def rows_read(rows, gather_index):
 
 
 def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
-            stages: int | None = None):
+            stages: int | None = None, mmas_in_flight: int = 1):
   """H = Xg W1_e (gate and up halves) and A = silu(gate) * up per M tile: xg [P, d] rows in
   slot order, w1 [E, d, 2n]; returns H [P, 2n], A [P, n] (the SwiGLU epilogue). With
   gather_index [P], xg is X [T, d] and slot r reads X[gather_index[r]] (zeros where it is T or
-  more), gathered inside the kernel by cp.async. stages: as grouped_matmul's."""
+  more), gathered inside the kernel by cp.async. stages: as grouped_matmul's. mmas_in_flight
+  (gathering): _gather_config."""
   n = w1.shape[2] // 2
   reason = unsupported(rows_read(xg, gather_index),
                        jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n)
@@ -759,7 +787,8 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
     raise ValueError(f"cute up_proj: {reason}")
   stages = _pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)
   return up_proj_call((_up_proj, _gathered_up_proj), xg, w1, tile_expert, gather_index,
-                      block_n=block_n, stages=stages)
+                      block_n=block_n, stages=stages,
+                      **_gather_config("up_proj", gather_index, stages, mmas_in_flight))
 
 
 def up_proj_call(kernels, xg, w1, tile_expert, gather_index, **config):
@@ -795,7 +824,7 @@ def dh_unsupported(dout_g, w2, h, scores, block_n: int):
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None,
-       tma_store: bool = False, gather_index=None, over_h: bool = True):
+       tma_store: bool = False, gather_index=None, over_h: bool = True, mmas_in_flight: int = 1):
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
@@ -803,13 +832,15 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   stored straight from registers, or with tma_store through SMEM by TMA stores (bitwise the
   same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
-  by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call)."""
+  by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call).
+  mmas_in_flight (gathering): _gather_config."""
   reason = dh_unsupported(rows_read(dout_g, gather_index), w2, h, scores, block_n)
   if reason:
     raise ValueError(f"cute dh: {reason}")
   stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, dout_g.shape[1] // BLOCK_K, stages)
   return dh_call((_dh, _gathered_dh), dout_g, w2, h, scores, tile_expert, gather_index,
-                 over_h, block_n=block_n, stages=stages, register_store=not tma_store)
+                 over_h, block_n=block_n, stages=stages, register_store=not tma_store,
+                 **_gather_config("dh", gather_index, stages, mmas_in_flight))
 
 
 def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: bool, *,
@@ -853,7 +884,8 @@ def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n):
 
 
 def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
-                stages: int | None = None, gather_index=None, transpose_out: bool = False):
+                stages: int | None = None, gather_index=None, transpose_out: bool = False,
+                mmas_in_flight: int = 1):
   """out[e] = lhs[rows of e]^T rhs[rows of e] ([E, M, N] in lhs's dtype, fp32 accumulation):
   lhs [P, M] and rhs [P, N] rows in slot order, expert e's rows group_offsets[e] ..
   group_offsets[e + 1] (multiples of BLOCK_M, an aligned plan; an expert without rows gets
@@ -861,7 +893,7 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   is X [T, M] and slot r reads X[gather_index[r]] (zeros where it is T or more), gathered inside
   the kernel by cp.async (bitwise equal to gathering first; H200 timings in ops.dw1). With
   transpose_out the kernel stores out[e]^T: [E, N, M] (its epilogue writes M-major tiles; no
-  separate transpose)."""
+  separate transpose). mmas_in_flight (gathering): _gather_config."""
   slots = rows_read(lhs, gather_index)   # the rows the GEMM reads
   P, M = slots.shape
   reason = _weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
@@ -881,5 +913,6 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
       fn, [lhs[None], rhs[None], group_offsets.astype(jnp.int32), *index],
       [jax.ShapeDtypeStruct(out_shape, lhs.dtype)],
       modes=[lhs_mode, rows_last, None, *[None] * len(index), out_mode],
-      block_n=block_n, stages=stages)
+      block_n=block_n, stages=stages,
+      **_gather_config("weight_grad", gather_index, stages, mmas_in_flight))
   return out
