@@ -107,10 +107,16 @@ def _tiles(plan):
   return schedule.tile_experts(plan, grouped_gemm.BLOCK_M)
 
 
+def top_k_unsupported(num_experts: int, k: int):
+  """Why top_k's kernel cannot take logits with this many experts and this k (then it runs
+  jax.lax.top_k with a warning), or None."""
+  return topk.unsupported(num_experts, k)
+
+
 def top_k(logits, k):
   """The router's top-K, one warp per token (topk.py); logits it cannot take (E not a multiple
   of 32 or above 1024, k above 32) go to jax.lax.top_k with a warning (the same result)."""
-  reason = topk.unsupported(logits.shape[1], k)
+  reason = top_k_unsupported(logits.shape[1], k)
   if reason:
     warnings.warn(f"backend 'cute' top_k: {reason}; using jax.lax.top_k", stacklevel=2)
     return jax.lax.top_k(logits, k)

@@ -17,8 +17,9 @@ op. Users pick a backend by name for all ops ("xla", "pallas", "cute"), "auto" f
 platform default, or a mapping {op: backend} for a mix (ops left out use "auto").
 
 "auto" picks the platform default (PLATFORM_DEFAULTS, from measurements: the pallas kernels
-on GPUs), except that on GPUs the GEMM ops run on "cute" at the layer widths where it measured
-faster (GPU_CUTE_WHERE) when the optional cute extra is installed. When the
+on GPUs), except that on GPUs the GEMM ops (and the router's top-K over many experts) run on
+"cute" at the layer shapes where it measured faster (GPU_CUTE_WHERE) when the optional cute
+extra is installed. When the
 default backend's `unsupported(dtype, d, n)` names a reason (for example float32 inputs for
 pallas), "auto" falls back to "xla" and says so with a warning; a backend asked for by name
 raises instead.
@@ -48,12 +49,25 @@ PLATFORM_DEFAULTS: dict[str, dict[str, str]] = {
     "gpu": {op: "pallas" for op in ("top_k", "up_proj", "down_proj", "dh", "dx_tilde", "dw1", "dw2")},
 }
 
-def _everywhere(d: int, n: int) -> bool:
+class LayerShape(NamedTuple):
+  """What "auto" chooses by on GPUs: the hidden size d, the expert width n, and for the
+  router's top-K the number of experts and k (None where the caller does not say)."""
+  d: int
+  n: int
+  num_experts: int | None = None
+  k: int | None = None
+
+
+def _everywhere(shape: LayerShape) -> bool:
   return True
 
 
-def _narrow_model(d: int, n: int) -> bool:
-  return d < 4096
+def _narrow_model(shape: LayerShape) -> bool:
+  return shape.d < 4096
+
+
+def _many_experts(shape: LayerShape) -> bool:
+  return None not in (shape.num_experts, shape.k) and shape.num_experts >= 256
 
 
 # GPU ops the cute backend takes over, and where (by hidden size d and expert width n): where
@@ -70,11 +84,14 @@ def _narrow_model(d: int, n: int) -> bool:
 # the layer (30B-n256 22.11 vs 21.75, 120B-n1024 40.73 vs 38.69). With its epilogue's H loads
 # issued ahead (bf54124: olmoe's dH 3.37-3.51 -> 2.97-3.11 ms alone), dh on cute at the last
 # two configs too: olmoe 18.63 -> 17.96, 7B-n1024 2.90 -> 2.86 (step memory 6182 -> 5126 and
-# 1297 -> 1089 MiB: dH over H). Session 13 (-session13, calls 7 and 8, the order of the two
+# 1297 -> 1089 MiB: dH over H). The router's top-K on cute where E >= 256: 0.072 / 0.066 ms
+# against pallas's 0.110 / 0.164 at 30B-n256 (E = 256, K = 16; sessions 11 and 13's per-op
+# rows), where pallas wins at E = 128 (0.057 vs 0.079 at 7B-n256, 0.050 vs 0.078 at
+# 120B-n1024). Session 13 (-session13, calls 7 and 8, the order of the two
 # swapped), dw2 on cute at n = 1024 too (on XLA's gathered dO, which dh reads too): kernel ms
 # 120B-n1024 37.91 -> 37.36 and 38.22 -> 37.22, olmoe 18.43 -> 18.09 and 18.05 -> 17.84 (wall
 # within its noise: 39.90 -> 40.23 and 40.60 -> 40.61, 19.85 -> 19.99 and 19.98 -> 19.82).
-GPU_CUTE_WHERE = {"up_proj": _narrow_model, "down_proj": _everywhere, "dh": _everywhere,
+GPU_CUTE_WHERE = {"top_k": _many_experts, "up_proj": _narrow_model, "down_proj": _everywhere, "dh": _everywhere,
                   "dx_tilde": _everywhere, "dw1": _everywhere, "dw2": _everywhere}
 
 
@@ -111,24 +128,28 @@ def _backend_module(name: str):
 
 
 def default_backend(op: str, platform: str | None = None, *, dtype=None, d: int | None = None,
-                    n: int | None = None) -> str:
+                    n: int | None = None, num_experts: int | None = None,
+                    k: int | None = None) -> str:
   """The backend "auto" picks for op: PLATFORM_DEFAULTS, or on GPUs "cute" for the ops of
-  GPU_CUTE_WHERE at the widths it names, where the cute extra is installed and can run the
-  layer."""
+  GPU_CUTE_WHERE at the shapes it names, where the cute extra is installed and can run the
+  layer (and, for top_k, these logits)."""
   platform = platform or jax.default_backend()
   if (platform == "gpu" and op in GPU_CUTE_WHERE and None not in (dtype, d, n)
-      and GPU_CUTE_WHERE[op](d, n) and _cute_installed()
-      and _backend_module("cute").unsupported(dtype, d, n) is None):
-    return "cute"
+      and GPU_CUTE_WHERE[op](LayerShape(d, n, num_experts, k)) and _cute_installed()):
+    cute = _backend_module("cute")
+    if cute.unsupported(dtype, d, n) is None and (
+        op != "top_k" or cute.top_k_unsupported(num_experts, k) is None):
+      return "cute"
   return PLATFORM_DEFAULTS.get(platform, {}).get(op, "xla")
 
 
 def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype=None,
-            d: int | None = None, n: int | None = None) -> Ops:
+            d: int | None = None, n: int | None = None, num_experts: int | None = None,
+            k: int | None = None) -> Ops:
   """Resolves a backend spec to one implementation per op.
 
   dtype, d, n (the layer's input dtype and widths) let "auto" skip a default backend that
-  cannot run them.
+  cannot run them; num_experts and k (the router's) let it pick the top-K's.
 
   Raises ValueError for an unknown backend or op name, ImportError when a backend's
   dependencies are missing.
@@ -145,7 +166,7 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype
   impls, align = {}, 1
   for op, name in choice.items():
     if name == "auto":
-      name = default_backend(op, platform, dtype=dtype, d=d, n=n)
+      name = default_backend(op, platform, dtype=dtype, d=d, n=n, num_experts=num_experts, k=k)
       module = _backend_module(name)
       reason = module.unsupported(dtype, d, n) if hasattr(module, "unsupported") and dtype is not None else None
       if reason:

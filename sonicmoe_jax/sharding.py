@@ -284,7 +284,8 @@ def moe_expert_parallel(x, router_w, w1, w2, *, mesh: jax.sharding.Mesh, k: int,
     raise ValueError(f"x: T={x.shape[0]} tokens must be a multiple of the {shards} token shards "
                      f"(mesh axes {token_axes})")
   validation.check_choice("transport", transport, tuple(TRANSPORTS))
-  ops = backends.resolve(backend, dtype=x.dtype, d=x.shape[1], n=w2.shape[1])
+  ops = backends.resolve(backend, dtype=x.dtype, d=x.shape[1], n=w2.shape[1],
+                         num_experts=router_w.shape[1], k=k)
   route_kw = dict(score_fn=score_fn, renormalize=renormalize, rounding=rounding, tile=tile)
   body = functools.partial(_ep_layer, ops=ops, k=k, expert_axis=expert_axis, token_axes=token_axes,
                            capacity_factor=capacity_factor, transport=transport, route_kw=route_kw)

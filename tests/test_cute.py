@@ -195,9 +195,9 @@ def test_cute_dh_past_its_offsets_falls_back_to_xla(monkeypatch):
 
 @needs_cute
 def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
-  """On GPUs "auto" runs down_proj, dh, dx_tilde, dw1 and dw2 on cute at every width and
-  up_proj where d < 4096 (where each measured faster), pallas elsewhere and without the extra;
-  float32 goes to xla."""
+  """On GPUs "auto" runs down_proj, dh, dx_tilde, dw1 and dw2 on cute at every width, up_proj
+  where d < 4096 and the router's top-K where E >= 256 and its kernel takes k (where each
+  measured faster), pallas elsewhere and without the extra; float32 goes to xla."""
   from sonicmoe_jax import backends, xla_ops
   # the modules as the dispatch table imports them (an earlier test may re-import ffi.ops)
   cute_ops, pallas_ops = map(importlib.import_module, ("ffi.ops", "pallas_kernels.ops"))
@@ -208,7 +208,12 @@ def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
     assert ((ops.down_proj, ops.dh, ops.dx_tilde, ops.dw1, ops.dw2, ops.align)
             == (cute_ops.down_proj, cute_ops.dh, cute_ops.dx_tilde, cute_ops.dw1, cute_ops.dw2, 128))
     assert ops.up_proj is (cute_ops.up_proj if d < 4096 else pallas_ops.up_proj)
-    assert ops.top_k is pallas_ops.top_k
+    assert ops.top_k is pallas_ops.top_k   # E and k not given
+  top_k = lambda E, k: backends.resolve("auto", platform="gpu", dtype=jnp.bfloat16, d=4096, n=256,
+                                        num_experts=E, k=k).top_k
+  assert top_k(256, 16) is cute_ops.top_k and top_k(1024, 8) is cute_ops.top_k
+  assert top_k(128, 8) is pallas_ops.top_k and top_k(64, 8) is pallas_ops.top_k
+  assert top_k(256, 64) is pallas_ops.top_k and top_k(2048, 8) is pallas_ops.top_k   # its limits
   with pytest.warns(UserWarning, match="float32"):
     assert resolve(4096, 256, jnp.float32).dh is xla_ops.dh
   assert "multiple of 64" in cute_ops.unsupported(jnp.bfloat16, 4096, 96)
