@@ -29,9 +29,9 @@ def test_training_loop_trains_omnimoe(tmp_path):
 
 def test_token_rounding_study_runs(tmp_path):
   from benchmarks import token_rounding_study as study
-  recs = study.main(["--seeds", "2", "--steps", "4", "--eval-every", "2", "--batch", "8", "--seq", "16",
+  recs = study.main(["--seeds", "1", "--steps", "4", "--eval-every", "2", "--batch", "8", "--seq", "16",
                      "--tile", "16", "--variants", "TC top-K,TR nearest (NR-f)", "--out", str(tmp_path)])
-  assert len(recs) == 4
+  assert len(recs) == 2   # one seed of each variant
   text = (tmp_path / "results.md").read_text()
   assert "TR nearest (NR-f)" in text and (tmp_path / "eval_curves.png").exists()
   assert all(r["changed"] == 0 for r in recs if r["variant"] == "TC top-K")
