@@ -139,7 +139,7 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
     depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store)
     return (g.smem_bytes(block_n, num_rhs, 2, depth, rows=pp.TILE_M)
             + (pp.epilogue_bytes(2) if tma_store else 0))
-  extra = g.K_INDEX_BYTES_PER_STAGE if kernel == "wgrad_gather" else 0   # its index ring
+  extra = g.weight_grad_stage_extra(kernel == "wgrad_gather")
   depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None, extra)
   return g.smem_bytes(block_n, num_rhs, 2, depth, extra_per_stage=extra)
 

@@ -82,6 +82,12 @@ K_INDEX_CHUNK = 4
 K_INDEX_BYTES_PER_STAGE = WARPGROUPS * BLOCK_K * 4
 
 
+def weight_grad_stage_extra(gathered: bool) -> int:
+  """SMEM bytes per pipeline stage beside the operand tiles in the weight gradient's kernel:
+  the index ring's slots when it gathers its rows (smem_bytes' extra_per_stage)."""
+  return K_INDEX_BYTES_PER_STAGE if gathered else 0
+
+
 def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int = BLOCK_M,
                extra_per_stage: int = 0) -> int:
   """A CTA's SMEM: `stages` pipeline stages (a `rows`-row lhs tile, num_rhs rhs tiles and
@@ -690,7 +696,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
     barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
     s_a: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(a_smem_staged)], 1024]
     s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
-    s_idx: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WARPGROUPS * BLOCK_K * stages], 16]
+    s_idx: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, K_INDEX_BYTES_PER_STAGE // 4 * stages], 16]
 
   stage_bytes = num_rhs * cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
   if cutlass.const_expr(not gather):   # TMA brings A's tile too
@@ -900,7 +906,7 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   if reason:
     raise ValueError(f"cute weight_grad: {reason}")
   stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, P // BLOCK_K, stages,
-                           0 if gather_index is None else K_INDEX_BYTES_PER_STAGE)
+                           weight_grad_stage_extra(gather_index is not None))
   rows_last = (2, 1, 0)   # [1, P, C] -> (C, P, 1): C contiguous
   if gather_index is None:
     fn, lhs_mode, index = _weight_grad, rows_last, ()

@@ -107,10 +107,9 @@ def _tiles(plan):
   return schedule.tile_experts(plan, grouped_gemm.BLOCK_M)
 
 
-def top_k_unsupported(num_experts: int, k: int):
-  """Why top_k's kernel cannot take logits with this many experts and this k (then it runs
-  jax.lax.top_k with a warning), or None."""
-  return topk.unsupported(num_experts, k)
+# why top_k's kernel cannot take logits of this many experts and this k (it then runs
+# jax.lax.top_k with a warning), or None: what "auto" asks before picking it
+top_k_unsupported = topk.unsupported
 
 
 def top_k(logits, k):

@@ -70,7 +70,8 @@ def _many_experts(shape: LayerShape) -> bool:
   return None not in (shape.num_experts, shape.k) and shape.num_experts >= 256
 
 
-# GPU ops the cute backend takes over, and where (by hidden size d and expert width n): where
+# GPU ops the cute backend takes over, and where (by the LayerShape: hidden size d, expert
+# width n; the top-K by the number of experts): where
 # it measured faster on an H200, forward+backward ms. Session 8 (results/2026-11-30-h200-
 # session8), pallas -> dh, dx_tilde, dw1 on cute: 7B-n256 3.81-3.89 -> 3.73; 30B-n256
 # 23.4-24.2 -> 23.1-23.4; 120B-n1024 37.5-38.3 -> 35.2-36.3. Session 9 (-session9): dw2 on cute
@@ -91,8 +92,9 @@ def _many_experts(shape: LayerShape) -> bool:
 # swapped), dw2 on cute at n = 1024 too (on XLA's gathered dO, which dh reads too): kernel ms
 # 120B-n1024 37.91 -> 37.36 and 38.22 -> 37.22, olmoe 18.43 -> 18.09 and 18.05 -> 17.84 (wall
 # within its noise: 39.90 -> 40.23 and 40.60 -> 40.61, 19.85 -> 19.99 and 19.98 -> 19.82).
-GPU_CUTE_WHERE = {"top_k": _many_experts, "up_proj": _narrow_model, "down_proj": _everywhere, "dh": _everywhere,
-                  "dx_tilde": _everywhere, "dw1": _everywhere, "dw2": _everywhere}
+GPU_CUTE_WHERE = {"top_k": _many_experts, "up_proj": _narrow_model, "down_proj": _everywhere,
+                  "dh": _everywhere, "dx_tilde": _everywhere, "dw1": _everywhere,
+                  "dw2": _everywhere}
 
 
 def _cute_installed() -> bool:
