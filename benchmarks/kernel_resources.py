@@ -45,6 +45,9 @@ VARIANTS = [
     ("dh pingpong bn128 fit", "dh_pingpong", 128, 0), ("dh pingpong bn64 fit", "dh_pingpong", 64, 0),
     ("dh pingpong gather bn128 fit", "dh_pingpong_gather", 128, 0),
     ("up_proj pingpong bn64 fit", "up_proj_pingpong", 64, 0),
+    ("up_proj gather producer bn128 fit", "up_proj_gather_producer", 128, 0),
+    ("dh gather producer bn256 fit", "dh_gather_producer", 256, 0),
+    ("wgrad gather producer bn256 fit", "wgrad_gather_producer", 256, 0),
 ]
 
 _COMPILE = """
@@ -57,6 +60,8 @@ P = K = k_steps * g.BLOCK_K
 N, E = 512, 4
 sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
 kw = dict(block_n=bn, stages=stages)
+if kernel.endswith("_producer"):   # a gathering kernel with its producer warpgroup
+  kernel, kw["gather_producer"] = kernel.removesuffix("_producer"), True
 fn, args = {
     "matmul": (lambda a, b, t: g.grouped_matmul(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "up_proj": (lambda a, b, t: g.up_proj(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
@@ -139,7 +144,7 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
     depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store)
     return (g.smem_bytes(block_n, num_rhs, 2, depth, rows=pp.TILE_M)
             + (pp.epilogue_bytes(2) if tma_store else 0))
-  extra = g.weight_grad_stage_extra(kernel == "wgrad_gather")
+  extra = g.weight_grad_stage_extra(kernel.startswith("wgrad_gather"), kernel.endswith("_producer"))
   depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None, extra)
   return g.smem_bytes(block_n, num_rhs, 2, depth, extra_per_stage=extra)
 
@@ -147,7 +152,9 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
 def threads(kernel: str) -> int:
   """The variant's threads per CTA."""
   from ffi import grouped_gemm as g, pingpong as pp
-  return pp.THREADS if "pingpong" in kernel else g.THREADS
+  if "pingpong" in kernel:
+    return pp.THREADS
+  return g.THREADS + (128 if kernel.endswith("_producer") else 0)
 
 
 def ctas_per_sm(registers: int, smem: int, threads: int) -> int:

@@ -22,9 +22,11 @@ column tiles run next to each other, so its lhs rows are read from HBM once and 
   gather   : up_proj or dh with gather_index: lhs is X (or dO) and A's stages leave
              the TMA pipeline; each warpgroup cp.async-copies its own rows of step kk + stages
              - 1 into the stage step kk - 1 read, once that step's wgmmas are done
-             (_gather_step), then waits, fences (async proxy) and syncs before its wgmmas;
-             mmas_in_flight 2 (_gather_config) keeps two steps' wgmmas in flight instead of
-             one and gathers stages - 2 steps ahead
+             (_gather_step), then waits, fences (async proxy) and syncs before its wgmmas.
+             Or (gather_producer) a third warpgroup, warpgroup 0, is a producer: it copies
+             every stage's rows for both MMA warpgroups and TMA-loads the rhs tiles, the
+             copies completing on the stage's mbarrier (_produce_gathered), and the MMA
+             warpgroups wait for full stages and fence like a TMA pipeline's consumers
   epilogue : _epilogue_values gives the output tiles' values (out = acc; or SwiGLU's H gate,
              H up and A from two accumulators: W1's gate columns c and up columns n + c,
              loaded as two rhs tiles per stage); _tma_store_epilogue writes them through SMEM
@@ -80,12 +82,19 @@ K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128
 # by cp.async (16 bytes: 4 indices per copy) stages - 1 steps ahead of their gathers
 K_INDEX_CHUNK = 4
 K_INDEX_BYTES_PER_STAGE = WARPGROUPS * BLOCK_K * 4
+# gather_producer: a third warpgroup (warpgroup 0) loads every stage; a stage's full barrier
+# completes on the TMA bytes and PRODUCER_ARRIVALS arrivals (the TMA warp's, then two per
+# producer thread: its cp.async copies landed, its padding rows' plain stores released)
+PRODUCER_ARRIVALS = 1 + 2 * 128
+# setmaxnreg budgets (producer, MMA warpgroups): 128 x 56 + 256 x 224 <= 64K registers per SM
+PRODUCER_REGISTERS, MMA_REGISTERS = 56, 224
 
 
-def weight_grad_stage_extra(gathered: bool) -> int:
+def weight_grad_stage_extra(gathered: bool, gather_producer: bool = False) -> int:
   """SMEM bytes per pipeline stage beside the operand tiles in the weight gradient's kernel:
-  the index ring's slots when it gathers its rows (smem_bytes' extra_per_stage)."""
-  return K_INDEX_BYTES_PER_STAGE if gathered else 0
+  the index ring's slots when its MMA warpgroups gather its rows (smem_bytes'
+  extra_per_stage; a producer warpgroup reads the indices into registers)."""
+  return K_INDEX_BYTES_PER_STAGE if gathered and not gather_producer else 0
 
 
 def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int = BLOCK_M,
@@ -118,21 +127,17 @@ def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, sta
   return stages
 
 
-def _gather_config(op: str, gather_index, stages: int, mmas_in_flight: int) -> dict:
-  """The gathering kernels' mainloop option: mmas_in_flight k steps' wgmmas kept in flight (1,
-  or 2: the tensor cores then have a step queued while the warpgroup waits for its copies and
-  syncs, and the gathers run one step less ahead). Raises ValueError naming the limit; {} for
-  the default, which the kernels' FFI targets leave out."""
-  if mmas_in_flight not in (1, 2):
-    raise ValueError(f"cute {op}: mmas_in_flight={mmas_in_flight} must be 1 or 2")
-  if mmas_in_flight == 1:
+def _gather_config(op: str, gather_index, gather_producer: bool) -> dict:
+  """The gathering kernels' option: gather_producer, a producer warpgroup gathers A's rows (and
+  TMA-loads the rhs tiles) while the two MMA warpgroups only wait for full stages, instead of
+  the MMA warpgroups issuing the copies between their wgmmas. Raises ValueError without
+  gather_index; {} for the default, which the kernels' FFI targets leave out."""
+  if not gather_producer:
     return {}
   if gather_index is None:
-    raise ValueError(f"cute {op}: mmas_in_flight={mmas_in_flight} needs gather_index (the "
-                     "gathering kernels' option)")
-  if stages <= mmas_in_flight:
-    raise ValueError(f"cute {op}: stages={stages} must be above mmas_in_flight={mmas_in_flight}")
-  return dict(mmas_in_flight=mmas_in_flight)
+    raise ValueError(f"cute {op}: gather_producer=True needs gather_index (the gathering "
+                     "kernels' option)")
+  return dict(gather_producer=True)
 
 
 def tma_operand(atom, smem, gmem):
@@ -383,15 +388,26 @@ def _copy_k_indices(gather_index, ring, step, k_begin, tidx, stages: cutlass.Con
 
 
 @cute.jit
-def _gather_k_step(x, rows, a_stage, col0, tidx):
+def _k_step_tokens(rows, tidx):
+  """The source rows of thread tidx's K_GATHERS_PER_THREAD copies of one k step, into
+  registers: rows[r] for each copy's row r of the step (rows: the step's BLOCK_K indices, its
+  slot of an SMEM index ring or its slice of gather_index)."""
+  tokens = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
+  for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
+    tokens[j] = rows[_gather_k_slot(tidx, j)[0]]
+  return tokens
+
+
+@cute.jit
+def _gather_k_step(x, tokens, a_stage, col0, tidx):
   """The weight gradient's A stage (M-major: BLOCK_M columns of X by BLOCK_K gathered rows, the
-  rows being the contraction): a_stage[c, r] = x[rows[r], col0 + c], each warpgroup filling
-  the BLOCK_M / WARPGROUPS columns its wgmmas read, in 16-byte cp.async chunks of 8 columns
-  (rows: the step's slot of the warpgroup's index ring, in SMEM); rows of indices outside x
-  are zeros. Committed by the caller as one cp.async group."""
+  rows being the contraction): a_stage[c, r] = x[row r's token, col0 + c], each warpgroup
+  filling the BLOCK_M / WARPGROUPS columns its wgmmas read, in 16-byte cp.async chunks of 8
+  columns (tokens: _k_step_tokens); rows of indices outside x are zeros. Committed by the
+  caller as one cp.async group, or arriving on the stage's barrier."""
   for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
     r, chunk = _gather_k_slot(tidx, j)
-    _copy_row_chunk(x, rows[r], col0 // 8 + chunk,
+    _copy_row_chunk(x, tokens[j], col0 // 8 + chunk,
                     cute.local_tile(a_stage[None, r], (8,), (chunk,)))
 
 
@@ -406,11 +422,51 @@ def _gather_into_stage(x, gather_index, tokens, s_a, step, num_k, m_tile, k_begi
   read: the caller syncs the warpgroup between the two)."""
   stage = s_a[None, None, step % stages]
   if cutlass.const_expr(kind == "wgrad"):
-    _gather_k_step(x, tokens[None, step % stages], stage, m_tile * BLOCK_M, tidx)
+    _gather_k_step(x, _k_step_tokens(tokens[None, step % stages], tidx), stage,
+                   m_tile * BLOCK_M, tidx)
     if step + lookahead < num_k:
       _copy_k_indices(gather_index, tokens, step + lookahead, k_begin, tidx, stages)
   else:
     _gather_step(x, tokens, stage, step * BLOCK_K, tidx)
+
+
+@cute.jit
+def _produce_gathered(loads, rhs_operands, x, gather_index, s_a, num_k, m_tile, k_begin, ptid,
+                      stages: cutlass.Constexpr, kind: cutlass.Constexpr):
+  """gather_producer's warpgroup (thread ptid of 128): fills the `stages`-deep ring with every
+  k step's tiles. Per step it waits until the MMA warpgroups released the stage; warp 0 sets
+  the full barrier's expected TMA bytes and TMA-loads the rhs tiles (the whole warp: the
+  arrive and the copies elect one lane); every thread cp.async-copies its share of A's
+  gathered rows for both MMA warpgroups (as if it were each of their threads in turn: rows of
+  the M tile, their tokens read once per tile, _gather_step; or the weight gradient's BLOCK_K
+  rows of the k step, their tokens read from gather_index before the wait, _gather_k_step),
+  then arrives on the full barrier twice: once its copies land (cp.async's noinc arrive) and
+  once at once (a release arrive publishing its padding rows' plain zero stores)."""
+  produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+  tile_tokens = None   # rows of the M tile: the same for every k step
+  if cutlass.const_expr(kind != "wgrad"):
+    tile_tokens = [_gather_tokens(gather_index, m_tile, ptid + 128 * wg)
+                   for wg in range(WARPGROUPS)]
+  for step in cutlass.range(num_k, unroll=1):
+    k = k_begin + step
+    step_tokens = None   # the weight gradient's rows of this k step
+    if cutlass.const_expr(kind == "wgrad"):
+      step_tokens = _k_step_tokens(cute.local_tile(gather_index, (BLOCK_K,), (k,)), ptid)
+    loads.sync_object_empty.wait(produce.index, produce.phase)
+    bar = loads.producer_get_barrier(produce)
+    if ptid < 32:
+      loads.sync_object_full.arrive(produce.index, loads.producer_mask)
+      for atom, src, dst in rhs_operands:
+        cute.copy(atom, src[(None, k)], dst[(None, produce.index)], tma_bar_ptr=bar)
+    stage = s_a[None, None, produce.index]
+    for wg in cutlass.range_constexpr(WARPGROUPS):
+      if cutlass.const_expr(kind == "wgrad"):
+        _gather_k_step(x, step_tokens, stage, m_tile * BLOCK_M, ptid + 128 * wg)
+      else:
+        _gather_step(x, tile_tokens[wg], stage, step * BLOCK_K, ptid + 128 * wg)
+    cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+    cute.arch.mbarrier_arrive(bar)
+    produce.advance()
 
 
 @cute.kernel
@@ -424,9 +480,13 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
-            out_m_major: cutlass.Constexpr, mmas_in_flight: cutlass.Constexpr):
+            out_m_major: cutlass.Constexpr, gather_producer: cutlass.Constexpr):
   swiglu = kind == "swiglu"
-  lookahead = stages - mmas_in_flight   # k steps gathered ahead of the one computed
+  mma_gathers = gather and not gather_producer   # the MMA warpgroups copy A's rows themselves
+  lookahead = stages - 1   # k steps they gather ahead of the one computed
+  # with gather_producer warpgroup 0 loads (_produce_gathered) and warpgroups 1, 2 compute:
+  # their threads' and warps' indices in the MMA warpgroups (else those are the CTA's)
+  first_mma_warp = 4 if gather_producer else 0
   tidx, _, _ = cute.arch.thread_idx()
   n_tile, m_tile, z_tile = cute.arch.block_idx()
   num_n_tiles = cute.arch.grid_dim()[0]
@@ -466,104 +526,121 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
           for buf in ([storage.s_b, storage.s_b2] if cutlass.const_expr(swiglu) else [storage.s_b])]
   loads = pipeline.PipelineTmaAsync.create(
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
-      producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+      # a full barrier completes on the TMA bytes and, with gather_producer, every producer
+      # thread's copies (PRODUCER_ARRIVALS)
+      producer_group=pipeline.CooperativeGroup(
+          pipeline.Agent.Thread, PRODUCER_ARRIVALS if gather_producer else 1),
       consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
       tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
 
   operands = [tma_operand(tma_b, sb, gb) for sb, gb in zip(s_bs, g_bs)]
-  if cutlass.const_expr(not gather):   # else A's stages are filled by _gather_step
+  if cutlass.const_expr(not gather):   # else A's stages are filled by the gathers
     operands = [tma_operand(tma_a, s_a, g_a)] + operands
-
-  thr_mma = tiled_mma.get_slice(tidx)
-  frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
-  frag_bs = [tiled_mma.make_fragment_B(thr_mma.partition_B(sb)) for sb in s_bs]
-  accs = [cute.make_rmem_tensor(thr_mma.partition_C(tile_of(m_out, n_tile, 0, (1, 1, None))).shape,
-                                cutlass.Float32)
-          for _ in s_bs]
-  for acc in accs:
-    acc.fill(0.0)
-  tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
   cute.arch.sync_threads()   # barriers initialised before anyone waits on them
 
-  produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-  consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-  release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+  if warp < first_mma_warp:   # the producer warpgroup (none without gather_producer)
+    if cutlass.const_expr(gather_producer):
+      cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+      _produce_gathered(loads, operands, m_a, gather_index, s_a, num_k, m_tile, k_begin, tidx,
+                        stages, kind)
+  else:   # the MMA warpgroups: mainloop, then the epilogue (in this branch: ptxas gives them
+          # the registers setmaxnreg raised)
+    if cutlass.const_expr(gather_producer):
+      cute.arch.setmaxregister_increase(MMA_REGISTERS)
+    mma_tidx = tidx - 32 * first_mma_warp
+    leader = warp == first_mma_warp   # their first warp (TMA loads without a producer; stores)
+    thr_mma = tiled_mma.get_slice(mma_tidx)
+    frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+    frag_bs = [tiled_mma.make_fragment_B(thr_mma.partition_B(sb)) for sb in s_bs]
+    accs = [cute.make_rmem_tensor(thr_mma.partition_C(tile_of(m_out, n_tile, 0, (1, 1, None))).shape,
+                                  cutlass.Float32)
+            for _ in s_bs]
+    for acc in accs:
+      acc.fill(0.0)
+    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
 
-  if warp == 0:
-    for _ in cutlass.range(cutlass.min(stages, num_k), unroll=1):
-      load_stage(loads, produce, operands, k_begin + produce.count)
-      produce.advance()
-  tokens = None   # the gathers' source rows: this thread's, or the warpgroup's index ring
-  wg_barrier = 1 + tidx // 128   # named barrier ids 1, 2: one warpgroup's threads
-  if cutlass.const_expr(gather and kind != "wgrad"):   # the same for every k step
-    tokens = _gather_tokens(gather_index, m_tile, tidx)
-  if cutlass.const_expr(gather and kind == "wgrad"):   # the first `lookahead` steps' rows
-    tokens = storage.s_idx.get_tensor(cute.make_layout((BLOCK_K, stages, WARPGROUPS)))[
-        None, None, tidx // 128]
-    for step in cutlass.range_constexpr(lookahead):
-      if step < num_k:
-        _copy_k_indices(gather_index, tokens, step, k_begin, tidx, stages)
-    cute.arch.cp_async_commit_group()
-    cute.arch.cp_async_wait_group(0)
-    cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=128)
-  if cutlass.const_expr(gather):   # A's first `lookahead` steps, one cp.async group each
-    for step in cutlass.range_constexpr(lookahead):
-      if cutlass.const_expr(kind == "wgrad" and step > 0):   # earlier steps' ring slots read
-        cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=128)
-      if step < num_k:
-        _gather_into_stage(m_a, gather_index, tokens, s_a, step, num_k, m_tile, k_begin, tidx,
-                           stages, lookahead, kind)
+    produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+    release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+
+    if cutlass.const_expr(not gather_producer):
+      if leader:
+        for _ in cutlass.range(cutlass.min(stages, num_k), unroll=1):
+          load_stage(loads, produce, operands, k_begin + produce.count)
+          produce.advance()
+    tokens = None   # the gathers' source rows: this thread's, or the warpgroup's index ring
+    wg_barrier = 1 + mma_tidx // 128   # named barrier ids 1, 2: one warpgroup's threads
+    if cutlass.const_expr(mma_gathers and kind != "wgrad"):   # the same for every k step
+      tokens = _gather_tokens(gather_index, m_tile, mma_tidx)
+    if cutlass.const_expr(mma_gathers and kind == "wgrad"):   # the first `lookahead` steps' rows
+      tokens = storage.s_idx.get_tensor(cute.make_layout((BLOCK_K, stages, WARPGROUPS)))[
+          None, None, mma_tidx // 128]
+      for step in cutlass.range_constexpr(lookahead):
+        if step < num_k:
+          _copy_k_indices(gather_index, tokens, step, k_begin, mma_tidx, stages)
       cute.arch.cp_async_commit_group()
-
-  for kk in cutlass.range(num_k, unroll=1):
-    loads.consumer_wait(consume)
-    if cutlass.const_expr(gather):
-      # of the lookahead + kk groups committed, step kk's (the kk + 1-th) has landed; make the
-      # warpgroup's copies visible to its wgmmas (async proxy)
-      cute.arch.cp_async_wait_group(lookahead - 1)
-      cute.arch.fence_proxy("async.shared", space="cta")
+      cute.arch.cp_async_wait_group(0)
       cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=128)
-    issue_k_step(tiled_mma, accs, frag_a, frag_bs, consume.index)
-    consume.advance()
-    # mmas_in_flight steps' wgmmas stay in flight: step kk - mmas_in_flight's are done, so its
-    # stage is free
-    warpgroup.wait_group(mmas_in_flight)
-    if cutlass.const_expr(gather):   # step kk + lookahead into the stage that step read
-      ahead = kk + lookahead
-      if ahead < num_k:
-        _gather_into_stage(m_a, gather_index, tokens, s_a, ahead, num_k, m_tile, k_begin, tidx,
-                           stages, lookahead, kind)
-      cute.arch.cp_async_commit_group()
-    if kk >= mmas_in_flight:
-      loads.consumer_release(release)
-      release.advance()
-      if warp == 0 and produce.count < num_k:
-        load_stage(loads, produce, operands, k_begin + produce.count)
-        produce.advance()
-  warpgroup.wait_group(0)
+    if cutlass.const_expr(mma_gathers):   # A's first `lookahead` steps, one cp.async group each
+      for step in cutlass.range_constexpr(lookahead):
+        if cutlass.const_expr(kind == "wgrad" and step > 0):   # earlier steps' ring slots read
+          cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=128)
+        if step < num_k:
+          _gather_into_stage(m_a, gather_index, tokens, s_a, step, num_k, m_tile, k_begin,
+                             mma_tidx, stages, lookahead, kind)
+        cute.arch.cp_async_commit_group()
 
-  # out's tile (or H's, or dH's, gate and up tiles, then A's or A''s): (TMA atom, its TMA
-  # tensor, the output, column tile)
-  outputs = [(tma_out, m_out_tma, m_out, c) for c in (half_cols if kind == "dh" else rhs_cols)]
-  if cutlass.const_expr(swiglu or kind == "dh"):
-    outputs = outputs + [(tma_out2, m_out2_tma, m_out2, n_tile)]
-  tiles = accs
-  if cutlass.const_expr(kind == "dh"):   # dH's and A''s tiles in registers from H and scores
-    h_tiles = [tile_of(m_h, c, 0, (1, 1, None)) for c in half_cols]
-    # each row's score broadcast along the tile's columns (stride 0)
-    scores = cute.make_tensor(m_scores.iterator, cute.make_layout(
-        (cute.size(m_scores), block_n, 1), stride=(1, 0, 0)))
-    register_tiles = [tile_of(t, c, out_l, (1, 1, None)) for _, _, t, c in outputs]
-    tiles = _dh_outputs(accs[0], h_tiles, tile_of(scores, 0, 0, (1, 1, None)), m_ds, thr_mma,
-                        tidx, m_tile * BLOCK_M, n_tile, m_out.element_type,
-                        register_tiles if register_store else None, block_n, BLOCK_M)
-  if cutlass.const_expr(not register_store):   # (register stores: dh only, done above)
-    cute.arch.sync_threads()   # every warpgroup's wgmmas are done with A's stages: reuse them
-    s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, c_smem_staged.inner, dtype=m_out.element_type),
-                           c_smem_staged.outer)
-    stores = [(atom, tile_of(t, c, out_l, (1, 1, None))) for atom, t, _, c in outputs]
-    _tma_store_epilogue(tiles, stores, s_c, tiled_mma, tidx, warp == 0, swiglu,
-                        m_major=out_m_major)
+    for kk in cutlass.range(num_k, unroll=1):
+      loads.consumer_wait(consume)
+      if cutlass.const_expr(gather_producer):   # the gathered rows are generic-proxy writes
+        cute.arch.fence_proxy("async.shared", space="cta")
+      if cutlass.const_expr(mma_gathers):
+        # of the lookahead + kk groups committed, step kk's (the kk + 1-th) has landed; make
+        # the warpgroup's copies visible to its wgmmas (async proxy)
+        cute.arch.cp_async_wait_group(lookahead - 1)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=128)
+      issue_k_step(tiled_mma, accs, frag_a, frag_bs, consume.index)
+      consume.advance()
+      warpgroup.wait_group(1)   # step kk - 1's wgmmas are done, so its stage is free
+      if cutlass.const_expr(mma_gathers):   # step kk + lookahead into the stage step kk - 1 read
+        ahead = kk + lookahead
+        if ahead < num_k:
+          _gather_into_stage(m_a, gather_index, tokens, s_a, ahead, num_k, m_tile, k_begin,
+                             mma_tidx, stages, lookahead, kind)
+        cute.arch.cp_async_commit_group()
+      if kk > 0:
+        loads.consumer_release(release)
+        release.advance()
+        if cutlass.const_expr(not gather_producer):
+          if leader and produce.count < num_k:
+            load_stage(loads, produce, operands, k_begin + produce.count)
+            produce.advance()
+    warpgroup.wait_group(0)
+
+    # out's tile (or H's, or dH's, gate and up tiles, then A's or A''s): (TMA atom, its TMA
+    # tensor, the output, column tile)
+    outputs = [(tma_out, m_out_tma, m_out, c) for c in (half_cols if kind == "dh" else rhs_cols)]
+    if cutlass.const_expr(swiglu or kind == "dh"):
+      outputs = outputs + [(tma_out2, m_out2_tma, m_out2, n_tile)]
+    tiles = accs
+    if cutlass.const_expr(kind == "dh"):   # dH's and A''s tiles in registers from H and scores
+      h_tiles = [tile_of(m_h, c, 0, (1, 1, None)) for c in half_cols]
+      # each row's score broadcast along the tile's columns (stride 0)
+      scores = cute.make_tensor(m_scores.iterator, cute.make_layout(
+          (cute.size(m_scores), block_n, 1), stride=(1, 0, 0)))
+      register_tiles = [tile_of(t, c, out_l, (1, 1, None)) for _, _, t, c in outputs]
+      tiles = _dh_outputs(accs[0], h_tiles, tile_of(scores, 0, 0, (1, 1, None)), m_ds, thr_mma,
+                          mma_tidx, m_tile * BLOCK_M, n_tile, m_out.element_type,
+                          register_tiles if register_store else None, block_n, BLOCK_M)
+    if cutlass.const_expr(not register_store):   # (register stores: dh only, done above)
+      # every warpgroup's wgmmas are done with A's stages: reuse them
+      cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
+      s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, c_smem_staged.inner, dtype=m_out.element_type),
+                             c_smem_staged.outer)
+      stores = [(atom, tile_of(t, c, out_l, (1, 1, None))) for atom, t, _, c in outputs]
+      _tma_store_epilogue(tiles, stores, s_c, tiled_mma, mma_tidx, leader, swiglu,
+                          m_major=out_m_major)
 
 
 @cute.jit
@@ -586,10 +663,10 @@ def _up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor, 
 def _gathered_up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor,
                       gather_index: cute.Tensor, h: cute.Tensor, a: cute.Tensor,
                       block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                      mmas_in_flight: cutlass.Constexpr = 1):
+                      gather_producer: cutlass.Constexpr = False):
   """_up_proj with x (T, d, 1) the source rows and slot r reading x[gather_index[r]]."""
   _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True,
-          False, mmas_in_flight)
+          False, gather_producer)
 
 
 @cute.jit
@@ -607,10 +684,10 @@ def _gathered_dh(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.T
                  gather_index: cute.Tensor, h: cute.Tensor, scores: cute.Tensor, dh: cute.Tensor,
                  a_scaled: cute.Tensor, ds_parts: cute.Tensor, block_n: cutlass.Constexpr,
                  stages: cutlass.Constexpr, register_store: cutlass.Constexpr,
-                 mmas_in_flight: cutlass.Constexpr = 1):
+                 gather_producer: cutlass.Constexpr = False):
   """_dh with dout (T, d, 1) the source rows and slot r reading dout[gather_index[r]]."""
   _launch(stream, dout, w2, tile_expert, gather_index, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", True, register_store, mmas_in_flight)
+          block_n, stages, "dh", True, register_store, gather_producer)
 
 
 @cute.jit
@@ -624,10 +701,10 @@ def _weight_grad(stream, lhs: cute.Tensor, rhs: cute.Tensor, group_offsets: cute
 @cute.jit
 def _gathered_weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.Tensor,
                           gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-                          stages: cutlass.Constexpr, mmas_in_flight: cutlass.Constexpr = 1):
+                          stages: cutlass.Constexpr, gather_producer: cutlass.Constexpr = False):
   """_weight_grad with x (T, M, 1) the source rows and slot r reading x[gather_index[r]]."""
   _launch(stream, x, rhs, group_offsets, gather_index, out, out, None, block_n, stages, "wgrad",
-          True, False, mmas_in_flight)
+          True, False, gather_producer)
 
 
 @cute.jit
@@ -635,7 +712,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
-            mmas_in_flight: cutlass.Constexpr = 1):
+            gather_producer: cutlass.Constexpr = False):
   """The grid over (output column tiles, M tiles[, experts]) and the kernel's static
   configuration. kind: "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs
   W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
@@ -643,8 +720,9 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   (N, P, 1), out (M, N, E) N- or M-major: out[e] = lhs_e rhs_e^T over expert e's rows,
   tile_expert holding group_offsets). With gather lhs is the source of the rows gather_index
   names (A's stages not in the TMA pipeline). register_store (dh only): each thread stores its
-  fragments from registers instead of the TMA-store epilogue. mmas_in_flight: k steps whose
-  wgmmas stay in flight (a stage refilled once the step that many before is done)."""
+  fragments from registers instead of the TMA-store epilogue. gather_producer (with gather): a
+  third warpgroup gathers A's rows and loads the rhs tiles (_produce_gathered) instead of the
+  MMA warpgroups issuing them between their wgmmas."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
   num_rhs = 2 if swiglu else 1
@@ -705,13 +783,15 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   num_n_tiles = cute.size(out, mode=[1]) // ((1 if kind in ("store", "wgrad") else 2) * block_n)
   num_z = cute.size(out, mode=[2]) if kind == "wgrad" else 1   # wgrad: one per expert
   storage = (SwigluSharedStorage if swiglu else
-             GatheredWgradSharedStorage if gather and kind == "wgrad" else SharedStorage)
+             GatheredWgradSharedStorage if gather and kind == "wgrad" and not gather_producer
+             else SharedStorage)
   _kernel(tma_a, lhs if gather else m_a, tma_b, m_b, out, out2, tma_out, m_out_tma, tma_out2,
           m_out2_tma, m_h, m_scores, m_ds, tile_expert, gather_index, tiled_mma, a_smem_staged,
           b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage, block_n, stages,
           stage_bytes, kind, gather, register_store, out_layout.is_m_major_c(),
-          mmas_in_flight).launch(
-              grid=(num_n_tiles, num_m_tiles, num_z), block=(THREADS, 1, 1), stream=stream)
+          gather_producer).launch(
+              grid=(num_n_tiles, num_m_tiles, num_z),
+              block=(THREADS + (128 if gather_producer else 0), 1, 1), stream=stream)
 
 
 def _dtype_unsupported(lhs, rhs):
@@ -780,11 +860,11 @@ def rows_read(rows, gather_index):
 
 
 def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
-            stages: int | None = None, mmas_in_flight: int = 1):
+            stages: int | None = None, gather_producer: bool = False):
   """H = Xg W1_e (gate and up halves) and A = silu(gate) * up per M tile: xg [P, d] rows in
   slot order, w1 [E, d, 2n]; returns H [P, 2n], A [P, n] (the SwiGLU epilogue). With
   gather_index [P], xg is X [T, d] and slot r reads X[gather_index[r]] (zeros where it is T or
-  more), gathered inside the kernel by cp.async. stages: as grouped_matmul's. mmas_in_flight
+  more), gathered inside the kernel by cp.async. stages: as grouped_matmul's. gather_producer
   (gathering): _gather_config."""
   n = w1.shape[2] // 2
   reason = unsupported(rows_read(xg, gather_index),
@@ -794,7 +874,7 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
   stages = _pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)
   return up_proj_call((_up_proj, _gathered_up_proj), xg, w1, tile_expert, gather_index,
                       block_n=block_n, stages=stages,
-                      **_gather_config("up_proj", gather_index, stages, mmas_in_flight))
+                      **_gather_config("up_proj", gather_index, gather_producer))
 
 
 def up_proj_call(kernels, xg, w1, tile_expert, gather_index, **config):
@@ -830,7 +910,8 @@ def dh_unsupported(dout_g, w2, h, scores, block_n: int):
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None,
-       tma_store: bool = False, gather_index=None, over_h: bool = True, mmas_in_flight: int = 1):
+       tma_store: bool = False, gather_index=None, over_h: bool = True,
+       gather_producer: bool = False):
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
@@ -839,14 +920,14 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
   by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call).
-  mmas_in_flight (gathering): _gather_config."""
+  gather_producer (gathering): _gather_config."""
   reason = dh_unsupported(rows_read(dout_g, gather_index), w2, h, scores, block_n)
   if reason:
     raise ValueError(f"cute dh: {reason}")
   stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, dout_g.shape[1] // BLOCK_K, stages)
   return dh_call((_dh, _gathered_dh), dout_g, w2, h, scores, tile_expert, gather_index,
                  over_h, block_n=block_n, stages=stages, register_store=not tma_store,
-                 **_gather_config("dh", gather_index, stages, mmas_in_flight))
+                 **_gather_config("dh", gather_index, gather_producer))
 
 
 def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: bool, *,
@@ -891,7 +972,7 @@ def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n):
 
 def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
                 stages: int | None = None, gather_index=None, transpose_out: bool = False,
-                mmas_in_flight: int = 1):
+                gather_producer: bool = False):
   """out[e] = lhs[rows of e]^T rhs[rows of e] ([E, M, N] in lhs's dtype, fp32 accumulation):
   lhs [P, M] and rhs [P, N] rows in slot order, expert e's rows group_offsets[e] ..
   group_offsets[e + 1] (multiples of BLOCK_M, an aligned plan; an expert without rows gets
@@ -899,14 +980,14 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   is X [T, M] and slot r reads X[gather_index[r]] (zeros where it is T or more), gathered inside
   the kernel by cp.async (bitwise equal to gathering first; H200 timings in ops.dw1). With
   transpose_out the kernel stores out[e]^T: [E, N, M] (its epilogue writes M-major tiles; no
-  separate transpose). mmas_in_flight (gathering): _gather_config."""
+  separate transpose). gather_producer (gathering): _gather_config."""
   slots = rows_read(lhs, gather_index)   # the rows the GEMM reads
   P, M = slots.shape
   reason = _weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
   if reason:
     raise ValueError(f"cute weight_grad: {reason}")
   stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, P // BLOCK_K, stages,
-                           weight_grad_stage_extra(gather_index is not None))
+                           weight_grad_stage_extra(gather_index is not None, gather_producer))
   rows_last = (2, 1, 0)   # [1, P, C] -> (C, P, 1): C contiguous
   if gather_index is None:
     fn, lhs_mode, index = _weight_grad, rows_last, ()
@@ -920,5 +1001,5 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
       [jax.ShapeDtypeStruct(out_shape, lhs.dtype)],
       modes=[lhs_mode, rows_last, None, *[None] * len(index), out_mode],
       block_n=block_n, stages=stages,
-      **_gather_config("weight_grad", gather_index, stages, mmas_in_flight))
+      **_gather_config("weight_grad", gather_index, gather_producer))
   return out

@@ -111,12 +111,13 @@ def test_cute_gather_sum_matches_numpy_on_gpu(d, dtype):
     assert np.all(np.asarray(got.astype(jnp.float32))[counts == 0] == 0)
 
 
-def _assert_gathering_matches_pregathered(op, rows, index, *operands, mmas_in_flight=1, **kw):
+def _assert_gathering_matches_pregathered(op, rows, index, *operands, gather_producer=False,
+                                          **kw):
   """op(rows, *operands, gather_index=index), the kernel gathering rows[index] itself (zeros
-  where the index is past the end; its mainloop keeping mmas_in_flight steps' wgmmas in flight),
-  equals op on the rows gathered by XLA first, bit for bit."""
-  fused = jax.jit(lambda r, i, *o: op(r, *o, gather_index=i, mmas_in_flight=mmas_in_flight, **kw))(
-      rows, index, *operands)
+  where the index is past the end; by its MMA warpgroups, or with gather_producer by a
+  producer warpgroup), equals op on the rows gathered by XLA first, bit for bit."""
+  fused = jax.jit(lambda r, i, *o: op(r, *o, gather_index=i, gather_producer=gather_producer,
+                                      **kw))(rows, index, *operands)
   gathered = rows.at[index].get(mode="fill", fill_value=0)
   pregathered = jax.jit(lambda r, *o: op(r, *o, **kw))(gathered, *operands)
   for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(pregathered)):
@@ -344,8 +345,9 @@ def test_dh_over_h_can_be_turned_off(monkeypatch):
     ("matmul", 256, None), ("matmul_t", 256, 2), ("up_proj", 64, 3), ("dh", 128, None),
     ("dh", 256, None), ("dh_tma", 64, 3), ("dh_gather", 128, None),
     ("weight_grad", 128, 3), ("weight_grad_gather", 128, None), ("weight_grad_gather", 256, 2),
-    ("weight_grad_t", 256, None), ("weight_grad_gather_t", 128, 3), ("up_proj_gather_mma2", 128, 3),
-    ("dh_gather_mma2", 256, None), ("weight_grad_gather_mma2", 256, None)])
+    ("weight_grad_t", 256, None), ("weight_grad_gather_t", 128, 3), ("up_proj_gather_producer", 128, None),
+    ("dh_gather_producer", 256, None), ("weight_grad_gather_producer", 256, None),
+    ("weight_grad_gather_t_producer", 256, None)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
   from ffi import grouped_gemm
@@ -364,12 +366,13 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
         "dh_gather": lambda a, b, t: grouped_gemm.dh(  # dO = a's first 300 rows
             a[:300], jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1),
             a[:, 0].astype(jnp.float32), t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301, **kw),
-        "dh_gather_mma2": lambda a, b, t: grouped_gemm.dh(
+        "dh_gather_producer": lambda a, b, t: grouped_gemm.dh(
             a[:300], jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1),
             a[:, 0].astype(jnp.float32), t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301,
-            mmas_in_flight=2, **kw),
-        "up_proj_gather_mma2": lambda a, b, t: grouped_gemm.up_proj(  # X = a's first 300 rows
-            a[:300], b, t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301, mmas_in_flight=2, **kw),
+            gather_producer=True, **kw),
+        "up_proj_gather_producer": lambda a, b, t: grouped_gemm.up_proj(  # X = a's first 300 rows
+            a[:300], b, t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301, gather_producer=True,
+            **kw),
         "weight_grad": lambda a, b, t: grouped_gemm.weight_grad(  # [E, K, 2K] over P / E rows each
             a, jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E, **kw),
         "weight_grad_gather": lambda a, b, t: grouped_gemm.weight_grad(  # X = a's first 300 rows
@@ -381,9 +384,13 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
         "weight_grad_gather_t": lambda a, b, t: grouped_gemm.weight_grad(
             a[:300], jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E,
             gather_index=jnp.arange(P, dtype=jnp.int32) % 301, transpose_out=True, **kw),
-        "weight_grad_gather_mma2": lambda a, b, t: grouped_gemm.weight_grad(
+        "weight_grad_gather_producer": lambda a, b, t: grouped_gemm.weight_grad(
             a[:300], jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E,
-            gather_index=jnp.arange(P, dtype=jnp.int32) % 301, mmas_in_flight=2, **kw)}[kernel]
+            gather_index=jnp.arange(P, dtype=jnp.int32) % 301, gather_producer=True, **kw),
+        "weight_grad_gather_t_producer": lambda a, b, t: grouped_gemm.weight_grad(
+            a[:300], jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E,
+            gather_index=jnp.arange(P, dtype=jnp.int32) % 301, transpose_out=True,
+            gather_producer=True, **kw)}[kernel]
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -423,14 +430,11 @@ def test_cute_gemm_rejects_unsupported_operands():
     grouped_gemm.dh(dout, jnp.zeros((2, 128, 128), jnp.bfloat16), jnp.zeros((256, 128), jnp.bfloat16),
                     jnp.zeros((256,)), tiles)
   x, w1, index = jnp.zeros((300, 64), jnp.bfloat16), jnp.zeros((2, 64, 256), jnp.bfloat16), jnp.zeros((256,), jnp.int32)
-  with pytest.raises(ValueError, match="cute up_proj: mmas_in_flight=3 must be 1 or 2"):
-    grouped_gemm.up_proj(x, w1, tiles, gather_index=index, mmas_in_flight=3)
-  with pytest.raises(ValueError, match="cute up_proj: mmas_in_flight=2 needs gather_index"):
-    grouped_gemm.up_proj(x[:256], w1, tiles, mmas_in_flight=2)
-  with pytest.raises(ValueError, match="cute weight_grad: stages=2 must be above mmas_in_flight=2"):
-    grouped_gemm.weight_grad(jnp.zeros((300, 128), jnp.bfloat16), jnp.zeros((256, 128), jnp.bfloat16),
-                             jnp.zeros((3,), jnp.int32), 2, gather_index=index, stages=2,
-                             mmas_in_flight=2)
+  with pytest.raises(ValueError, match="cute up_proj: gather_producer=True needs gather_index"):
+    grouped_gemm.up_proj(x[:256], w1, tiles, gather_producer=True)
+  with pytest.raises(ValueError, match="cute weight_grad: gather_producer=True needs gather_index"):
+    grouped_gemm.weight_grad(jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((256, 128), jnp.bfloat16),
+                             jnp.zeros((3,), jnp.int32), 2, gather_producer=True)
 
 
 def _per_tile_reference(lhs, rhs, tile_expert):
@@ -480,10 +484,10 @@ def test_cute_up_proj_with_gather_compiles_for_cuda():
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,d,mmas_in_flight", [
-    (128, None, 512, 1), (64, None, 512, 1), (128, 2, 512, 1), (128, 3, 1024, 1),
-    (128, 3, 1024, 2), (128, None, 512, 2)])
-def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, d, mmas_in_flight):
+@pytest.mark.parametrize("block_n,stages,d,gather_producer", [
+    (128, None, 512, False), (64, None, 512, False), (128, 2, 512, False), (128, 3, 1024, False),
+    (128, 3, 1024, True), (128, None, 512, True), (64, 2, 1024, True)])
+def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, d, gather_producer):
   """Gathering X's rows in the kernel (padding slots: index T, zero rows) gives the bitwise
   same H and A as the kernel on rows gathered by XLA first (16 k steps at d = 1024: the
   pipeline's ring wraps)."""
@@ -496,7 +500,7 @@ def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, d,
   index = jax.random.randint(jax.random.key(9), (P,), 0, T).at[::7].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.up_proj, x, index, w1, tile_expert,
                                         block_n=block_n, stages=stages,
-                                        mmas_in_flight=mmas_in_flight)
+                                        gather_producer=gather_producer)
 
 
 @pytest.mark.gpu
@@ -807,9 +811,10 @@ def test_cute_weight_grad_against_float32_on_gpu(block_n, stages):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,tma_store,mmas_in_flight", [
-    (128, False, 1), (64, False, 1), (128, True, 1), (256, False, 1), (256, False, 2)])
-def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store, mmas_in_flight):
+@pytest.mark.parametrize("block_n,tma_store,gather_producer", [
+    (128, False, False), (64, False, False), (128, True, False), (256, False, False),
+    (256, False, True), (128, True, True)])
+def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store, gather_producer):
   """Gathering dO's rows in the dH kernel (padding slots: index T, zero rows) gives the
   bitwise same dH, A' and dS parts as the kernel on rows gathered by XLA first."""
   from ffi import grouped_gemm
@@ -823,18 +828,20 @@ def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store, mmas
   index = jax.random.randint(jax.random.key(55), (P,), 0, T).at[::7].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.dh, dout, index, w2, h, scores,
                                         tile_expert, block_n=block_n, tma_store=tma_store,
-                                        mmas_in_flight=mmas_in_flight)
+                                        gather_producer=gather_producer)
 
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,mmas_in_flight", [
-    (128, None, 1), (256, None, 1), (128, 2, 1), (256, 3, 1), (256, None, 2), (128, 3, 2)])
-def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n, stages, mmas_in_flight):
+@pytest.mark.parametrize("block_n,stages,gather_producer", [
+    (128, None, False), (256, None, False), (128, 2, False), (256, 3, False), (256, None, True),
+    (128, 3, True), (256, 2, True)])
+def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n, stages, gather_producer):
   """Gathering X's rows in the weight-gradient kernel (rows are its contraction; padding slots:
-  index T, zero rows; their indices through an SMEM ring of `stages` k steps, which experts of
-  2, 4 and 10 k steps fill partly, exactly and wrap) gives the bitwise same dW as the kernel on
-  rows gathered by XLA first."""
+  index T, zero rows; by the MMA warpgroups, their indices through an SMEM ring of `stages` k
+  steps, which experts of 2, 4 and 10 k steps fill partly, exactly and wrap; or by a producer
+  warpgroup, whose ring of stages the same experts fill and wrap) gives the bitwise same dW as
+  the kernel on rows gathered by XLA first."""
   from ffi import grouped_gemm
   sizes = [256, 0, 640, 128]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
@@ -844,7 +851,7 @@ def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n, stages
   index = jax.random.randint(jax.random.key(33), (P,), 0, T).at[::5].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.weight_grad, x, index, rhs, offsets,
                                         num_experts=E, block_n=block_n, stages=stages,
-                                        mmas_in_flight=mmas_in_flight)
+                                        gather_producer=gather_producer)
 
 
 @pytest.mark.gpu
