@@ -34,6 +34,14 @@ from pallas_kernels import schedule
 from sonicmoe_jax import xla_ops
 
 ALIGN = grouped_gemm.BLOCK_M
+# The gathering kernels (up_proj, dh, dw1, dw2 where they gather) issue their row copies from a
+# producer warpgroup (grouped_gemm's gather_producer) instead of their MMA warpgroups. H200
+# session 14 (-session14 call 6), kernel ms, MMA warpgroups gathering -> producer (rows gathered
+# first, without XLA's gather): 30B-n256 up_proj 3.891 -> 3.518 (3.398), dw1 3.918 -> 3.691
+# (3.186), dh 2.439 -> 2.453 (2.421), dw2 1.926 -> 2.020 (1.794); 120B-n1024 up_proj 8.190 ->
+# 6.595 (7.199), dw1 8.061 -> 7.439 (6.723 + 1.21 for XLA's gather of X), dh 4.895 -> 4.686
+# (4.556), dw2 3.851 -> 3.573 (3.246; dh and dw2 share one XLA gather of dO, 1.2 ms).
+GATHER_PRODUCER = True
 # The up-projection gathers X's rows itself (bitwise equal to gathering first, H200 session 6)
 UP_PROJ_GATHER_IN_KERNEL = True
 # Its kernel when gathering: "grouped" (grouped_gemm.up_proj, the MMA warpgroups issuing the
@@ -42,18 +50,22 @@ UP_PROJ_GATHER_IN_KERNEL = True
 UP_PROJ_KERNEL = "grouped"
 UP_PROJ_KERNELS = ("grouped", "pingpong")
 # dW1 gathers X's rows itself (bitwise equal to gathering first) where its output has at most
-# this many column tiles. H200 session 8, forward+backward ms with dh, dx_tilde, dw1 on cute:
-# 30B-n256 (2 tiles) 23.13 gathering in the kernel vs 23.97 after XLA's gather (and 7.0 vs 11.4
-# GB of step memory); 120B-n1024 (8 tiles) 37.57 vs 36.33. dW1 alone at 30B-n256: 4.16 ms vs
-# 3.21 + ~2.3 for XLA's gather.
-DW1_GATHER_MAX_COLUMN_TILES = 2
+# this many column tiles (each re-gathers the rows). H200 session 8, forward+backward ms with
+# dh, dx_tilde, dw1 on cute, the MMA warpgroups gathering: 30B-n256 (2 tiles) 23.13 gathering
+# in the kernel vs 23.97 after XLA's gather (and 7.0 vs 11.4 GB of step memory); 120B-n1024 (8
+# tiles) 37.57 vs 36.33. With the producer warpgroup gathering (GATHER_PRODUCER, session 14),
+# 8 tiles win too: dW1 alone at 120B-n1024 7.44 ms vs 6.72 + 1.21 for XLA's gather.
+DW1_GATHER_MAX_COLUMN_TILES = 8
 # dO's rows for dh and dw2: gathered by both kernels themselves (dW2 then computed transposed:
 # dW2_e^T = dO_e^T A'_e) where dH has at most this many column tiles (each re-gathers the
 # rows), else once by XLA (the two ops share the [T*K, d] copy). H200 session 9, forward +
 # backward ms with dh, dx_tilde, dw1, dw2 on cute, XLA's gather -> the kernels': 7B-n256 (2
 # tiles) 3.64 -> 3.50, 30B-n256 (2) 22.60 -> 21.17; 7B-n1024 (8) 3.08 -> 3.20, 120B-n1024 (8)
-# 35.91 -> 37.33, olmoe (8) 18.20 -> 18.71 (step memory 9.3 -> 6.6 and 5.7 -> 3.5 GB there).
-DOUT_GATHER_MAX_COLUMN_TILES = 2
+# 35.91 -> 37.33, olmoe (8) 18.20 -> 18.71 (step memory 9.3 -> 6.6 and 5.7 -> 3.5 GB there),
+# the MMA warpgroups gathering (block_n 128). Session 14, the producer warpgroup gathering
+# (GATHER_PRODUCER) at block_n 256 (4 tiles at n = 1024): dh + dw2 alone at 120B-n1024 8.26
+# ms against 9.00 for XLA's shared gather and the two on its copy.
+DOUT_GATHER_MAX_COLUMN_TILES = 8
 # The dH kernel's variant: "registers" (grouped_gemm.dh storing dH and A' from registers),
 # "tma_store" (the same through SMEM and TMA stores: 2.56 vs 2.69 ms at 30B-n256 in session
 # 8's sweep, not yet timed in the layer) or "pingpong" (ffi/pingpong.py; its 64-row-tile
@@ -136,7 +148,8 @@ def up_proj(x, w1, plan):
   if UP_PROJ_GATHER_IN_KERNEL and UP_PROJ_KERNEL == "pingpong":
     return pingpong.up_proj(x, w1, _tiles(plan), plan.token_index)
   if UP_PROJ_GATHER_IN_KERNEL:
-    return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index)
+    return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index,
+                                gather_producer=GATHER_PRODUCER)
   return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan))
 
 
@@ -203,9 +216,12 @@ def dh(dout, w2, h, scores, plan):
   block_n = _dh_block_n(n)
   if _dout_gathered_in_kernel(n):
     k_steps = dout.shape[1] // grouped_gemm.BLOCK_K
-    two_ctas = block_n <= grouped_gemm.DH_TWO_CTAS_MAX_BLOCK_N
+    # (the producer warpgroup's kernel runs one CTA per SM, as many stages as fit)
+    two_ctas = block_n <= grouped_gemm.DH_TWO_CTAS_MAX_BLOCK_N and not GATHER_PRODUCER
     rows, gather = dout, dict(gather_index=plan.token_index,
                               stages=max(2, min(DH_GATHER_STAGES, k_steps)) if two_ctas else None)
+    if DH_KERNEL != "pingpong":
+      gather["gather_producer"] = GATHER_PRODUCER
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
   if DH_KERNEL == "pingpong":
@@ -230,7 +246,8 @@ def dw1(x, dh_, plan):
   block_n = _wide_tile(dh_.shape[1], 256)
   if dh_.shape[1] // block_n <= DW1_GATHER_MAX_COLUMN_TILES:
     return grouped_gemm.weight_grad(x, dh_, plan.group_offsets, plan.num_experts,
-                                    block_n=block_n, gather_index=plan.token_index)
+                                    block_n=block_n, gather_index=plan.token_index,
+                                    gather_producer=GATHER_PRODUCER)
   return grouped_gemm.weight_grad(xla_ops.gather_rows(x, plan.token_index), dh_,
                                   plan.group_offsets, plan.num_experts, block_n=block_n)
 
@@ -243,7 +260,8 @@ def dw2(a_scaled, dout, plan):
   if _dout_gathered_in_kernel(a_scaled.shape[1]):
     return grouped_gemm.weight_grad(dout, a_scaled, plan.group_offsets, plan.num_experts,
                                     block_n=_wide_tile(a_scaled.shape[1], 256),
-                                    gather_index=plan.token_index, transpose_out=True)
+                                    gather_index=plan.token_index, transpose_out=True,
+                                    gather_producer=GATHER_PRODUCER)
   return grouped_gemm.weight_grad(a_scaled, xla_ops.gather_rows(dout, plan.token_index),
                                   plan.group_offsets, plan.num_experts)
 

@@ -196,9 +196,9 @@ def test_cute_dh_past_its_offsets_falls_back_to_xla(monkeypatch):
 
 @needs_cute
 def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
-  """On GPUs "auto" runs down_proj, dh, dx_tilde, dw1 and dw2 on cute at every width, up_proj
-  where d < 4096 and the router's top-K where E >= 256 and its kernel takes k (where each
-  measured faster), pallas elsewhere and without the extra; float32 goes to xla."""
+  """On GPUs "auto" runs the six GEMM ops on cute at every width and the router's top-K where
+  E >= 256 and its kernel takes k (where each measured faster), pallas elsewhere and without
+  the extra; float32 goes to xla."""
   from sonicmoe_jax import backends, xla_ops
   # the modules as the dispatch table imports them (an earlier test may re-import ffi.ops)
   cute_ops, pallas_ops = map(importlib.import_module, ("ffi.ops", "pallas_kernels.ops"))
@@ -206,9 +206,9 @@ def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
                                                               dtype=dtype, d=d, n=n)
   for d, n in [(4096, 1024), (4096, 256), (1536, 256), (1536, 1024), (2048, 1024)]:
     ops = resolve(d, n)
-    assert ((ops.down_proj, ops.dh, ops.dx_tilde, ops.dw1, ops.dw2, ops.align)
-            == (cute_ops.down_proj, cute_ops.dh, cute_ops.dx_tilde, cute_ops.dw1, cute_ops.dw2, 128))
-    assert ops.up_proj is (cute_ops.up_proj if d < 4096 else pallas_ops.up_proj)
+    assert ((ops.up_proj, ops.down_proj, ops.dh, ops.dx_tilde, ops.dw1, ops.dw2, ops.align)
+            == (cute_ops.up_proj, cute_ops.down_proj, cute_ops.dh, cute_ops.dx_tilde, cute_ops.dw1,
+                cute_ops.dw2, 128))
     assert ops.top_k is pallas_ops.top_k   # E and k not given
   top_k = lambda E, k: backends.resolve("auto", platform="gpu", dtype=jnp.bfloat16, d=4096, n=256,
                                         num_experts=E, k=k).top_k
