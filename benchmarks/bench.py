@@ -335,11 +335,15 @@ def main(argv=None):
                  help="cute up_proj's kernel variant (default: ffi/ops.py UP_PROJ_KERNEL)")
   p.add_argument("--cute-store", choices=("grouped", "pingpong", "pingpong_tma"),
                  help="cute down_proj's and dx_tilde's kernel (default: ffi/ops.py STORE_KERNEL)")
+  p.add_argument("--cute-store-wide-min-k", type=int,
+                 help="the contraction from which down_proj and dx_tilde take the wide grouped "
+                      "kernel instead (default: ffi/ops.py STORE_WIDE_MIN_K)")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
   cute_settings = dict(DH_KERNEL=a.cute_dh, DH_BLOCK_N=a.cute_dh_block_n,
-                       UP_PROJ_KERNEL=a.cute_up_proj, STORE_KERNEL=a.cute_store)
+                       UP_PROJ_KERNEL=a.cute_up_proj, STORE_KERNEL=a.cute_store,
+                       STORE_WIDE_MIN_K=a.cute_store_wide_min_k)
   if a.cute_dout_gather:
     cute_settings["DOUT_GATHER_MAX_COLUMN_TILES"] = 0 if a.cute_dout_gather == "xla" else 1 << 30
   cute_settings = {k: v for k, v in cute_settings.items() if v is not None}
