@@ -171,14 +171,17 @@ STORE_STAGES = 3
 # other CTA's epilogue than the wider tile saves). H200 session 14 (-session14 call 10), ms at
 # 120B-n1024: dx_tilde (K 2048) 6.954 vs 7.440-7.735 pingpong_tma, down_proj (K 1024) 3.506 vs
 # 3.582-3.641.
+# And where the output is at least STORE_WIDE_MIN_N wide. Layer, kernel ms, session 14 call 13:
+# 120B-n1024 36.27 -> 33.10, olmoe (d 2048) 17.15 -> 16.69, 7B-n1024 (d 1536) 2.71 -> 2.76.
 STORE_WIDE_MIN_K = 1024
+STORE_WIDE_MIN_N = 2048
 
 
 def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int):
   """out = lhs_e rhs_e (rhs_e^T with transpose_rhs) per expert group on the STORE_KERNEL."""
   if STORE_KERNEL not in STORE_KERNELS:
     raise ValueError(f"ffi.ops.STORE_KERNEL must be one of {STORE_KERNELS}; got {STORE_KERNEL!r}")
-  if lhs.shape[1] >= STORE_WIDE_MIN_K:
+  if lhs.shape[1] >= STORE_WIDE_MIN_K and n_out >= STORE_WIDE_MIN_N:
     return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                        block_n=_wide_tile(n_out, 256))
   block_n = _wide_tile(n_out, 128)
