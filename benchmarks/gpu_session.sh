@@ -29,9 +29,8 @@
 #           sweep at 7B-n256, 30B-n256, olmoe, then the layer with it            (~6 min)
 #   per_op_wide: the per-op breakdown of the default at 120B-n1024 and 30B-n256 (after `cute`
 #           staging: source /tmp/devsite-cute/env.sh first)                              (~3 min)
-#   producer: the gathering kernels with a producer warpgroup issuing the gathers
-#           (gather_producer): their bitwise GPU tests, then the sweep beside the MMA
-#           warpgroups gathering and beside rows gathered first, at 30B-n256 and 120B-n1024 (~6 min)
+#   cute_gathers: the cute kernels gathering rows (their producer warpgroup): bitwise GPU
+#           tests, then the sweep beside rows gathered first at 30B-n256 and 120B-n1024 (~5 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
 #           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
@@ -84,17 +83,16 @@ for mode in "$@"; do
     per_op_wide)
       timeout 280 python3 -m benchmarks.kernels --backend auto --configs 120B-n1024,30B-n256 \
         --out "$OUT/kernels_auto_wide.json" 2>&1 | grep -v '^{' | tail -40 ;;
-    producer)  # after `cute` staging
+    cute_gathers)  # after `cute` staging
       timeout 200 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "with_gather_matches_pregathered" > "$OUT/pytest_producer.log" 2>&1
-      grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_producer.log" | tail -22
+        -k "with_gather_matches_pregathered" > "$OUT/pytest_cute_gathers.log" 2>&1
+      grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_cute_gathers.log" | tail -14
       timeout 100 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,120B-n1024 --stages 0 \
-        --block-n 128 --kernels up_proj,up_proj_gather,up_proj_gather_producer \
-        --out "$OUT/sweep_producer_up.json" 2>&1 | grep -v '^{' | grep -v "^config"
+        --block-n 128 --kernels up_proj,up_proj_gather \
+        --out "$OUT/sweep_gathers_up.json" 2>&1 | grep -v '^{' | grep -v "^config"
       timeout 240 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,120B-n1024 \
-        --stages 0 --block-n 256 --out "$OUT/sweep_producer.json" --kernels \
-        dh,dh_gather,dh_gather_producer,dw1,dw1_gather,dw1_gather_producer,dw2,dw2_gather,dw2_gather_producer \
-        2>&1 | grep -v '^{' | grep -v "^config" ;;
+        --stages 0 --block-n 256 --out "$OUT/sweep_gathers.json" --kernels \
+        dh,dh_gather,dw1,dw1_gather,dw2,dw2_gather 2>&1 | grep -v '^{' | grep -v "^config" ;;
     dout_gather)
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs olmoe,120B-n1024 \
         --stages 3,0 --block-n 256 --kernels dh,dh_gather,dw2,dw2_gather \

@@ -4,8 +4,9 @@ cubins CuTe DSL compiles (no GPU needed), and how many CTAs of each fit on one H
   python -m benchmarks.kernel_resources [--out FILE]
 
 Each variant (kernel, block_n, stages) is compiled in a fresh process with CUTE_DSL_KEEP=cubin;
-the cubin's .nv.info section gives the register count (EIATTR_REGCOUNT; the ping-pong kernels'
-count at launch, before setmaxnreg moves registers between their warpgroups) and the stack
+the cubin's .nv.info section gives the register count (EIATTR_REGCOUNT; the ping-pong and
+gathering kernels' count at launch, before setmaxnreg moves registers between their
+warpgroups) and the stack
 frame (EIATTR_FRAME_SIZE: non-zero means registers spilled to local memory). The kernels' shared
 memory is the pipeline's stages plus 1 KiB of barriers (grouped_gemm.smem_bytes) at the depth
 the kernel runs (grouped_gemm._pipeline_depth; the compiled shapes have K_STEPS k steps, enough
@@ -45,9 +46,6 @@ VARIANTS = [
     ("dh pingpong bn128 fit", "dh_pingpong", 128, 0), ("dh pingpong bn64 fit", "dh_pingpong", 64, 0),
     ("dh pingpong gather bn128 fit", "dh_pingpong_gather", 128, 0),
     ("up_proj pingpong bn64 fit", "up_proj_pingpong", 64, 0),
-    ("up_proj gather producer bn128 fit", "up_proj_gather_producer", 128, 0),
-    ("dh gather producer bn256 fit", "dh_gather_producer", 256, 0),
-    ("wgrad gather producer bn256 fit", "wgrad_gather_producer", 256, 0),
 ]
 
 _COMPILE = """
@@ -60,8 +58,6 @@ P = K = k_steps * g.BLOCK_K
 N, E = 512, 4
 sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
 kw = dict(block_n=bn, stages=stages)
-if kernel.endswith("_producer"):   # a gathering kernel with its producer warpgroup
-  kernel, kw["gather_producer"] = kernel.removesuffix("_producer"), True
 fn, args = {
     "matmul": (lambda a, b, t: g.grouped_matmul(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "up_proj": (lambda a, b, t: g.up_proj(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
@@ -144,9 +140,8 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
     depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store)
     return (g.smem_bytes(block_n, num_rhs, 2, depth, rows=pp.TILE_M)
             + (pp.epilogue_bytes(2) if tma_store else 0))
-  extra = g.weight_grad_stage_extra(kernel.startswith("wgrad_gather"), kernel.endswith("_producer"))
-  depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None, extra)
-  return g.smem_bytes(block_n, num_rhs, 2, depth, extra_per_stage=extra)
+  depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None)
+  return g.smem_bytes(block_n, num_rhs, 2, depth)
 
 
 def threads(kernel: str) -> int:
@@ -154,7 +149,7 @@ def threads(kernel: str) -> int:
   from ffi import grouped_gemm as g, pingpong as pp
   if "pingpong" in kernel:
     return pp.THREADS
-  return g.THREADS + (128 if kernel.endswith("_producer") else 0)
+  return g.THREADS + (128 if kernel.endswith("_gather") else 0)   # + the producer warpgroup
 
 
 def ctas_per_sm(registers: int, smem: int, threads: int) -> int:

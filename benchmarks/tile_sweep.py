@@ -88,9 +88,7 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   epilogue, up_proj_pingpong, dh_pingpong, down_proj_pingpong and dx_tilde_pingpong (_tma: with
   the TMA-store epilogue): the ping-pong kernels (ffi/pingpong.py), dh_gather
   and dh_pingpong_gather: dh gathering dO's rows in the kernel, dw1, dw1_gather: dW1 gathering X's
-  rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows; the gathering
-  grouped_gemm kernels again as *_producer, a producer warpgroup gathering (gather_producer);
-  cfg a CuteTile)."""
+  rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows; cfg a CuteTile)."""
   from ffi import grouped_gemm as cute_gemm, pingpong  # optional extra
   tiles = schedule.tile_experts(plan, cute_gemm.BLOCK_M)
   rows = _gemm_rows(
@@ -130,22 +128,17 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
       (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
   _, (_, h, offsets), dw1_flops, _ = rows["dw1"]
   _, (a, _, _), dw2_flops, _ = rows["dw2"]
-  rows["up_proj_gather_producer"] = (jax.jit(lambda c, x, w1, i, t: cute_gemm.up_proj(
-      x, w1, t, gather_index=i, gather_producer=True, **dataclasses.asdict(c)), static_argnums=0),
-      up_args, up_flops, up_n)
-  for suffix, producer in [("", False), ("_producer", True)]:
-    rows["dh_gather" + suffix] = (jax.jit(lambda c, g, w2, h, s, t, i, p=producer: cute_gemm.dh(
-        g, w2, h, s, t, gather_index=i, over_h=False, gather_producer=p, **dataclasses.asdict(c)),
-        static_argnums=0), (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
-    rows["dw1_gather" + suffix] = (jax.jit(lambda c, x, h, o, i, p=producer: cute_gemm.weight_grad(
-        x, h, o, E, gather_index=i, gather_producer=p, **dataclasses.asdict(c)), static_argnums=0),
-        (x, h, offsets, plan.token_index), dw1_flops, None)
-    # dW2 computed transposed with dO's rows gathered in the kernel (dO^T A', stored [E, n, d]
-    # by the kernel's M-major epilogue), A standing in for A' as in the dw2 row
-    rows["dw2_gather" + suffix] = (jax.jit(lambda c, g, a, o, i, p=producer: cute_gemm.weight_grad(
-        g, a, o, E, gather_index=i, transpose_out=True, gather_producer=p,
-        **dataclasses.asdict(c)), static_argnums=0), (dout, a, offsets, plan.token_index),
-        dw2_flops, None)
+  rows["dh_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(
+      g, w2, h, s, t, gather_index=i, over_h=False, **dataclasses.asdict(c)),
+      static_argnums=0), (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
+  rows["dw1_gather"] = (jax.jit(lambda c, x, h, o, i: cute_gemm.weight_grad(
+      x, h, o, E, gather_index=i, **dataclasses.asdict(c)), static_argnums=0),
+      (x, h, offsets, plan.token_index), dw1_flops, None)
+  # dW2 computed transposed with dO's rows gathered in the kernel (dO^T A', stored [E, n, d] by
+  # the kernel's M-major epilogue), A standing in for A' as in the dw2 row
+  rows["dw2_gather"] = (jax.jit(lambda c, g, a, o, i: cute_gemm.weight_grad(
+      g, a, o, E, gather_index=i, transpose_out=True, **dataclasses.asdict(c)),
+      static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
   return rows
 
 

@@ -7,26 +7,27 @@ plan aligned to BLOCK_M rows per expert (every M tile has one expert; tiles past
 marked tile_expert >= E, store zeros). lhs [P, K] rows in slot order, rhs [E, K, N], out [P, N].
 The same kernel computes the varlen-K weight gradients (weight_grad: out[e] = lhs_e^T rhs_e over
 expert e's rows, one grid plane per expert, lhs read M-major and rhs N-major by TMA; or lhs's
-rows gathered in the kernel, _gather_k_step, each warpgroup copying its 64 columns of the
-stage's 64 gathered rows, whose indices it reads from its own SMEM ring filled by cp.async
-stages - 1 k steps ahead, _copy_k_indices; out [E, M, N], or with transpose_out [E, N, M]
-stored by the same epilogue M-major).
+rows gathered in the kernel, _gather_k_step, the producer copying both MMA warpgroups' 64
+columns of the stage's 64 gathered rows; out [E, M, N], or with transpose_out [E, N, M] stored
+by the same epilogue M-major).
 
 Tiling (one CTA per BLOCK_M x block_n output tile, grid (N / block_n, P / BLOCK_M): an M tile's
 column tiles run next to each other, so its lhs rows are read from HBM once and then from L2):
-  warps    : WARPGROUPS consumer warpgroups, each owning BLOCK_M / WARPGROUPS rows of the tile;
-             warp 0 also issues the TMA loads (not warp-specialized)
+  warps    : WARPGROUPS MMA warpgroups, each owning BLOCK_M / WARPGROUPS rows of the tile;
+             their warp 0 also issues the TMA loads (not warp-specialized), but in the
+             gathering kernels, where a producer warpgroup loads (below)
   mainloop : lhs[m, kk] (K-major) and rhs_e[kk, n] (N- or K-major) tiles of BLOCK_K by TMA
              through a `stages`-deep mbarrier pipeline; one k step's wgmmas stay in flight
              while the next step's are issued, and a stage is refilled once its wgmmas are done
-  gather   : up_proj or dh with gather_index: lhs is X (or dO) and A's stages leave
-             the TMA pipeline; each warpgroup cp.async-copies its own rows of step kk + stages
-             - 1 into the stage step kk - 1 read, once that step's wgmmas are done
-             (_gather_step), then waits, fences (async proxy) and syncs before its wgmmas.
-             Or (gather_producer) a third warpgroup, warpgroup 0, is a producer: it copies
-             every stage's rows for both MMA warpgroups and TMA-loads the rhs tiles, the
-             copies completing on the stage's mbarrier (_produce_gathered), and the MMA
-             warpgroups wait for full stages and fence like a TMA pipeline's consumers
+  gather   : with gather_index (up_proj, dh, weight_grad) lhs is X (or dO) and A's stages are
+             filled by 16-byte cp.async copies of the rows it names: a third warpgroup,
+             warpgroup 0, is the producer (its registers lowered by setmaxnreg, the MMA
+             warpgroups' raised): it copies every stage's rows for both MMA warpgroups and
+             TMA-loads the rhs tiles, the copies completing on the stage's mbarrier
+             (_produce_gathered), and the MMA warpgroups wait for full stages and fence (the
+             copies are generic-proxy writes) before their wgmmas. (The MMA warpgroups
+             issuing the copies between their wgmmas themselves measured 1.1-1.25x slower on
+             the H200: session 14.)
   epilogue : _epilogue_values gives the output tiles' values (out = acc; or SwiGLU's H gate,
              H up and A from two accumulators: W1's gate columns c and up columns n + c,
              loaded as two rhs tiles per stage); _tma_store_epilogue writes them through SMEM
@@ -63,9 +64,9 @@ EPI_STAGES = 2              # its buffers (they reuse A's pipeline stages, at le
 MAX_GRID_Y = 65535          # CUDA's limit on the grid's second dimension (the M tiles)
 MAX_REGISTER_ADDRESSED = 2**31 - 1   # elements of an operand read or written by 32-bit offsets
 ROW_MODES = (1, 2, 0)       # how the kernel sees a [1, P, C] operand: (P, C, 1)
-EPILOGUE_BARRIER = 3        # named barrier ids 1, 2: the gather's per-warpgroup syncs
-# dH's tiles up to this wide can run two CTAs per SM (3 stages, at most 128 registers); wider
-# ones run one whatever their stages and registers.
+EPILOGUE_BARRIER = 3        # named barrier id of the MMA warpgroups' epilogue syncs
+# dH's tiles up to this wide can run two CTAs per SM (reading dOg in slot order, 3 stages, at
+# most 128 registers); wider ones run one whatever their stages and registers.
 DH_TWO_CTAS_MAX_BLOCK_N = 128
 # dH's epilogue: H's column groups loaded this many groups ahead of their math. Wide tiles take
 # 8 (block_n 256: 174 -> 210 registers); two-CTA ones 2, where 8 took block_n 128 from 112 to
@@ -78,11 +79,7 @@ GATHER_ROWS_PER_THREAD = (BLOCK_M // WARPGROUPS) * GATHER_CHUNKS // 128
 # thread's (row, chunk) copies per k step
 K_CHUNKS_PER_WG = BLOCK_M // WARPGROUPS // 8
 K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128
-# ... and the source rows of its k steps, a ring of `stages` slots per warpgroup in SMEM filled
-# by cp.async (16 bytes: 4 indices per copy) stages - 1 steps ahead of their gathers
-K_INDEX_CHUNK = 4
-K_INDEX_BYTES_PER_STAGE = WARPGROUPS * BLOCK_K * 4
-# gather_producer: a third warpgroup (warpgroup 0) loads every stage; a stage's full barrier
+# gathering, a third warpgroup (warpgroup 0) loads every stage; a stage's full barrier
 # completes on the TMA bytes and PRODUCER_ARRIVALS arrivals (the TMA warp's, then two per
 # producer thread: its cp.async copies landed, its padding rows' plain stores released)
 PRODUCER_ARRIVALS = 1 + 2 * 128
@@ -90,54 +87,31 @@ PRODUCER_ARRIVALS = 1 + 2 * 128
 PRODUCER_REGISTERS, MMA_REGISTERS = 56, 224
 
 
-def weight_grad_stage_extra(gathered: bool, gather_producer: bool = False) -> int:
-  """SMEM bytes per pipeline stage beside the operand tiles in the weight gradient's kernel:
-  the index ring's slots when its MMA warpgroups gather its rows (smem_bytes'
-  extra_per_stage; a producer warpgroup reads the indices into registers)."""
-  return K_INDEX_BYTES_PER_STAGE if gathered and not gather_producer else 0
-
-
-def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int = BLOCK_M,
-               extra_per_stage: int = 0) -> int:
-  """A CTA's SMEM: `stages` pipeline stages (a `rows`-row lhs tile, num_rhs rhs tiles and
-  extra_per_stage other bytes each: the gathered weight gradient's index ring) and 1 KiB for
-  the barriers (the epilogue's buffers reuse the lhs stages)."""
-  per_stage = (rows + num_rhs * block_n) * BLOCK_K * itemsize + extra_per_stage
+def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int = BLOCK_M) -> int:
+  """A CTA's SMEM: `stages` pipeline stages (a `rows`-row lhs tile and num_rhs rhs tiles each)
+  and 1 KiB for the barriers (the epilogue's buffers reuse the lhs stages)."""
+  per_stage = (rows + num_rhs * block_n) * BLOCK_K * itemsize
   return stages * per_stage + BARRIER_BYTES
 
 
 def _stages_that_fit(block_n: int, num_rhs: int, itemsize: int, rows: int = BLOCK_M,
-                     reserved: int = 0, extra_per_stage: int = 0) -> int:
+                     reserved: int = 0) -> int:
   """How many pipeline stages fit in SMEM (smem_bytes) beside `reserved` other bytes."""
-  per_stage = smem_bytes(block_n, num_rhs, itemsize, 1, rows, extra_per_stage) - BARRIER_BYTES
+  per_stage = smem_bytes(block_n, num_rhs, itemsize, 1, rows) - BARRIER_BYTES
   return (SMEM_BYTES - BARRIER_BYTES - reserved) // per_stage
 
 
-def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, stages,
-                    extra_per_stage: int = 0) -> int:
+def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, stages) -> int:
   """The stages a kernel runs: `stages` if given (fewer leave SMEM for a second CTA per SM),
   else as many as fit, at most 8 and at most the k steps (at least 2). Raises ValueError,
   naming the limit, if the given ones do not fit."""
-  fit = _stages_that_fit(block_n, num_rhs, itemsize, extra_per_stage=extra_per_stage)
+  fit = _stages_that_fit(block_n, num_rhs, itemsize)
   if stages is None:
     return max(2, min(8, fit, k_steps))
   if not 2 <= stages <= fit:
     raise ValueError(f"stages={stages} must be between 2 and {fit} (what fits in SMEM at "
                      f"block_n={block_n})")
   return stages
-
-
-def _gather_config(op: str, gather_index, gather_producer: bool) -> dict:
-  """The gathering kernels' option: gather_producer, a producer warpgroup gathers A's rows (and
-  TMA-loads the rhs tiles) while the two MMA warpgroups only wait for full stages, instead of
-  the MMA warpgroups issuing the copies between their wgmmas. Raises ValueError without
-  gather_index; {} for the default, which the kernels' FFI targets leave out."""
-  if not gather_producer:
-    return {}
-  if gather_index is None:
-    raise ValueError(f"cute {op}: gather_producer=True needs gather_index (the gathering "
-                     "kernels' option)")
-  return dict(gather_producer=True)
 
 
 def tma_operand(atom, smem, gmem):
@@ -356,11 +330,11 @@ def _gather_tokens(gather_index, m_tile, tidx):
 
 @cute.jit
 def _gather_step(x, tokens, a_stage, k0, tidx):
-  """This thread's share of its warpgroup's BLOCK_M / WARPGROUPS rows of one k step:
+  """Thread tidx's share of its warpgroup's BLOCK_M / WARPGROUPS rows of one k step (a
+  producer thread acts as each MMA warpgroup's thread in turn):
   a_stage[r, k0 : k0 + BLOCK_K] = x[token of row r, ...] in 16-byte cp.async chunks
   (GATHER_CHUNKS per row, one per thread of a group of them; tokens from _gather_tokens); rows
-  of indices outside x (padding slots) are written as zeros. Committed by the caller as one
-  cp.async group."""
+  of indices outside x (padding slots) are written as zeros."""
   chunk = tidx % 128 % GATHER_CHUNKS
   for j in cutlass.range_constexpr(GATHER_ROWS_PER_THREAD):
     _copy_row_chunk(x, tokens[j], k0 // 8 + chunk,
@@ -375,23 +349,10 @@ def _gather_k_slot(tidx, j: int):
 
 
 @cute.jit
-def _copy_k_indices(gather_index, ring, step, k_begin, tidx, stages: cutlass.Constexpr):
-  """This warpgroup's ring slot of k step `step` = its BLOCK_K source rows, gather_index[(k_begin
-  + step) * BLOCK_K ...], by 16-byte cp.async copies of K_INDEX_CHUNK indices from the
-  warpgroup's first BLOCK_K / K_INDEX_CHUNK threads (in the caller's cp.async group)."""
-  t = tidx % 128
-  if t < BLOCK_K // K_INDEX_CHUNK:
-    atom = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Int32, num_bits_per_copy=128)
-    chunk = (k_begin + step) * (BLOCK_K // K_INDEX_CHUNK) + t
-    cute.copy(atom, cute.local_tile(gather_index, (K_INDEX_CHUNK,), (chunk,)),
-              cute.local_tile(ring[None, step % stages], (K_INDEX_CHUNK,), (t,)))
-
-
-@cute.jit
 def _k_step_tokens(rows, tidx):
   """The source rows of thread tidx's K_GATHERS_PER_THREAD copies of one k step, into
   registers: rows[r] for each copy's row r of the step (rows: the step's BLOCK_K indices, its
-  slot of an SMEM index ring or its slice of gather_index)."""
+  slice of gather_index)."""
   tokens = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
   for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
     tokens[j] = rows[_gather_k_slot(tidx, j)[0]]
@@ -403,8 +364,7 @@ def _gather_k_step(x, tokens, a_stage, col0, tidx):
   """The weight gradient's A stage (M-major: BLOCK_M columns of X by BLOCK_K gathered rows, the
   rows being the contraction): a_stage[c, r] = x[row r's token, col0 + c], each warpgroup
   filling the BLOCK_M / WARPGROUPS columns its wgmmas read, in 16-byte cp.async chunks of 8
-  columns (tokens: _k_step_tokens); rows of indices outside x are zeros. Committed by the
-  caller as one cp.async group, or arriving on the stage's barrier."""
+  columns (tokens: _k_step_tokens); rows of indices outside x are zeros."""
   for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
     r, chunk = _gather_k_slot(tidx, j)
     _copy_row_chunk(x, tokens[j], col0 // 8 + chunk,
@@ -412,28 +372,9 @@ def _gather_k_step(x, tokens, a_stage, col0, tidx):
 
 
 @cute.jit
-def _gather_into_stage(x, gather_index, tokens, s_a, step, num_k, m_tile, k_begin, tidx,
-                       stages: cutlass.Constexpr, lookahead: cutlass.Constexpr,
-                       kind: cutlass.Constexpr):
-  """A's stage for k step `step` by this thread's cp.async copies: rows of the M tile (its
-  tokens from _gather_tokens; _gather_step), or for the weight gradient rows of the
-  contraction (_gather_k_step; `tokens` is then the warpgroup's SMEM index ring, and the copies
-  also fill the ring's slot for step + lookahead (the gathers' lead), which an earlier step
-  read: the caller syncs the warpgroup between the two)."""
-  stage = s_a[None, None, step % stages]
-  if cutlass.const_expr(kind == "wgrad"):
-    _gather_k_step(x, _k_step_tokens(tokens[None, step % stages], tidx), stage,
-                   m_tile * BLOCK_M, tidx)
-    if step + lookahead < num_k:
-      _copy_k_indices(gather_index, tokens, step + lookahead, k_begin, tidx, stages)
-  else:
-    _gather_step(x, tokens, stage, step * BLOCK_K, tidx)
-
-
-@cute.jit
 def _produce_gathered(loads, rhs_operands, x, gather_index, s_a, num_k, m_tile, k_begin, ptid,
                       stages: cutlass.Constexpr, kind: cutlass.Constexpr):
-  """gather_producer's warpgroup (thread ptid of 128): fills the `stages`-deep ring with every
+  """The gathering kernels' producer warpgroup (thread ptid of 128): fills the `stages`-deep ring with every
   k step's tiles. Per step it waits until the MMA warpgroups released the stage; warp 0 sets
   the full barrier's expected TMA bytes and TMA-loads the rhs tiles (the whole warp: the
   arrive and the copies elect one lane); every thread cp.async-copies its share of A's
@@ -480,13 +421,11 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
-            out_m_major: cutlass.Constexpr, gather_producer: cutlass.Constexpr):
+            out_m_major: cutlass.Constexpr):
   swiglu = kind == "swiglu"
-  mma_gathers = gather and not gather_producer   # the MMA warpgroups copy A's rows themselves
-  lookahead = stages - 1   # k steps they gather ahead of the one computed
-  # with gather_producer warpgroup 0 loads (_produce_gathered) and warpgroups 1, 2 compute:
-  # their threads' and warps' indices in the MMA warpgroups (else those are the CTA's)
-  first_mma_warp = 4 if gather_producer else 0
+  # gathering, warpgroup 0 loads (_produce_gathered) and warpgroups 1, 2 compute: their
+  # threads' and warps' indices in the MMA warpgroups (else those are the CTA's)
+  first_mma_warp = 4 if gather else 0
   tidx, _, _ = cute.arch.thread_idx()
   n_tile, m_tile, z_tile = cute.arch.block_idx()
   num_n_tiles = cute.arch.grid_dim()[0]
@@ -526,10 +465,10 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
           for buf in ([storage.s_b, storage.s_b2] if cutlass.const_expr(swiglu) else [storage.s_b])]
   loads = pipeline.PipelineTmaAsync.create(
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
-      # a full barrier completes on the TMA bytes and, with gather_producer, every producer
-      # thread's copies (PRODUCER_ARRIVALS)
+      # a full barrier completes on the TMA bytes and, gathering, every producer thread's
+      # copies (PRODUCER_ARRIVALS)
       producer_group=pipeline.CooperativeGroup(
-          pipeline.Agent.Thread, PRODUCER_ARRIVALS if gather_producer else 1),
+          pipeline.Agent.Thread, PRODUCER_ARRIVALS if gather else 1),
       consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
       tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
 
@@ -538,14 +477,14 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     operands = [tma_operand(tma_a, s_a, g_a)] + operands
   cute.arch.sync_threads()   # barriers initialised before anyone waits on them
 
-  if warp < first_mma_warp:   # the producer warpgroup (none without gather_producer)
-    if cutlass.const_expr(gather_producer):
+  if warp < first_mma_warp:   # the producer warpgroup (gathering kernels only)
+    if cutlass.const_expr(gather):
       cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
       _produce_gathered(loads, operands, m_a, gather_index, s_a, num_k, m_tile, k_begin, tidx,
                         stages, kind)
   else:   # the MMA warpgroups: mainloop, then the epilogue (in this branch: ptxas gives them
           # the registers setmaxnreg raised)
-    if cutlass.const_expr(gather_producer):
+    if cutlass.const_expr(gather):
       cute.arch.setmaxregister_increase(MMA_REGISTERS)
     mma_tidx = tidx - 32 * first_mma_warp
     leader = warp == first_mma_warp   # their first warp (TMA loads without a producer; stores)
@@ -563,56 +502,23 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
 
-    if cutlass.const_expr(not gather_producer):
+    if cutlass.const_expr(not gather):   # without a producer, the first stages' TMA loads
       if leader:
         for _ in cutlass.range(cutlass.min(stages, num_k), unroll=1):
           load_stage(loads, produce, operands, k_begin + produce.count)
           produce.advance()
-    tokens = None   # the gathers' source rows: this thread's, or the warpgroup's index ring
-    wg_barrier = 1 + mma_tidx // 128   # named barrier ids 1, 2: one warpgroup's threads
-    if cutlass.const_expr(mma_gathers and kind != "wgrad"):   # the same for every k step
-      tokens = _gather_tokens(gather_index, m_tile, mma_tidx)
-    if cutlass.const_expr(mma_gathers and kind == "wgrad"):   # the first `lookahead` steps' rows
-      tokens = storage.s_idx.get_tensor(cute.make_layout((BLOCK_K, stages, WARPGROUPS)))[
-          None, None, mma_tidx // 128]
-      for step in cutlass.range_constexpr(lookahead):
-        if step < num_k:
-          _copy_k_indices(gather_index, tokens, step, k_begin, mma_tidx, stages)
-      cute.arch.cp_async_commit_group()
-      cute.arch.cp_async_wait_group(0)
-      cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=128)
-    if cutlass.const_expr(mma_gathers):   # A's first `lookahead` steps, one cp.async group each
-      for step in cutlass.range_constexpr(lookahead):
-        if cutlass.const_expr(kind == "wgrad" and step > 0):   # earlier steps' ring slots read
-          cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=128)
-        if step < num_k:
-          _gather_into_stage(m_a, gather_index, tokens, s_a, step, num_k, m_tile, k_begin,
-                             mma_tidx, stages, lookahead, kind)
-        cute.arch.cp_async_commit_group()
 
     for kk in cutlass.range(num_k, unroll=1):
       loads.consumer_wait(consume)
-      if cutlass.const_expr(gather_producer):   # the gathered rows are generic-proxy writes
+      if cutlass.const_expr(gather):   # the gathered rows are generic-proxy writes
         cute.arch.fence_proxy("async.shared", space="cta")
-      if cutlass.const_expr(mma_gathers):
-        # of the lookahead + kk groups committed, step kk's (the kk + 1-th) has landed; make
-        # the warpgroup's copies visible to its wgmmas (async proxy)
-        cute.arch.cp_async_wait_group(lookahead - 1)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=128)
       issue_k_step(tiled_mma, accs, frag_a, frag_bs, consume.index)
       consume.advance()
       warpgroup.wait_group(1)   # step kk - 1's wgmmas are done, so its stage is free
-      if cutlass.const_expr(mma_gathers):   # step kk + lookahead into the stage step kk - 1 read
-        ahead = kk + lookahead
-        if ahead < num_k:
-          _gather_into_stage(m_a, gather_index, tokens, s_a, ahead, num_k, m_tile, k_begin,
-                             mma_tidx, stages, lookahead, kind)
-        cute.arch.cp_async_commit_group()
       if kk > 0:
         loads.consumer_release(release)
         release.advance()
-        if cutlass.const_expr(not gather_producer):
+        if cutlass.const_expr(not gather):
           if leader and produce.count < num_k:
             load_stage(loads, produce, operands, k_begin + produce.count)
             produce.advance()
@@ -662,11 +568,10 @@ def _up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor, 
 @cute.jit
 def _gathered_up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor,
                       gather_index: cute.Tensor, h: cute.Tensor, a: cute.Tensor,
-                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                      gather_producer: cutlass.Constexpr = False):
+                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
   """_up_proj with x (T, d, 1) the source rows and slot r reading x[gather_index[r]]."""
   _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True,
-          False, gather_producer)
+          False)
 
 
 @cute.jit
@@ -683,11 +588,10 @@ def _dh(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor, 
 def _gathered_dh(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor,
                  gather_index: cute.Tensor, h: cute.Tensor, scores: cute.Tensor, dh: cute.Tensor,
                  a_scaled: cute.Tensor, ds_parts: cute.Tensor, block_n: cutlass.Constexpr,
-                 stages: cutlass.Constexpr, register_store: cutlass.Constexpr,
-                 gather_producer: cutlass.Constexpr = False):
+                 stages: cutlass.Constexpr, register_store: cutlass.Constexpr):
   """_dh with dout (T, d, 1) the source rows and slot r reading dout[gather_index[r]]."""
   _launch(stream, dout, w2, tile_expert, gather_index, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", True, register_store, gather_producer)
+          block_n, stages, "dh", True, register_store)
 
 
 @cute.jit
@@ -701,28 +605,26 @@ def _weight_grad(stream, lhs: cute.Tensor, rhs: cute.Tensor, group_offsets: cute
 @cute.jit
 def _gathered_weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.Tensor,
                           gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-                          stages: cutlass.Constexpr, gather_producer: cutlass.Constexpr = False):
+                          stages: cutlass.Constexpr):
   """_weight_grad with x (T, M, 1) the source rows and slot r reading x[gather_index[r]]."""
   _launch(stream, x, rhs, group_offsets, gather_index, out, out, None, block_n, stages, "wgrad",
-          True, False, gather_producer)
+          True, False)
 
 
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
-            gather_producer: cutlass.Constexpr = False):
+            gather: cutlass.Constexpr, register_store: cutlass.Constexpr):
   """The grid over (output column tiles, M tiles[, experts]) and the kernel's static
   configuration. kind: "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs
   W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
   parts)); for those two the grid covers n's columns; or "wgrad" (lhs (M, P, 1) M-major, rhs
   (N, P, 1), out (M, N, E) N- or M-major: out[e] = lhs_e rhs_e^T over expert e's rows,
   tile_expert holding group_offsets). With gather lhs is the source of the rows gather_index
-  names (A's stages not in the TMA pipeline). register_store (dh only): each thread stores its
-  fragments from registers instead of the TMA-store epilogue. gather_producer (with gather): a
-  third warpgroup gathers A's rows and loads the rhs tiles (_produce_gathered) instead of the
-  MMA warpgroups issuing them between their wgmmas."""
+  names (A's stages filled by a third, producer warpgroup: _produce_gathered). register_store
+  (dh only): each thread stores its fragments from registers instead of the TMA-store
+  epilogue."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
   num_rhs = 2 if swiglu else 1
@@ -769,29 +671,19 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
     s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
     s_b2: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
 
-  @cute.struct
-  class GatheredWgradSharedStorage:   # with each warpgroup's ring of k steps' source rows
-    barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
-    s_a: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(a_smem_staged)], 1024]
-    s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
-    s_idx: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, K_INDEX_BYTES_PER_STAGE // 4 * stages], 16]
-
   stage_bytes = num_rhs * cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
   if cutlass.const_expr(not gather):   # TMA brings A's tile too
     stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
   num_n_tiles = cute.size(out, mode=[1]) // ((1 if kind in ("store", "wgrad") else 2) * block_n)
   num_z = cute.size(out, mode=[2]) if kind == "wgrad" else 1   # wgrad: one per expert
-  storage = (SwigluSharedStorage if swiglu else
-             GatheredWgradSharedStorage if gather and kind == "wgrad" and not gather_producer
-             else SharedStorage)
+  storage = SwigluSharedStorage if swiglu else SharedStorage
   _kernel(tma_a, lhs if gather else m_a, tma_b, m_b, out, out2, tma_out, m_out_tma, tma_out2,
           m_out2_tma, m_h, m_scores, m_ds, tile_expert, gather_index, tiled_mma, a_smem_staged,
           b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage, block_n, stages,
-          stage_bytes, kind, gather, register_store, out_layout.is_m_major_c(),
-          gather_producer).launch(
+          stage_bytes, kind, gather, register_store, out_layout.is_m_major_c()).launch(
               grid=(num_n_tiles, num_m_tiles, num_z),
-              block=(THREADS + (128 if gather_producer else 0), 1, 1), stream=stream)
+              block=(THREADS + (128 if gather else 0), 1, 1), stream=stream)
 
 
 def _dtype_unsupported(lhs, rhs):
@@ -860,12 +752,12 @@ def rows_read(rows, gather_index):
 
 
 def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
-            stages: int | None = None, gather_producer: bool = False):
+            stages: int | None = None):
   """H = Xg W1_e (gate and up halves) and A = silu(gate) * up per M tile: xg [P, d] rows in
   slot order, w1 [E, d, 2n]; returns H [P, 2n], A [P, n] (the SwiGLU epilogue). With
   gather_index [P], xg is X [T, d] and slot r reads X[gather_index[r]] (zeros where it is T or
-  more), gathered inside the kernel by cp.async. stages: as grouped_matmul's. gather_producer
-  (gathering): _gather_config."""
+  more), gathered inside the kernel by cp.async (by a producer warpgroup). stages: as
+  grouped_matmul's."""
   n = w1.shape[2] // 2
   reason = unsupported(rows_read(xg, gather_index),
                        jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n)
@@ -873,8 +765,7 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
     raise ValueError(f"cute up_proj: {reason}")
   stages = _pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)
   return up_proj_call((_up_proj, _gathered_up_proj), xg, w1, tile_expert, gather_index,
-                      block_n=block_n, stages=stages,
-                      **_gather_config("up_proj", gather_index, gather_producer))
+                      block_n=block_n, stages=stages)
 
 
 def up_proj_call(kernels, xg, w1, tile_expert, gather_index, **config):
@@ -910,8 +801,7 @@ def dh_unsupported(dout_g, w2, h, scores, block_n: int):
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None,
-       tma_store: bool = False, gather_index=None, over_h: bool = True,
-       gather_producer: bool = False):
+       tma_store: bool = False, gather_index=None, over_h: bool = True):
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
@@ -919,15 +809,13 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   stored straight from registers, or with tma_store through SMEM by TMA stores (bitwise the
   same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
-  by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call).
-  gather_producer (gathering): _gather_config."""
+  by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call)."""
   reason = dh_unsupported(rows_read(dout_g, gather_index), w2, h, scores, block_n)
   if reason:
     raise ValueError(f"cute dh: {reason}")
   stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, dout_g.shape[1] // BLOCK_K, stages)
   return dh_call((_dh, _gathered_dh), dout_g, w2, h, scores, tile_expert, gather_index,
-                 over_h, block_n=block_n, stages=stages, register_store=not tma_store,
-                 **_gather_config("dh", gather_index, gather_producer))
+                 over_h, block_n=block_n, stages=stages, register_store=not tma_store)
 
 
 def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: bool, *,
@@ -971,8 +859,7 @@ def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n):
 
 
 def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
-                stages: int | None = None, gather_index=None, transpose_out: bool = False,
-                gather_producer: bool = False):
+                stages: int | None = None, gather_index=None, transpose_out: bool = False):
   """out[e] = lhs[rows of e]^T rhs[rows of e] ([E, M, N] in lhs's dtype, fp32 accumulation):
   lhs [P, M] and rhs [P, N] rows in slot order, expert e's rows group_offsets[e] ..
   group_offsets[e + 1] (multiples of BLOCK_M, an aligned plan; an expert without rows gets
@@ -980,14 +867,13 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   is X [T, M] and slot r reads X[gather_index[r]] (zeros where it is T or more), gathered inside
   the kernel by cp.async (bitwise equal to gathering first; H200 timings in ops.dw1). With
   transpose_out the kernel stores out[e]^T: [E, N, M] (its epilogue writes M-major tiles; no
-  separate transpose). gather_producer (gathering): _gather_config."""
+  separate transpose)."""
   slots = rows_read(lhs, gather_index)   # the rows the GEMM reads
   P, M = slots.shape
   reason = _weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
   if reason:
     raise ValueError(f"cute weight_grad: {reason}")
-  stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, P // BLOCK_K, stages,
-                           weight_grad_stage_extra(gather_index is not None, gather_producer))
+  stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, P // BLOCK_K, stages)
   rows_last = (2, 1, 0)   # [1, P, C] -> (C, P, 1): C contiguous
   if gather_index is None:
     fn, lhs_mode, index = _weight_grad, rows_last, ()
@@ -1000,6 +886,5 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
       fn, [lhs[None], rhs[None], group_offsets.astype(jnp.int32), *index],
       [jax.ShapeDtypeStruct(out_shape, lhs.dtype)],
       modes=[lhs_mode, rows_last, None, *[None] * len(index), out_mode],
-      block_n=block_n, stages=stages,
-      **_gather_config("weight_grad", gather_index, gather_producer))
+      block_n=block_n, stages=stages)
   return out

@@ -1,13 +1,13 @@
 """Backend "cute": the ops written as CuTe DSL kernels: the router's top-K (topk.py),
 aggregation (gather_sum.py) and the grouped GEMMs (grouped_gemm.py) up_proj
-(SwiGLU epilogue; X's rows gathered in the kernel by cp.async, UP_PROJ_GATHER_IN_KERNEL),
-down_proj, dh (the dSwiGLU epilogue), dx_tilde and the varlen-K weight gradients dw1 (X's rows
-gathered in the kernel where its output is narrow, DW1_GATHER_MAX_COLUMN_TILES) and dw2 (dO's
-rows for dh and dw2 gathered by both kernels where dH is narrow, DOUT_GATHER_MAX_COLUMN_TILES,
-else by XLA); all match float32 references (top_k: jax.lax.top_k) and the xla backend on an
-H200 (tests/test_cute.py). Speed against the pallas backend:
-benchmarks/results/2026-11-30-h200-session8, -session9, -session11 and -session12; the shapes
-where each of the GEMMs is the GPU default: sonicmoe_jax/backends.py.
+(SwiGLU epilogue; X's rows gathered in the kernel, UP_PROJ_GATHER_IN_KERNEL), down_proj, dh (the
+dSwiGLU epilogue), dx_tilde and the varlen-K weight gradients dw1 (X's rows gathered in the
+kernel up to DW1_GATHER_MAX_COLUMN_TILES column tiles) and dw2 (dO's rows for dh and dw2
+gathered by both kernels up to DOUT_GATHER_MAX_COLUMN_TILES of dH, else once by XLA); the
+gathering kernels' copies are issued by a producer warpgroup. All match float32 references
+(top_k: jax.lax.top_k) and the xla backend on an H200 (tests/test_cute.py). Speed against the
+pallas backend: benchmarks/results/2026-11-30-h200-session8 to -session14; the shapes where each
+of the GEMMs is the GPU default: sonicmoe_jax/backends.py.
 
 Implements every op of the dispatch table; mix it with others, e.g.
 backend={"aggregate": "cute"} (other ops default). The GEMMs need the plan aligned to
@@ -34,14 +34,6 @@ from pallas_kernels import schedule
 from sonicmoe_jax import xla_ops
 
 ALIGN = grouped_gemm.BLOCK_M
-# The gathering kernels (up_proj, dh, dw1, dw2 where they gather) issue their row copies from a
-# producer warpgroup (grouped_gemm's gather_producer) instead of their MMA warpgroups. H200
-# session 14 (-session14 call 6), kernel ms, MMA warpgroups gathering -> producer (rows gathered
-# first, without XLA's gather): 30B-n256 up_proj 3.891 -> 3.518 (3.398), dw1 3.918 -> 3.691
-# (3.186), dh 2.439 -> 2.453 (2.421), dw2 1.926 -> 2.020 (1.794); 120B-n1024 up_proj 8.190 ->
-# 6.595 (7.199), dw1 8.061 -> 7.439 (6.723 + 1.21 for XLA's gather of X), dh 4.895 -> 4.686
-# (4.556), dw2 3.851 -> 3.573 (3.246; dh and dw2 share one XLA gather of dO, 1.2 ms).
-GATHER_PRODUCER = True
 # The up-projection gathers X's rows itself (bitwise equal to gathering first, H200 session 6)
 UP_PROJ_GATHER_IN_KERNEL = True
 # Its kernel when gathering: "grouped" (grouped_gemm.up_proj, the MMA warpgroups issuing the
@@ -51,10 +43,11 @@ UP_PROJ_KERNEL = "grouped"
 UP_PROJ_KERNELS = ("grouped", "pingpong")
 # dW1 gathers X's rows itself (bitwise equal to gathering first) where its output has at most
 # this many column tiles (each re-gathers the rows). H200 session 8, forward+backward ms with
-# dh, dx_tilde, dw1 on cute, the MMA warpgroups gathering: 30B-n256 (2 tiles) 23.13 gathering
-# in the kernel vs 23.97 after XLA's gather (and 7.0 vs 11.4 GB of step memory); 120B-n1024 (8
-# tiles) 37.57 vs 36.33. With the producer warpgroup gathering (GATHER_PRODUCER, session 14),
-# 8 tiles win too: dW1 alone at 120B-n1024 7.44 ms vs 6.72 + 1.21 for XLA's gather.
+# dh, dx_tilde, dw1 on cute, the MMA warpgroups gathering (since replaced): 30B-n256 (2 tiles)
+# 23.13 gathering in the kernel vs 23.97 after XLA's gather (and 7.0 vs 11.4 GB of step
+# memory); 120B-n1024 (8 tiles) 37.57 vs 36.33. With a producer warpgroup gathering (session
+# 14, call 6) 8 tiles win too: dW1 alone at 120B-n1024 7.44 ms vs 6.72 + 1.21 for XLA's gather
+# (the MMA warpgroups gathering: 8.06; at 30B-n256 3.69 vs their 3.92).
 DW1_GATHER_MAX_COLUMN_TILES = 8
 # dO's rows for dh and dw2: gathered by both kernels themselves (dW2 then computed transposed:
 # dW2_e^T = dO_e^T A'_e) where dH has at most this many column tiles (each re-gathers the
@@ -62,9 +55,9 @@ DW1_GATHER_MAX_COLUMN_TILES = 8
 # backward ms with dh, dx_tilde, dw1, dw2 on cute, XLA's gather -> the kernels': 7B-n256 (2
 # tiles) 3.64 -> 3.50, 30B-n256 (2) 22.60 -> 21.17; 7B-n1024 (8) 3.08 -> 3.20, 120B-n1024 (8)
 # 35.91 -> 37.33, olmoe (8) 18.20 -> 18.71 (step memory 9.3 -> 6.6 and 5.7 -> 3.5 GB there),
-# the MMA warpgroups gathering (block_n 128). Session 14, the producer warpgroup gathering
-# (GATHER_PRODUCER) at block_n 256 (4 tiles at n = 1024): dh + dw2 alone at 120B-n1024 8.26
-# ms against 9.00 for XLA's shared gather and the two on its copy.
+# the MMA warpgroups gathering (block_n 128). Session 14, a producer warpgroup gathering, at
+# block_n 256 (4 tiles at n = 1024): dh + dw2 alone at 120B-n1024 8.26 ms against 9.00 for
+# XLA's shared gather and the two on its copy (the MMA warpgroups gathering: 8.75).
 DOUT_GATHER_MAX_COLUMN_TILES = 8
 # The dH kernel's variant: "registers" (grouped_gemm.dh storing dH and A' from registers),
 # "tma_store" (the same through SMEM and TMA stores: 2.56 vs 2.69 ms at 30B-n256 in session
@@ -74,13 +67,6 @@ DOUT_GATHER_MAX_COLUMN_TILES = 8
 # 3.02, one sweep each: not enough to switch).
 DH_KERNEL = "registers"
 DH_KERNELS = ("registers", "tma_store", "pingpong")
-# Pipeline stages of dH's kernel when it gathers dO's rows on tiles that fit two CTAs per SM
-# (grouped_gemm.DH_TWO_CTAS_MAX_BLOCK_N); wider tiles take as many as fit. Session 10's sweep at
-# 30B-n256, block_n 128: 3.016 ms with 3 stages (two CTAs on an SM), 3.454 with as many as fit
-# (one CTA); block_n 64: 3.330 vs 4.376. block_n 256 (one CTA either way; session 12): 2.600 ms
-# as many as fit vs 2.993 with 3 at 30B-n256, 0.802 vs 0.737 at 7B-n256. Reading dOg in slot
-# order, as many as fit win (2.752 vs 3.083), so that case keeps them.
-DH_GATHER_STAGES = 3
 # dH's widest column tile (block_n: halved until it divides n). 256 (grouped_gemm's dh only; the
 # ping-pong dh takes at most 128) makes n = 256 one column tile, so each M tile reads (and
 # gathers) its dO rows once instead of twice (174 registers, no stack, one CTA per SM). H200
@@ -148,8 +134,7 @@ def up_proj(x, w1, plan):
   if UP_PROJ_GATHER_IN_KERNEL and UP_PROJ_KERNEL == "pingpong":
     return pingpong.up_proj(x, w1, _tiles(plan), plan.token_index)
   if UP_PROJ_GATHER_IN_KERNEL:
-    return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index,
-                                gather_producer=GATHER_PRODUCER)
+    return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index)
   return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan))
 
 
@@ -227,13 +212,7 @@ def dh(dout, w2, h, scores, plan):
   n = w2.shape[1]
   block_n = _dh_block_n(n)
   if _dout_gathered_in_kernel(n):
-    k_steps = dout.shape[1] // grouped_gemm.BLOCK_K
-    # (the producer warpgroup's kernel runs one CTA per SM, as many stages as fit)
-    two_ctas = block_n <= grouped_gemm.DH_TWO_CTAS_MAX_BLOCK_N and not GATHER_PRODUCER
-    rows, gather = dout, dict(gather_index=plan.token_index,
-                              stages=max(2, min(DH_GATHER_STAGES, k_steps)) if two_ctas else None)
-    if DH_KERNEL != "pingpong":
-      gather["gather_producer"] = GATHER_PRODUCER
+    rows, gather = dout, dict(gather_index=plan.token_index)
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
   if DH_KERNEL == "pingpong":
@@ -258,8 +237,7 @@ def dw1(x, dh_, plan):
   block_n = _wide_tile(dh_.shape[1], 256)
   if dh_.shape[1] // block_n <= DW1_GATHER_MAX_COLUMN_TILES:
     return grouped_gemm.weight_grad(x, dh_, plan.group_offsets, plan.num_experts,
-                                    block_n=block_n, gather_index=plan.token_index,
-                                    gather_producer=GATHER_PRODUCER)
+                                    block_n=block_n, gather_index=plan.token_index)
   return grouped_gemm.weight_grad(xla_ops.gather_rows(x, plan.token_index), dh_,
                                   plan.group_offsets, plan.num_experts, block_n=block_n)
 
@@ -272,8 +250,7 @@ def dw2(a_scaled, dout, plan):
   if _dout_gathered_in_kernel(a_scaled.shape[1]):
     return grouped_gemm.weight_grad(dout, a_scaled, plan.group_offsets, plan.num_experts,
                                     block_n=_wide_tile(a_scaled.shape[1], 256),
-                                    gather_index=plan.token_index, transpose_out=True,
-                                    gather_producer=GATHER_PRODUCER)
+                                    gather_index=plan.token_index, transpose_out=True)
   return grouped_gemm.weight_grad(a_scaled, xla_ops.gather_rows(dout, plan.token_index),
                                   plan.group_offsets, plan.num_experts)
 

@@ -111,13 +111,11 @@ def test_cute_gather_sum_matches_numpy_on_gpu(d, dtype):
     assert np.all(np.asarray(got.astype(jnp.float32))[counts == 0] == 0)
 
 
-def _assert_gathering_matches_pregathered(op, rows, index, *operands, gather_producer=False,
-                                          **kw):
+def _assert_gathering_matches_pregathered(op, rows, index, *operands, **kw):
   """op(rows, *operands, gather_index=index), the kernel gathering rows[index] itself (zeros
-  where the index is past the end; by its MMA warpgroups, or with gather_producer by a
-  producer warpgroup), equals op on the rows gathered by XLA first, bit for bit."""
-  fused = jax.jit(lambda r, i, *o: op(r, *o, gather_index=i, gather_producer=gather_producer,
-                                      **kw))(rows, index, *operands)
+  where the index is past the end; its producer warpgroup), equals op on the rows gathered by
+  XLA first, bit for bit."""
+  fused = jax.jit(lambda r, i, *o: op(r, *o, gather_index=i, **kw))(rows, index, *operands)
   gathered = rows.at[index].get(mode="fill", fill_value=0)
   pregathered = jax.jit(lambda r, *o: op(r, *o, **kw))(gathered, *operands)
   for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(pregathered)):
@@ -345,9 +343,8 @@ def test_dh_over_h_can_be_turned_off(monkeypatch):
     ("matmul", 256, None), ("matmul_t", 256, 2), ("up_proj", 64, 3), ("dh", 128, None),
     ("dh", 256, None), ("dh_tma", 64, 3), ("dh_gather", 128, None),
     ("weight_grad", 128, 3), ("weight_grad_gather", 128, None), ("weight_grad_gather", 256, 2),
-    ("weight_grad_t", 256, None), ("weight_grad_gather_t", 128, 3), ("up_proj_gather_producer", 128, None),
-    ("dh_gather_producer", 256, None), ("weight_grad_gather_producer", 256, None),
-    ("weight_grad_gather_t_producer", 256, None)])
+    ("weight_grad_t", 256, None), ("weight_grad_gather_t", 128, 3), ("up_proj_gather", 128, None),
+    ("dh_gather", 256, None), ("weight_grad_gather_t", 256, None)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
   from ffi import grouped_gemm
@@ -366,13 +363,8 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
         "dh_gather": lambda a, b, t: grouped_gemm.dh(  # dO = a's first 300 rows
             a[:300], jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1),
             a[:, 0].astype(jnp.float32), t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301, **kw),
-        "dh_gather_producer": lambda a, b, t: grouped_gemm.dh(
-            a[:300], jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1),
-            a[:, 0].astype(jnp.float32), t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301,
-            gather_producer=True, **kw),
-        "up_proj_gather_producer": lambda a, b, t: grouped_gemm.up_proj(  # X = a's first 300 rows
-            a[:300], b, t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301, gather_producer=True,
-            **kw),
+        "up_proj_gather": lambda a, b, t: grouped_gemm.up_proj(  # X = a's first 300 rows
+            a[:300], b, t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301, **kw),
         "weight_grad": lambda a, b, t: grouped_gemm.weight_grad(  # [E, K, 2K] over P / E rows each
             a, jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E, **kw),
         "weight_grad_gather": lambda a, b, t: grouped_gemm.weight_grad(  # X = a's first 300 rows
@@ -383,14 +375,7 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
             transpose_out=True, **kw),
         "weight_grad_gather_t": lambda a, b, t: grouped_gemm.weight_grad(
             a[:300], jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E,
-            gather_index=jnp.arange(P, dtype=jnp.int32) % 301, transpose_out=True, **kw),
-        "weight_grad_gather_producer": lambda a, b, t: grouped_gemm.weight_grad(
-            a[:300], jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E,
-            gather_index=jnp.arange(P, dtype=jnp.int32) % 301, gather_producer=True, **kw),
-        "weight_grad_gather_t_producer": lambda a, b, t: grouped_gemm.weight_grad(
-            a[:300], jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E,
-            gather_index=jnp.arange(P, dtype=jnp.int32) % 301, transpose_out=True,
-            gather_producer=True, **kw)}[kernel]
+            gather_index=jnp.arange(P, dtype=jnp.int32) % 301, transpose_out=True, **kw)}[kernel]
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -429,12 +414,6 @@ def test_cute_gemm_rejects_unsupported_operands():
   with pytest.raises(ValueError, match=r"cute dh: need H \[256, 256\]"):
     grouped_gemm.dh(dout, jnp.zeros((2, 128, 128), jnp.bfloat16), jnp.zeros((256, 128), jnp.bfloat16),
                     jnp.zeros((256,)), tiles)
-  x, w1, index = jnp.zeros((300, 64), jnp.bfloat16), jnp.zeros((2, 64, 256), jnp.bfloat16), jnp.zeros((256,), jnp.int32)
-  with pytest.raises(ValueError, match="cute up_proj: gather_producer=True needs gather_index"):
-    grouped_gemm.up_proj(x[:256], w1, tiles, gather_producer=True)
-  with pytest.raises(ValueError, match="cute weight_grad: gather_producer=True needs gather_index"):
-    grouped_gemm.weight_grad(jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((256, 128), jnp.bfloat16),
-                             jnp.zeros((3,), jnp.int32), 2, gather_producer=True)
 
 
 def _per_tile_reference(lhs, rhs, tile_expert):
@@ -484,10 +463,9 @@ def test_cute_up_proj_with_gather_compiles_for_cuda():
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,d,gather_producer", [
-    (128, None, 512, False), (64, None, 512, False), (128, 2, 512, False), (128, 3, 1024, False),
-    (128, 3, 1024, True), (128, None, 512, True), (64, 2, 1024, True)])
-def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, d, gather_producer):
+@pytest.mark.parametrize("block_n,stages,d", [
+    (128, None, 512), (64, None, 512), (128, 2, 512), (128, 3, 1024), (64, 2, 1024)])
+def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, d):
   """Gathering X's rows in the kernel (padding slots: index T, zero rows) gives the bitwise
   same H and A as the kernel on rows gathered by XLA first (16 k steps at d = 1024: the
   pipeline's ring wraps)."""
@@ -499,8 +477,7 @@ def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, d,
   w1 = (jax.random.normal(jax.random.key(8), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(9), (P,), 0, T).at[::7].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.up_proj, x, index, w1, tile_expert,
-                                        block_n=block_n, stages=stages,
-                                        gather_producer=gather_producer)
+                                        block_n=block_n, stages=stages)
 
 
 @pytest.mark.gpu
@@ -811,10 +788,8 @@ def test_cute_weight_grad_against_float32_on_gpu(block_n, stages):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,tma_store,gather_producer", [
-    (128, False, False), (64, False, False), (128, True, False), (256, False, False),
-    (256, False, True), (128, True, True)])
-def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store, gather_producer):
+@pytest.mark.parametrize("block_n,tma_store", [(128, False), (64, False), (128, True), (256, False)])
+def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store):
   """Gathering dO's rows in the dH kernel (padding slots: index T, zero rows) gives the
   bitwise same dH, A' and dS parts as the kernel on rows gathered by XLA first."""
   from ffi import grouped_gemm
@@ -827,21 +802,17 @@ def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store, gath
   scores = jax.random.uniform(jax.random.key(54), (P,))
   index = jax.random.randint(jax.random.key(55), (P,), 0, T).at[::7].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.dh, dout, index, w2, h, scores,
-                                        tile_expert, block_n=block_n, tma_store=tma_store,
-                                        gather_producer=gather_producer)
+                                        tile_expert, block_n=block_n, tma_store=tma_store)
 
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,gather_producer", [
-    (128, None, False), (256, None, False), (128, 2, False), (256, 3, False), (256, None, True),
-    (128, 3, True), (256, 2, True)])
-def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n, stages, gather_producer):
+@pytest.mark.parametrize("block_n,stages", [(128, None), (256, None), (128, 2), (256, 3)])
+def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n, stages):
   """Gathering X's rows in the weight-gradient kernel (rows are its contraction; padding slots:
-  index T, zero rows; by the MMA warpgroups, their indices through an SMEM ring of `stages` k
-  steps, which experts of 2, 4 and 10 k steps fill partly, exactly and wrap; or by a producer
-  warpgroup, whose ring of stages the same experts fill and wrap) gives the bitwise same dW as
-  the kernel on rows gathered by XLA first."""
+  index T, zero rows; experts of 2, 4 and 10 k steps fill the producer's ring of `stages`
+  partly, exactly and wrap it) gives the bitwise same dW as the kernel on rows gathered by XLA
+  first."""
   from ffi import grouped_gemm
   sizes = [256, 0, 640, 128]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
@@ -850,8 +821,7 @@ def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n, stages
   rhs = jax.random.normal(jax.random.key(32), (P, N)).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(33), (P,), 0, T).at[::5].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.weight_grad, x, index, rhs, offsets,
-                                        num_experts=E, block_n=block_n, stages=stages,
-                                        gather_producer=gather_producer)
+                                        num_experts=E, block_n=block_n, stages=stages)
 
 
 @pytest.mark.gpu
