@@ -31,6 +31,9 @@
 #           staging: source /tmp/devsite-cute/env.sh first)                              (~3 min)
 #   cute_gathers: the cute kernels gathering rows (their producer warpgroup): bitwise GPU
 #           tests, then the sweep beside rows gathered first at 30B-n256 and 120B-n1024 (~5 min)
+#   ws    : the kernels that do not gather with a producer warpgroup issuing their TMA loads
+#           (warp_specialized): bitwise GPU tests, then the sweep beside the MMA warpgroups
+#           loading, at 30B-n256 and 120B-n1024                                   (~6 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
 #           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
@@ -93,6 +96,17 @@ for mode in "$@"; do
       timeout 240 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,120B-n1024 \
         --stages 0 --block-n 256 --out "$OUT/sweep_gathers.json" --kernels \
         dh,dh_gather,dw1,dw1_gather,dw2,dw2_gather 2>&1 | grep -v '^{' | grep -v "^config" ;;
+    ws)  # after `cute` staging
+      timeout 200 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
+        -k "warp_specialized" > "$OUT/pytest_ws.log" 2>&1
+      grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_ws.log" | tail -8
+      timeout 300 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,120B-n1024 \
+        --stages 0 --block-n 256 --out "$OUT/sweep_ws.json" --kernels \
+        down_proj,down_proj_ws,dx_tilde,dx_tilde_ws,dw1,dw1_ws,dw2,dw2_ws,dh,dh_ws \
+        2>&1 | grep -v '^{' | grep -v "^config"
+      timeout 100 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,120B-n1024 \
+        --stages 0 --block-n 128 --out "$OUT/sweep_ws_up.json" --kernels up_proj,up_proj_ws \
+        2>&1 | grep -v '^{' | grep -v "^config" ;;
     dout_gather)
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs olmoe,120B-n1024 \
         --stages 3,0 --block-n 256 --kernels dh,dh_gather,dw2,dw2_gather \

@@ -46,6 +46,8 @@ VARIANTS = [
     ("dh pingpong bn128 fit", "dh_pingpong", 128, 0), ("dh pingpong bn64 fit", "dh_pingpong", 64, 0),
     ("dh pingpong gather bn128 fit", "dh_pingpong_gather", 128, 0),
     ("up_proj pingpong bn64 fit", "up_proj_pingpong", 64, 0),
+    ("store ws bn256 fit", "matmul_ws", 256, 0), ("up_proj ws bn128 fit", "up_proj_ws", 128, 0),
+    ("dh ws bn256 fit", "dh_ws", 256, 0), ("wgrad ws bn256 fit", "wgrad_ws", 256, 0),
 ]
 
 _COMPILE = """
@@ -58,6 +60,8 @@ P = K = k_steps * g.BLOCK_K
 N, E = 512, 4
 sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
 kw = dict(block_n=bn, stages=stages)
+if kernel.endswith("_ws"):   # a kernel that does not gather, warp-specialized
+  kernel, kw["warp_specialized"] = kernel.removesuffix("_ws"), True
 fn, args = {
     "matmul": (lambda a, b, t: g.grouped_matmul(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "up_proj": (lambda a, b, t: g.up_proj(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
@@ -149,7 +153,8 @@ def threads(kernel: str) -> int:
   from ffi import grouped_gemm as g, pingpong as pp
   if "pingpong" in kernel:
     return pp.THREADS
-  return g.THREADS + (128 if kernel.endswith("_gather") else 0)   # + the producer warpgroup
+  producer = kernel.endswith(("_gather", "_ws"))   # + the producer warpgroup
+  return g.THREADS + (128 if producer else 0)
 
 
 def ctas_per_sm(registers: int, smem: int, threads: int) -> int:

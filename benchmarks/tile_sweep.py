@@ -88,7 +88,9 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   epilogue, up_proj_pingpong, dh_pingpong, down_proj_pingpong and dx_tilde_pingpong (_tma: with
   the TMA-store epilogue): the ping-pong kernels (ffi/pingpong.py), dh_gather
   and dh_pingpong_gather: dh gathering dO's rows in the kernel, dw1, dw1_gather: dW1 gathering X's
-  rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows; cfg a CuteTile)."""
+  rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows; up_proj, down_proj,
+  dx_tilde, dh, dw1 and dw2 again as *_ws, a producer warpgroup issuing their TMA loads; cfg a
+  CuteTile)."""
   from ffi import grouped_gemm as cute_gemm, pingpong  # optional extra
   tiles = schedule.tile_experts(plan, cute_gemm.BLOCK_M)
   rows = _gemm_rows(
@@ -139,6 +141,19 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dw2_gather"] = (jax.jit(lambda c, g, a, o, i: cute_gemm.weight_grad(
       g, a, o, E, gather_index=i, transpose_out=True, **dataclasses.asdict(c)),
       static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
+  # the kernels that do not gather again as *_ws: a producer warpgroup issuing their TMA loads
+  ws = lambda c: dict(warp_specialized=True, **dataclasses.asdict(c))
+  ws_fns = {
+      "up_proj": lambda c, xg, w1, t: cute_gemm.up_proj(xg, w1, t, **ws(c)),
+      "down_proj": lambda c, lhs, rhs, t: cute_gemm.grouped_matmul(lhs, rhs, t, **ws(c)),
+      "dx_tilde": lambda c, lhs, rhs, t: cute_gemm.grouped_matmul(lhs, rhs, t, transpose_rhs=True,
+                                                                  **ws(c)),
+      "dh": lambda c, dg, w2, h, s, t: cute_gemm.dh(dg, w2, h, s, t, over_h=False, **ws(c)),
+      "dw1": lambda c, a, b, o: cute_gemm.weight_grad(a, b, o, E, **ws(c)),
+      "dw2": lambda c, a, b, o: cute_gemm.weight_grad(a, b, o, E, **ws(c))}
+  for name, fn in ws_fns.items():
+    _, args, flops, k_len = rows[name]
+    rows[name + "_ws"] = (jax.jit(fn, static_argnums=0), args, flops, k_len)
   return rows
 
 

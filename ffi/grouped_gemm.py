@@ -421,11 +421,11 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
-            out_m_major: cutlass.Constexpr):
+            out_m_major: cutlass.Constexpr, producer: cutlass.Constexpr):
   swiglu = kind == "swiglu"
-  # gathering, warpgroup 0 loads (_produce_gathered) and warpgroups 1, 2 compute: their
-  # threads' and warps' indices in the MMA warpgroups (else those are the CTA's)
-  first_mma_warp = 4 if gather else 0
+  # with a producer warpgroup (always when gathering) warpgroup 0 loads and warpgroups 1, 2
+  # compute: their threads' and warps' indices in the MMA warpgroups (else those are the CTA's)
+  first_mma_warp = 4 if producer else 0
   tidx, _, _ = cute.arch.thread_idx()
   n_tile, m_tile, z_tile = cute.arch.block_idx()
   num_n_tiles = cute.arch.grid_dim()[0]
@@ -477,14 +477,20 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     operands = [tma_operand(tma_a, s_a, g_a)] + operands
   cute.arch.sync_threads()   # barriers initialised before anyone waits on them
 
-  if warp < first_mma_warp:   # the producer warpgroup (gathering kernels only)
-    if cutlass.const_expr(gather):
+  if warp < first_mma_warp:   # the producer warpgroup (none without `producer`)
+    if cutlass.const_expr(producer):
       cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
-      _produce_gathered(loads, operands, m_a, gather_index, s_a, num_k, m_tile, k_begin, tidx,
-                        stages, kind)
+      if cutlass.const_expr(gather):
+        _produce_gathered(loads, operands, m_a, gather_index, s_a, num_k, m_tile, k_begin, tidx,
+                          stages, kind)
+      elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
+        produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+        for _ in cutlass.range(num_k, unroll=1):
+          load_stage(loads, produce, operands, k_begin + produce.count)
+          produce.advance()
   else:   # the MMA warpgroups: mainloop, then the epilogue (in this branch: ptxas gives them
           # the registers setmaxnreg raised)
-    if cutlass.const_expr(gather):
+    if cutlass.const_expr(producer):
       cute.arch.setmaxregister_increase(MMA_REGISTERS)
     mma_tidx = tidx - 32 * first_mma_warp
     leader = warp == first_mma_warp   # their first warp (TMA loads without a producer; stores)
@@ -502,7 +508,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
 
-    if cutlass.const_expr(not gather):   # without a producer, the first stages' TMA loads
+    if cutlass.const_expr(not producer):   # without a producer, the first stages' TMA loads
       if leader:
         for _ in cutlass.range(cutlass.min(stages, num_k), unroll=1):
           load_stage(loads, produce, operands, k_begin + produce.count)
@@ -518,7 +524,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       if kk > 0:
         loads.consumer_release(release)
         release.advance()
-        if cutlass.const_expr(not gather):
+        if cutlass.const_expr(not producer):
           if leader and produce.count < num_k:
             load_stage(loads, produce, operands, k_begin + produce.count)
             produce.advance()
@@ -551,18 +557,20 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
 
 @cute.jit
 def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
-            out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+            out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+            warp_specialized: cutlass.Constexpr = False):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, N, 1) (logical modes)."""
   _launch(stream, lhs, rhs, tile_expert, tile_expert, out, out, None, block_n, stages, "store",
-          False, False)
+          False, False, warp_specialized)
 
 
 @cute.jit
 def _up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor, h: cute.Tensor,
-             a: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+             a: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+             warp_specialized: cutlass.Constexpr = False):
   """x (P, d, 1), w1 (2n, d, E) N-major, H (P, 2n, 1), A (P, n, 1) (logical modes)."""
   _launch(stream, x, w1, tile_expert, tile_expert, h, a, None, block_n, stages, "swiglu", False,
-          False)
+          False, warp_specialized)
 
 
 @cute.jit
@@ -577,11 +585,12 @@ def _gathered_up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute
 @cute.jit
 def _dh(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor, h: cute.Tensor,
         scores: cute.Tensor, dh: cute.Tensor, a_scaled: cute.Tensor, ds_parts: cute.Tensor,
-        block_n: cutlass.Constexpr, stages: cutlass.Constexpr, register_store: cutlass.Constexpr):
+        block_n: cutlass.Constexpr, stages: cutlass.Constexpr, register_store: cutlass.Constexpr,
+        warp_specialized: cutlass.Constexpr = False):
   """dOg (P, d, 1), w2 (n, d, E) K-major, H (P, 2n, 1), scores (P,), dH (P, 2n, 1), A' (P, n, 1),
   dS parts (n / block_n, P)."""
   _launch(stream, dout_g, w2, tile_expert, tile_expert, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", False, register_store)
+          block_n, stages, "dh", False, register_store, warp_specialized)
 
 
 @cute.jit
@@ -596,10 +605,11 @@ def _gathered_dh(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.T
 
 @cute.jit
 def _weight_grad(stream, lhs: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.Tensor,
-                 out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+                 out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+                 warp_specialized: cutlass.Constexpr = False):
   """lhs (M, P, 1) M-major, rhs (N, P, 1) N-major, group_offsets (E + 1,), out (M, N, E)."""
   _launch(stream, lhs, rhs, group_offsets, group_offsets, out, out, None, block_n, stages,
-          "wgrad", False, False)
+          "wgrad", False, False, warp_specialized)
 
 
 @cute.jit
@@ -615,7 +625,8 @@ def _gathered_weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offset
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr, register_store: cutlass.Constexpr):
+            gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
+            warp_specialized: cutlass.Constexpr = False):
   """The grid over (output column tiles, M tiles[, experts]) and the kernel's static
   configuration. kind: "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs
   W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
@@ -624,7 +635,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   tile_expert holding group_offsets). With gather lhs is the source of the rows gather_index
   names (A's stages filled by a third, producer warpgroup: _produce_gathered). register_store
   (dh only): each thread stores its fragments from registers instead of the TMA-store
-  epilogue."""
+  epilogue. warp_specialized: a producer warpgroup issues the TMA loads of a kernel that does
+  not gather too (the MMA warpgroups' first warp otherwise)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
   num_rhs = 2 if swiglu else 1
@@ -678,12 +690,19 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   num_n_tiles = cute.size(out, mode=[1]) // ((1 if kind in ("store", "wgrad") else 2) * block_n)
   num_z = cute.size(out, mode=[2]) if kind == "wgrad" else 1   # wgrad: one per expert
   storage = SwigluSharedStorage if swiglu else SharedStorage
+  producer = gather or warp_specialized   # a producer warpgroup loads the stages
   _kernel(tma_a, lhs if gather else m_a, tma_b, m_b, out, out2, tma_out, m_out_tma, tma_out2,
           m_out2_tma, m_h, m_scores, m_ds, tile_expert, gather_index, tiled_mma, a_smem_staged,
           b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage, block_n, stages,
-          stage_bytes, kind, gather, register_store, out_layout.is_m_major_c()).launch(
+          stage_bytes, kind, gather, register_store, out_layout.is_m_major_c(), producer).launch(
               grid=(num_n_tiles, num_m_tiles, num_z),
-              block=(THREADS + (128 if gather else 0), 1, 1), stream=stream)
+              block=(THREADS + (128 if producer else 0), 1, 1), stream=stream)
+
+
+def _warp_specialized_config(warp_specialized: bool, gather_index=None) -> dict:
+  """The kernel option of a non-gathering kernel's warp_specialized=True ({} for the default,
+  which the FFI targets leave out; the gathering kernels always have their producer)."""
+  return dict(warp_specialized=True) if warp_specialized and gather_index is None else {}
 
 
 def _dtype_unsupported(lhs, rhs):
@@ -713,17 +732,18 @@ def unsupported(lhs, rhs, block_n: int):
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
-                   stages: int | None = None):
+                   stages: int | None = None, warp_specialized: bool = False):
   """out [P, N] = lhs_e rhs_e per M tile (module docstring), rhs [E, K, N]; with transpose_rhs
   rhs is [E, N, K] and out = lhs_e rhs_e^T (read K-major, no transposed copy).
   tile_expert: [P / BLOCK_M] int32, E or more past the last group. stages: the TMA pipeline's
-  depth (default: as many as fit in SMEM, at most 8)."""
+  depth (default: as many as fit in SMEM, at most 8). warp_specialized: a producer warpgroup
+  issues the TMA loads (bitwise the same result; one CTA per SM)."""
   reason = unsupported(lhs, rhs_as_ekn(rhs, transpose_rhs), block_n)
   if reason:
     raise ValueError(f"cute grouped_matmul: {reason}")
   stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K, stages)
   return matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, block_n=block_n,
-                     stages=stages)
+                     stages=stages, **_warp_specialized_config(warp_specialized))
 
 
 def rhs_as_ekn(rhs, transpose_rhs: bool):
@@ -752,12 +772,12 @@ def rows_read(rows, gather_index):
 
 
 def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
-            stages: int | None = None):
+            stages: int | None = None, warp_specialized: bool = False):
   """H = Xg W1_e (gate and up halves) and A = silu(gate) * up per M tile: xg [P, d] rows in
   slot order, w1 [E, d, 2n]; returns H [P, 2n], A [P, n] (the SwiGLU epilogue). With
   gather_index [P], xg is X [T, d] and slot r reads X[gather_index[r]] (zeros where it is T or
-  more), gathered inside the kernel by cp.async (by a producer warpgroup). stages: as
-  grouped_matmul's."""
+  more), gathered inside the kernel by cp.async (by a producer warpgroup). stages and
+  warp_specialized (without gather_index): as grouped_matmul's."""
   n = w1.shape[2] // 2
   reason = unsupported(rows_read(xg, gather_index),
                        jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n)
@@ -765,7 +785,8 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
     raise ValueError(f"cute up_proj: {reason}")
   stages = _pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)
   return up_proj_call((_up_proj, _gathered_up_proj), xg, w1, tile_expert, gather_index,
-                      block_n=block_n, stages=stages)
+                      block_n=block_n, stages=stages,
+                      **_warp_specialized_config(warp_specialized, gather_index))
 
 
 def up_proj_call(kernels, xg, w1, tile_expert, gather_index, **config):
@@ -801,7 +822,8 @@ def dh_unsupported(dout_g, w2, h, scores, block_n: int):
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None,
-       tma_store: bool = False, gather_index=None, over_h: bool = True):
+       tma_store: bool = False, gather_index=None, over_h: bool = True,
+       warp_specialized: bool = False):
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
@@ -809,13 +831,15 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   stored straight from registers, or with tma_store through SMEM by TMA stores (bitwise the
   same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
-  by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call)."""
+  by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call).
+  warp_specialized (without gather_index): as grouped_matmul's."""
   reason = dh_unsupported(rows_read(dout_g, gather_index), w2, h, scores, block_n)
   if reason:
     raise ValueError(f"cute dh: {reason}")
   stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, dout_g.shape[1] // BLOCK_K, stages)
   return dh_call((_dh, _gathered_dh), dout_g, w2, h, scores, tile_expert, gather_index,
-                 over_h, block_n=block_n, stages=stages, register_store=not tma_store)
+                 over_h, block_n=block_n, stages=stages, register_store=not tma_store,
+                 **_warp_specialized_config(warp_specialized, gather_index))
 
 
 def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: bool, *,
@@ -859,7 +883,8 @@ def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n):
 
 
 def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
-                stages: int | None = None, gather_index=None, transpose_out: bool = False):
+                stages: int | None = None, gather_index=None, transpose_out: bool = False,
+                warp_specialized: bool = False):
   """out[e] = lhs[rows of e]^T rhs[rows of e] ([E, M, N] in lhs's dtype, fp32 accumulation):
   lhs [P, M] and rhs [P, N] rows in slot order, expert e's rows group_offsets[e] ..
   group_offsets[e + 1] (multiples of BLOCK_M, an aligned plan; an expert without rows gets
@@ -867,7 +892,7 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   is X [T, M] and slot r reads X[gather_index[r]] (zeros where it is T or more), gathered inside
   the kernel by cp.async (bitwise equal to gathering first; H200 timings in ops.dw1). With
   transpose_out the kernel stores out[e]^T: [E, N, M] (its epilogue writes M-major tiles; no
-  separate transpose)."""
+  separate transpose). warp_specialized (without gather_index): as grouped_matmul's."""
   slots = rows_read(lhs, gather_index)   # the rows the GEMM reads
   P, M = slots.shape
   reason = _weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
@@ -886,5 +911,5 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
       fn, [lhs[None], rhs[None], group_offsets.astype(jnp.int32), *index],
       [jax.ShapeDtypeStruct(out_shape, lhs.dtype)],
       modes=[lhs_mode, rows_last, None, *[None] * len(index), out_mode],
-      block_n=block_n, stages=stages)
+      block_n=block_n, stages=stages, **_warp_specialized_config(warp_specialized, gather_index))
   return out

@@ -344,7 +344,8 @@ def test_dh_over_h_can_be_turned_off(monkeypatch):
     ("dh", 256, None), ("dh_tma", 64, 3), ("dh_gather", 128, None),
     ("weight_grad", 128, 3), ("weight_grad_gather", 128, None), ("weight_grad_gather", 256, 2),
     ("weight_grad_t", 256, None), ("weight_grad_gather_t", 128, 3), ("up_proj_gather", 128, None),
-    ("dh_gather", 256, None), ("weight_grad_gather_t", 256, None)])
+    ("dh_gather", 256, None), ("weight_grad_gather_t", 256, None), ("matmul_ws", 256, None),
+    ("up_proj_ws", 128, None), ("dh_ws", 256, None), ("weight_grad_ws", 256, 4)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
   from ffi import grouped_gemm
@@ -354,6 +355,15 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
         "matmul_t": lambda a, b, t: grouped_gemm.grouped_matmul(
             a, jnp.swapaxes(b, 1, 2), t, transpose_rhs=True, **kw),
         "up_proj": lambda a, b, t: grouped_gemm.up_proj(a, b, t, **kw),
+        "matmul_ws": lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, warp_specialized=True,
+                                                                 **kw),
+        "up_proj_ws": lambda a, b, t: grouped_gemm.up_proj(a, b, t, warp_specialized=True, **kw),
+        "dh_ws": lambda a, b, t: grouped_gemm.dh(
+            a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
+            t, warp_specialized=True, **kw),
+        "weight_grad_ws": lambda a, b, t: grouped_gemm.weight_grad(
+            a, jnp.concatenate([a, a], 1), jnp.arange(E + 1, dtype=jnp.int32) * (P // E), E,
+            warp_specialized=True, **kw),
         "dh": lambda a, b, t: grouped_gemm.dh(  # dOg [P, d], W2 [E, n, d], H [P, 2n], scores
             a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
             t, **kw),
@@ -822,6 +832,43 @@ def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n, stages
   index = jax.random.randint(jax.random.key(33), (P,), 0, T).at[::5].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.weight_grad, x, index, rhs, offsets,
                                         num_experts=E, block_n=block_n, stages=stages)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("op,block_n,stages", [
+    ("matmul", 256, None), ("matmul_t", 128, 3), ("up_proj", 128, None), ("dh", 256, None),
+    ("weight_grad", 256, None), ("weight_grad", 128, 2)])
+def test_cute_warp_specialized_kernels_match_on_gpu(op, block_n, stages):
+  """warp_specialized=True (a producer warpgroup issuing the TMA loads) gives the bitwise same
+  outputs as the MMA warpgroups' warp 0 issuing them: tiles past the last group (zeros),
+  experts of 0 to 10 k steps (the ring filled partly, exactly and wrapped)."""
+  from ffi import grouped_gemm
+  E, d, n = 4, 640, 256
+  tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
+  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
+  keys = jax.random.split(jax.random.key(61), 4)
+  lhs = jax.random.normal(keys[0], (P, d)).astype(jnp.bfloat16)
+  rhs = (jax.random.normal(keys[1], (E, d, 2 * n)) / 16).astype(jnp.bfloat16)
+  h = jax.random.normal(keys[2], (P, 2 * n)).astype(jnp.bfloat16)
+  scores = jax.random.uniform(keys[3], (P,))
+  offsets = jnp.array([0, 256, 256, 640, P], jnp.int32)   # 4, 0, 6 and 2 k steps
+  kw = dict(block_n=block_n, stages=stages)
+  fn = {"matmul": lambda ws: grouped_gemm.grouped_matmul(lhs, rhs, tile_expert, **kw,
+                                                         warp_specialized=ws),
+        "matmul_t": lambda ws: grouped_gemm.grouped_matmul(
+            lhs, jnp.swapaxes(rhs, 1, 2), tile_expert, transpose_rhs=True, **kw,
+            warp_specialized=ws),
+        "up_proj": lambda ws: grouped_gemm.up_proj(lhs, rhs, tile_expert, **kw,
+                                                   warp_specialized=ws),
+        "dh": lambda ws: grouped_gemm.dh(lhs, jnp.swapaxes(rhs[:, :, :n], 1, 2), h, scores,
+                                         tile_expert, over_h=False, **kw, warp_specialized=ws),
+        "weight_grad": lambda ws: grouped_gemm.weight_grad(lhs, h, offsets, E, **kw,
+                                                           warp_specialized=ws)}[op]
+  got, want = jax.jit(lambda: fn(True))(), jax.jit(lambda: fn(False))()
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert np.any(np.asarray(w, np.float32) != 0)
+    np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.gpu
