@@ -14,8 +14,8 @@ by the same epilogue M-major).
 Tiling (one CTA per BLOCK_M x block_n output tile, grid (N / block_n, P / BLOCK_M): an M tile's
 column tiles run next to each other, so its lhs rows are read from HBM once and then from L2):
   warps    : WARPGROUPS MMA warpgroups, each owning BLOCK_M / WARPGROUPS rows of the tile;
-             their warp 0 also issues the TMA loads (not warp-specialized), but in the
-             gathering kernels, where a producer warpgroup loads (below)
+             their warp 0 also issues the TMA loads, but in the gathering kernels (below) and
+             with warp_specialized, where a third warpgroup, the producer, loads every stage
   mainloop : lhs[m, kk] (K-major) and rhs_e[kk, n] (N- or K-major) tiles of BLOCK_K by TMA
              through a `stages`-deep mbarrier pipeline; one k step's wgmmas stay in flight
              while the next step's are issued, and a stage is refilled once its wgmmas are done
