@@ -82,7 +82,7 @@ K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128
 # gathering, a third warpgroup (warpgroup 0) loads every stage; a stage's full barrier
 # completes on the TMA bytes and PRODUCER_ARRIVALS arrivals (the TMA warp's, then two per
 # producer thread: its cp.async copies landed, its padding rows' plain stores released)
-PRODUCER_ARRIVALS = 1 + 2 * 128
+PRODUCER_ARRIVALS = 1 + 2 * 128   # (ffi/pingpong.py's gathering producer too)
 # setmaxnreg budgets (producer, MMA warpgroups): 128 x 56 + 256 x 224 <= 64K registers per SM
 PRODUCER_REGISTERS, MMA_REGISTERS = 56, 224
 
@@ -372,17 +372,42 @@ def _gather_k_step(x, tokens, a_stage, col0, tidx):
 
 
 @cute.jit
+def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
+                 kind: cutlass.Constexpr):
+  """A gathering producer warpgroup's k step k into stage state.index, by all 128 of its
+  threads (ptid): wait until the MMA warpgroups released the stage; warp 0 sets the full
+  barrier's expected TMA bytes and TMA-loads the rhs tiles (the whole warp: the arrive and the
+  copies elect one lane with elect.sync, which one lane alone must not reach); every thread
+  cp.async-copies its share of A's gathered rows for both MMA warpgroups, as if it were each
+  of their threads in turn (rows of the M tile, _gather_step, tokens a list of each
+  warpgroup's rows' tokens; or kind "wgrad", the weight gradient's BLOCK_K rows of the k step
+  at columns col0.., _gather_k_step, tokens from _k_step_tokens; padding rows it writes as
+  zeros by plain stores), then arrives on the full barrier twice: once its copies land
+  (cp.async's noinc arrive) and once at once (a release arrive publishing its plain stores).
+  The barrier counts PRODUCER_ARRIVALS."""
+  loads.sync_object_empty.wait(state.index, state.phase)
+  bar = loads.producer_get_barrier(state)
+  if ptid < 32:
+    loads.sync_object_full.arrive(state.index, loads.producer_mask)
+    for atom, src, dst in rhs_operands:
+      cute.copy(atom, src[(None, k)], dst[(None, state.index)], tma_bar_ptr=bar)
+  stage = s_a[None, None, state.index]
+  for wg in cutlass.range_constexpr(WARPGROUPS):
+    if cutlass.const_expr(kind == "wgrad"):
+      _gather_k_step(x, tokens, stage, col0, ptid + 128 * wg)
+    else:
+      _gather_step(x, tokens[wg], stage, k * BLOCK_K, ptid + 128 * wg)
+  cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+  cute.arch.mbarrier_arrive(bar)
+
+
+@cute.jit
 def _produce_gathered(loads, rhs_operands, x, gather_index, s_a, num_k, m_tile, k_begin, ptid,
                       stages: cutlass.Constexpr, kind: cutlass.Constexpr):
-  """The gathering kernels' producer warpgroup (thread ptid of 128): fills the `stages`-deep ring with every
-  k step's tiles. Per step it waits until the MMA warpgroups released the stage; warp 0 sets
-  the full barrier's expected TMA bytes and TMA-loads the rhs tiles (the whole warp: the
-  arrive and the copies elect one lane); every thread cp.async-copies its share of A's
-  gathered rows for both MMA warpgroups (as if it were each of their threads in turn: rows of
-  the M tile, their tokens read once per tile, _gather_step; or the weight gradient's BLOCK_K
-  rows of the k step, their tokens read from gather_index before the wait, _gather_k_step),
-  then arrives on the full barrier twice: once its copies land (cp.async's noinc arrive) and
-  once at once (a release arrive publishing its padding rows' plain zero stores)."""
+  """The gathering kernels' producer warpgroup (thread ptid of 128): fills the `stages`-deep
+  ring with every k step's tiles (gather_stage), the M tile's rows' tokens read once per
+  tile, or the weight gradient's rows of each k step read from gather_index before the step's
+  wait."""
   produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
   tile_tokens = None   # rows of the M tile: the same for every k step
   if cutlass.const_expr(kind != "wgrad"):
@@ -390,23 +415,12 @@ def _produce_gathered(loads, rhs_operands, x, gather_index, s_a, num_k, m_tile, 
                    for wg in range(WARPGROUPS)]
   for step in cutlass.range(num_k, unroll=1):
     k = k_begin + step
-    step_tokens = None   # the weight gradient's rows of this k step
     if cutlass.const_expr(kind == "wgrad"):
       step_tokens = _k_step_tokens(cute.local_tile(gather_index, (BLOCK_K,), (k,)), ptid)
-    loads.sync_object_empty.wait(produce.index, produce.phase)
-    bar = loads.producer_get_barrier(produce)
-    if ptid < 32:
-      loads.sync_object_full.arrive(produce.index, loads.producer_mask)
-      for atom, src, dst in rhs_operands:
-        cute.copy(atom, src[(None, k)], dst[(None, produce.index)], tma_bar_ptr=bar)
-    stage = s_a[None, None, produce.index]
-    for wg in cutlass.range_constexpr(WARPGROUPS):
-      if cutlass.const_expr(kind == "wgrad"):
-        _gather_k_step(x, step_tokens, stage, m_tile * BLOCK_M, ptid + 128 * wg)
-      else:
-        _gather_step(x, tile_tokens[wg], stage, step * BLOCK_K, ptid + 128 * wg)
-    cute.arch.cp_async_mbarrier_arrive_noinc(bar)
-    cute.arch.mbarrier_arrive(bar)
+      gather_stage(loads, produce, x, step_tokens, s_a, rhs_operands, k, ptid,
+                   m_tile * BLOCK_M, kind)
+    else:
+      gather_stage(loads, produce, x, tile_tokens, s_a, rhs_operands, k, ptid, 0, kind)
     produce.advance()
 
 

@@ -21,10 +21,11 @@ Schedule:
               nothing). dh: warp 0 TMA-loads dOg [128, 64] and W2_e^T [block_n, 64].
               Gathering (up_proj; dh given gather_index): warp 0 TMA-loads the weight tiles
               (W1's gate and up tiles, or W2_e^T's) and all 128 threads cp.async-copy the 128
-              gathered rows (_gather_stage, 8 rows' 16-byte chunks each); a stage's full
-              barrier then completes on the TMA bytes and GATHER_ARRIVALS arrivals (per
-              thread: cp.async.mbarrier.arrive.noinc for its copies, a release arrive for its
-              padding rows' plain zero stores)
+              gathered rows (grouped_gemm.gather_stage, as grouped_gemm's gathering
+              producer: 8 rows' 16-byte chunks each); a stage's full barrier then completes on
+              the TMA bytes and grouped_gemm.PRODUCER_ARRIVALS arrivals (per thread:
+              cp.async.mbarrier.arrive.noinc for its copies, a release arrive for its padding
+              rows' plain zero stores)
   consumers : warpgroups 1 and 2, registers raised, take the CTA's tiles in turn (its i-th
               tile is warpgroup 1 + i % 2's). A consumer waits for its turn (named barrier
               TURN_BARRIER + its index, which the other arrives at once it has waited for all
@@ -52,9 +53,6 @@ from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE
 TILE_M = BLOCK_M            # a work tile's rows: one M tile of the plan (one expert's rows)
 MMA_M = 64                  # one wgmma's rows: a consumer warpgroup covers TILE_M in TILE_M / 64
 MAX_ACCUMULATOR_REGISTERS = 128   # fp32 accumulator registers per consumer thread, all tiles
-# grouped_gemm's gather helpers give a warpgroup BLOCK_M / WARPGROUPS rows; the producer here
-# takes each of those row blocks of the tile in turn
-GATHER_BLOCKS = TILE_M // (BLOCK_M // grouped_gemm.WARPGROUPS)
 NUM_SMS = 132               # H100 / H200 SXM: the persistent grid (fewer SMs only queue CTAs)
 THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 # setmaxnreg budgets (producer, consumers), 128 x producer + 256 x consumer <= 64K per SM: the
@@ -62,8 +60,6 @@ THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 REGISTERS = {False: (40, 232), True: (56, 224)}   # by whether the producer gathers
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
 EPILOGUE_BARRIER = 6        # named barriers 6 and 7: consumer 0's and 1's TMA-store epilogue
-GATHER_ARRIVALS = 1 + 2 * 128   # a gathered stage's full barrier: the TMA warp's, then two
-                                # per producer thread (its copies landed; its plain stores)
 MAX_STAGES = 8
 
 
@@ -84,30 +80,6 @@ def widest_block_n(num_rhs: int) -> int:
   """The widest block_n whose num_rhs accumulators (TILE_M x block_n fp32, over a
   warpgroup's 128 threads) fit in MAX_ACCUMULATOR_REGISTERS per thread."""
   return MAX_ACCUMULATOR_REGISTERS * 128 // (num_rhs * TILE_M)
-
-
-@cute.jit
-def _gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid):
-  """The gathering producer's k step k into stage state.index, by all 128 producer threads:
-  wait until the consumers released the stage; warp 0 sets the full barrier's expected TMA
-  bytes and loads the rhs tiles by TMA (the whole warp: the arrive and the copies elect one
-  lane with elect.sync, which one lane alone must not reach); every thread cp.async-copies its
-  share of the TILE_M gathered rows (grouped_gemm._gather_step for each of GATHER_BLOCKS row
-  blocks, as if it were each of grouped_gemm's warpgroups in turn; tokens: the blocks' source
-  rows; padding rows it writes as zeros by plain stores) and arrives on the full barrier
-  twice: once its copies land (cp.async's noinc arrive) and once at once (a release arrive,
-  which publishes its plain stores). The barrier counts GATHER_ARRIVALS."""
-  loads.sync_object_empty.wait(state.index, state.phase)
-  bar = loads.producer_get_barrier(state)
-  if ptid < 32:
-    loads.sync_object_full.arrive(state.index, loads.producer_mask)
-    for atom, src, dst in rhs_operands:
-      cute.copy(atom, src[(None, k)], dst[(None, state.index)], tma_bar_ptr=bar)
-  for block in cutlass.range_constexpr(len(tokens)):
-    grouped_gemm._gather_step(x, tokens[block], s_a[None, None, state.index], k * BLOCK_K,
-                              ptid + 128 * block)
-  cute.arch.cp_async_mbarrier_arrive_noinc(bar)
-  cute.arch.mbarrier_arrive(bar)
 
 
 @cute.jit
@@ -169,7 +141,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
       # a full barrier completes on the TMA bytes and, gathering, every producer thread's copies
       producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                               GATHER_ARRIVALS if gather else 1),
+                                               grouped_gemm.PRODUCER_ARRIVALS if gather else 1),
       consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 // 32),
       tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
 
@@ -190,11 +162,13 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
               m_b, tile_mnk, (rows, c, None, owner), proj=(None, 1, 1)))
               for sb, c in zip(s_bs, rhs_cols)]
           if cutlass.const_expr(gather):
-            # this thread's rows' tokens in each of the M tile's GATHER_BLOCKS row blocks
+            # this thread's rows' tokens in each of grouped_gemm's warpgroups' row blocks of
+            # the M tile (TILE_M = BLOCK_M: the same rows)
             tokens = [grouped_gemm._gather_tokens(gather_index, rows, tidx + 128 * block)
-                      for block in range(GATHER_BLOCKS)]
+                      for block in range(grouped_gemm.WARPGROUPS)]
             for k in cutlass.range(k_steps, unroll=1):
-              _gather_stage(loads, produce, m_a, tokens, s_a, operands, k, tidx)
+              grouped_gemm.gather_stage(loads, produce, m_a, tokens, s_a, operands, k, tidx, 0,
+                                        kind)
               produce.advance()
           else:
             g_a = cute.local_tile(m_a, tile_mnk, (rows, cols, None, 0), proj=(1, None, 1))
