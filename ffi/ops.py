@@ -151,19 +151,21 @@ def _wide_tile(cols: int, widest: int) -> int:
 # 30B-n256, ms: down_proj 2.81, dx_tilde 4.07 this way; 2.92-2.97 and 4.29-4.33 at block_n 256;
 # 3.48 and 4.85 at block_n 128 with as many stages as fit (one CTA per SM).
 STORE_STAGES = 3
-# Where the contraction is at least this long, down_proj and dx_tilde run grouped_gemm's kernel
-# at block_n 256 with as many stages as fit instead (a long mainloop hides less behind the
-# other CTA's epilogue than the wider tile saves). H200 session 14 (-session14 call 10), ms at
-# 120B-n1024: dx_tilde (K 2048) 6.954 vs 7.440-7.735 pingpong_tma, down_proj (K 1024) 3.506 vs
-# 3.582-3.641.
-# And where the output is at least STORE_WIDE_MIN_N wide. Layer, kernel ms, session 14 call 13:
-# 120B-n1024 36.27 -> 33.10, olmoe (d 2048) 17.15 -> 16.69, 7B-n1024 (d 1536) 2.71 -> 2.76.
+# Where the contraction is at least STORE_WIDE_MIN_K long and the output at least
+# STORE_WIDE_MIN_N wide, down_proj and dx_tilde run grouped_gemm's kernel at block_n 256 with as
+# many stages as fit instead (a long mainloop hides less behind the other CTA's epilogue than
+# the wider tile saves). H200 session 14 (-session14), alone at 120B-n1024 (call 10), ms:
+# dx_tilde (K 2048) 6.954 vs 7.440-7.735 pingpong_tma, down_proj (K 1024) 3.506 vs
+# 3.582-3.641; the layer's kernel ms (call 13): 120B-n1024 36.27 -> 33.10, olmoe (d 2048)
+# 17.15 -> 16.69, 7B-n1024 (d 1536) 2.71 -> 2.76.
 STORE_WIDE_MIN_K = 1024
 STORE_WIDE_MIN_N = 2048
 
 
 def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int):
-  """out = lhs_e rhs_e (rhs_e^T with transpose_rhs) per expert group on the STORE_KERNEL."""
+  """out = lhs_e rhs_e (rhs_e^T with transpose_rhs) per expert group on the STORE_KERNEL, or
+  where contraction and output are long (STORE_WIDE_MIN_K, STORE_WIDE_MIN_N) on grouped_gemm's
+  256-wide tiles."""
   if STORE_KERNEL not in STORE_KERNELS:
     raise ValueError(f"ffi.ops.STORE_KERNEL must be one of {STORE_KERNELS}; got {STORE_KERNEL!r}")
   if lhs.shape[1] >= STORE_WIDE_MIN_K and n_out >= STORE_WIDE_MIN_N:
