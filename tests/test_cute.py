@@ -439,8 +439,8 @@ def _per_tile_reference(lhs, rhs, tile_expert):
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("transpose_rhs,block_n,stages", [
-    (False, 128, None), (True, 128, None), (False, 256, None), (True, 128, 2), (False, 128, 3),
-    (True, 128, 3)])   # (the last two: ffi/ops.py's down_proj and dx_tilde tiles)
+    (False, 128, None), (True, 128, None), (True, 128, 2), (False, 128, 3), (True, 128, 3),
+    (False, 256, None), (True, 256, None)])   # (the last two: ffi/ops.py's wide store tiles)
 def test_cute_grouped_matmul_against_float32_on_gpu(transpose_rhs, block_n, stages):
   """Tiles of experts 0, 2, 3 (1 has none), then two tiles past the last group (zeros); several
   tile widths and pipeline depths."""
@@ -901,12 +901,13 @@ def test_cute_weight_grad_stores_transposed_on_gpu(block_n, gather):
     ((4096, 1536, 256, 128, 8), 0, "registers", CUTE_GEMMS),
     ((1000, 512, 256, 16, 4), 2, "registers", CUTE_GEMMS),
     ((1000, 512, 1024, 16, 4), 8, "tma_store", CUTE_GEMMS),
-    ((4096, 1536, 256, 128, 8), 2, "registers", "cute")])
+    ((4096, 1536, 256, 128, 8), 2, "registers", "cute"),
+    ((1000, 2048, 1024, 16, 4), 8, "registers", "cute")])
 def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_max_column_tiles, dh_kernel, backend,
                                      monkeypatch):
   """Every expert op on cute (dO's rows gathered by XLA, or by dh and dw2; dH's register or TMA
-  stores), and backend "cute" for everything (its top-K too), against the xla backend:
-  forward and all four gradients."""
+  stores; at d 2048, n 1024 down_proj and dx_tilde on the wide store tiles), and backend "cute"
+  for everything (its top-K too), against the xla backend: forward and all four gradients."""
   cute_ops = importlib.import_module("ffi.ops")
   monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", dout_gather_max_column_tiles)
   monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
