@@ -148,9 +148,8 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
       "down_proj": lambda c, lhs, rhs, t: cute_gemm.grouped_matmul(lhs, rhs, t, **ws(c)),
       "dx_tilde": lambda c, lhs, rhs, t: cute_gemm.grouped_matmul(lhs, rhs, t, transpose_rhs=True,
                                                                   **ws(c)),
-      "dh": lambda c, dg, w2, h, s, t: cute_gemm.dh(dg, w2, h, s, t, over_h=False, **ws(c)),
-      "dw1": lambda c, a, b, o: cute_gemm.weight_grad(a, b, o, E, **ws(c)),
-      "dw2": lambda c, a, b, o: cute_gemm.weight_grad(a, b, o, E, **ws(c))}
+      "dh": lambda c, dg, w2, h, s, t: cute_gemm.dh(dg, w2, h, s, t, over_h=False, **ws(c))}
+  ws_fns["dw1"] = ws_fns["dw2"] = lambda c, a, b, o: cute_gemm.weight_grad(a, b, o, E, **ws(c))
   for name, fn in ws_fns.items():
     _, args, flops, k_len = rows[name]
     rows[name + "_ws"] = (jax.jit(fn, static_argnums=0), args, flops, k_len)

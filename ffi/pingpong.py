@@ -55,9 +55,11 @@ MMA_M = 64                  # one wgmma's rows: a consumer warpgroup covers TILE
 MAX_ACCUMULATOR_REGISTERS = 128   # fp32 accumulator registers per consumer thread, all tiles
 NUM_SMS = 132               # H100 / H200 SXM: the persistent grid (fewer SMs only queue CTAs)
 THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
-# setmaxnreg budgets (producer, consumers), 128 x producer + 256 x consumer <= 64K per SM: the
-# gathering producer keeps its rows' token ids and copy addresses in registers
-REGISTERS = {False: (40, 232), True: (56, 224)}   # by whether the producer gathers
+# setmaxnreg budgets (producer, consumers), 128 x producer + 256 x consumer <= 64K per SM, by
+# whether the producer gathers (it then keeps its rows' token ids and copy addresses in
+# registers: grouped_gemm's gathering producer's budgets)
+REGISTERS = {False: (40, 232),
+             True: (grouped_gemm.PRODUCER_REGISTERS, grouped_gemm.MMA_REGISTERS)}
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
 EPILOGUE_BARRIER = 6        # named barriers 6 and 7: consumer 0's and 1's TMA-store epilogue
 MAX_STAGES = 8
