@@ -331,6 +331,9 @@ def main(argv=None):
                  help="cute dh's kernel variant (default: ffi/ops.py DH_KERNEL)")
   p.add_argument("--cute-dh-block-n", type=int, choices=(64, 128, 256),
                  help="cute dh's widest column tile (default: ffi/ops.py DH_BLOCK_N)")
+  p.add_argument("--cute-dh-h-prefetch", type=int,
+                 help="cute dh: prefetch H's tile into L2 this many k steps before the "
+                      "mainloop ends, 0 never (default: ffi/ops.py DH_H_PREFETCH)")
   p.add_argument("--cute-up-proj", choices=("grouped", "pingpong"),
                  help="cute up_proj's kernel variant (default: ffi/ops.py UP_PROJ_KERNEL)")
   p.add_argument("--cute-store", choices=("grouped", "pingpong", "pingpong_tma"),
@@ -338,12 +341,17 @@ def main(argv=None):
   p.add_argument("--cute-store-wide-min-k", type=int,
                  help="the contraction from which down_proj and dx_tilde take the wide grouped "
                       "kernel instead (default: ffi/ops.py STORE_WIDE_MIN_K)")
+  p.add_argument("--cute-store-wide-ws-min-n", type=int,
+                 help="the output width from which the wide store kernel has a producer warp "
+                      "issue its TMA loads (default: ffi/ops.py STORE_WIDE_WS_MIN_N)")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
   cute_settings = dict(DH_KERNEL=a.cute_dh, DH_BLOCK_N=a.cute_dh_block_n,
                        UP_PROJ_KERNEL=a.cute_up_proj, STORE_KERNEL=a.cute_store,
-                       STORE_WIDE_MIN_K=a.cute_store_wide_min_k)
+                       STORE_WIDE_MIN_K=a.cute_store_wide_min_k,
+                       STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n,
+                       DH_H_PREFETCH=a.cute_dh_h_prefetch)
   if a.cute_dout_gather:
     cute_settings["DOUT_GATHER_MAX_COLUMN_TILES"] = 0 if a.cute_dout_gather == "xla" else 1 << 30
   cute_settings = {k: v for k, v in cute_settings.items() if v is not None}

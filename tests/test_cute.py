@@ -345,7 +345,8 @@ def test_dh_over_h_can_be_turned_off(monkeypatch):
     ("weight_grad", 128, 3), ("weight_grad_gather", 128, None), ("weight_grad_gather", 256, 2),
     ("weight_grad_t", 256, None), ("weight_grad_gather_t", 128, 3), ("up_proj_gather", 128, None),
     ("dh_gather", 256, None), ("weight_grad_gather_t", 256, None), ("matmul_ws", 256, None),
-    ("up_proj_ws", 128, None), ("dh_ws", 256, None), ("weight_grad_ws", 256, 4)])
+    ("up_proj_ws", 128, None), ("dh_ws", 256, None), ("weight_grad_ws", 256, 4),
+    ("dh_prefetch", 256, None), ("dh_gather_prefetch", 128, 3)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
   from ffi import grouped_gemm
@@ -367,6 +368,13 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
         "dh": lambda a, b, t: grouped_gemm.dh(  # dOg [P, d], W2 [E, n, d], H [P, 2n], scores
             a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
             t, **kw),
+        "dh_prefetch": lambda a, b, t: grouped_gemm.dh(
+            a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
+            t, h_prefetch=8, **kw),
+        "dh_gather_prefetch": lambda a, b, t: grouped_gemm.dh(
+            a[:300], jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1),
+            a[:, 0].astype(jnp.float32), t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301,
+            h_prefetch=2, **kw),
         "dh_tma": lambda a, b, t: grouped_gemm.dh(
             a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
             t, tma_store=True, **kw),
@@ -813,6 +821,32 @@ def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store):
   index = jax.random.randint(jax.random.key(55), (P,), 0, T).at[::7].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.dh, dout, index, w2, h, scores,
                                         tile_expert, block_n=block_n, tma_store=tma_store)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("block_n,gather,h_prefetch", [(256, True, 8), (128, False, 2),
+                                                       (256, False, 16)])
+def test_cute_dh_h_prefetch_keeps_outputs_on_gpu(block_n, gather, h_prefetch):
+  """dH's L2 prefetch of H (h_prefetch k steps before the mainloop's end; experts of 10 k
+  steps, more or fewer than h_prefetch, and a tile past the last group) leaves dH, A' and the
+  dS parts bitwise the same."""
+  from ffi import grouped_gemm
+  T, d, n, E = 1000, 640, 256, 4
+  tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
+  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
+  keys = jax.random.split(jax.random.key(71), 5)
+  dout = jax.random.normal(keys[0], (T if gather else P, d)).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(keys[1], (E, n, d)) / 16).astype(jnp.bfloat16)
+  h = jax.random.normal(keys[2], (P, 2 * n)).astype(jnp.bfloat16)
+  scores = jax.random.uniform(keys[3], (P,))
+  index = jax.random.randint(keys[4], (P,), 0, T) if gather else None
+  run = jax.jit(lambda pf: grouped_gemm.dh(dout, w2, h, scores, tile_expert, block_n=block_n,
+                                           gather_index=index, over_h=False, h_prefetch=pf),
+                static_argnums=0)
+  for g, w in zip(run(h_prefetch), run(0)):
+    assert np.any(np.asarray(w, np.float32) != 0)
+    np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.gpu
