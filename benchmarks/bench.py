@@ -331,9 +331,6 @@ def main(argv=None):
                  help="cute dh's kernel variant (default: ffi/ops.py DH_KERNEL)")
   p.add_argument("--cute-dh-block-n", type=int, choices=(64, 128, 256),
                  help="cute dh's widest column tile (default: ffi/ops.py DH_BLOCK_N)")
-  p.add_argument("--cute-dh-h-prefetch", type=int,
-                 help="cute dh: prefetch H's tile into L2 this many k steps before the "
-                      "mainloop ends, 0 never (default: ffi/ops.py DH_H_PREFETCH)")
   p.add_argument("--cute-up-proj", choices=("grouped", "pingpong"),
                  help="cute up_proj's kernel variant (default: ffi/ops.py UP_PROJ_KERNEL)")
   p.add_argument("--cute-store", choices=("grouped", "pingpong", "pingpong_tma"),
@@ -350,8 +347,7 @@ def main(argv=None):
   cute_settings = dict(DH_KERNEL=a.cute_dh, DH_BLOCK_N=a.cute_dh_block_n,
                        UP_PROJ_KERNEL=a.cute_up_proj, STORE_KERNEL=a.cute_store,
                        STORE_WIDE_MIN_K=a.cute_store_wide_min_k,
-                       STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n,
-                       DH_H_PREFETCH=a.cute_dh_h_prefetch)
+                       STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n)
   if a.cute_dout_gather:
     cute_settings["DOUT_GATHER_MAX_COLUMN_TILES"] = 0 if a.cute_dout_gather == "xla" else 1 << 30
   cute_settings = {k: v for k, v in cute_settings.items() if v is not None}

@@ -34,8 +34,6 @@
 #   ws    : the kernels that do not gather with a producer warpgroup issuing their TMA loads
 #           (warp_specialized): bitwise GPU tests, then the sweep beside the MMA warpgroups
 #           loading, at 30B-n256 and 120B-n1024                                   (~6 min)
-#   prefetch: dH's L2 prefetch of H's tile (bitwise GPU tests, sweep at four anchors), then the
-#           wide store kernel at 120B-n1024 with and without its producer warp        (~7 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
 #           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
@@ -109,19 +107,6 @@ for mode in "$@"; do
       timeout 100 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,120B-n1024 \
         --stages 0 --block-n 128 --out "$OUT/sweep_ws_up.json" --kernels up_proj,up_proj_ws \
         2>&1 | grep -v '^{' | grep -v "^config" ;;
-    prefetch)  # after `cute` staging: dH's L2 prefetch of H (bitwise tests, sweep), then the
-               # wide store kernel with and without its producer warp at 120B-n1024      (~7 min)
-      timeout 150 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "h_prefetch or warp_specialized" > "$OUT/pytest_prefetch.log" 2>&1
-      grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_prefetch.log" | tail -12
-      timeout 300 python3 -m benchmarks.tile_sweep --impl cute \
-        --configs 30B-n256,olmoe,7B-n256,120B-n1024 --stages 0 --block-n 256 \
-        --kernels dh_gather,dh_gather_pf4,dh_gather_pf8,dh_gather_pf16 \
-        --out "$OUT/sweep_prefetch.json" 2>&1 | grep -v '^{' | grep -v "^config"
-      for ws in 1073741824 4096; do
-        timeout 150 python3 -m benchmarks.bench --configs 120B-n1024 --impls auto \
-          --cute-store-wide-ws-min-n $ws --iters 5 --reps 3 --out "$OUT/bench_ws_$ws" 2>&1 | tail -4
-      done ;;
     dout_gather)
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs olmoe,120B-n1024 \
         --stages 3,0 --block-n 256 --kernels dh,dh_gather,dw2,dw2_gather \

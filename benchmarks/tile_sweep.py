@@ -89,8 +89,7 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   the TMA-store epilogue): the ping-pong kernels (ffi/pingpong.py), dh_gather
   and dh_pingpong_gather: dh gathering dO's rows in the kernel, dw1, dw1_gather: dW1 gathering X's
   rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows; up_proj, down_proj,
-  dx_tilde, dh, dw1 and dw2 again as *_ws, a producer warpgroup issuing their TMA loads;
-  dh_pfN, dh_gather_pfN: H's tile prefetched into L2 N k steps before the mainloop ends; cfg a
+  dx_tilde, dh, dw1 and dw2 again as *_ws, a producer warpgroup issuing their TMA loads; cfg a
   CuteTile)."""
   from ffi import grouped_gemm as cute_gemm, pingpong  # optional extra
   tiles = schedule.tile_experts(plan, cute_gemm.BLOCK_M)
@@ -142,14 +141,6 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dw2_gather"] = (jax.jit(lambda c, g, a, o, i: cute_gemm.weight_grad(
       g, a, o, E, gather_index=i, transpose_out=True, **dataclasses.asdict(c)),
       static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
-  # dh with H's tile prefetched into L2 N k steps before its mainloop ends, as *_pfN
-  for pf in (4, 8, 16):
-    rows[f"dh_pf{pf}"] = (jax.jit(lambda c, dg, w2, h, s, t, pf=pf: cute_gemm.dh(
-        dg, w2, h, s, t, over_h=False, h_prefetch=pf, **dataclasses.asdict(c)),
-        static_argnums=0), dh_args, dh_flops, dh_n)
-    rows[f"dh_gather_pf{pf}"] = (jax.jit(lambda c, g, w2, h, s, t, i, pf=pf: cute_gemm.dh(
-        g, w2, h, s, t, gather_index=i, over_h=False, h_prefetch=pf, **dataclasses.asdict(c)),
-        static_argnums=0), (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
   # the kernels that do not gather again as *_ws: a producer warpgroup issuing their TMA loads
   ws = lambda c: dict(warp_specialized=True, **dataclasses.asdict(c))
   ws_fns = {

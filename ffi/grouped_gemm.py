@@ -50,7 +50,6 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import jax
 import jax.numpy as jnp
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.experimental import primitives
 from cutlass.tensor_utils import LayoutEnum
 
 from ffi import xla_call
@@ -233,18 +232,6 @@ def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dty
       if tidx % 4 == 0:
         m_ds[n_tile, row0 + rows[(0, j, 0), m, 0][0]] = total
   return outs
-
-
-@cute.jit
-def _prefetch_h_rows(h_tiles, mma_tidx):
-  """One bulk L2 prefetch per MMA thread: row mma_tidx % BLOCK_M of H's gate tile (first
-  BLOCK_M threads) or up tile (the others), its block_n values being contiguous."""
-  row = mma_tidx % BLOCK_M
-  for half in cutlass.range_constexpr(2):
-    if mma_tidx // BLOCK_M == half:
-      values = h_tiles[half][row, None]
-      nbytes = cute.size(values) * values.element_type.width // 8
-      primitives.cp_async_bulk_prefetch(values.iterator, nbytes)
 
 
 @cute.jit
@@ -449,8 +436,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
-            out_m_major: cutlass.Constexpr, producer: cutlass.Constexpr,
-            h_prefetch: cutlass.Constexpr):
+            out_m_major: cutlass.Constexpr, producer: cutlass.Constexpr):
   swiglu = kind == "swiglu"
   # with a producer warpgroup (always when gathering) warpgroup 0 loads and warpgroups 1, 2
   # compute: their threads' and warps' indices in the MMA warpgroups (else those are the CTA's)
@@ -543,12 +529,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
           load_stage(loads, produce, operands, k_begin + produce.count)
           produce.advance()
 
-    if cutlass.const_expr(kind == "dh"):
-      h_tiles = [tile_of(m_h, c, 0, (1, 1, None)) for c in half_cols]
     for kk in cutlass.range(num_k, unroll=1):
-      if cutlass.const_expr(kind == "dh" and h_prefetch > 0):
-        if kk == cutlass.max(num_k - h_prefetch, 0):
-          _prefetch_h_rows(h_tiles, mma_tidx)
       loads.consumer_wait(consume)
       if cutlass.const_expr(gather):   # the gathered rows are generic-proxy writes
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -571,6 +552,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       outputs = outputs + [(tma_out2, m_out2_tma, m_out2, n_tile)]
     tiles = accs
     if cutlass.const_expr(kind == "dh"):   # dH's and A''s tiles in registers from H and scores
+      h_tiles = [tile_of(m_h, c, 0, (1, 1, None)) for c in half_cols]
       # each row's score broadcast along the tile's columns (stride 0)
       scores = cute.make_tensor(m_scores.iterator, cute.make_layout(
           (cute.size(m_scores), block_n, 1), stride=(1, 0, 0)))
@@ -619,22 +601,21 @@ def _gathered_up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute
 def _dh(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor, h: cute.Tensor,
         scores: cute.Tensor, dh: cute.Tensor, a_scaled: cute.Tensor, ds_parts: cute.Tensor,
         block_n: cutlass.Constexpr, stages: cutlass.Constexpr, register_store: cutlass.Constexpr,
-        warp_specialized: cutlass.Constexpr = False, h_prefetch: cutlass.Constexpr = 0):
+        warp_specialized: cutlass.Constexpr = False):
   """dOg (P, d, 1), w2 (n, d, E) K-major, H (P, 2n, 1), scores (P,), dH (P, 2n, 1), A' (P, n, 1),
   dS parts (n / block_n, P)."""
   _launch(stream, dout_g, w2, tile_expert, tile_expert, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", False, register_store, warp_specialized, h_prefetch)
+          block_n, stages, "dh", False, register_store, warp_specialized)
 
 
 @cute.jit
 def _gathered_dh(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor,
                  gather_index: cute.Tensor, h: cute.Tensor, scores: cute.Tensor, dh: cute.Tensor,
                  a_scaled: cute.Tensor, ds_parts: cute.Tensor, block_n: cutlass.Constexpr,
-                 stages: cutlass.Constexpr, register_store: cutlass.Constexpr,
-                 h_prefetch: cutlass.Constexpr = 0):
+                 stages: cutlass.Constexpr, register_store: cutlass.Constexpr):
   """_dh with dout (T, d, 1) the source rows and slot r reading dout[gather_index[r]]."""
   _launch(stream, dout, w2, tile_expert, gather_index, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", True, register_store, False, h_prefetch)
+          block_n, stages, "dh", True, register_store)
 
 
 @cute.jit
@@ -660,7 +641,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
-            warp_specialized: cutlass.Constexpr = False, h_prefetch: cutlass.Constexpr = 0):
+            warp_specialized: cutlass.Constexpr = False):
   """The grid over (output column tiles, M tiles[, experts]) and the kernel's static
   configuration. kind: "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs
   W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
@@ -670,7 +651,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   names (A's stages filled by a third, producer warpgroup: _produce_gathered). register_store
   (dh only): each thread stores its fragments from registers instead of the TMA-store
   epilogue. warp_specialized: a producer warpgroup issues the TMA loads of a kernel that does
-  not gather too (the MMA warpgroups' first warp otherwise). h_prefetch (dh): as dh's."""
+  not gather too (the MMA warpgroups' first warp otherwise)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
   num_rhs = 2 if swiglu else 1
@@ -728,8 +709,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   _kernel(tma_a, lhs if gather else m_a, tma_b, m_b, out, out2, tma_out, m_out_tma, tma_out2,
           m_out2_tma, m_h, m_scores, m_ds, tile_expert, gather_index, tiled_mma, a_smem_staged,
           b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage, block_n, stages,
-          stage_bytes, kind, gather, register_store, out_layout.is_m_major_c(), producer,
-          h_prefetch).launch(
+          stage_bytes, kind, gather, register_store, out_layout.is_m_major_c(), producer).launch(
               grid=(num_n_tiles, num_m_tiles, num_z),
               block=(THREADS + (128 if producer else 0), 1, 1), stream=stream)
 
@@ -858,7 +838,7 @@ def dh_unsupported(dout_g, w2, h, scores, block_n: int):
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None,
        tma_store: bool = False, gather_index=None, over_h: bool = True,
-       warp_specialized: bool = False, h_prefetch: int = 0):
+       warp_specialized: bool = False):
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
@@ -867,20 +847,14 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
   by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call).
-  warp_specialized (without gather_index): as grouped_matmul's. h_prefetch: the epilogue reads H's
-  tile from global memory; h_prefetch k steps before the mainloop ends each MMA thread asks L2
-  for one row of H's gate or up tile (_prefetch_h_rows), so that those reads hit L2 (0: never;
-  bitwise the same outputs)."""
+  warp_specialized (without gather_index): as grouped_matmul's."""
   reason = dh_unsupported(rows_read(dout_g, gather_index), w2, h, scores, block_n)
   if reason:
     raise ValueError(f"cute dh: {reason}")
-  if not isinstance(h_prefetch, int) or h_prefetch < 0:
-    raise ValueError(f"cute dh: h_prefetch must be an int >= 0 (k steps); got {h_prefetch!r}")
-  prefetch = dict(h_prefetch=h_prefetch) if h_prefetch else {}   # (0: the targets leave it out)
   stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, dout_g.shape[1] // BLOCK_K, stages)
   return dh_call((_dh, _gathered_dh), dout_g, w2, h, scores, tile_expert, gather_index,
                  over_h, block_n=block_n, stages=stages, register_store=not tma_store,
-                 **_warp_specialized_config(warp_specialized, gather_index), **prefetch)
+                 **_warp_specialized_config(warp_specialized, gather_index))
 
 
 def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: bool, *,

@@ -73,9 +73,6 @@ DH_KERNELS = ("registers", "tma_store", "pingpong")
 # session 12's sweep, ms, 256 vs 128 (each at its best stage count): 30B-n256 gathering dO
 # 2.600 vs 3.011; 7B-n256 0.737 vs 0.790; olmoe (dO gathered by XLA) 3.368 vs 3.509.
 DH_BLOCK_N = 256
-# dH's L2 prefetch of H's tile, this many k steps before its mainloop ends (grouped_gemm.dh's
-# h_prefetch; 0: none).
-DH_H_PREFETCH = 0
 # dH written over H's buffer (FFI operand aliasing: the backward then holds one [P, 2n] buffer
 # for both). Per-op timings of dh alone turn it off (benchmarks/kernels.py): with H an argument
 # of the timed program XLA would copy it first, which the layer's step never does.
@@ -166,7 +163,8 @@ STORE_WIDE_MIN_N = 2048
 # ... and where the output is at least STORE_WIDE_WS_MIN_N wide, with a producer warp issuing
 # the TMA loads (warp_specialized; bitwise the same). H200 session 15's sweep, ms, MMA
 # warpgroups loading vs the producer: 120B-n1024 (N 4096) dx_tilde 7.029 vs 6.445, down_proj
-# 3.492 vs 3.398; olmoe (N 2048) 3.140 vs 3.173 and 1.726 vs 1.751.
+# 3.492 vs 3.398; olmoe (N 2048) 3.140 vs 3.173 and 1.726 vs 1.751. The layer's kernels at
+# 120B-n1024: 33.77 -> 33.47 ms.
 STORE_WIDE_WS_MIN_N = 4096
 
 
@@ -232,8 +230,7 @@ def dh(dout, w2, h, scores, plan):
   else:
     dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
                                               tma_store=DH_KERNEL == "tma_store",
-                                              over_h=DH_OVER_H, h_prefetch=DH_H_PREFETCH,
-                                              **gather)
+                                              over_h=DH_OVER_H, **gather)
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
 
 

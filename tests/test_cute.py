@@ -345,8 +345,7 @@ def test_dh_over_h_can_be_turned_off(monkeypatch):
     ("weight_grad", 128, 3), ("weight_grad_gather", 128, None), ("weight_grad_gather", 256, 2),
     ("weight_grad_t", 256, None), ("weight_grad_gather_t", 128, 3), ("up_proj_gather", 128, None),
     ("dh_gather", 256, None), ("weight_grad_gather_t", 256, None), ("matmul_ws", 256, None),
-    ("up_proj_ws", 128, None), ("dh_ws", 256, None), ("weight_grad_ws", 256, 4),
-    ("dh_prefetch", 256, None), ("dh_gather_prefetch", 128, 3)])
+    ("up_proj_ws", 128, None), ("dh_ws", 256, None), ("weight_grad_ws", 256, 4)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
   from ffi import grouped_gemm
@@ -368,13 +367,6 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
         "dh": lambda a, b, t: grouped_gemm.dh(  # dOg [P, d], W2 [E, n, d], H [P, 2n], scores
             a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
             t, **kw),
-        "dh_prefetch": lambda a, b, t: grouped_gemm.dh(
-            a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
-            t, h_prefetch=8, **kw),
-        "dh_gather_prefetch": lambda a, b, t: grouped_gemm.dh(
-            a[:300], jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1),
-            a[:, 0].astype(jnp.float32), t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301,
-            h_prefetch=2, **kw),
         "dh_tma": lambda a, b, t: grouped_gemm.dh(
             a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
             t, tma_store=True, **kw),
@@ -825,32 +817,6 @@ def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,gather,h_prefetch", [(256, True, 8), (128, False, 2),
-                                                       (256, False, 16)])
-def test_cute_dh_h_prefetch_keeps_outputs_on_gpu(block_n, gather, h_prefetch):
-  """dH's L2 prefetch of H (h_prefetch k steps before the mainloop's end; experts of 10 k
-  steps, more or fewer than h_prefetch, and a tile past the last group) leaves dH, A' and the
-  dS parts bitwise the same."""
-  from ffi import grouped_gemm
-  T, d, n, E = 1000, 640, 256, 4
-  tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
-  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
-  keys = jax.random.split(jax.random.key(71), 5)
-  dout = jax.random.normal(keys[0], (T if gather else P, d)).astype(jnp.bfloat16)
-  w2 = (jax.random.normal(keys[1], (E, n, d)) / 16).astype(jnp.bfloat16)
-  h = jax.random.normal(keys[2], (P, 2 * n)).astype(jnp.bfloat16)
-  scores = jax.random.uniform(keys[3], (P,))
-  index = jax.random.randint(keys[4], (P,), 0, T) if gather else None
-  run = jax.jit(lambda pf: grouped_gemm.dh(dout, w2, h, scores, tile_expert, block_n=block_n,
-                                           gather_index=index, over_h=False, h_prefetch=pf),
-                static_argnums=0)
-  for g, w in zip(run(h_prefetch), run(0)):
-    assert np.any(np.asarray(w, np.float32) != 0)
-    np.testing.assert_array_equal(g, w)
-
-
-@pytest.mark.gpu
-@needs_cute
 @pytest.mark.parametrize("block_n,stages", [(128, None), (256, None), (128, 2), (256, 3)])
 def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n, stages):
   """Gathering X's rows in the weight-gradient kernel (rows are its contraction; padding slots:
@@ -936,11 +902,13 @@ def test_cute_weight_grad_stores_transposed_on_gpu(block_n, gather):
     ((1000, 512, 256, 16, 4), 2, "registers", CUTE_GEMMS),
     ((1000, 512, 1024, 16, 4), 8, "tma_store", CUTE_GEMMS),
     ((4096, 1536, 256, 128, 8), 2, "registers", "cute"),
-    ((1000, 2048, 1024, 16, 4), 8, "registers", "cute")])
+    ((1000, 2048, 1024, 16, 4), 8, "registers", "cute"),
+    ((512, 4096, 1024, 8, 2), 8, "registers", "cute")])
 def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_max_column_tiles, dh_kernel, backend,
                                      monkeypatch):
   """Every expert op on cute (dO's rows gathered by XLA, or by dh and dw2; dH's register or TMA
-  stores; at d 2048, n 1024 down_proj and dx_tilde on the wide store tiles), and backend "cute"
+  stores; at d 2048 and 4096, n 1024 down_proj and dx_tilde on the wide store tiles, at d 4096
+  their TMA loads by a producer warp), and backend "cute"
   for everything (its top-K too), against the xla backend: forward and all four gradients."""
   cute_ops = importlib.import_module("ffi.ops")
   monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", dout_gather_max_column_tiles)
