@@ -36,6 +36,7 @@
 #           loading, at 30B-n256 and 120B-n1024                                   (~6 min)
 #   dh_htma: the ping-pong dH with H TMA-loaded into SMEM (bitwise GPU tests, the sweep beside
 #           grouped_gemm's dH at four anchors, the layer with it at 7B-n256 and olmoe)  (~7 min)
+#   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
 #           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
@@ -126,6 +127,16 @@ for mode in "$@"; do
         timeout 150 python3 -m benchmarks.bench --configs 7B-n256,olmoe --impls auto \
           --cute-dh $dh --iters 5 --reps 3 --out "$OUT/bench_dh_$dh" 2>&1 | tail -6
       done ;;
+    ncu_dh)  # after `cute` staging: Nsight Compute on the dH kernels at 7B-n256 (grouped_gemm's
+             # at block_n 128 and 256, the ping-pong one at 128; every launch of the sweep) (~3 min)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 ncu --clock-control none -k regex:cutlass \
+        --launch-count 16 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section SchedulerStats --section Occupancy \
+        --section LaunchStats python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256 \
+        --stages 3 --block-n 128,256 --kernels dh_gather,dh_pingpong_gather --iters 1 --reps 1 \
+        > "$OUT/ncu_dh_7b.txt" 2>&1; echo "ncu: rc $?"
+      grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|L2 Cache Throughput|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occupancy|Stall" \
+        "$OUT/ncu_dh_7b.txt" | cut -c1-150 | head -90 ;;
     dout_gather)
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs olmoe,120B-n1024 \
         --stages 3,0 --block-n 256 --kernels dh,dh_gather,dw2,dw2_gather \
