@@ -34,8 +34,6 @@
 #   ws    : the kernels that do not gather with a producer warpgroup issuing their TMA loads
 #           (warp_specialized): bitwise GPU tests, then the sweep beside the MMA warpgroups
 #           loading, at 30B-n256 and 120B-n1024                                   (~6 min)
-#   dh_htma: the ping-pong dH with H TMA-loaded into SMEM (bitwise GPU tests, the sweep beside
-#           grouped_gemm's dH at four anchors, the layer with it at 7B-n256 and olmoe)  (~7 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
 #           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
@@ -110,23 +108,6 @@ for mode in "$@"; do
       timeout 100 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,120B-n1024 \
         --stages 0 --block-n 128 --out "$OUT/sweep_ws_up.json" --kernels up_proj,up_proj_ws \
         2>&1 | grep -v '^{' | grep -v "^config" ;;
-    dh_htma)  # after `cute` staging: the ping-pong dH with H TMA-loaded into SMEM: its bitwise
-              # tests, the sweep beside grouped_gemm's dH, the layer with it            (~7 min)
-      timeout 200 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "pingpong_dh_matches" > "$OUT/pytest_dh_htma.log" 2>&1
-      grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_dh_htma.log" | tail -12
-      for cfg in 7B-n256 olmoe 30B-n256 120B-n1024; do
-        timeout 100 python3 -m benchmarks.tile_sweep --impl cute --configs $cfg --stages 0 \
-          --block-n 256 --kernels dh_gather --out "$OUT/sweep_dh_$cfg.json" 2>&1 \
-          | grep -v '^{' | grep -v "^config"
-        timeout 100 python3 -m benchmarks.tile_sweep --impl cute --configs $cfg --stages 3 \
-          --block-n 128 --kernels dh_pingpong_gather,dh_pingpong_gather_htma \
-          --out "$OUT/sweep_dh_htma_$cfg.json" 2>&1 | grep -v '^{' | grep -v "^config"
-      done
-      for dh in registers pingpong_h_tma; do
-        timeout 150 python3 -m benchmarks.bench --configs 7B-n256,olmoe --impls auto \
-          --cute-dh $dh --iters 5 --reps 3 --out "$OUT/bench_dh_$dh" 2>&1 | tail -6
-      done ;;
     ncu_dh)  # after `cute` staging: Nsight Compute on the dH kernels at 7B-n256 (grouped_gemm's
              # at block_n 128 and 256, the ping-pong one at 128; every launch of the sweep) (~3 min)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 ncu --clock-control none -k regex:cutlass \

@@ -45,8 +45,6 @@ VARIANTS = [
     ("store pingpong tma bn128 fit", "matmul_pingpong_tma", 128, 0),
     ("dh pingpong bn128 fit", "dh_pingpong", 128, 0), ("dh pingpong bn64 fit", "dh_pingpong", 64, 0),
     ("dh pingpong gather bn128 fit", "dh_pingpong_gather", 128, 0),
-    ("dh pingpong h_tma bn128 fit", "dh_pingpong_h_tma", 128, 0),
-    ("dh pingpong gather h_tma bn128 fit", "dh_pingpong_gather_h_tma", 128, 0),
     ("up_proj pingpong bn64 fit", "up_proj_pingpong", 64, 0),
     ("store ws bn256 fit", "matmul_ws", 256, 0), ("up_proj ws bn128 fit", "up_proj_ws", 128, 0),
     ("dh ws bn256 fit", "dh_ws", 256, 0), ("wgrad ws bn256 fit", "wgrad_ws", 256, 0),
@@ -64,8 +62,6 @@ sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
 kw = dict(block_n=bn, stages=stages)
 if kernel.endswith("_ws"):   # a kernel that does not gather, warp-specialized
   kernel, kw["warp_specialized"] = kernel.removesuffix("_ws"), True
-if kernel.endswith("_h_tma"):   # the ping-pong dH with H TMA-loaded into SMEM
-  kernel, kw["h_tma"] = kernel.removesuffix("_h_tma"), True
 fn, args = {
     "matmul": (lambda a, b, t: g.grouped_matmul(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "up_proj": (lambda a, b, t: g.up_proj(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
@@ -144,12 +140,10 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
   from ffi import grouped_gemm as g, pingpong as pp
   num_rhs = 2 if kernel.startswith("up_proj") else 1
   if "pingpong" in kernel:
-    h_tma = kernel.endswith("_h_tma")
-    tma_store = kernel.endswith("_tma") and not h_tma
-    depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store, h_tma)
+    tma_store = kernel.endswith("_tma")
+    depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store)
     return (g.smem_bytes(block_n, num_rhs, 2, depth, rows=pp.TILE_M)
-            + (pp.epilogue_bytes(2) if tma_store else 0)
-            + (pp.h_buffer_bytes(block_n, 2) if h_tma else 0))
+            + (pp.epilogue_bytes(2) if tma_store else 0))
   depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None)
   return g.smem_bytes(block_n, num_rhs, 2, depth)
 

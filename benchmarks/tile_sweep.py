@@ -87,8 +87,7 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   """The CuTe DSL kernels' rows (_gemm_rows, dh, dh_tma: dh storing through the TMA-store
   epilogue, up_proj_pingpong, dh_pingpong, down_proj_pingpong and dx_tilde_pingpong (_tma: with
   the TMA-store epilogue): the ping-pong kernels (ffi/pingpong.py), dh_gather
-  and dh_pingpong_gather: dh gathering dO's rows in the kernel (dh_pingpong_htma,
-  dh_pingpong_gather_htma: H TMA-loaded into SMEM), dw1, dw1_gather: dW1 gathering X's
+  and dh_pingpong_gather: dh gathering dO's rows in the kernel, dw1, dw1_gather: dW1 gathering X's
   rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows; up_proj, down_proj,
   dx_tilde, dh, dw1 and dw2 again as *_ws, a producer warpgroup issuing their TMA loads; cfg a
   CuteTile)."""
@@ -129,13 +128,6 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dh_pingpong_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: pingpong.dh(
       g, w2, h, s, t, gather_index=i, over_h=False, **dataclasses.asdict(c)), static_argnums=0),
       (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
-  # the ping-pong dH with H TMA-loaded into SMEM
-  rows["dh_pingpong_htma"] = (jax.jit(lambda c, dg, w2, h, s, t: pingpong.dh(
-      dg, w2, h, s, t, over_h=False, h_tma=True, **dataclasses.asdict(c)), static_argnums=0),
-      dh_args, dh_flops, dh_n)
-  rows["dh_pingpong_gather_htma"] = (jax.jit(lambda c, g, w2, h, s, t, i: pingpong.dh(
-      g, w2, h, s, t, gather_index=i, over_h=False, h_tma=True, **dataclasses.asdict(c)),
-      static_argnums=0), (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
   _, (_, h, offsets), dw1_flops, _ = rows["dw1"]
   _, (a, _, _), dw2_flops, _ = rows["dw2"]
   rows["dh_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(

@@ -168,17 +168,11 @@ def _load_group(src):
   return frag.load()
 
 
-def h_sources(h_tiles, thr_mma):
-  """_dh_outputs's h_srcs for H's gate and up tiles in global memory: one chunk each."""
-  return [[thr_mma.partition_C(t)] for t in h_tiles]
-
-
 @cute.jit
-def _dh_outputs(acc, h_srcs, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dtype, out_tiles,
+def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dtype, out_tiles,
                 block_n: cutlass.Constexpr, tile_m: cutlass.Constexpr):
   """dH's epilogue math on acc = dA' = dO_e W2_e^T for H's gate and up tiles and each row's
-  score s (h_srcs: H's gate and up tiles, each a list of column chunks partitioned like acc:
-  in global memory one chunk, h_sources; in SMEM EPI_TILE-wide ones): register tiles (acc's layout, in dtype) of dH = dSwiGLU(s dA', H) (its gate and up
+  score s: register tiles (acc's layout, in dtype) of dH = dSwiGLU(s dA', H) (its gate and up
   tiles) and A' = s A with A = silu(gate) up, each stored straight to out_tiles as it is
   computed (register stores), or (out_tiles None) returned; writes this column tile's part of
   dS = rowsum(dA' A) to m_ds[n_tile, row] (fp32). The tile: tile_m rows from row row0.
@@ -191,11 +185,9 @@ def _dh_outputs(acc, h_srcs, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dtyp
   loaded DH_LOAD_AHEAD_WIDE (or _NARROW) groups before its math (a group's loads issued after
   the previous group's stores would each wait out a global load's latency); the scores, the
   same in every column (stride 0), once per m block."""
+  h_srcs = [thr_mma.partition_C(t) for t in h_tiles]
   s_src = thr_mma.partition_C(score_tile)
   groups = block_n // 8
-  chunk_groups = groups // len(h_srcs[0])   # column groups per chunk of H
-  h_group = lambda k, m: [src[k // chunk_groups][((None, None, k % chunk_groups), m, 0)]
-                          for src in h_srcs]
   wide = block_n > DH_TWO_CTAS_MAX_BLOCK_N
   load_ahead = min(DH_LOAD_AHEAD_WIDE if wide else DH_LOAD_AHEAD_NARROW, groups)
   outs = []
@@ -206,10 +198,11 @@ def _dh_outputs(acc, h_srcs, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dtyp
   row_sums.fill(0.0)
   for m in cutlass.range_constexpr(m_blocks):
     s = _group_fp32(s_src[((None, None, 0), m, 0)])
-    ahead = [[_load_group(src) for src in h_group(k, m)] for k in range(load_ahead)]
+    ahead = [[_load_group(src[((None, None, k), m, 0)]) for src in h_srcs]
+             for k in range(load_ahead)]
     for k in cutlass.range_constexpr(groups):
       if cutlass.const_expr(k + load_ahead < groups):
-        ahead.append([_load_group(src) for src in h_group(k + load_ahead, m)])
+        ahead.append([_load_group(src[((None, None, k + load_ahead), m, 0)]) for src in h_srcs])
       group = ((None, None, k), m, 0)
       gate, up = [v.to(cutlass.Float32) for v in ahead[k]]
       da = acc[group].load()
@@ -559,12 +552,12 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       outputs = outputs + [(tma_out2, m_out2_tma, m_out2, n_tile)]
     tiles = accs
     if cutlass.const_expr(kind == "dh"):   # dH's and A''s tiles in registers from H and scores
-      h_srcs = h_sources([tile_of(m_h, c, 0, (1, 1, None)) for c in half_cols], thr_mma)
+      h_tiles = [tile_of(m_h, c, 0, (1, 1, None)) for c in half_cols]
       # each row's score broadcast along the tile's columns (stride 0)
       scores = cute.make_tensor(m_scores.iterator, cute.make_layout(
           (cute.size(m_scores), block_n, 1), stride=(1, 0, 0)))
       register_tiles = [tile_of(t, c, out_l, (1, 1, None)) for _, _, t, c in outputs]
-      tiles = _dh_outputs(accs[0], h_srcs, tile_of(scores, 0, 0, (1, 1, None)), m_ds, thr_mma,
+      tiles = _dh_outputs(accs[0], h_tiles, tile_of(scores, 0, 0, (1, 1, None)), m_ds, thr_mma,
                           mma_tidx, m_tile * BLOCK_M, n_tile, m_out.element_type,
                           register_tiles if register_store else None, block_n, BLOCK_M)
     if cutlass.const_expr(not register_store):   # (register stores: dh only, done above)

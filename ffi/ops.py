@@ -65,10 +65,8 @@ DOUT_GATHER_MAX_COLUMN_TILES = 8
 # version was bitwise equal to "registers" but slower: 3.53 vs 2.78 ms at 30B-n256, session 9;
 # on 128-row tiles bitwise equal and as fast, session 10: 2.76 vs 2.75 ms, gathering dO 2.93 vs
 # 3.02, one sweep each: not enough to switch).
-# "pingpong_h_tma": the ping-pong kernel with H TMA-loaded into SMEM ahead of each tile's
-# mainloop (its epilogue's loads from SMEM; 3 ring stages at block_n 128).
 DH_KERNEL = "registers"
-DH_KERNELS = ("registers", "tma_store", "pingpong", "pingpong_h_tma")
+DH_KERNELS = ("registers", "tma_store", "pingpong")
 # dH's widest column tile (block_n: halved until it divides n). 256 (grouped_gemm's dh only; the
 # ping-pong dh takes at most 128) makes n = 256 one column tile, so each M tile reads (and
 # gathers) its dO rows once instead of twice (174 registers, no stack, one CTA per SM). H200
@@ -198,7 +196,7 @@ def down_proj(a, w2, plan):
 
 def _dh_block_n(n: int) -> int:
   """dH's column tile: DH_BLOCK_N (at most 128 on the ping-pong kernel), halved to divide n."""
-  widest = pingpong.widest_block_n(1) if DH_KERNEL.startswith("pingpong") else DH_BLOCK_N
+  widest = pingpong.widest_block_n(1) if DH_KERNEL == "pingpong" else DH_BLOCK_N
   return _wide_tile(n, min(DH_BLOCK_N, widest))
 
 
@@ -226,10 +224,9 @@ def dh(dout, w2, h, scores, plan):
     rows, gather = dout, dict(gather_index=plan.token_index)
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
-  if DH_KERNEL.startswith("pingpong"):
+  if DH_KERNEL == "pingpong":
     dh_, a_scaled, ds_parts = pingpong.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
-                                          over_h=DH_OVER_H, h_tma=DH_KERNEL == "pingpong_h_tma",
-                                          **gather)
+                                          over_h=DH_OVER_H, **gather)
   else:
     dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
                                               tma_store=DH_KERNEL == "tma_store",

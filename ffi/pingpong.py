@@ -65,25 +65,17 @@ EPILOGUE_BARRIER = 6        # named barriers 6 and 7: consumer 0's and 1's TMA-s
 MAX_STAGES = 8
 
 
-def h_buffer_bytes(block_n: int, itemsize: int) -> int:
-  """SMEM of dh's H buffers (h_tma): each consumer's H gate and up tiles, TILE_M x block_n."""
-  return 2 * 2 * TILE_M * block_n * itemsize
-
-
 def epilogue_bytes(itemsize: int) -> int:
   """SMEM of the TMA-store epilogue: EPI_STAGES EPI_TILE buffers for each consumer."""
   return 2 * grouped_gemm.EPI_STAGES * EPI_TILE[0] * EPI_TILE[1] * itemsize
 
 
-def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1, tma_store: bool = False,
-                    h_tma: bool = False) -> int:
+def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1, tma_store: bool = False) -> int:
   """The ring's deepest: stages of a [TILE_M, BLOCK_K] lhs tile and num_rhs [block_n,
-  BLOCK_K] rhs tiles that fit in SMEM (beside the epilogue's buffers with tma_store, dh's H
-  buffers with h_tma), at most MAX_STAGES."""
-  reserved = ((epilogue_bytes(itemsize) if tma_store else 0)
-              + (h_buffer_bytes(block_n, itemsize) if h_tma else 0))
-  return min(MAX_STAGES, grouped_gemm._stages_that_fit(block_n, num_rhs, itemsize, TILE_M,
-                                                       reserved))
+  BLOCK_K] rhs tiles that fit in SMEM (beside the epilogue's buffers with tma_store), at most
+  MAX_STAGES."""
+  return min(MAX_STAGES, grouped_gemm._stages_that_fit(
+      block_n, num_rhs, itemsize, TILE_M, epilogue_bytes(itemsize) if tma_store else 0))
 
 
 def widest_block_n(num_rhs: int) -> int:
@@ -108,53 +100,24 @@ def _register_outputs(accs, out_tiles, thr_mma, dtype, block_n: cutlass.Constexp
         cute.autovec_copy(frag, thr_mma.partition_C(out_tiles[q])[group])
 
 
-def _h_buffer(consumer, half: int, chunk: int, chunks: int):
-  """Index of consumer's H buffer (EPI_TILE) for column chunk `chunk` of H's gate (half 0) or
-  up (half 1) tile."""
-  return (consumer * 2 + half) * chunks + chunk
-
-
-@cute.jit
-def _load_h(h_loads, state, tma_h, h_tiles, s_h, chunks: cutlass.Constexpr):
-  """Warp 0 of the producer: H's gate and up tiles (h_tiles, of the TMA tensor) of the
-  consumer whose turn state.index is into its SMEM buffers by TMA, EPI_TILE at a time, once
-  that consumer released them; completes on the H pipeline's full barrier."""
-  h_loads.producer_acquire(state)
-  bar = h_loads.producer_get_barrier(state)
-  for half in cutlass.range_constexpr(2):
-    s_part, g_part = cpasync.tma_partition(tma_h, 0, cute.make_layout(1),
-                                           cute.group_modes(s_h, 0, 2),
-                                           cute.zipped_divide(h_tiles[half], EPI_TILE))
-    for j in cutlass.range_constexpr(chunks):
-      cute.copy(tma_h, g_part[None, (0, j)],
-                s_part[None, _h_buffer(state.index, half, j, chunks)], tma_bar_ptr=bar)
-  h_loads.producer_commit(state)
-
-
 @cute.kernel
 def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
             m_out: cute.Tensor, m_out2: cute.Tensor, m_h: cute.Tensor, m_scores: cute.Tensor,
             m_ds: cute.Tensor, tile_expert: cute.Tensor, gather_index: cute.Tensor,
             tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout, tma_out: cute.CopyAtom, m_out_tma: cute.Tensor,
-            c_smem_staged: cute.ComposedLayout, tma_h: cute.CopyAtom, m_h_tma: cute.Tensor,
-            h_smem_staged: cute.ComposedLayout, chunk_mma: cute.TiledMma,
-            num_experts: cutlass.Int32, shared_storage: cutlass.Constexpr,
-            block_n: cutlass.Constexpr, stages: cutlass.Constexpr, tx_bytes: cutlass.Constexpr,
-            kind: cutlass.Constexpr, gather: cutlass.Constexpr, tma_store: cutlass.Constexpr,
-            h_tma: cutlass.Constexpr):
+            c_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
+            shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
+            stages: cutlass.Constexpr, tx_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
+            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr):
   """kind "dh": m_a dOg (P, d, 1) by TMA, or with gather dO (T, d, 1) gathered by
   gather_index; m_b W2 (n, d, E), m_out dH, m_out2 A', m_h H, m_scores, m_ds dS parts. kind
   "swiglu" (gather always): m_a X (T, d, 1) gathered by gather_index, m_b W1 (2n, d, E) (its
   gate and up column tiles), m_out H, m_out2 A. kind "store": m_a lhs (P, K, 1) by TMA, m_b
   rhs (N, K, E), m_out = m_out2 out (P, N, 1) = lhs_e rhs_e, stored from registers or (tma_store)
   by the TMA-store epilogue (tma_out, m_out_tma: out's TMA atom and tensor; c_smem_staged: both
-  consumers' epilogue buffers). dh with h_tma: the producer's warp 0 TMA-loads each tile's H
-  gate and up tiles (tma_h, m_h_tma) into its consumer's SMEM buffers (h_smem_staged) ahead
-  of its mainloop, and the epilogue reads H there (partitioned by chunk_mma, the consumer's
-  wgmma on EPI_TILE's 64 columns) instead of from global memory. (Unused operands: m_h,
-  m_scores, m_ds outside dh; tma_out, m_out_tma, c_smem_staged without tma_store; tma_h,
-  m_h_tma, h_smem_staged, chunk_mma without h_tma.)"""
+  consumers' epilogue buffers). (Unused operands: m_h, m_scores, m_ds outside dh; tma_out,
+  m_out_tma, c_smem_staged without tma_store.)"""
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -176,16 +139,6 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   s_c = None
   if cutlass.const_expr(tma_store):   # consumer c's epilogue buffers: c * EPI_STAGES onwards
     s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
-  chunks = block_n // EPI_TILE[1]   # (h_tma) H's EPI_TILE-wide column chunks per tile half
-  s_h, h_loads = None, None
-  if cutlass.const_expr(h_tma):   # one stage per consumer: its tiles' H gate and up tiles
-    s_h = storage.s_h.get_tensor(h_smem_staged.outer, swizzle=h_smem_staged.inner)
-    h_loads = pipeline.PipelineTmaAsync.create(
-        barrier_storage=storage.h_barriers.data_ptr(), num_stages=2,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 // 32),
-        tx_count=2 * TILE_M * block_n * m_h.element_type.width // 8,
-        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
   loads = pipeline.PipelineTmaAsync.create(   # (initialises the barriers, then syncs the CTA)
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
       # a full barrier completes on the TMA bytes and, gathering, every producer thread's copies
@@ -202,16 +155,9 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
         if cutlass.const_expr(not gather):
           cpasync.prefetch_descriptor(tma_a)
       produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-      h_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
       for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
         rows, cols = t // num_n_tiles, t % num_n_tiles
         owner = tile_expert[rows]
-        if cutlass.const_expr(h_tma):   # every tile's H (its consumer's epilogue reads it)
-          if warp == 0:
-            h_tiles = [cute.local_tile(m_h_tma, tile_mnk, (rows, c, None, 0), proj=(1, 1, None))
-                       for c in (cols, cols + num_n_tiles)]
-            _load_h(h_loads, h_produce, tma_h, h_tiles, s_h, chunks)
-            h_produce.advance()
         if owner < num_experts:
           rhs_cols = [cols, cols + num_n_tiles] if cutlass.const_expr(swiglu) else [cols]
           operands = [grouped_gemm.tma_operand(tma_b, sb, cute.local_tile(
@@ -234,8 +180,6 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
               produce.advance()
       if warp == 0:
         loads.producer_tail(produce)
-        if cutlass.const_expr(h_tma):
-          h_loads.producer_tail(h_produce)
   else:
     cute.arch.setmaxregister_increase(consumer_regs)
     me = role - 1
@@ -251,7 +195,6 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
         (cute.size(m_scores), block_n, 1), stride=(1, 0, 0)))
     consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    h_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
     i = cutlass.Int32(0)   # the tile's place among the CTA's tiles
     for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
       rows, cols = t // num_n_tiles, t % num_n_tiles
@@ -297,23 +240,9 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
           if cutlass.const_expr(swiglu):
             _register_outputs(accs, outs, thr_mma, m_out.element_type, block_n, True)
           else:
-            h_srcs = grouped_gemm.h_sources([tile_of(m_h, c) for c in halves], thr_mma)
-            if cutlass.const_expr(h_tma):   # H from this consumer's SMEM buffers
-              h_loads.consumer_wait(h_consume)
-              thr_chunk = chunk_mma.get_slice(wg_tidx)
-              # (its buffers by the H stage's index, = me: an address that changes by tile,
-              # which ptxas cannot hoist out of the tile loop, where 64 of them spilled)
-              buffer = lambda half, j: _h_buffer(h_consume.index, half, j, chunks)
-              h_srcs = [[thr_chunk.partition_C(s_h[None, None, buffer(half, j)])
-                         for j in range(chunks)] for half in range(2)]
             grouped_gemm._dh_outputs(
-                accs[0], h_srcs, tile_of(scores, 0), m_ds, thr_mma,
+                accs[0], [tile_of(m_h, c) for c in halves], tile_of(scores, 0), m_ds, thr_mma,
                 wg_tidx, rows * TILE_M, cols, m_out.element_type, outs, block_n, TILE_M)
-            if cutlass.const_expr(h_tma):   # every lane's reads of H done: release the buffers
-              cute.arch.sync_warp()
-              h_loads.consumer_release(h_consume)
-      if cutlass.const_expr(h_tma):   # (H's stages go by the CTA's tiles, as the ring's)
-        h_consume.advance()
       i += 1
 
 
@@ -321,8 +250,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr = False,
-            h_tma: cutlass.Constexpr = False):
+            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr = False):
   """The persistent grid and the kernel's static configuration (see _kernel's operands)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
@@ -351,17 +279,6 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(
       cpasync.CopyBulkTensorTileS2GOp(), out, cute.slice_(c_smem_staged, (None, None, 0)),
       EPI_TILE)
-  # dh's H buffers (h_tma): each consumer's gate and up tiles as EPI_TILE column chunks, their
-  # TMA atom, and one consumer wgmma on EPI_TILE's columns to partition a chunk like the
-  # accumulator's columns (made for every kind: the kernel takes them, unused elsewhere)
-  h_smem_staged = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, EPI_TILE,
-                                                  4 * (block_n // EPI_TILE[1]))
-  tma_h, m_h_tma = cpasync.make_tiled_tma_atom(
-      cpasync.CopyBulkTensorTileG2SOp(), m_h, cute.slice_(h_smem_staged, (None, None, 0)),
-      EPI_TILE)
-  chunk_mma = sm90_utils.make_trivial_tiled_mma(
-      dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-      cutlass.Float32, (1, 1, 1), tiler_mn=(MMA_M, EPI_TILE[1]))
 
   @cute.struct
   class SharedStorage:
@@ -377,14 +294,6 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
     s_c: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(c_smem_staged)], 1024]
 
   @cute.struct
-  class DhSharedStorage:   # with h_tma
-    barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
-    h_barriers: cute.struct.MemRange[cutlass.Int64, 2 * 2]
-    s_a: cute.struct.Align[cute.struct.MemRange[dtype, a_elems], 1024]
-    s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
-    s_h: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(h_smem_staged)], 1024]
-
-  @cute.struct
   class SwigluSharedStorage:
     barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
     s_a: cute.struct.Align[cute.struct.MemRange[dtype, a_elems], 1024]
@@ -397,36 +306,33 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   if cutlass.const_expr(not gather):
     tx_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   num_tiles = cute.size(out2, mode=[0]) // TILE_M * (cute.size(out2, mode=[1]) // block_n)
-  storage = (SwigluSharedStorage if swiglu else StoreSharedStorage if tma_store
-             else DhSharedStorage if h_tma else SharedStorage)
+  storage = SwigluSharedStorage if swiglu else StoreSharedStorage if tma_store else SharedStorage
   _kernel(tma_a, m_a, tma_b, m_b, out, out2, m_h, m_scores, m_ds, tile_expert, gather_index,
-          tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma, c_smem_staged, tma_h,
-          m_h_tma, h_smem_staged, chunk_mma, cute.size(rhs, mode=[2]), storage, block_n, stages,
-          tx_bytes, kind, gather, tma_store, h_tma).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
+          tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma, c_smem_staged,
+          cute.size(rhs, mode=[2]), storage, block_n, stages, tx_bytes, kind, gather,
+          tma_store).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
                        stream=stream)
 
 
 @cute.jit
 def _dh_pingpong(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor,
                  h: cute.Tensor, scores: cute.Tensor, dh: cute.Tensor, a_scaled: cute.Tensor,
-                 ds_parts: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                 h_tma: cutlass.Constexpr = False):
+                 ds_parts: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
   """dOg (P, d, 1), w2 (n, d, E) K-major, H (P, 2n, 1), scores (P,), dH (P, 2n, 1), A' (P, n, 1),
   dS parts (n / block_n, P): the operands of grouped_gemm._dh."""
   _launch(stream, dout_g, w2, tile_expert, tile_expert, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", False, False, h_tma)
+          block_n, stages, "dh", False)
 
 
 @cute.jit
 def _gathered_dh_pingpong(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor,
                           gather_index: cute.Tensor, h: cute.Tensor, scores: cute.Tensor,
                           dh: cute.Tensor, a_scaled: cute.Tensor, ds_parts: cute.Tensor,
-                          block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                          h_tma: cutlass.Constexpr = False):
+                          block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
   """_dh_pingpong with dO (T, d, 1) the source rows, slot r reading dO[gather_index[r]]: the
   operands of grouped_gemm._gathered_dh."""
   _launch(stream, dout, w2, tile_expert, gather_index, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", True, False, h_tma)
+          block_n, stages, "dh", True)
 
 
 @cute.jit
@@ -449,16 +355,16 @@ def _up_proj_pingpong(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute
 
 
 def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str,
-                tma_store: bool = False, h_tma: bool = False) -> int:
+                tma_store: bool = False) -> int:
   """block_n within the accumulators' registers (widest_block_n) and the ring's depth:
-  `stages`, or as many as fit (beside the TMA-store epilogue's buffers with tma_store, dh's H
-  buffers with h_tma); ValueError naming the limit."""
+  `stages`, or as many as fit (beside the TMA-store epilogue's buffers with tma_store);
+  ValueError naming the limit."""
   widest = widest_block_n(num_rhs)
   if block_n > widest:
     raise ValueError(f"cute ping-pong {name}: block_n={block_n} is wider than {widest} (its "
                      f"{num_rhs} accumulator(s) of {TILE_M} x block_n fp32 in "
                      f"{MAX_ACCUMULATOR_REGISTERS} registers per consumer thread)")
-  fit = stages_that_fit(block_n, itemsize, num_rhs, tma_store, h_tma)
+  fit = stages_that_fit(block_n, itemsize, num_rhs, tma_store)
   if stages is None:
     return fit
   if not 2 <= stages <= fit:
@@ -497,7 +403,7 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None,
-       gather_index=None, over_h: bool = True, h_tma: bool = False):
+       gather_index=None, over_h: bool = True):
   """grouped_gemm.dh (register stores) on the ping-pong schedule: the same operands and
   outputs; with gather_index [P], dout_g is dO [T, d] and the producer warpgroup gathers slot
   r's row dO[gather_index[r]] by cp.async (zeros where it is T or more), as up_proj gathers X.
@@ -506,18 +412,14 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
   it gives grouped_gemm.dh's bits; at 30B-n256, block_n 128, 3 stages it took 2.76 ms (dOg's
   rows read in slot order; grouped_gemm.dh 2.75 with as many stages as fit) and 2.93 gathering
   dO (grouped_gemm.dh 3.02), session 10 (its 64-row-tile version, session 9: 3.53 vs 2.78).
-  over_h: dH written over H's buffer (grouped_gemm.dh_call). h_tma: the producer TMA-loads each
-  tile's H into SMEM ahead of its mainloop, the epilogue reading it there (fewer ring stages
-  fit: 3 at block_n 128); bitwise the same outputs."""
+  over_h: dH written over H's buffer (grouped_gemm.dh_call)."""
   reason = grouped_gemm.dh_unsupported(grouped_gemm.rows_read(dout_g, gather_index), w2, h,
                                        scores, block_n)
   if reason:
     raise ValueError(f"cute ping-pong dh: {reason}")
-  stages = _check_tile(block_n, dout_g.dtype.itemsize, 1, stages, "dh", h_tma=h_tma)
-  option = dict(h_tma=True) if h_tma else {}   # (off: the targets leave it out)
+  stages = _check_tile(block_n, dout_g.dtype.itemsize, 1, stages, "dh")
   return grouped_gemm.dh_call((_dh_pingpong, _gathered_dh_pingpong), dout_g, w2, h, scores,
-                              tile_expert, gather_index, over_h, block_n=block_n, stages=stages,
-                              **option)
+                              tile_expert, gather_index, over_h, block_n=block_n, stages=stages)
 
 
 def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | None = None):

@@ -575,14 +575,6 @@ def test_cute_pingpong_dh_compiles_for_cuda(block_n, stages):
   fn = lambda g, w, h, s, t, i: pingpong.dh(g, w, h, s, t, block_n=block_n, stages=stages,
                                             gather_index=i)
   assert FFI_TARGET in _cuda_module(fn, *gathered)
-  # H TMA-loaded into SMEM: its buffers leave fewer stages
-  fn = lambda *a: pingpong.dh(*a, block_n=block_n, h_tma=True)
-  assert FFI_TARGET in _cuda_module(fn, *shapes)
-  fit_h = pingpong.stages_that_fit(block_n, 2, h_tma=True)
-  assert fit_h < fit
-  with pytest.raises(ValueError, match=f"stages={fit_h + 1} must be between 2 and {fit_h}"):
-    jax.eval_shape(lambda *a: pingpong.dh(*a, block_n=block_n, stages=fit_h + 1, h_tma=True),
-                   *shapes)
 
 
 @needs_cute
@@ -752,16 +744,13 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("num_tiles,block_n,gather,h_tma", [
-    (4, 128, False, False), (80, 128, False, False), (81, 64, False, False),
-    (81, 128, True, False), (4, 64, True, False), (4, 128, False, True), (80, 128, False, True),
-    (81, 64, False, True), (81, 128, True, True), (300, 128, True, True)])
-def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n, gather, h_tma):
+@pytest.mark.parametrize("num_tiles,block_n,gather", [
+    (4, 128, False), (80, 128, False), (81, 64, False), (81, 128, True), (4, 64, True)])
+def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n, gather):
   """The ping-pong schedule gives grouped_gemm.dh's bits, reading dOg or gathering dO's rows
-  (padding slots among them), H read from global memory or (h_tma) TMA-loaded into SMEM: M
-  tiles of experts with and without rows and past the last group; fewer work tiles than CTAs
-  (one consumer busy), and several per CTA (both consumers, an odd count: the turn handed
-  over to no one at the end; 300 tiles: each consumer's H buffers refilled more than once)."""
+  (padding slots among them): M tiles of experts with and without rows and past the last
+  group; fewer work tiles than CTAs (one consumer busy), and several per CTA (both consumers,
+  an odd count: the turn handed over to no one at the end)."""
   from ffi import grouped_gemm, pingpong
   T, E, d, n = 1000, 5, 384, 256
   tile_expert = jnp.sort(jax.random.randint(jax.random.key(61), (num_tiles,), 0, E + 1))
@@ -776,7 +765,7 @@ def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n, gather, h_tma):
   index = {}
   if gather:
     index = dict(gather_index=jax.random.randint(keys[4], (P,), 0, T).at[::7].set(T))
-  got = jax.jit(lambda *a: pingpong.dh(*a, block_n=block_n, h_tma=h_tma, **index))(
+  got = jax.jit(lambda *a: pingpong.dh(*a, block_n=block_n, **index))(
       dout, w2, h, scores, tile_expert)
   want = jax.jit(lambda *a: grouped_gemm.dh(*a, block_n=block_n, **index))(
       dout, w2, h, scores, tile_expert)
