@@ -331,6 +331,9 @@ def main(argv=None):
                  help="cute dh's kernel variant (default: ffi/ops.py DH_KERNEL)")
   p.add_argument("--cute-dh-block-n", type=int, choices=(64, 128, 256),
                  help="cute dh's widest column tile (default: ffi/ops.py DH_BLOCK_N)")
+  p.add_argument("--cute-dh-h-smem", choices=("on", "off"),
+                 help="cute dh's epilogue reads H from SMEM, TMA-loaded after the mainloop "
+                      "(default: ffi/ops.py DH_H_SMEM)")
   p.add_argument("--cute-up-proj", choices=("grouped", "pingpong"),
                  help="cute up_proj's kernel variant (default: ffi/ops.py UP_PROJ_KERNEL)")
   p.add_argument("--cute-store", choices=("grouped", "pingpong", "pingpong_tma"),
@@ -348,6 +351,8 @@ def main(argv=None):
                        UP_PROJ_KERNEL=a.cute_up_proj, STORE_KERNEL=a.cute_store,
                        STORE_WIDE_MIN_K=a.cute_store_wide_min_k,
                        STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n)
+  if a.cute_dh_h_smem:
+    cute_settings["DH_H_SMEM"] = a.cute_dh_h_smem == "on"
   if a.cute_dout_gather:
     cute_settings["DOUT_GATHER_MAX_COLUMN_TILES"] = 0 if a.cute_dout_gather == "xla" else 1 << 30
   cute_settings = {k: v for k, v in cute_settings.items() if v is not None}

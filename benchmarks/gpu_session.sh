@@ -34,6 +34,8 @@
 #   ws    : the kernels that do not gather with a producer warpgroup issuing their TMA loads
 #           (warp_specialized): bitwise GPU tests, then the sweep beside the MMA warpgroups
 #           loading, at 30B-n256 and 120B-n1024                                   (~6 min)
+#   dh_hsmem: dH's epilogue reading H from SMEM (TMA-loaded after the mainloop): tests, sweep
+#           at four anchors, ncu at 7B-n256, the layer at 7B-n256 and olmoe           (~8 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
 #           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
@@ -108,6 +110,26 @@ for mode in "$@"; do
       timeout 100 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,120B-n1024 \
         --stages 0 --block-n 128 --out "$OUT/sweep_ws_up.json" --kernels up_proj,up_proj_ws \
         2>&1 | grep -v '^{' | grep -v "^config" ;;
+    dh_hsmem)  # after `cute` staging: dH's epilogue reading H from SMEM (TMA-loaded after the
+               # mainloop): bitwise tests, the sweep beside reading it from global memory at
+               # four anchors, Nsight Compute's view at 7B-n256, the layer        (~8 min)
+      timeout 200 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
+        -k "h_smem" > "$OUT/pytest_dh_hsmem.log" 2>&1
+      grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_dh_hsmem.log" | tail -8
+      timeout 240 python3 -m benchmarks.tile_sweep --impl cute \
+        --configs 7B-n256,olmoe,30B-n256,120B-n1024 --stages 0 --block-n 256 \
+        --kernels dh_gather,dh_gather_hsmem,dh,dh_hsmem,dh_tma,dh_tma_hsmem \
+        --out "$OUT/sweep_dh_hsmem.json" 2>&1 | grep -v '^{' | grep -v "^config"
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k regex:cutlass \
+        --launch-count 4 --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+        python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256 --stages 0 --block-n 256 \
+        --kernels dh_gather_hsmem --iters 1 --reps 1 > "$OUT/ncu_dh_hsmem.txt" 2>&1
+      grep -E "Duration|Compute \(SM\) Throughput|DRAM Throughput|excessive sectors" \
+        "$OUT/ncu_dh_hsmem.txt" | tail -5
+      for on in off on; do
+        timeout 150 python3 -m benchmarks.bench --configs 7B-n256,olmoe --impls auto \
+          --cute-dh-h-smem $on --iters 5 --reps 3 --out "$OUT/bench_dh_hsmem_$on" 2>&1 | tail -6
+      done ;;
     ncu_dh)  # after `cute` staging: Nsight Compute on the dH kernels at 7B-n256 (grouped_gemm's
              # at block_n 128 and 256, the ping-pong one at 128; every launch of the sweep) (~3 min)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 ncu --clock-control none -k regex:cutlass \

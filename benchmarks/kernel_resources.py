@@ -38,6 +38,8 @@ VARIANTS = [
     ("dh bn64 fit", "dh", 64, 0), ("dh bn128 fit", "dh", 128, 0), ("dh bn128 st3", "dh", 128, 3),
     ("dh bn256 fit", "dh", 256, 0), ("dh tma bn128 fit", "dh_tma", 128, 0),
     ("dh gather bn128 fit", "dh_gather", 128, 0), ("dh gather bn256 fit", "dh_gather", 256, 0),
+    ("dh h_smem bn256 fit", "dh_h_smem", 256, 0),
+    ("dh gather h_smem bn256 fit", "dh_gather_h_smem", 256, 0),
     ("wgrad bn128 st3", "wgrad", 128, 3),
     ("wgrad bn256 fit", "wgrad", 256, 0), ("wgrad gather bn128 st3", "wgrad_gather", 128, 3),
     ("wgrad gather bn256 fit", "wgrad_gather", 256, 0),
@@ -60,6 +62,8 @@ P = K = k_steps * g.BLOCK_K
 N, E = 512, 4
 sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
 kw = dict(block_n=bn, stages=stages)
+if kernel.endswith("_h_smem"):   # dh's epilogue reading H from SMEM
+  kernel, kw["h_smem"] = kernel.removesuffix("_h_smem"), True
 if kernel.endswith("_ws"):   # a kernel that does not gather, warp-specialized
   kernel, kw["warp_specialized"] = kernel.removesuffix("_ws"), True
 fn, args = {

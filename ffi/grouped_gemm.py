@@ -73,6 +73,9 @@ DH_TWO_CTAS_MAX_BLOCK_N = 128
 # 8 (block_n 256: 174 -> 210 registers); two-CTA ones 2, where 8 took block_n 128 from 112 to
 # 146 registers, no longer two CTAs per SM, and spilled in the ping-pong dH.
 DH_LOAD_AHEAD_WIDE, DH_LOAD_AHEAD_NARROW = 8, 2
+# dh(h_smem=True): H's gate and up tiles (2 x BLOCK_M x block_n) over the rhs stages (stages x
+# block_n x BLOCK_K) need this many
+H_SMEM_MIN_STAGES = 2 * BLOCK_M // BLOCK_K
 WGMMA_MAX_N = 256           # the widest N of one Hopper wgmma: dH's widest column tile
 GATHER_CHUNKS = BLOCK_K * 2 // 16                      # 16-byte cp.async chunks per bf16 row
 GATHER_ROWS_PER_THREAD = (BLOCK_M // WARPGROUPS) * GATHER_CHUNKS // 128
@@ -168,11 +171,17 @@ def _load_group(src):
   return frag.load()
 
 
+def h_sources(h_tiles, thr_mma):
+  """_dh_outputs's h_srcs for H's gate and up tiles in global memory: one chunk each."""
+  return [[thr_mma.partition_C(t)] for t in h_tiles]
+
+
 @cute.jit
-def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dtype, out_tiles,
+def _dh_outputs(acc, h_srcs, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dtype, out_tiles,
                 block_n: cutlass.Constexpr, tile_m: cutlass.Constexpr):
-  """dH's epilogue math on acc = dA' = dO_e W2_e^T for H's gate and up tiles and each row's
-  score s: register tiles (acc's layout, in dtype) of dH = dSwiGLU(s dA', H) (its gate and up
+  """dH's epilogue math on acc = dA' = dO_e W2_e^T for H's gate and up tiles (h_srcs: each a
+  list of its column chunks, partitioned like acc's columns: in global memory one chunk,
+  h_sources; in SMEM EPI_TILE-wide ones, _h_smem_sources) and each row's score s: register tiles (acc's layout, in dtype) of dH = dSwiGLU(s dA', H) (its gate and up
   tiles) and A' = s A with A = silu(gate) up, each stored straight to out_tiles as it is
   computed (register stores), or (out_tiles None) returned; writes this column tile's part of
   dS = rowsum(dA' A) to m_ds[n_tile, row] (fp32). The tile: tile_m rows from row row0.
@@ -185,9 +194,11 @@ def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dty
   loaded DH_LOAD_AHEAD_WIDE (or _NARROW) groups before its math (a group's loads issued after
   the previous group's stores would each wait out a global load's latency); the scores, the
   same in every column (stride 0), once per m block."""
-  h_srcs = [thr_mma.partition_C(t) for t in h_tiles]
   s_src = thr_mma.partition_C(score_tile)
   groups = block_n // 8
+  chunk_groups = groups // len(h_srcs[0])   # column groups per chunk of H
+  h_group = lambda k, m: [src[k // chunk_groups][((None, None, k % chunk_groups), m, 0)]
+                          for src in h_srcs]
   wide = block_n > DH_TWO_CTAS_MAX_BLOCK_N
   load_ahead = min(DH_LOAD_AHEAD_WIDE if wide else DH_LOAD_AHEAD_NARROW, groups)
   outs = []
@@ -198,11 +209,10 @@ def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dty
   row_sums.fill(0.0)
   for m in cutlass.range_constexpr(m_blocks):
     s = _group_fp32(s_src[((None, None, 0), m, 0)])
-    ahead = [[_load_group(src[((None, None, k), m, 0)]) for src in h_srcs]
-             for k in range(load_ahead)]
+    ahead = [[_load_group(src) for src in h_group(k, m)] for k in range(load_ahead)]
     for k in cutlass.range_constexpr(groups):
       if cutlass.const_expr(k + load_ahead < groups):
-        ahead.append([_load_group(src[((None, None, k + load_ahead), m, 0)]) for src in h_srcs])
+        ahead.append([_load_group(src) for src in h_group(k + load_ahead, m)])
       group = ((None, None, k), m, 0)
       gate, up = [v.to(cutlass.Float32) for v in ahead[k]]
       da = acc[group].load()
@@ -232,6 +242,30 @@ def _dh_outputs(acc, h_tiles, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dty
       if tidx % 4 == 0:
         m_ds[n_tile, row0 + rows[(0, j, 0), m, 0][0]] = total
   return outs
+
+
+@cute.jit
+def _load_h_tile(tma_h, h_tiles, s_h, bar, nbytes: cutlass.Constexpr):
+  """The leader warp: H's gate and up tiles (h_tiles, of H's TMA tensor) into s_h's EPI_TILE
+  buffers (gate chunks first) by TMA, completing on mbarrier `bar` (nbytes in all)."""
+  with cute.arch.elect_one():
+    cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
+  chunks = cute.size(h_tiles[0], mode=[1]) // EPI_TILE[1]
+  for half in cutlass.range_constexpr(2):
+    s_part, g_part = cpasync.tma_partition(tma_h, 0, cute.make_layout(1),
+                                           cute.group_modes(s_h, 0, 2),
+                                           cute.zipped_divide(h_tiles[half], EPI_TILE))
+    for j in cutlass.range_constexpr(chunks):
+      cute.copy(tma_h, g_part[None, (0, j)], s_part[None, half * chunks + j], tma_bar_ptr=bar)
+
+
+def _h_smem_sources(s_h, chunk_mma, tidx, chunks: int):
+  """_dh_outputs's h_srcs for H's gate and up tiles in s_h's EPI_TILE buffers (gate chunks
+  first), partitioned by chunk_mma (the kernel's wgmma on EPI_TILE's columns: a thread's
+  values of a chunk are its accumulator's values of those columns)."""
+  thr = chunk_mma.get_slice(tidx)
+  return [[thr.partition_C(s_h[None, None, half * chunks + j]) for j in range(chunks)]
+          for half in range(2)]
 
 
 @cute.jit
@@ -429,14 +463,16 @@ def _produce_gathered(loads, rhs_operands, x, gather_index, s_a, num_k, m_tile, 
 def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
             m_out: cute.Tensor, m_out2: cute.Tensor, tma_out: cute.CopyAtom,
             m_out_tma: cute.Tensor, tma_out2: cute.CopyAtom, m_out2_tma: cute.Tensor,
-            m_h: cute.Tensor, m_scores: cute.Tensor, m_ds: cute.Tensor,
+            m_h: cute.Tensor, m_scores: cute.Tensor, m_ds: cute.Tensor, tma_h: cute.CopyAtom,
+            m_h_tma: cute.Tensor, h_smem_staged: cute.ComposedLayout, chunk_mma: cute.TiledMma,
             tile_expert: cute.Tensor, gather_index: cute.Tensor, tiled_mma: cute.TiledMma,
             a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
             c_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
-            out_m_major: cutlass.Constexpr, producer: cutlass.Constexpr):
+            out_m_major: cutlass.Constexpr, producer: cutlass.Constexpr,
+            h_smem: cutlass.Constexpr):
   swiglu = kind == "swiglu"
   # with a producer warpgroup (always when gathering) warpgroup 0 loads and warpgroups 1, 2
   # compute: their threads' and warps' indices in the MMA warpgroups (else those are the CTA's)
@@ -478,7 +514,11 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
   s_bs = [buf.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
           for buf in ([storage.s_b, storage.s_b2] if cutlass.const_expr(swiglu) else [storage.s_b])]
-  loads = pipeline.PipelineTmaAsync.create(
+  h_bar = storage.barriers.data_ptr() + 2 * stages   # (h_smem) H's tile landed
+  if cutlass.const_expr(h_smem):
+    if tidx == 0:
+      cute.arch.mbarrier_init(h_bar, 1)
+  loads = pipeline.PipelineTmaAsync.create(   # (fences the barriers' init, then syncs the CTA)
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
       # a full barrier completes on the TMA bytes and, gathering, every producer thread's
       # copies (PRODUCER_ARRIVALS)
@@ -557,7 +597,17 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       scores = cute.make_tensor(m_scores.iterator, cute.make_layout(
           (cute.size(m_scores), block_n, 1), stride=(1, 0, 0)))
       register_tiles = [tile_of(t, c, out_l, (1, 1, None)) for _, _, t, c in outputs]
-      tiles = _dh_outputs(accs[0], h_tiles, tile_of(scores, 0, 0, (1, 1, None)), m_ds, thr_mma,
+      h_srcs = h_sources(h_tiles, thr_mma)
+      if cutlass.const_expr(h_smem):   # H's tile by TMA over rhs's stages, once all are read
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
+        s_h = cute.make_tensor(cute.recast_ptr(s_bs[0].iterator, h_smem_staged.inner,
+                                               dtype=m_h.element_type), h_smem_staged.outer)
+        if leader:
+          _load_h_tile(tma_h, [tile_of(m_h_tma, c, 0, (1, 1, None)) for c in half_cols], s_h,
+                       h_bar, 2 * BLOCK_M * block_n * m_h.element_type.width // 8)
+        cute.arch.mbarrier_wait(h_bar, 0)
+        h_srcs = _h_smem_sources(s_h, chunk_mma, mma_tidx, block_n // EPI_TILE[1])
+      tiles = _dh_outputs(accs[0], h_srcs, tile_of(scores, 0, 0, (1, 1, None)), m_ds, thr_mma,
                           mma_tidx, m_tile * BLOCK_M, n_tile, m_out.element_type,
                           register_tiles if register_store else None, block_n, BLOCK_M)
     if cutlass.const_expr(not register_store):   # (register stores: dh only, done above)
@@ -601,21 +651,22 @@ def _gathered_up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute
 def _dh(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor, h: cute.Tensor,
         scores: cute.Tensor, dh: cute.Tensor, a_scaled: cute.Tensor, ds_parts: cute.Tensor,
         block_n: cutlass.Constexpr, stages: cutlass.Constexpr, register_store: cutlass.Constexpr,
-        warp_specialized: cutlass.Constexpr = False):
+        warp_specialized: cutlass.Constexpr = False, h_smem: cutlass.Constexpr = False):
   """dOg (P, d, 1), w2 (n, d, E) K-major, H (P, 2n, 1), scores (P,), dH (P, 2n, 1), A' (P, n, 1),
   dS parts (n / block_n, P)."""
   _launch(stream, dout_g, w2, tile_expert, tile_expert, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", False, register_store, warp_specialized)
+          block_n, stages, "dh", False, register_store, warp_specialized, h_smem)
 
 
 @cute.jit
 def _gathered_dh(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor,
                  gather_index: cute.Tensor, h: cute.Tensor, scores: cute.Tensor, dh: cute.Tensor,
                  a_scaled: cute.Tensor, ds_parts: cute.Tensor, block_n: cutlass.Constexpr,
-                 stages: cutlass.Constexpr, register_store: cutlass.Constexpr):
+                 stages: cutlass.Constexpr, register_store: cutlass.Constexpr,
+                 h_smem: cutlass.Constexpr = False):
   """_dh with dout (T, d, 1) the source rows and slot r reading dout[gather_index[r]]."""
   _launch(stream, dout, w2, tile_expert, gather_index, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", True, register_store)
+          block_n, stages, "dh", True, register_store, False, h_smem)
 
 
 @cute.jit
@@ -641,7 +692,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
-            warp_specialized: cutlass.Constexpr = False):
+            warp_specialized: cutlass.Constexpr = False, h_smem: cutlass.Constexpr = False):
   """The grid over (output column tiles, M tiles[, experts]) and the kernel's static
   configuration. kind: "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs
   W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
@@ -651,7 +702,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   names (A's stages filled by a third, producer warpgroup: _produce_gathered). register_store
   (dh only): each thread stores its fragments from registers instead of the TMA-store
   epilogue. warp_specialized: a producer warpgroup issues the TMA loads of a kernel that does
-  not gather too (the MMA warpgroups' first warp otherwise)."""
+  not gather too (the MMA warpgroups' first warp otherwise). h_smem (dh): the epilogue reads
+  H's tile from SMEM, TMA-loaded over rhs's stages once the mainloop is done (dh's h_smem)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
   num_rhs = 2 if swiglu else 1
@@ -684,16 +736,28 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
                                                    EPI_TILE)
   tma_out2, m_out2_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out2,
                                                      c_tile, EPI_TILE)
+  # (h_smem) H's gate and up tiles as EPI_TILE buffers over rhs's stages, their TMA atom, and
+  # the kernel's wgmma on EPI_TILE's columns to partition them (made for every kind: the
+  # kernel takes them, unused elsewhere)
+  h_smem_staged = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, EPI_TILE,
+                                                  2 * (block_n // EPI_TILE[1]))
+  tma_h, m_h_tma = cpasync.make_tiled_tma_atom(
+      cpasync.CopyBulkTensorTileG2SOp(), m_h, cute.slice_(h_smem_staged, (None, None, 0)),
+      EPI_TILE)
+  chunk_mma = sm90_utils.make_trivial_tiled_mma(
+      dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+      cutlass.Float32, (WARPGROUPS, 1, 1), tiler_mn=(64, EPI_TILE[1]))
+  num_barriers = stages * 2 + (1 if h_smem else 0)   # the pipeline's, (h_smem) H's
 
   @cute.struct
   class SharedStorage:
-    barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
+    barriers: cute.struct.MemRange[cutlass.Int64, num_barriers]
     s_a: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(a_smem_staged)], 1024]
     s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
 
   @cute.struct
   class SwigluSharedStorage:
-    barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
+    barriers: cute.struct.MemRange[cutlass.Int64, num_barriers]
     s_a: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(a_smem_staged)], 1024]
     s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
     s_b2: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
@@ -707,9 +771,10 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   storage = SwigluSharedStorage if swiglu else SharedStorage
   producer = gather or warp_specialized   # a producer warpgroup loads the stages
   _kernel(tma_a, lhs if gather else m_a, tma_b, m_b, out, out2, tma_out, m_out_tma, tma_out2,
-          m_out2_tma, m_h, m_scores, m_ds, tile_expert, gather_index, tiled_mma, a_smem_staged,
-          b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage, block_n, stages,
-          stage_bytes, kind, gather, register_store, out_layout.is_m_major_c(), producer).launch(
+          m_out2_tma, m_h, m_scores, m_ds, tma_h, m_h_tma, h_smem_staged, chunk_mma, tile_expert,
+          gather_index, tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged,
+          cute.size(rhs, mode=[2]), storage, block_n, stages, stage_bytes, kind, gather,
+          register_store, out_layout.is_m_major_c(), producer, h_smem).launch(
               grid=(num_n_tiles, num_m_tiles, num_z),
               block=(THREADS + (128 if producer else 0), 1, 1), stream=stream)
 
@@ -838,7 +903,7 @@ def dh_unsupported(dout_g, w2, h, scores, block_n: int):
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None,
        tma_store: bool = False, gather_index=None, over_h: bool = True,
-       warp_specialized: bool = False):
+       warp_specialized: bool = False, h_smem: bool = False):
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
@@ -847,14 +912,24 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
   by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call).
-  warp_specialized (without gather_index): as grouped_matmul's."""
+  warp_specialized (without gather_index): as grouped_matmul's. h_smem: the epilogue reads H
+  from SMEM, its tile TMA-loaded over the rhs stages once the mainloop is done (coalesced,
+  where the per-thread global loads read 16 of each 32-byte sector); needs stages >=
+  H_SMEM_MIN_STAGES (the rhs stages must hold H's 2 x BLOCK_M x block_n tile)."""
   reason = dh_unsupported(rows_read(dout_g, gather_index), w2, h, scores, block_n)
   if reason:
     raise ValueError(f"cute dh: {reason}")
-  stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, dout_g.shape[1] // BLOCK_K, stages)
+  k_steps = dout_g.shape[1] // BLOCK_K
+  if h_smem and stages is None:   # (a ring deeper than the k steps holds H's tile)
+    k_steps = max(k_steps, H_SMEM_MIN_STAGES)
+  stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, k_steps, stages)
+  if h_smem and stages < H_SMEM_MIN_STAGES:
+    raise ValueError(f"cute dh: h_smem needs stages >= {H_SMEM_MIN_STAGES} (H's tile over the "
+                     f"rhs stages); got stages={stages}")
+  option = dict(h_smem=True) if h_smem else {}   # (off: the targets leave it out)
   return dh_call((_dh, _gathered_dh), dout_g, w2, h, scores, tile_expert, gather_index,
                  over_h, block_n=block_n, stages=stages, register_store=not tma_store,
-                 **_warp_specialized_config(warp_specialized, gather_index))
+                 **_warp_specialized_config(warp_specialized, gather_index), **option)
 
 
 def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: bool, *,

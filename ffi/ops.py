@@ -73,6 +73,9 @@ DH_KERNELS = ("registers", "tma_store", "pingpong")
 # session 12's sweep, ms, 256 vs 128 (each at its best stage count): 30B-n256 gathering dO
 # 2.600 vs 3.011; 7B-n256 0.737 vs 0.790; olmoe (dO gathered by XLA) 3.368 vs 3.509.
 DH_BLOCK_N = 256
+# dH's epilogue reads H from SMEM, TMA-loaded over the rhs stages once the mainloop is done
+# (grouped_gemm.dh's h_smem; the ping-pong dH reads it from global memory).
+DH_H_SMEM = False
 # dH written over H's buffer (FFI operand aliasing: the backward then holds one [P, 2n] buffer
 # for both). Per-op timings of dh alone turn it off (benchmarks/kernels.py): with H an argument
 # of the timed program XLA would copy it first, which the layer's step never does.
@@ -230,7 +233,7 @@ def dh(dout, w2, h, scores, plan):
   else:
     dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
                                               tma_store=DH_KERNEL == "tma_store",
-                                              over_h=DH_OVER_H, **gather)
+                                              over_h=DH_OVER_H, h_smem=DH_H_SMEM, **gather)
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
 
 

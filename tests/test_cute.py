@@ -345,7 +345,8 @@ def test_dh_over_h_can_be_turned_off(monkeypatch):
     ("weight_grad", 128, 3), ("weight_grad_gather", 128, None), ("weight_grad_gather", 256, 2),
     ("weight_grad_t", 256, None), ("weight_grad_gather_t", 128, 3), ("up_proj_gather", 128, None),
     ("dh_gather", 256, None), ("weight_grad_gather_t", 256, None), ("matmul_ws", 256, None),
-    ("up_proj_ws", 128, None), ("dh_ws", 256, None), ("weight_grad_ws", 256, 4)])
+    ("up_proj_ws", 128, None), ("dh_ws", 256, None), ("weight_grad_ws", 256, 4),
+    ("dh_h_smem", 256, None), ("dh_gather_h_smem", 128, None)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
   from ffi import grouped_gemm
@@ -367,6 +368,13 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
         "dh": lambda a, b, t: grouped_gemm.dh(  # dOg [P, d], W2 [E, n, d], H [P, 2n], scores
             a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
             t, **kw),
+        "dh_h_smem": lambda a, b, t: grouped_gemm.dh(
+            a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
+            t, h_smem=True, **kw),
+        "dh_gather_h_smem": lambda a, b, t: grouped_gemm.dh(
+            a[:300], jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1),
+            a[:, 0].astype(jnp.float32), t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301,
+            h_smem=True, **kw),
         "dh_tma": lambda a, b, t: grouped_gemm.dh(
             a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
             t, tma_store=True, **kw),
@@ -813,6 +821,50 @@ def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store):
   index = jax.random.randint(jax.random.key(55), (P,), 0, T).at[::7].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.dh, dout, index, w2, h, scores,
                                         tile_expert, block_n=block_n, tma_store=tma_store)
+
+
+@needs_cute
+def test_cute_dh_h_smem_needs_its_stages():
+  """dh(h_smem=True) takes a ring deep enough to hold H's tile (also past the k steps), and
+  names the limit when given fewer stages."""
+  from ffi import grouped_gemm
+  P, d, n, E = 512, 128, 256, 4   # 2 k steps
+  shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [
+      ((P, d), jnp.bfloat16), ((E, n, d), jnp.bfloat16), ((P, 2 * n), jnp.bfloat16),
+      ((P,), jnp.float32), ((P // 128,), jnp.int32)]]
+  fn = lambda *a: grouped_gemm.dh(*a, block_n=128, h_smem=True)
+  assert FFI_TARGET in _cuda_module(fn, *shapes)
+  minimum = grouped_gemm.H_SMEM_MIN_STAGES
+  with pytest.raises(ValueError, match=f"h_smem needs stages >= {minimum}"):
+    jax.eval_shape(lambda *a: grouped_gemm.dh(*a, block_n=128, stages=minimum - 1, h_smem=True),
+                   *shapes)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("block_n,gather,tma_store,d", [
+    (256, True, False, 640), (128, False, False, 640), (256, False, True, 640),
+    (128, True, True, 128), (256, True, False, 128)])
+def test_cute_dh_h_smem_keeps_outputs_on_gpu(block_n, gather, tma_store, d):
+  """dH's epilogue reading H from SMEM (TMA-loaded over the rhs stages after the mainloop;
+  experts of 0 to 10 k steps, fewer k steps than stages at d 128, a tile past the last group)
+  gives the bitwise same dH, A' and dS parts as reading it from global memory."""
+  from ffi import grouped_gemm
+  T, n, E = 1000, 256, 4
+  tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
+  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
+  keys = jax.random.split(jax.random.key(81), 5)
+  dout = jax.random.normal(keys[0], (T if gather else P, d)).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(keys[1], (E, n, d)) / 16).astype(jnp.bfloat16)
+  h = jax.random.normal(keys[2], (P, 2 * n)).astype(jnp.bfloat16)
+  scores = jax.random.uniform(keys[3], (P,))
+  index = jax.random.randint(keys[4], (P,), 0, T).at[::7].set(T) if gather else None
+  run = jax.jit(lambda h_smem: grouped_gemm.dh(
+      dout, w2, h, scores, tile_expert, block_n=block_n, gather_index=index, over_h=False,
+      tma_store=tma_store, h_smem=h_smem), static_argnums=0)
+  for g, w in zip(run(True), run(False)):
+    assert np.any(np.asarray(w, np.float32) != 0)
+    np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.gpu
