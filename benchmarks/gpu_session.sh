@@ -118,17 +118,19 @@ for mode in "$@"; do
       grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_dh_hsmem.log" | tail -8
       timeout 240 python3 -m benchmarks.tile_sweep --impl cute \
         --configs 7B-n256,olmoe,30B-n256,120B-n1024 --stages 0 --block-n 256 \
-        --kernels dh_gather,dh_gather_hsmem,dh,dh_hsmem,dh_tma,dh_tma_hsmem \
+        --kernels dh_gather,dh_gather_hsmem,dh_gather_tma_hsmem,dh,dh_hsmem,dh_tma,dh_tma_hsmem \
         --out "$OUT/sweep_dh_hsmem.json" 2>&1 | grep -v '^{' | grep -v "^config"
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k regex:cutlass \
         --launch-count 4 --section SpeedOfLight --section WarpStateStats --section SourceCounters \
         python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256 --stages 0 --block-n 256 \
-        --kernels dh_gather_hsmem --iters 1 --reps 1 > "$OUT/ncu_dh_hsmem.txt" 2>&1
+        --kernels dh_gather_tma_hsmem --iters 1 --reps 1 > "$OUT/ncu_dh_hsmem.txt" 2>&1
       grep -E "Duration|Compute \(SM\) Throughput|DRAM Throughput|excessive sectors" \
         "$OUT/ncu_dh_hsmem.txt" | tail -5
-      for on in off on; do
+      for variant in "registers off" "registers on" "tma_store on"; do
+        read -r dh_kernel h_smem <<< "$variant"
         timeout 150 python3 -m benchmarks.bench --configs 7B-n256,olmoe --impls auto \
-          --cute-dh-h-smem $on --iters 5 --reps 3 --out "$OUT/bench_dh_hsmem_$on" 2>&1 | tail -6
+          --cute-dh "$dh_kernel" --cute-dh-h-smem "$h_smem" --iters 5 --reps 3 \
+          --out "$OUT/bench_dh_${dh_kernel}_$h_smem" 2>&1 | tail -6
       done ;;
     ncu_dh)  # after `cute` staging: Nsight Compute on the dH kernels at 7B-n256 (grouped_gemm's
              # at block_n 128 and 256, the ping-pong one at 128; every launch of the sweep) (~3 min)

@@ -40,6 +40,7 @@ VARIANTS = [
     ("dh gather bn128 fit", "dh_gather", 128, 0), ("dh gather bn256 fit", "dh_gather", 256, 0),
     ("dh h_smem bn256 fit", "dh_h_smem", 256, 0),
     ("dh gather h_smem bn256 fit", "dh_gather_h_smem", 256, 0),
+    ("dh tma h_smem bn256 fit", "dh_tma_h_smem", 256, 0),
     ("wgrad bn128 st3", "wgrad", 128, 3),
     ("wgrad bn256 fit", "wgrad", 256, 0), ("wgrad gather bn128 st3", "wgrad_gather", 128, 3),
     ("wgrad gather bn256 fit", "wgrad_gather", 256, 0),

@@ -90,7 +90,8 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   and dh_pingpong_gather: dh gathering dO's rows in the kernel, dw1, dw1_gather: dW1 gathering X's
   rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows; up_proj, down_proj,
   dx_tilde, dh, dw1 and dw2 again as *_ws, a producer warpgroup issuing their TMA loads;
-  dh_hsmem, dh_tma_hsmem, dh_gather_hsmem: dh's epilogue reading H from SMEM; cfg a CuteTile)."""
+  dh_hsmem, dh_tma_hsmem, dh_gather_hsmem, dh_gather_tma_hsmem: dh's epilogue reading H from
+  SMEM (_tma: and storing its outputs through it); cfg a CuteTile)."""
   from ffi import grouped_gemm as cute_gemm, pingpong  # optional extra
   tiles = schedule.tile_experts(plan, cute_gemm.BLOCK_M)
   rows = _gemm_rows(
@@ -138,6 +139,10 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dh_gather_hsmem"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(
       g, w2, h, s, t, gather_index=i, over_h=False, h_smem=True, **dataclasses.asdict(c)),
       static_argnums=0), (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
+  rows["dh_gather_tma_hsmem"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(
+      g, w2, h, s, t, gather_index=i, over_h=False, h_smem=True, tma_store=True,
+      **dataclasses.asdict(c)), static_argnums=0), (dout, *dh_args[1:], plan.token_index),
+      dh_flops, dh_n)
   _, (_, h, offsets), dw1_flops, _ = rows["dw1"]
   _, (a, _, _), dw2_flops, _ = rows["dw2"]
   rows["dh_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(

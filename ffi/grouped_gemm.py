@@ -171,19 +171,36 @@ def _load_group(src):
   return frag.load()
 
 
-def h_sources(h_tiles, thr_mma):
-  """_dh_outputs's h_srcs for H's gate and up tiles in global memory: one chunk each."""
-  return [[thr_mma.partition_C(t)] for t in h_tiles]
+def acc_chunks(tiles, thr_mma):
+  """Tiles of global memory (the accumulator's shape) partitioned like it, one chunk each:
+  _dh_outputs's sources (H's gate and up tiles) or destinations (dH's and A''s)."""
+  return [[thr_mma.partition_C(t)] for t in tiles]
+
+
+def smem_chunks(s_epi, chunk_mma, tidx, firsts, chunks: int):
+  """The same of tiles held in SMEM as `chunks` EPI_TILE buffers each (tile i's from buffer
+  firsts[i] of s_epi), partitioned by chunk_mma (the kernel's wgmma on EPI_TILE's columns: a
+  thread's values of a chunk are its accumulator's values of those columns)."""
+  thr = chunk_mma.get_slice(tidx)
+  return [[thr.partition_C(s_epi[None, None, first + j]) for j in range(chunks)]
+          for first in firsts]
+
+
+def _chunk_group(chunked, k: int, m: int):
+  """Column group k (8 columns) of m block m of a tile split into equal column chunks
+  (acc_chunks, smem_chunks)."""
+  per_chunk = cute.size(chunked[0], mode=[0, 2])
+  return chunked[k // per_chunk][((None, None, k % per_chunk), m, 0)]
 
 
 @cute.jit
-def _dh_outputs(acc, h_srcs, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dtype, out_tiles,
+def _dh_outputs(acc, h_srcs, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dtype, out_dsts,
                 block_n: cutlass.Constexpr, tile_m: cutlass.Constexpr):
-  """dH's epilogue math on acc = dA' = dO_e W2_e^T for H's gate and up tiles (h_srcs: each a
-  list of its column chunks, partitioned like acc's columns: in global memory one chunk,
-  h_sources; in SMEM EPI_TILE-wide ones, _h_smem_sources) and each row's score s: register tiles (acc's layout, in dtype) of dH = dSwiGLU(s dA', H) (its gate and up
-  tiles) and A' = s A with A = silu(gate) up, each stored straight to out_tiles as it is
-  computed (register stores), or (out_tiles None) returned; writes this column tile's part of
+  """dH's epilogue math on acc = dA' = dO_e W2_e^T for H's gate and up tiles (h_srcs, in
+  global memory or SMEM: acc_chunks, smem_chunks) and each row's score s: register tiles
+  (acc's layout, in dtype) of dH = dSwiGLU(s dA', H) (its gate and up tiles) and A' = s A with
+  A = silu(gate) up, each stored to out_dsts (dH gate, dH up, A'; global memory or SMEM, as
+  h_srcs) as it is computed, or (out_dsts None) returned; writes this column tile's part of
   dS = rowsum(dA' A) to m_ds[n_tile, row] (fp32). The tile: tile_m rows from row row0.
 
   The fragment is ((2 columns, 2 rows r and r + 8, block_n / 8 column groups), m blocks, 1)
@@ -196,13 +213,11 @@ def _dh_outputs(acc, h_srcs, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dtyp
   same in every column (stride 0), once per m block."""
   s_src = thr_mma.partition_C(score_tile)
   groups = block_n // 8
-  chunk_groups = groups // len(h_srcs[0])   # column groups per chunk of H
-  h_group = lambda k, m: [src[k // chunk_groups][((None, None, k % chunk_groups), m, 0)]
-                          for src in h_srcs]
+  h_group = lambda k, m: [_chunk_group(src, k, m) for src in h_srcs]
   wide = block_n > DH_TWO_CTAS_MAX_BLOCK_N
   load_ahead = min(DH_LOAD_AHEAD_WIDE if wide else DH_LOAD_AHEAD_NARROW, groups)
   outs = []
-  if cutlass.const_expr(out_tiles is None):
+  if cutlass.const_expr(out_dsts is None):
     outs = [cute.make_rmem_tensor(acc.shape, dtype) for _ in range(3)]
   m_blocks = cute.size(acc, mode=[1])
   row_sums = cute.make_rmem_tensor((2 * m_blocks,), cutlass.Float32)   # rows r, r + 8 per block
@@ -222,12 +237,12 @@ def _dh_outputs(acc, h_srcs, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dtyp
       da_s = s * da
       values = [da_s * up * sig * (1.0 + gate * (1.0 - sig)), da_s * silu, s * a]
       for q in cutlass.range_constexpr(3):
-        if cutlass.const_expr(out_tiles is None):
+        if cutlass.const_expr(out_dsts is None):
           outs[q][group].store(values[q].to(dtype))
         else:
           frag = cute.make_rmem_tensor(acc[group].shape, dtype)
           frag.store(values[q].to(dtype))
-          cute.autovec_copy(frag, thr_mma.partition_C(out_tiles[q])[group])
+          cute.autovec_copy(frag, _chunk_group(out_dsts[q], k, m))
       prod = cute.make_rmem_tensor(acc[group].shape, cutlass.Float32)
       prod.store(da * a)
       for j in cutlass.range_constexpr(2):
@@ -259,13 +274,19 @@ def _load_h_tile(tma_h, h_tiles, s_h, bar, nbytes: cutlass.Constexpr):
       cute.copy(tma_h, g_part[None, (0, j)], s_part[None, half * chunks + j], tma_bar_ptr=bar)
 
 
-def _h_smem_sources(s_h, chunk_mma, tidx, chunks: int):
-  """_dh_outputs's h_srcs for H's gate and up tiles in s_h's EPI_TILE buffers (gate chunks
-  first), partitioned by chunk_mma (the kernel's wgmma on EPI_TILE's columns: a thread's
-  values of a chunk are its accumulator's values of those columns)."""
-  thr = chunk_mma.get_slice(tidx)
-  return [[thr.partition_C(s_h[None, None, half * chunks + j]) for j in range(chunks)]
-          for half in range(2)]
+@cute.jit
+def _store_tiles_tma(stores, chunks: cutlass.Constexpr):
+  """The leader warp: each (TMA atom, SMEM EPI_TILE buffers, first buffer, the output's tile of
+  its TMA tensor) of `stores` stored by TMA, `chunks` buffers each; returns once the stores
+  have read SMEM."""
+  for atom, s_epi, first, tile in stores:
+    s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                           cute.group_modes(s_epi, 0, 2),
+                                           cute.zipped_divide(tile, EPI_TILE))
+    for j in cutlass.range_constexpr(chunks):
+      cute.copy(atom, s_part[None, first + j], g_part[None, (0, j)])
+  cute.arch.cp_async_bulk_commit_group()
+  cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 @cute.jit
@@ -596,8 +617,12 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       # each row's score broadcast along the tile's columns (stride 0)
       scores = cute.make_tensor(m_scores.iterator, cute.make_layout(
           (cute.size(m_scores), block_n, 1), stride=(1, 0, 0)))
-      register_tiles = [tile_of(t, c, out_l, (1, 1, None)) for _, _, t, c in outputs]
-      h_srcs = h_sources(h_tiles, thr_mma)
+      h_srcs = acc_chunks(h_tiles, thr_mma)
+      out_dsts = None   # (TMA stores from registers: the tiles returned)
+      if cutlass.const_expr(register_store):
+        out_dsts = acc_chunks([tile_of(t, c, out_l, (1, 1, None)) for _, _, t, c in outputs],
+                              thr_mma)
+      chunks = block_n // EPI_TILE[1]
       if cutlass.const_expr(h_smem):   # H's tile by TMA over rhs's stages, once all are read
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
         s_h = cute.make_tensor(cute.recast_ptr(s_bs[0].iterator, h_smem_staged.inner,
@@ -606,11 +631,26 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
           _load_h_tile(tma_h, [tile_of(m_h_tma, c, 0, (1, 1, None)) for c in half_cols], s_h,
                        h_bar, 2 * BLOCK_M * block_n * m_h.element_type.width // 8)
         cute.arch.mbarrier_wait(h_bar, 0)
-        h_srcs = _h_smem_sources(s_h, chunk_mma, mma_tidx, block_n // EPI_TILE[1])
+        h_srcs = smem_chunks(s_h, chunk_mma, mma_tidx, [0, chunks], chunks)
+        if cutlass.const_expr(not register_store):
+          # dH written over H's buffers (each thread's own values, read before), A' over A's
+          # stages, then all three stored by TMA
+          s_a_out = cute.make_tensor(cute.recast_ptr(s_a.iterator, h_smem_staged.inner,
+                                                     dtype=m_out2.element_type),
+                                     h_smem_staged.outer)
+          out_dsts = h_srcs + smem_chunks(s_a_out, chunk_mma, mma_tidx, [0], chunks)
       tiles = _dh_outputs(accs[0], h_srcs, tile_of(scores, 0, 0, (1, 1, None)), m_ds, thr_mma,
-                          mma_tidx, m_tile * BLOCK_M, n_tile, m_out.element_type,
-                          register_tiles if register_store else None, block_n, BLOCK_M)
-    if cutlass.const_expr(not register_store):   # (register stores: dh only, done above)
+                          mma_tidx, m_tile * BLOCK_M, n_tile, m_out.element_type, out_dsts,
+                          block_n, BLOCK_M)
+      if cutlass.const_expr(h_smem and not register_store):
+        cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA engine
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
+        if leader:
+          bufs = [(s_h, 0), (s_h, chunks), (s_a_out, 0)]
+          _store_tiles_tma([(atom, buf, first, tile_of(t, c, out_l, (1, 1, None)))
+                            for (atom, t, _, c), (buf, first) in zip(outputs, bufs)], chunks)
+    if cutlass.const_expr(not register_store and not (kind == "dh" and h_smem)):
+      # (register stores: dh only, done above; dh with h_smem stored its TMA way above)
       # every warpgroup's wgmmas are done with A's stages: reuse them
       cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
       s_c = cute.make_tensor(cute.recast_ptr(s_a.iterator, c_smem_staged.inner, dtype=m_out.element_type),
@@ -914,8 +954,11 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call).
   warp_specialized (without gather_index): as grouped_matmul's. h_smem: the epilogue reads H
   from SMEM, its tile TMA-loaded over the rhs stages once the mainloop is done (coalesced,
-  where the per-thread global loads read 16 of each 32-byte sector); needs stages >=
-  H_SMEM_MIN_STAGES (the rhs stages must hold H's 2 x BLOCK_M x block_n tile)."""
+  where the per-thread global loads read 16 of each 32-byte sector); with tma_store too, dH
+  is written over H's tile there and A' over the lhs stages, all three then stored by TMA
+  (no register tiles of the outputs). Needs stages >= H_SMEM_MIN_STAGES (the rhs stages hold
+  H's 2 x BLOCK_M x block_n tile, the lhs stages A''s BLOCK_M x block_n). Bitwise the same
+  outputs either way."""
   reason = dh_unsupported(rows_read(dout_g, gather_index), w2, h, scores, block_n)
   if reason:
     raise ValueError(f"cute dh: {reason}")

@@ -241,9 +241,10 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             _register_outputs(accs, outs, thr_mma, m_out.element_type, block_n, True)
           else:
             grouped_gemm._dh_outputs(
-                accs[0], grouped_gemm.h_sources([tile_of(m_h, c) for c in halves], thr_mma),
+                accs[0], grouped_gemm.acc_chunks([tile_of(m_h, c) for c in halves], thr_mma),
                 tile_of(scores, 0), m_ds, thr_mma,
-                wg_tidx, rows * TILE_M, cols, m_out.element_type, outs, block_n, TILE_M)
+                wg_tidx, rows * TILE_M, cols, m_out.element_type,
+                grouped_gemm.acc_chunks(outs, thr_mma), block_n, TILE_M)
       i += 1
 
 

@@ -346,7 +346,7 @@ def test_dh_over_h_can_be_turned_off(monkeypatch):
     ("weight_grad_t", 256, None), ("weight_grad_gather_t", 128, 3), ("up_proj_gather", 128, None),
     ("dh_gather", 256, None), ("weight_grad_gather_t", 256, None), ("matmul_ws", 256, None),
     ("up_proj_ws", 128, None), ("dh_ws", 256, None), ("weight_grad_ws", 256, 4),
-    ("dh_h_smem", 256, None), ("dh_gather_h_smem", 128, None)])
+    ("dh_h_smem", 256, None), ("dh_gather_h_smem", 128, None), ("dh_tma_h_smem", 256, None)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
   from ffi import grouped_gemm
@@ -375,6 +375,9 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
             a[:300], jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1),
             a[:, 0].astype(jnp.float32), t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301,
             h_smem=True, **kw),
+        "dh_tma_h_smem": lambda a, b, t: grouped_gemm.dh(
+            a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
+            t, tma_store=True, h_smem=True, **kw),
         "dh_tma": lambda a, b, t: grouped_gemm.dh(
             a, jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1), a[:, 0].astype(jnp.float32),
             t, tma_store=True, **kw),
@@ -847,8 +850,9 @@ def test_cute_dh_h_smem_needs_its_stages():
     (128, True, True, 128), (256, True, False, 128)])
 def test_cute_dh_h_smem_keeps_outputs_on_gpu(block_n, gather, tma_store, d):
   """dH's epilogue reading H from SMEM (TMA-loaded over the rhs stages after the mainloop;
-  experts of 0 to 10 k steps, fewer k steps than stages at d 128, a tile past the last group)
-  gives the bitwise same dH, A' and dS parts as reading it from global memory."""
+  with tma_store its outputs written there and stored by TMA; experts of 0 to 10 k steps,
+  fewer k steps than stages at d 128, a tile past the last group) gives the bitwise same dH,
+  A' and dS parts as reading it from global memory."""
   from ffi import grouped_gemm
   T, n, E = 1000, 256, 4
   tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
