@@ -38,7 +38,9 @@ column tiles run next to each other, so its lhs rows are read from HBM once and 
              first computes its dH and A' tiles in registers (_dh_outputs: it loads H a few
              column groups ahead of their math, and writes dS's parts), then stores them from
              registers (register_store), or (dh(tma_store=True): bitwise the same) the same TMA
-             way.
+             way. dh(h_smem=True) reads H from SMEM instead, its tile TMA-loaded over the rhs
+             stages once the mainloop is done, and with tma_store writes dH over it and A'
+             over the lhs stages, stored by TMA from there.
 """
 from __future__ import annotations
 
