@@ -118,7 +118,7 @@ for mode in "$@"; do
       grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_dh_hsmem.log" | tail -8
       timeout 240 python3 -m benchmarks.tile_sweep --impl cute \
         --configs 7B-n256,olmoe,30B-n256,120B-n1024 --stages 0 --block-n 256 \
-        --kernels dh_gather,dh_gather_hsmem,dh_gather_tma_hsmem,dh,dh_hsmem,dh_tma,dh_tma_hsmem \
+        --kernels dh_gather,dh_gather_hsmem,dh_gather_tma_hsmem,dh,dh_hsmem,dh_tma,dh_tma_hsmem,dh_gemm \
         --out "$OUT/sweep_dh_hsmem.json" 2>&1 | grep -v '^{' | grep -v "^config"
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k regex:cutlass \
         --launch-count 4 --section SpeedOfLight --section WarpStateStats --section SourceCounters \

@@ -91,7 +91,8 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows; up_proj, down_proj,
   dx_tilde, dh, dw1 and dw2 again as *_ws, a producer warpgroup issuing their TMA loads;
   dh_hsmem, dh_tma_hsmem, dh_gather_hsmem, dh_gather_tma_hsmem: dh's epilogue reading H from
-  SMEM (_tma: and storing its outputs through it); cfg a CuteTile)."""
+  SMEM (_tma: and storing its outputs through it); dh_gemm: dh's GEMM without its epilogue
+  math; cfg a CuteTile)."""
   from ffi import grouped_gemm as cute_gemm, pingpong  # optional extra
   tiles = schedule.tile_experts(plan, cute_gemm.BLOCK_M)
   rows = _gemm_rows(
@@ -129,6 +130,11 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dh_pingpong_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: pingpong.dh(
       g, w2, h, s, t, gather_index=i, over_h=False, **dataclasses.asdict(c)), static_argnums=0),
       (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
+  # dh's GEMM alone (dA' = dOg W2_e^T, stored as it is: no dSwiGLU epilogue), to tell its
+  # mainloop from its epilogue
+  rows["dh_gemm"] = (jax.jit(lambda c, dg, w2, h, s, t: cute_gemm.grouped_matmul(
+      dg, w2, t, transpose_rhs=True, **dataclasses.asdict(c)), static_argnums=0),
+      dh_args, dh_flops, dh_n)
   # dh reading H from SMEM (TMA-loaded over the rhs stages after the mainloop): _hsmem
   rows["dh_hsmem"] = (jax.jit(lambda c, dg, w2, h, s, t: cute_gemm.dh(
       dg, w2, h, s, t, over_h=False, h_smem=True, **dataclasses.asdict(c)), static_argnums=0),
