@@ -29,7 +29,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from ffi import gather_sum, grouped_gemm, pingpong, topk
+from ffi import gather_sum, grouped_gemm, persistent, pingpong, topk
 from pallas_kernels import schedule
 from sonicmoe_jax import xla_ops
 
@@ -39,8 +39,10 @@ UP_PROJ_GATHER_IN_KERNEL = True
 # Its kernel when gathering: "grouped" (grouped_gemm.up_proj, the MMA warpgroups issuing the
 # copies) or "pingpong" (ffi/pingpong.py, the producer warpgroup gathering; bitwise equal, as
 # fast on 128-row tiles: 4.06 vs 4.05 ms at 30B-n256, session 10; 64-row: 4.13 vs 3.88)
+# or "persistent" (ffi/persistent.py: persistent CTAs, the producer running on into the next
+# tile while the MMA warpgroups store; bitwise equal to "grouped", not yet timed).
 UP_PROJ_KERNEL = "grouped"
-UP_PROJ_KERNELS = ("grouped", "pingpong")
+UP_PROJ_KERNELS = ("grouped", "pingpong", "persistent")
 # dW1 gathers X's rows itself (bitwise equal to gathering first) where its output has at most
 # this many column tiles (each re-gathers the rows). H200 session 8, forward+backward ms with
 # dh, dx_tilde, dw1 on cute, the MMA warpgroups gathering (since replaced): 30B-n256 (2 tiles)
@@ -66,7 +68,9 @@ DOUT_GATHER_MAX_COLUMN_TILES = 8
 # on 128-row tiles bitwise equal and as fast, session 10: 2.76 vs 2.75 ms, gathering dO 2.93 vs
 # 3.02, one sweep each: not enough to switch).
 DH_KERNEL = "registers"
-DH_KERNELS = ("registers", "tma_store", "pingpong")
+# "persistent": ffi/persistent.py's dH (register stores) where dO's rows are gathered in the
+# kernel, else "registers" (bitwise equal, not yet timed).
+DH_KERNELS = ("registers", "tma_store", "pingpong", "persistent")
 # dH's widest column tile (block_n: halved until it divides n). 256 (grouped_gemm's dh only; the
 # ping-pong dh takes at most 128) makes n = 256 one column tile, so each M tile reads (and
 # gathers) its dO rows once instead of twice (174 registers, no stack, one CTA per SM). H200
@@ -136,6 +140,8 @@ def up_proj(x, w1, plan):
                      f"{UP_PROJ_KERNEL!r}")
   if UP_PROJ_GATHER_IN_KERNEL and UP_PROJ_KERNEL == "pingpong":
     return pingpong.up_proj(x, w1, _tiles(plan), plan.token_index)
+  if UP_PROJ_GATHER_IN_KERNEL and UP_PROJ_KERNEL == "persistent":
+    return persistent.up_proj(x, w1, _tiles(plan), plan.token_index)
   if UP_PROJ_GATHER_IN_KERNEL:
     return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index)
   return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan))
@@ -227,7 +233,10 @@ def dh(dout, w2, h, scores, plan):
     rows, gather = dout, dict(gather_index=plan.token_index)
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
-  if DH_KERNEL == "pingpong":
+  if DH_KERNEL == "persistent" and gather:
+    dh_, a_scaled, ds_parts = persistent.dh(dout, w2, h, scores, _tiles(plan), plan.token_index,
+                                            block_n=block_n, over_h=DH_OVER_H)
+  elif DH_KERNEL == "pingpong":
     dh_, a_scaled, ds_parts = pingpong.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
                                           over_h=DH_OVER_H, **gather)
   else:
