@@ -729,6 +729,21 @@ def _gathered_weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offset
           True, False)
 
 
+def mma_and_stages(dtype, a_major, b_major, rhs, block_n: int, stages: int):
+  """The two MMA warpgroups' wgmma (BLOCK_M x block_n, 64 rows each), the lhs and rhs stages'
+  SMEM layouts, and rhs's TMA atom and tensor (block_n x BLOCK_K tiles)."""
+  tile_mnk = (BLOCK_M, block_n, BLOCK_K)
+  tiled_mma = sm90_utils.make_trivial_tiled_mma(
+      dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+      cutlass.Float32, (WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
+  a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
+  b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
+  tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
+                                           cute.slice_(b_smem_staged, (None, None, 0)),
+                                           (block_n, BLOCK_K))
+  return tiled_mma, a_smem_staged, b_smem_staged, tma_b, m_b
+
+
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
@@ -753,15 +768,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   a_major, b_major = LayoutEnum.from_tensor(lhs), LayoutEnum.from_tensor(rhs)
   if cutlass.const_expr(gather and kind == "wgrad"):   # lhs X (T, M, 1); A tiles (M, rows) M-major
     a_major = LayoutEnum.COL_MAJOR
-  tile_mnk = (BLOCK_M, block_n, BLOCK_K)
-  tiled_mma = sm90_utils.make_trivial_tiled_mma(
-      dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-      cutlass.Float32, (WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
-  a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
-  b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
-  tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
-                                           cute.slice_(b_smem_staged, (None, None, 0)),
-                                           (block_n, BLOCK_K))
+  tiled_mma, a_smem_staged, b_smem_staged, tma_b, m_b = mma_and_stages(dtype, a_major, b_major,
+                                                                      rhs, block_n, stages)
   if cutlass.const_expr(gather and kind == "wgrad"):   # no TMA for A (the kernel takes an atom: B's, unused)
     tma_a, m_a = tma_b, m_b
   else:

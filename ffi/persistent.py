@@ -167,16 +167,8 @@ def _launch(stream, x: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
   swiglu = kind == "swiglu"
   num_rhs = 2 if swiglu else 1
   m_h, m_scores, m_ds = dh_inputs if kind == "dh" else (out, tile_expert, out)   # (unused)
-  a_major, b_major = LayoutEnum.from_tensor(x), LayoutEnum.from_tensor(rhs)
-  tile_mnk = (BLOCK_M, block_n, BLOCK_K)
-  tiled_mma = sm90_utils.make_trivial_tiled_mma(
-      dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-      cutlass.Float32, (WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
-  a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
-  b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
-  tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
-                                           cute.slice_(b_smem_staged, (None, None, 0)),
-                                           (block_n, BLOCK_K))
+  tiled_mma, a_smem_staged, b_smem_staged, tma_b, m_b = gg.mma_and_stages(
+      dtype, LayoutEnum.from_tensor(x), LayoutEnum.from_tensor(rhs), rhs, block_n, stages)
   # the up-projection's own TMA-store buffers and its outputs' TMA atoms (made for dh too:
   # the kernel takes them, unused there)
   c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, EPI_TILE,
