@@ -137,7 +137,9 @@ for mode in "$@"; do
                  # tests, the sweep beside grouped_gemm's at four anchors, the layer  (~7 min)
       timeout 200 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
         -k "persistent" > "$OUT/pytest_persistent.log" 2>&1
-      grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_persistent.log" | tail -8
+      rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_persistent.log" | tail -8
+      # a failing or hanging kernel (rc 124) is not timed
+      [ $rc -ne 0 ] && { echo "persistent tests: rc $rc, not timed"; continue; }
       timeout 150 python3 -m benchmarks.tile_sweep --impl cute \
         --configs 7B-n256,7B-n1024,30B-n256,olmoe --stages 0 --block-n 128 \
         --kernels up_proj_gather,up_proj_persistent --out "$OUT/sweep_up_persistent.json" \
