@@ -197,7 +197,8 @@ def _chunk_group(chunked, k: int, m: int):
 
 @cute.jit
 def _dh_outputs(acc, h_srcs, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dtype, out_dsts,
-                block_n: cutlass.Constexpr, tile_m: cutlass.Constexpr):
+                block_n: cutlass.Constexpr, tile_m: cutlass.Constexpr,
+                load_ahead: cutlass.Constexpr = None):
   """dH's epilogue math on acc = dA' = dO_e W2_e^T for H's gate and up tiles (h_srcs, in
   global memory or SMEM: acc_chunks, smem_chunks) and each row's score s: register tiles
   (acc's layout, in dtype) of dH = dSwiGLU(s dA', H) (its gate and up tiles) and A' = s A with
@@ -210,14 +211,16 @@ def _dh_outputs(acc, h_srcs, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dtyp
   through one column group (2 x 2 values) at a time, so that besides the accumulator only a
   few values are live: computed for the whole fragment at once, block_n 128 needed 255
   registers and a 200-byte stack frame per thread (sm_90a cubin). H's values of a group are
-  loaded DH_LOAD_AHEAD_WIDE (or _NARROW) groups before its math (a group's loads issued after
-  the previous group's stores would each wait out a global load's latency); the scores, the
-  same in every column (stride 0), once per m block."""
+  loaded load_ahead (default DH_LOAD_AHEAD_WIDE, or _NARROW) groups before its math (a
+  group's loads issued after the previous group's stores would each wait out a global load's
+  latency); the scores, the same in every column (stride 0), once per m block."""
   s_src = thr_mma.partition_C(score_tile)
   groups = block_n // 8
   h_group = lambda k, m: [_chunk_group(src, k, m) for src in h_srcs]
-  wide = block_n > DH_TWO_CTAS_MAX_BLOCK_N
-  load_ahead = min(DH_LOAD_AHEAD_WIDE if wide else DH_LOAD_AHEAD_NARROW, groups)
+  if cutlass.const_expr(load_ahead is None):
+    wide = block_n > DH_TWO_CTAS_MAX_BLOCK_N
+    load_ahead = DH_LOAD_AHEAD_WIDE if wide else DH_LOAD_AHEAD_NARROW
+  load_ahead = min(load_ahead, groups)
   outs = []
   if cutlass.const_expr(out_dsts is None):
     outs = [cute.make_rmem_tensor(acc.shape, dtype) for _ in range(3)]

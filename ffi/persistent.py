@@ -19,7 +19,7 @@ Schedule:
               up_proj through SMEM buffers of its own (EPI_STAGES x EPI_TILE, not over the
               stages, which the producer is refilling) and TMA stores
               (grouped_gemm._tma_store_epilogue); dh from registers (grouped_gemm._dh_outputs,
-              register stores)
+              register stores; H loaded DH_LOAD_AHEAD column groups ahead)
 """
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ from ffi import grouped_gemm as gg
 from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE, THREADS, WARPGROUPS
 
 NUM_SMS = 132               # H100 / H200 SXM: the persistent grid (fewer SMs only queue CTAs)
+# dH's epilogue loads H this many column groups ahead of its math (grouped_gemm's 8 at block_n
+# 256 spilled 24 bytes here, the tile loop's state taking registers; 6 does not)
+DH_LOAD_AHEAD = 6
 MAX_STAGES = 8
 
 
@@ -155,7 +158,8 @@ def _kernel(m_x: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor, m_out: cut
         outs = [tile_of(m_out, halves[0]), tile_of(m_out, halves[1]), tile_of(m_out2, n_tile)]
         gg._dh_outputs(accs[0], gg.acc_chunks([tile_of(m_h, c) for c in halves], thr_mma),
                        tile_of(scores, 0), m_ds, thr_mma, mma_tidx, m_tile * BLOCK_M, n_tile,
-                       m_out.element_type, gg.acc_chunks(outs, thr_mma), block_n, BLOCK_M)
+                       m_out.element_type, gg.acc_chunks(outs, thr_mma), block_n, BLOCK_M,
+                       DH_LOAD_AHEAD)
 
 
 @cute.jit
