@@ -732,6 +732,21 @@ def _gathered_weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offset
           True, False)
 
 
+def shared_storage(dtype, num_barriers: int, a_elems: int, b_elems: int, num_rhs: int = 1,
+                   c_elems: int = 0):
+  """A GEMM kernel's SMEM struct: num_barriers mbarriers, then (each 1 KiB aligned) the lhs
+  stages (s_a), num_rhs rhs stage arrays (s_b, s_b2) and, with c_elems, an epilogue buffer of
+  its own (s_c)."""
+  aligned = lambda elems: cute.struct.Align[cute.struct.MemRange[dtype, elems], 1024]
+  fields = dict(barriers=cute.struct.MemRange[cutlass.Int64, num_barriers], s_a=aligned(a_elems),
+                s_b=aligned(b_elems))
+  if num_rhs == 2:
+    fields["s_b2"] = aligned(b_elems)
+  if c_elems:
+    fields["s_c"] = aligned(c_elems)
+  return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+
 def mma_and_stages(dtype, a_major, b_major, rhs, block_n: int, stages: int):
   """The two MMA warpgroups' wgmma (BLOCK_M x block_n, 64 rows each), the lhs and rhs stages'
   SMEM layouts, and rhs's TMA atom and tensor (block_n x BLOCK_K tiles)."""
@@ -802,26 +817,13 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
       cutlass.Float32, (WARPGROUPS, 1, 1), tiler_mn=(64, EPI_TILE[1]))
   num_barriers = stages * 2 + (1 if h_smem else 0)   # the pipeline's, (h_smem) H's
 
-  @cute.struct
-  class SharedStorage:
-    barriers: cute.struct.MemRange[cutlass.Int64, num_barriers]
-    s_a: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(a_smem_staged)], 1024]
-    s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
-
-  @cute.struct
-  class SwigluSharedStorage:
-    barriers: cute.struct.MemRange[cutlass.Int64, num_barriers]
-    s_a: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(a_smem_staged)], 1024]
-    s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
-    s_b2: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
-
   stage_bytes = num_rhs * cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
   if cutlass.const_expr(not gather):   # TMA brings A's tile too
     stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
   num_n_tiles = cute.size(out, mode=[1]) // ((1 if kind in ("store", "wgrad") else 2) * block_n)
   num_z = cute.size(out, mode=[2]) if kind == "wgrad" else 1   # wgrad: one per expert
-  storage = SwigluSharedStorage if swiglu else SharedStorage
+  storage = shared_storage(dtype, num_barriers, cute.cosize(a_smem_staged), b_elems, num_rhs)
   producer = gather or warp_specialized   # a producer warpgroup loads the stages
   _kernel(tma_a, lhs if gather else m_a, tma_b, m_b, out, out2, tma_out, m_out_tma, tma_out2,
           m_out2_tma, m_h, m_scores, m_ds, tma_h, m_h_tma, h_smem_staged, chunk_mma, tile_expert,

@@ -183,27 +183,16 @@ def _launch(stream, x: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
   tma_out2, m_out2_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out2,
                                                      c_tile, EPI_TILE)
   a_elems, b_elems = cute.cosize(a_smem_staged), cute.cosize(b_smem_staged)
-
-  @cute.struct
-  class DhSharedStorage:
-    barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
-    s_a: cute.struct.Align[cute.struct.MemRange[dtype, a_elems], 1024]
-    s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
-
-  @cute.struct
-  class SwigluSharedStorage:
-    barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
-    s_a: cute.struct.Align[cute.struct.MemRange[dtype, a_elems], 1024]
-    s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
-    s_b2: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
-    s_c: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(c_smem_staged)], 1024]
+  # up_proj's epilogue buffers are its own (the stages are refilled under it)
+  storage = gg.shared_storage(dtype, stages * 2, a_elems, b_elems, num_rhs,
+                              cute.cosize(c_smem_staged) if swiglu else 0)
 
   stage_bytes = num_rhs * cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
   num_tiles = cute.size(out2, mode=[0]) // BLOCK_M * (cute.size(out2, mode=[1]) // block_n)
   _kernel(x, tma_b, m_b, out, out2, tma_out, m_out_tma, tma_out2, m_out2_tma, m_h, m_scores,
           m_ds, tile_expert, gather_index, tiled_mma, a_smem_staged, b_smem_staged,
           c_smem_staged, cute.size(rhs, mode=[2]),
-          SwigluSharedStorage if swiglu else DhSharedStorage, block_n, stages, stage_bytes,
+          storage, block_n, stages, stage_bytes,
           kind).launch(grid=(min(num_tiles, NUM_SMS), 1, 1),
                        block=(THREADS + 128, 1, 1), stream=stream)
 

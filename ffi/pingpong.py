@@ -282,33 +282,16 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
       cpasync.CopyBulkTensorTileS2GOp(), out, cute.slice_(c_smem_staged, (None, None, 0)),
       EPI_TILE)
 
-  @cute.struct
-  class SharedStorage:
-    barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
-    s_a: cute.struct.Align[cute.struct.MemRange[dtype, a_elems], 1024]
-    s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
-
-  @cute.struct
-  class StoreSharedStorage:
-    barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
-    s_a: cute.struct.Align[cute.struct.MemRange[dtype, a_elems], 1024]
-    s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
-    s_c: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(c_smem_staged)], 1024]
-
-  @cute.struct
-  class SwigluSharedStorage:
-    barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
-    s_a: cute.struct.Align[cute.struct.MemRange[dtype, a_elems], 1024]
-    s_b: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
-    s_b2: cute.struct.Align[cute.struct.MemRange[dtype, b_elems], 1024]
-
   # the bytes TMA brings per stage: the rhs tiles, and unless gathered the lhs tile
   rhs_bytes = cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
   tx_bytes = (2 if swiglu else 1) * rhs_bytes
   if cutlass.const_expr(not gather):
     tx_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   num_tiles = cute.size(out2, mode=[0]) // TILE_M * (cute.size(out2, mode=[1]) // block_n)
-  storage = SwigluSharedStorage if swiglu else StoreSharedStorage if tma_store else SharedStorage
+  # (the TMA-store epilogue's buffers: the store kernels' only)
+  storage = grouped_gemm.shared_storage(
+      dtype, stages * 2, a_elems, b_elems, 2 if swiglu else 1,
+      cute.cosize(c_smem_staged) if tma_store and not swiglu else 0)
   _kernel(tma_a, m_a, tma_b, m_b, out, out2, m_h, m_scores, m_ds, tile_expert, gather_index,
           tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma, c_smem_staged,
           cute.size(rhs, mode=[2]), storage, block_n, stages, tx_bytes, kind, gather,
