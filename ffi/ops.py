@@ -66,8 +66,12 @@ DOUT_GATHER_MAX_COLUMN_TILES = 8
 # 8's sweep, not yet timed in the layer) or "pingpong" (ffi/pingpong.py; its 64-row-tile
 # version was bitwise equal to "registers" but slower: 3.53 vs 2.78 ms at 30B-n256, session 9;
 # on 128-row tiles bitwise equal and as fast, session 10: 2.76 vs 2.75 ms, gathering dO 2.93 vs
-# 3.02, one sweep each: not enough to switch).
-DH_KERNEL = "registers"
+# 3.02, one sweep each: not enough to switch). With DH_H_SMEM, "tma_store" writes dH over H's
+# tile in SMEM and A' over the lhs stages, all stored by TMA: H200 session 16's sweep, ms,
+# registers vs tma_store + h_smem (dO gathered in the kernel where it is): 7B-n256 0.738 vs
+# 0.538, 30B-n256 2.483 vs 2.160, olmoe 3.131 vs 2.465, 120B-n1024 4.467 vs 3.840; Nsight
+# Compute's excess global sectors at 7B-n256 from 32% to none.
+DH_KERNEL = "tma_store"
 # "persistent": ffi/persistent.py's dH (register stores) where dO's rows are gathered in the
 # kernel, else "registers" (bitwise equal, not yet timed).
 DH_KERNELS = ("registers", "tma_store", "pingpong", "persistent")
@@ -78,8 +82,9 @@ DH_KERNELS = ("registers", "tma_store", "pingpong", "persistent")
 # 2.600 vs 3.011; 7B-n256 0.737 vs 0.790; olmoe (dO gathered by XLA) 3.368 vs 3.509.
 DH_BLOCK_N = 256
 # dH's epilogue reads H from SMEM, TMA-loaded over the rhs stages once the mainloop is done
-# (grouped_gemm.dh's h_smem; the ping-pong dH reads it from global memory).
-DH_H_SMEM = False
+# (grouped_gemm.dh's h_smem; the ping-pong dH reads it from global memory). Session 16: with
+# register stores alone 7B-n256 0.738 -> 0.631 ms; with "tma_store" see DH_KERNEL.
+DH_H_SMEM = True
 # dH written over H's buffer (FFI operand aliasing: the backward then holds one [P, 2n] buffer
 # for both). Per-op timings of dh alone turn it off (benchmarks/kernels.py): with H an argument
 # of the timed program XLA would copy it first, which the layer's step never does.
