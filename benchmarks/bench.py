@@ -327,14 +327,14 @@ def main(argv=None):
   p.add_argument("--cute-dout-gather", choices=("xla", "kernel"),
                  help="cute dh and dw2: gather dO's rows by XLA or inside both kernels (default: "
                       "ffi/ops.py's rule, DOUT_GATHER_MAX_COLUMN_TILES)")
-  p.add_argument("--cute-dh", choices=("registers", "tma_store", "pingpong", "persistent"),
+  p.add_argument("--cute-dh", choices=("registers", "tma_store", "pingpong"),
                  help="cute dh's kernel variant (default: ffi/ops.py DH_KERNEL)")
   p.add_argument("--cute-dh-block-n", type=int, choices=(64, 128, 256),
                  help="cute dh's widest column tile (default: ffi/ops.py DH_BLOCK_N)")
   p.add_argument("--cute-dh-h-smem", choices=("on", "off"),
                  help="cute dh's epilogue reads H from SMEM, TMA-loaded after the mainloop "
                       "(default: ffi/ops.py DH_H_SMEM)")
-  p.add_argument("--cute-up-proj", choices=("grouped", "pingpong", "persistent"),
+  p.add_argument("--cute-up-proj", choices=("grouped", "pingpong"),
                  help="cute up_proj's kernel variant (default: ffi/ops.py UP_PROJ_KERNEL)")
   p.add_argument("--cute-store", choices=("grouped", "pingpong", "pingpong_tma"),
                  help="cute down_proj's and dx_tilde's kernel (default: ffi/ops.py STORE_KERNEL)")

@@ -36,7 +36,6 @@
 #           loading, at 30B-n256 and 120B-n1024                                   (~6 min)
 #   dh_hsmem: dH's epilogue reading H from SMEM (TMA-loaded after the mainloop): tests, sweep
 #           at four anchors, ncu at 7B-n256, the layer at 7B-n256 and olmoe           (~8 min)
-#   persistent: ffi/persistent.py's up-projection and dH (tests, sweep, the layer)    (~7 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
 #           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
@@ -134,27 +133,6 @@ for mode in "$@"; do
           --cute-dh "$dh_kernel" --cute-dh-h-smem "$h_smem" --iters 5 --reps 3 \
           --out "$OUT/bench_dh_${dh_kernel}_$h_smem" 2>&1 | tail -6
       done ;;
-    persistent)  # after `cute` staging: ffi/persistent.py's up-projection and dH: bitwise
-                 # tests, the sweep beside grouped_gemm's at four anchors, the layer  (~7 min)
-      timeout 200 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "persistent" > "$OUT/pytest_persistent.log" 2>&1
-      rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_persistent.log" | tail -8
-      # a failing or hanging kernel (rc 124) is not timed
-      [ $rc -ne 0 ] && { echo "persistent tests: rc $rc, not timed"; continue; }
-      timeout 150 python3 -m benchmarks.tile_sweep --impl cute \
-        --configs 7B-n256,7B-n1024,30B-n256,olmoe --stages 0 --block-n 128 \
-        --kernels up_proj_gather,up_proj_persistent --out "$OUT/sweep_up_persistent.json" \
-        2>&1 | grep -v '^{' | grep -v "^config"
-      timeout 150 python3 -m benchmarks.tile_sweep --impl cute \
-        --configs 7B-n256,7B-n1024,30B-n256,olmoe --stages 0 --block-n 256 \
-        --kernels dh_gather,dh_gather_persistent --out "$OUT/sweep_dh_persistent.json" \
-        2>&1 | grep -v '^{' | grep -v "^config"
-      for k in "grouped registers" "persistent persistent"; do
-        read -r up dh_kernel <<< "$k"
-        timeout 150 python3 -m benchmarks.bench --configs 7B-n256,olmoe --impls auto \
-          --cute-up-proj "$up" --cute-dh "$dh_kernel" --iters 5 --reps 3 \
-          --out "$OUT/bench_$up" 2>&1 | tail -6
-      done ;;
     ncu_dh)  # after `cute` staging: Nsight Compute on the dH kernels at 7B-n256 (grouped_gemm's
              # at block_n 128 and 256, the ping-pong one at 128; every launch of the sweep) (~3 min)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 ncu --clock-control none -k regex:cutlass \
@@ -202,9 +180,9 @@ print(json.dumps({k: v for k, v in C.ANCHORS.items() if not names or k in names.
       grep -E "^(PASSED|FAILED|ERROR)" "$OUT/pytest_gathers.log" | tail -20
       timeout 200 python3 -m benchmarks.kernels --backend pallas --configs 30B-n256,7B-n256 \
         --out "$OUT/kernels_pallas.json" 2>&1 | grep -v '^{' | tail -40 ;;
-    cute)  # (tests of the ping-pong kernels: mode pingpong; persistent, dh_hsmem: theirs)
+    cute)  # (tests of the ping-pong kernels: mode pingpong; dh_hsmem: theirs)
       timeout 500 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "not pingpong and not persistent and not h_smem" > "$OUT/pytest_cute.log" 2>&1
+        -k "not pingpong and not h_smem" > "$OUT/pytest_cute.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cute.log" | tail -12
       echo "disk cache entries: $(ls "$SONICMOE_CUTE_CACHE" | grep -c '\.o$')" ;;
     pingpong)  # after `cute`: the ping-pong kernels' GPU tests under a short timeout (rc 124:

@@ -92,9 +92,8 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   dx_tilde, dh, dw1 and dw2 again as *_ws, a producer warpgroup issuing their TMA loads;
   dh_hsmem, dh_tma_hsmem, dh_gather_hsmem, dh_gather_tma_hsmem: dh's epilogue reading H from
   SMEM (_tma: and storing its outputs through it); dh_gemm: dh's GEMM without its epilogue
-  math; up_proj_persistent, dh_gather_persistent: ffi/persistent.py's kernels; cfg a
-  CuteTile)."""
-  from ffi import grouped_gemm as cute_gemm, persistent, pingpong  # optional extra
+  math; cfg a CuteTile)."""
+  from ffi import grouped_gemm as cute_gemm, pingpong  # optional extra
   tiles = schedule.tile_experts(plan, cute_gemm.BLOCK_M)
   rows = _gemm_rows(
       lambda c, xg, w1, t: cute_gemm.up_proj(xg, w1, t, **dataclasses.asdict(c)),
@@ -130,12 +129,6 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   # dO's rows gathered too
   rows["dh_pingpong_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: pingpong.dh(
       g, w2, h, s, t, gather_index=i, over_h=False, **dataclasses.asdict(c)), static_argnums=0),
-      (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
-  # the persistent gathering kernels (ffi/persistent.py)
-  rows["up_proj_persistent"] = (jax.jit(lambda c, x, w1, i, t: persistent.up_proj(
-      x, w1, t, i, **dataclasses.asdict(c)), static_argnums=0), up_args, up_flops, up_n)
-  rows["dh_gather_persistent"] = (jax.jit(lambda c, g, w2, h, s, t, i: persistent.dh(
-      g, w2, h, s, t, i, over_h=False, **dataclasses.asdict(c)), static_argnums=0),
       (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
   # dh's GEMM alone (dA' = dOg W2_e^T, stored as it is: no dSwiGLU epilogue), to tell its
   # mainloop from its epilogue

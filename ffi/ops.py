@@ -29,7 +29,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from ffi import gather_sum, grouped_gemm, persistent, pingpong, topk
+from ffi import gather_sum, grouped_gemm, pingpong, topk
 from pallas_kernels import schedule
 from sonicmoe_jax import xla_ops
 
@@ -38,11 +38,11 @@ ALIGN = grouped_gemm.BLOCK_M
 UP_PROJ_GATHER_IN_KERNEL = True
 # Its kernel when gathering: "grouped" (grouped_gemm.up_proj, the MMA warpgroups issuing the
 # copies) or "pingpong" (ffi/pingpong.py, the producer warpgroup gathering; bitwise equal, as
-# fast on 128-row tiles: 4.06 vs 4.05 ms at 30B-n256, session 10; 64-row: 4.13 vs 3.88)
-# or "persistent" (ffi/persistent.py: persistent CTAs, the producer running on into the next
-# tile while the MMA warpgroups store; bitwise equal to "grouped", not yet timed).
+# fast on 128-row tiles: 4.06 vs 4.05 ms at 30B-n256, session 10; 64-row: 4.13 vs 3.88).
+# (Persistent CTAs whose producer runs on into the next tile, bitwise equal, were slower in
+# H200 session 16: 0.654 vs 0.629 ms at 7B-n256, 3.590 vs 3.440 at 30B-n256; removed.)
 UP_PROJ_KERNEL = "grouped"
-UP_PROJ_KERNELS = ("grouped", "pingpong", "persistent")
+UP_PROJ_KERNELS = ("grouped", "pingpong")
 # dW1 gathers X's rows itself (bitwise equal to gathering first) where its output has at most
 # this many column tiles (each re-gathers the rows). H200 session 8, forward+backward ms with
 # dh, dx_tilde, dw1 on cute, the MMA warpgroups gathering (since replaced): 30B-n256 (2 tiles)
@@ -63,7 +63,7 @@ DW1_GATHER_MAX_COLUMN_TILES = 8
 DOUT_GATHER_MAX_COLUMN_TILES = 8
 # The dH kernel's variant: "registers" (grouped_gemm.dh storing dH and A' from registers),
 # "tma_store" (the same through SMEM and TMA stores: 2.56 vs 2.69 ms at 30B-n256 in session
-# 8's sweep, not yet timed in the layer) or "pingpong" (ffi/pingpong.py; its 64-row-tile
+# 8's sweep; without H from SMEM not better in the layer, session 16) or "pingpong" (ffi/pingpong.py; its 64-row-tile
 # version was bitwise equal to "registers" but slower: 3.53 vs 2.78 ms at 30B-n256, session 9;
 # on 128-row tiles bitwise equal and as fast, session 10: 2.76 vs 2.75 ms, gathering dO 2.93 vs
 # 3.02, one sweep each: not enough to switch). With DH_H_SMEM, "tma_store" writes dH over H's
@@ -74,9 +74,7 @@ DOUT_GATHER_MAX_COLUMN_TILES = 8
 # the layer (dH over H) the gain is smaller: fwd+bwd 3.465 -> 3.392 ms at 7B-n256, 18.869 ->
 # 18.665 at olmoe.
 DH_KERNEL = "tma_store"
-# "persistent": ffi/persistent.py's dH (register stores) where dO's rows are gathered in the
-# kernel, else "registers" (bitwise equal, not yet timed).
-DH_KERNELS = ("registers", "tma_store", "pingpong", "persistent")
+DH_KERNELS = ("registers", "tma_store", "pingpong")
 # dH's widest column tile (block_n: halved until it divides n). 256 (grouped_gemm's dh only; the
 # ping-pong dh takes at most 128) makes n = 256 one column tile, so each M tile reads (and
 # gathers) its dO rows once instead of twice (174 registers, no stack, one CTA per SM). H200
@@ -147,8 +145,6 @@ def up_proj(x, w1, plan):
                      f"{UP_PROJ_KERNEL!r}")
   if UP_PROJ_GATHER_IN_KERNEL and UP_PROJ_KERNEL == "pingpong":
     return pingpong.up_proj(x, w1, _tiles(plan), plan.token_index)
-  if UP_PROJ_GATHER_IN_KERNEL and UP_PROJ_KERNEL == "persistent":
-    return persistent.up_proj(x, w1, _tiles(plan), plan.token_index)
   if UP_PROJ_GATHER_IN_KERNEL:
     return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index)
   return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan))
@@ -240,10 +236,7 @@ def dh(dout, w2, h, scores, plan):
     rows, gather = dout, dict(gather_index=plan.token_index)
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
-  if DH_KERNEL == "persistent" and gather:
-    dh_, a_scaled, ds_parts = persistent.dh(dout, w2, h, scores, _tiles(plan), plan.token_index,
-                                            block_n=block_n, over_h=DH_OVER_H)
-  elif DH_KERNEL == "pingpong":
+  if DH_KERNEL == "pingpong":
     dh_, a_scaled, ds_parts = pingpong.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
                                           over_h=DH_OVER_H, **gather)
   else:

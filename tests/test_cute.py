@@ -290,26 +290,23 @@ def test_cute_top_k_matches_lax_on_gpu(T, E, k):
 @needs_cute
 @pytest.mark.parametrize("dout_gather_max_column_tiles,dh_kernel,dh_block_n", [
     (0, "registers", 128), (2, "registers", 128), (0, "pingpong", 128), (2, "pingpong", 128),
-    (1, "registers", 256), (1, "persistent", 256)])
+    (1, "registers", 256), (1, "tma_store", 256)])
 def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_kernel,
                                                dh_block_n, monkeypatch):
   """The layer's forward and gradients with the CuTe grouped GEMMs: the kernels compile for
   sm_90a here and the program exports for CUDA with them as FFI calls (forward: up_proj,
   down_proj and aggregate; backward adds dh, dx_tilde, aggregate, dw1 and dw2), with dO's rows
-  gathered by XLA or by dh and dw2, with the ping-pong kernels (dH, up_proj and the store
-  GEMMs) and with the persistent ones (up_proj, dH)."""
+  gathered by XLA or by dh and dw2, with dH's register or TMA stores (H read from SMEM: the
+  default DH_H_SMEM) and with the ping-pong kernels (dH, up_proj and the store GEMMs)."""
   cute_ops = importlib.import_module("ffi.ops")
   monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", dout_gather_max_column_tiles)
   monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
   monkeypatch.setattr(cute_ops, "DH_BLOCK_N", dh_block_n)
   pingpong = dh_kernel == "pingpong"
-  up_proj_kernel = {"pingpong": "pingpong", "persistent": "persistent"}.get(dh_kernel, "grouped")
-  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", up_proj_kernel)
+  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong" if pingpong else "grouped")
   monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong" if pingpong else "grouped")
   dh_block_ns = []   # the dH kernel's column tile, as ffi.ops calls it
-  kernel_module = importlib.import_module(
-      {"pingpong": "ffi.pingpong", "persistent": "ffi.persistent"}.get(dh_kernel,
-                                                                       "ffi.grouped_gemm"))
+  kernel_module = importlib.import_module("ffi.pingpong" if pingpong else "ffi.grouped_gemm")
   real_dh = kernel_module.dh
   monkeypatch.setattr(kernel_module, "dh", lambda *a, block_n, **k: (
       dh_block_ns.append(block_n), real_dh(*a, block_n=block_n, **k))[1])
@@ -714,67 +711,6 @@ def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles):
   np.testing.assert_array_equal(got_h, want_h)
   np.testing.assert_allclose(np.asarray(got_a, np.float32), np.asarray(want_a, np.float32),
                              rtol=1e-2, atol=1e-2)
-
-
-@needs_cute
-@pytest.mark.parametrize("kind,block_n", [("up_proj", 128), ("dh", 256), ("dh", 128)])
-def test_cute_persistent_kernels_compile_for_cuda(kind, block_n):
-  """The persistent up-projection and dH (gathering) compile for sm_90a and lower as FFI
-  calls; a stage count that does not fit is refused, naming the limit."""
-  from ffi import persistent
-  T, P, d, n, E = 300, 1024, 256, 256, 4
-  sds = jax.ShapeDtypeStruct
-  index, tiles = sds((P,), jnp.int32), sds((P // 128,), jnp.int32)
-  if kind == "up_proj":
-    shapes = [sds((T, d), jnp.bfloat16), sds((E, d, 2 * n), jnp.bfloat16), tiles, index]
-    fn = lambda *a, **kw: persistent.up_proj(*a, block_n=block_n, **kw)
-    fit = persistent.stages_that_fit(block_n, 2, 2)
-  else:
-    shapes = [sds((T, d), jnp.bfloat16), sds((E, n, d), jnp.bfloat16),
-              sds((P, 2 * n), jnp.bfloat16), sds((P,), jnp.float32), tiles, index]
-    fn = lambda *a, **kw: persistent.dh(*a, block_n=block_n, **kw)
-    fit = persistent.stages_that_fit(block_n, 1, 2)
-  assert FFI_TARGET in _cuda_module(fn, *shapes)
-  with pytest.raises(ValueError, match=f"persistent {kind}: stages={fit + 1} must be between"):
-    jax.eval_shape(lambda *a: fn(*a, stages=fit + 1), *shapes)
-
-
-@pytest.mark.gpu
-@needs_cute
-@pytest.mark.parametrize("kind,num_tiles,block_n", [
-    ("up_proj", 4, 128), ("up_proj", 300, 128), ("up_proj", 81, 64), ("dh", 4, 256),
-    ("dh", 300, 256), ("dh", 133, 128)])
-def test_cute_persistent_kernels_match_grouped_on_gpu(kind, num_tiles, block_n):
-  """The persistent kernels give grouped_gemm's bits (both gathering, padding slots among the
-  rows): M tiles of experts with and without rows and past the last group; fewer tiles than
-  CTAs, and more (each CTA's producer running on into its next tiles' stages)."""
-  from ffi import grouped_gemm, persistent
-  T, E, d, n = 1000, 5, 384, 256
-  tile_expert = jnp.sort(jax.random.randint(jax.random.key(91), (num_tiles,), 0, E + 1))
-  tile_expert = tile_expert.at[tile_expert == 1].set(2).astype(jnp.int32)   # expert 1: no rows
-  P = num_tiles * grouped_gemm.BLOCK_M
-  keys = jax.random.split(jax.random.key(92), 5)
-  rows = jax.random.normal(keys[0], (T, d)).astype(jnp.bfloat16)
-  index = jax.random.randint(keys[1], (P,), 0, T).at[::7].set(T)
-  if kind == "up_proj":
-    w1 = (jax.random.normal(keys[2], (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
-    got = jax.jit(lambda *a: persistent.up_proj(*a, block_n=block_n))(
-        rows, w1, tile_expert, index)
-    want = jax.jit(lambda x, w, t, i: grouped_gemm.up_proj(
-        x, w, t, block_n=block_n, gather_index=i))(rows, w1, tile_expert, index)
-  else:
-    w2 = (jax.random.normal(keys[2], (E, n, d)) / 8).astype(jnp.bfloat16)
-    h = (2 * jax.random.normal(keys[3], (P, 2 * n))).astype(jnp.bfloat16)
-    h = jnp.where((jnp.repeat(tile_expert, grouped_gemm.BLOCK_M) < E)[:, None], h, 0)
-    scores = jax.random.uniform(keys[4], (P,), minval=0.05, maxval=1.0)
-    got = jax.jit(lambda *a: persistent.dh(*a, block_n=block_n, over_h=False))(
-        rows, w2, h, scores, tile_expert, index)
-    want = jax.jit(lambda g, w, hh, s, t, i: grouped_gemm.dh(
-        g, w, hh, s, t, block_n=block_n, gather_index=i, over_h=False))(
-        rows, w2, h, scores, tile_expert, index)
-  for g, w in zip(got, want):
-    assert np.any(np.asarray(w, np.float32) != 0)
-    np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.gpu
