@@ -14,7 +14,10 @@ NAME_WIDTH = 52
 
 def short_name(name: str) -> str:
   """A kernel name without CuTe DSL's generated prefix and its parameter dump (keeping the MMA
-  tile, e.g. 'quackgemm_actGemmGatedSm90 [MNK 64,256,16]')."""
+  tile, e.g. 'quackgemm_actGemmGatedSm90 [MNK 64,256,16]'); ours by their label alone
+  ('sonicmoe_dh_gather': ffi.grouped_gemm.kernel_label)."""
+  if name.startswith("sonicmoe_"):
+    return name.partition("_kernel_")[0]
   for prefix in ("kernel_cutlass_kernel_", "kernel_cutlass_"):
     if name.startswith(prefix):
       name = name[len(prefix):]

@@ -762,6 +762,16 @@ def mma_and_stages(dtype, a_major, b_major, rhs, block_n: int, stages: int):
   return tiled_mma, a_smem_staged, b_smem_staged, tma_b, m_b
 
 
+KERNEL_LABELS = {"store": "matmul", "swiglu": "up_proj", "dh": "dh", "wgrad": "weight_grad"}
+
+
+def kernel_label(kind: str, gather: bool, family: str = "") -> str:
+  """A compiled kernel's name prefix, sonicmoe_[<family>_]<op>[_gather]: profilers list kernels
+  by name, and CuTe DSL's own names (the kernel function's and its first arguments') are the
+  same for every op."""
+  return "_".join(filter(None, ["sonicmoe", family, KERNEL_LABELS[kind], gather and "gather"]))
+
+
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
@@ -825,6 +835,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   num_z = cute.size(out, mode=[2]) if kind == "wgrad" else 1   # wgrad: one per expert
   storage = shared_storage(dtype, num_barriers, cute.cosize(a_smem_staged), b_elems, num_rhs)
   producer = gather or warp_specialized   # a producer warpgroup loads the stages
+  _kernel.set_name_prefix(kernel_label(kind, gather), remove_cutlass_symbol=True)
   _kernel(tma_a, lhs if gather else m_a, tma_b, m_b, out, out2, tma_out, m_out_tma, tma_out2,
           m_out2_tma, m_h, m_scores, m_ds, tma_h, m_h_tma, h_smem_staged, chunk_mma, tile_expert,
           gather_index, tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged,

@@ -292,6 +292,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   storage = grouped_gemm.shared_storage(
       dtype, stages * 2, a_elems, b_elems, 2 if swiglu else 1,
       cute.cosize(c_smem_staged) if tma_store and not swiglu else 0)
+  _kernel.set_name_prefix(grouped_gemm.kernel_label(kind, gather, "pingpong"),
+                          remove_cutlass_symbol=True)
   _kernel(tma_a, m_a, tma_b, m_b, out, out2, m_h, m_scores, m_ds, tile_expert, gather_index,
           tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma, c_smem_staged,
           cute.size(rhs, mode=[2]), storage, block_n, stages, tx_bytes, kind, gather,

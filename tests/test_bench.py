@@ -158,6 +158,8 @@ def test_kernel_table_puts_impls_side_by_side(tmp_path):
       "12800_PermutationMNK____MMAAtom_ThrID1281_ShapeMNK6425616_TVLayoutA") == \
       "quackgemm_actGemmGatedSm90 [MNK 64,256,16]"
   assert kernel_table.short_name("token_gather_sum_kernel") == "token_gather_sum_kernel"
+  assert kernel_table.short_name(
+      "sonicmoe_dh_gather_kernel__kernel_CopyAtom_ThrID10_TVLayoutSrc1819201") == "sonicmoe_dh_gather"
   saved = "benchmarks/results/2026-11-30-h200-session10/call6_bench.json"
   assert "torch_sonicmoe" in kernel_table.main([saved, "--top", "2"])
 
