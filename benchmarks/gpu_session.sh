@@ -36,7 +36,6 @@
 #           loading, at 30B-n256 and 120B-n1024                                   (~6 min)
 #   dh_hsmem: dH's epilogue reading H from SMEM (TMA-loaded after the mainloop): tests, sweep
 #           at four anchors, ncu at 7B-n256, the layer at 7B-n256 and olmoe           (~8 min)
-#   hprefetch: dH's producer loading H's tile early (tests, the layer off/on)        (~3 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
 #           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
@@ -133,17 +132,6 @@ for mode in "$@"; do
         timeout 150 python3 -m benchmarks.bench --configs 7B-n256,olmoe --impls auto \
           --cute-dh "$dh_kernel" --cute-dh-h-smem "$h_smem" --iters 5 --reps 3 \
           --out "$OUT/bench_dh_${dh_kernel}_$h_smem" 2>&1 | tail -6
-      done ;;
-    hprefetch)  # after `cute` staging: dH's producer loading H's tile as the last k steps free
-                # the stages (h_prefetch): bitwise tests, then the layer with it off and on (~3 min)
-      timeout 120 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "h_smem" > "$OUT/pytest_hprefetch.log" 2>&1
-      rc=$?; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_hprefetch.log" | tail -6
-      [ $rc -ne 0 ] && { echo "h_smem tests: rc $rc, not timed"; continue; }
-      for pf in off on; do
-        timeout 100 python3 -m benchmarks.bench --configs 7B-n256,olmoe --impls auto \
-          --cute-dh-h-prefetch $pf --iters 5 --reps 3 --out "$OUT/bench_hprefetch_$pf" 2>&1 | tail -5
-        python3 -m benchmarks.kernel_table "$OUT/bench_hprefetch_$pf.json" --top 4
       done ;;
     ncu_dh)  # after `cute` staging: Nsight Compute on the dH kernels at 7B-n256 (grouped_gemm's
              # at block_n 128 and 256, the ping-pong one at 128; every launch of the sweep) (~3 min)
