@@ -334,9 +334,6 @@ def main(argv=None):
   p.add_argument("--cute-dh-h-smem", choices=("on", "off"),
                  help="cute dh's epilogue reads H from SMEM, TMA-loaded after the mainloop "
                       "(default: ffi/ops.py DH_H_SMEM)")
-  p.add_argument("--cute-dh-h-prefetch", choices=("on", "off"),
-                 help="with it, dh's producer loads H's tile as the last k steps free the stages "
-                      "(default: ffi/ops.py DH_H_PREFETCH)")
   p.add_argument("--cute-up-proj", choices=("grouped", "pingpong"),
                  help="cute up_proj's kernel variant (default: ffi/ops.py UP_PROJ_KERNEL)")
   p.add_argument("--cute-store", choices=("grouped", "pingpong", "pingpong_tma"),
@@ -356,8 +353,6 @@ def main(argv=None):
                        STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n)
   if a.cute_dh_h_smem:
     cute_settings["DH_H_SMEM"] = a.cute_dh_h_smem == "on"
-  if a.cute_dh_h_prefetch:
-    cute_settings["DH_H_PREFETCH"] = a.cute_dh_h_prefetch == "on"
   if a.cute_dout_gather:
     cute_settings["DOUT_GATHER_MAX_COLUMN_TILES"] = 0 if a.cute_dout_gather == "xla" else 1 << 30
   cute_settings = {k: v for k, v in cute_settings.items() if v is not None}

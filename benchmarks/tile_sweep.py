@@ -91,8 +91,7 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows; up_proj, down_proj,
   dx_tilde, dh, dw1 and dw2 again as *_ws, a producer warpgroup issuing their TMA loads;
   dh_hsmem, dh_tma_hsmem, dh_gather_hsmem, dh_gather_tma_hsmem: dh's epilogue reading H from
-  SMEM (_tma: and storing its outputs through it); dh_gather_tma_hprefetch: the same with H's
-  tile loaded by the producer as the last k steps free the stages; dh_gemm: dh's GEMM without its epilogue
+  SMEM (_tma: and storing its outputs through it); dh_gemm: dh's GEMM without its epilogue
   math; cfg a CuteTile)."""
   from ffi import grouped_gemm as cute_gemm, pingpong  # optional extra
   tiles = schedule.tile_experts(plan, cute_gemm.BLOCK_M)
@@ -148,10 +147,6 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
       static_argnums=0), (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
   rows["dh_gather_tma_hsmem"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(
       g, w2, h, s, t, gather_index=i, over_h=False, h_smem=True, tma_store=True,
-      **dataclasses.asdict(c)), static_argnums=0), (dout, *dh_args[1:], plan.token_index),
-      dh_flops, dh_n)
-  rows["dh_gather_tma_hprefetch"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(
-      g, w2, h, s, t, gather_index=i, over_h=False, h_smem=True, h_prefetch=True, tma_store=True,
       **dataclasses.asdict(c)), static_argnums=0), (dout, *dh_args[1:], plan.token_index),
       dh_flops, dh_n)
   _, (_, h, offsets), dw1_flops, _ = rows["dw1"]

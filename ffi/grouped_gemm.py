@@ -279,38 +279,6 @@ def _load_h_tile(tma_h, h_tiles, s_h, bar, nbytes: cutlass.Constexpr):
       cute.copy(tma_h, g_part[None, (0, j)], s_part[None, half * chunks + j], tma_bar_ptr=bar)
 
 
-def h_buffers_by_stage(block_n: int, stage_bytes: int, itemsize: int):
-  """(h_prefetch) For each of the first H_SMEM_MIN_STAGES rhs stages (stage_bytes each), the
-  EPI_TILE buffers of H's tile (_load_h_tile's order: gate chunks, then up chunks) that end in
-  it: a buffer is loaded once every stage it covers is free."""
-  buffer_bytes = EPI_TILE[0] * EPI_TILE[1] * itemsize
-  ends = [((b + 1) * buffer_bytes - 1) // stage_bytes for b in range(2 * block_n // EPI_TILE[1])]
-  return [[b for b, end in enumerate(ends) if end == s] for s in range(H_SMEM_MIN_STAGES)]
-
-
-@cute.jit
-def _prefetch_h_tile(loads, tma_h, h_tiles, s_h, bar, nbytes: cutlass.Constexpr, num_k,
-                     stages: cutlass.Constexpr, buffers_by_stage: cutlass.Constexpr):
-  """The producer's warp 0 after its last k step (h_prefetch): _load_h_tile's copies, each
-  buffer issued once the MMA warpgroups released the rhs stages under it for the last time
-  (their final k steps may still run), so H's load overlaps the mainloop's end. Stage s's
-  last release completes its empty barrier's phase at producer count c, the first count from
-  num_k on that lands on s (the producer's phase starts at 1, flipping at every wrap)."""
-  with cute.arch.elect_one():
-    cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
-  chunks = cute.size(h_tiles[0], mode=[1]) // EPI_TILE[1]
-  parts = [cpasync.tma_partition(tma_h, 0, cute.make_layout(1), cute.group_modes(s_h, 0, 2),
-                                 cute.zipped_divide(h_tiles[half], EPI_TILE))
-           for half in range(2)]
-  for s in cutlass.range_constexpr(H_SMEM_MIN_STAGES):
-    c = num_k + (s - num_k % stages + stages) % stages
-    loads.sync_object_empty.wait(s, (c // stages + 1) % 2)
-    for b in cutlass.range_constexpr(len(buffers_by_stage[s])):
-      half, j = divmod(buffers_by_stage[s][b], chunks)
-      s_part, g_part = parts[half]
-      cute.copy(tma_h, g_part[None, (0, j)], s_part[None, half * chunks + j], tma_bar_ptr=bar)
-
-
 @cute.jit
 def _store_tiles_tma(stores, chunks: cutlass.Constexpr):
   """The leader warp: each (TMA atom, SMEM EPI_TILE buffers, first buffer, the output's tile of
@@ -530,7 +498,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
             out_m_major: cutlass.Constexpr, producer: cutlass.Constexpr,
-            h_smem: cutlass.Constexpr, h_prefetch: cutlass.Constexpr):
+            h_smem: cutlass.Constexpr):
   swiglu = kind == "swiglu"
   # with a producer warpgroup (always when gathering) warpgroup 0 loads and warpgroups 1, 2
   # compute: their threads' and warps' indices in the MMA warpgroups (else those are the CTA's)
@@ -573,12 +541,6 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   s_bs = [buf.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
           for buf in ([storage.s_b, storage.s_b2] if cutlass.const_expr(swiglu) else [storage.s_b])]
   h_bar = storage.barriers.data_ptr() + 2 * stages   # (h_smem) H's tile landed
-  h_bytes = 2 * BLOCK_M * block_n * m_h.element_type.width // 8
-  # (h_smem) H's tile over rhs's stages as EPI_TILE buffers, and its global gate and up tiles
-  h_smem_view = lambda: cute.make_tensor(cute.recast_ptr(s_bs[0].iterator, h_smem_staged.inner,
-                                                         dtype=m_h.element_type),
-                                         h_smem_staged.outer)
-  h_tma_tiles = lambda: [tile_of(m_h_tma, c, 0, (1, 1, None)) for c in half_cols]
   if cutlass.const_expr(h_smem):
     if tidx == 0:
       cute.arch.mbarrier_init(h_bar, 1)
@@ -607,12 +569,6 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
         for _ in cutlass.range(num_k, unroll=1):
           load_stage(loads, produce, operands, k_begin + produce.count)
           produce.advance()
-      if cutlass.const_expr(h_prefetch):
-        if warp == 0:
-          itemsize = m_h.element_type.width // 8
-          _prefetch_h_tile(loads, tma_h, h_tma_tiles(), h_smem_view(), h_bar, h_bytes, num_k,
-                           stages, h_buffers_by_stage(block_n, block_n * BLOCK_K * itemsize,
-                                                      itemsize))
   else:   # the MMA warpgroups: mainloop, then the epilogue (in this branch: ptxas gives them
           # the registers setmaxnreg raised)
     if cutlass.const_expr(producer):
@@ -654,9 +610,6 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             load_stage(loads, produce, operands, k_begin + produce.count)
             produce.advance()
     warpgroup.wait_group(0)
-    if cutlass.const_expr(h_prefetch):   # the last k step's stage too: H's tile goes over it
-      if num_k > 0:
-        loads.consumer_release(release)
 
     # out's tile (or H's, or dH's, gate and up tiles, then A's or A''s): (TMA atom, its TMA
     # tensor, the output, column tile)
@@ -676,14 +629,12 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
                               thr_mma)
       chunks = block_n // EPI_TILE[1]
       if cutlass.const_expr(h_smem):   # H's tile by TMA over rhs's stages, once all are read
-        # (h_prefetch: the producer loads it; its barrier completes only after every MMA warp
-        # released its last stage, so past the wait no warp still reads A's or rhs's stages)
-        if cutlass.const_expr(not h_prefetch):
-          cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
-        s_h = h_smem_view()
-        if cutlass.const_expr(not h_prefetch):
-          if leader:
-            _load_h_tile(tma_h, h_tma_tiles(), s_h, h_bar, h_bytes)
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
+        s_h = cute.make_tensor(cute.recast_ptr(s_bs[0].iterator, h_smem_staged.inner,
+                                               dtype=m_h.element_type), h_smem_staged.outer)
+        if leader:
+          _load_h_tile(tma_h, [tile_of(m_h_tma, c, 0, (1, 1, None)) for c in half_cols], s_h,
+                       h_bar, 2 * BLOCK_M * block_n * m_h.element_type.width // 8)
         cute.arch.mbarrier_wait(h_bar, 0)
         h_srcs = smem_chunks(s_h, chunk_mma, mma_tidx, [0, chunks], chunks)
         if cutlass.const_expr(not register_store):
@@ -745,12 +696,11 @@ def _gathered_up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute
 def _dh(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor, h: cute.Tensor,
         scores: cute.Tensor, dh: cute.Tensor, a_scaled: cute.Tensor, ds_parts: cute.Tensor,
         block_n: cutlass.Constexpr, stages: cutlass.Constexpr, register_store: cutlass.Constexpr,
-        warp_specialized: cutlass.Constexpr = False, h_smem: cutlass.Constexpr = False,
-        h_prefetch: cutlass.Constexpr = False):
+        warp_specialized: cutlass.Constexpr = False, h_smem: cutlass.Constexpr = False):
   """dOg (P, d, 1), w2 (n, d, E) K-major, H (P, 2n, 1), scores (P,), dH (P, 2n, 1), A' (P, n, 1),
   dS parts (n / block_n, P)."""
   _launch(stream, dout_g, w2, tile_expert, tile_expert, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", False, register_store, warp_specialized, h_smem, h_prefetch)
+          block_n, stages, "dh", False, register_store, warp_specialized, h_smem)
 
 
 @cute.jit
@@ -758,10 +708,10 @@ def _gathered_dh(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.T
                  gather_index: cute.Tensor, h: cute.Tensor, scores: cute.Tensor, dh: cute.Tensor,
                  a_scaled: cute.Tensor, ds_parts: cute.Tensor, block_n: cutlass.Constexpr,
                  stages: cutlass.Constexpr, register_store: cutlass.Constexpr,
-                 h_smem: cutlass.Constexpr = False, h_prefetch: cutlass.Constexpr = False):
+                 h_smem: cutlass.Constexpr = False):
   """_dh with dout (T, d, 1) the source rows and slot r reading dout[gather_index[r]]."""
   _launch(stream, dout, w2, tile_expert, gather_index, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", True, register_store, False, h_smem, h_prefetch)
+          block_n, stages, "dh", True, register_store, False, h_smem)
 
 
 @cute.jit
@@ -827,8 +777,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
-            warp_specialized: cutlass.Constexpr = False, h_smem: cutlass.Constexpr = False,
-            h_prefetch: cutlass.Constexpr = False):
+            warp_specialized: cutlass.Constexpr = False, h_smem: cutlass.Constexpr = False):
   """The grid over (output column tiles, M tiles[, experts]) and the kernel's static
   configuration. kind: "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs
   W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
@@ -839,8 +788,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   (dh only): each thread stores its fragments from registers instead of the TMA-store
   epilogue. warp_specialized: a producer warpgroup issues the TMA loads of a kernel that does
   not gather too (the MMA warpgroups' first warp otherwise). h_smem (dh): the epilogue reads
-  H's tile from SMEM, TMA-loaded over rhs's stages once the mainloop is done (dh's h_smem);
-  h_prefetch (h_smem with a producer): the producer loads it as the last k steps free them."""
+  H's tile from SMEM, TMA-loaded over rhs's stages once the mainloop is done (dh's h_smem)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
   num_rhs = 2 if swiglu else 1
@@ -892,7 +840,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
           m_out2_tma, m_h, m_scores, m_ds, tma_h, m_h_tma, h_smem_staged, chunk_mma, tile_expert,
           gather_index, tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged,
           cute.size(rhs, mode=[2]), storage, block_n, stages, stage_bytes, kind, gather,
-          register_store, out_layout.is_m_major_c(), producer, h_smem, h_prefetch).launch(
+          register_store, out_layout.is_m_major_c(), producer, h_smem).launch(
               grid=(num_n_tiles, num_m_tiles, num_z),
               block=(THREADS + (128 if producer else 0), 1, 1), stream=stream)
 
@@ -1021,7 +969,7 @@ def dh_unsupported(dout_g, w2, h, scores, block_n: int):
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None,
        tma_store: bool = False, gather_index=None, over_h: bool = True,
-       warp_specialized: bool = False, h_smem: bool = False, h_prefetch: bool = False):
+       warp_specialized: bool = False, h_smem: bool = False):
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
@@ -1035,10 +983,8 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   where the per-thread global loads read 16 of each 32-byte sector); with tma_store too, dH
   is written over H's tile there and A' over the lhs stages, all three then stored by TMA
   (no register tiles of the outputs). Needs stages >= H_SMEM_MIN_STAGES (the rhs stages hold
-  H's 2 x BLOCK_M x block_n tile, the lhs stages A''s BLOCK_M x block_n). h_prefetch (with
-  h_smem, and a producer warpgroup: gather_index or warp_specialized): the producer loads H's
-  tile, each buffer as soon as the last k steps free the stages under it, instead of the MMA
-  warpgroups once their mainloop is done. Bitwise the same outputs either way."""
+  H's 2 x BLOCK_M x block_n tile, the lhs stages A''s BLOCK_M x block_n). Bitwise the same
+  outputs either way."""
   reason = dh_unsupported(rows_read(dout_g, gather_index), w2, h, scores, block_n)
   if reason:
     raise ValueError(f"cute dh: {reason}")
@@ -1049,14 +995,7 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   if h_smem and stages < H_SMEM_MIN_STAGES:
     raise ValueError(f"cute dh: h_smem needs stages >= {H_SMEM_MIN_STAGES} (H's tile over the "
                      f"rhs stages); got stages={stages}")
-  if h_prefetch and not (h_smem and (gather_index is not None or warp_specialized)):
-    given = "given" if gather_index is not None else "None"
-    raise ValueError("cute dh: h_prefetch needs h_smem and a producer warpgroup (gather_index "
-                     f"or warp_specialized); got h_smem={h_smem}, warp_specialized="
-                     f"{warp_specialized}, gather_index {given}")
-  option = dict(h_smem=True) if h_smem else {}   # (off: the targets leave them out)
-  if h_prefetch:
-    option["h_prefetch"] = True
+  option = dict(h_smem=True) if h_smem else {}   # (off: the targets leave it out)
   return dh_call((_dh, _gathered_dh), dout_g, w2, h, scores, tile_expert, gather_index,
                  over_h, block_n=block_n, stages=stages, register_store=not tma_store,
                  **_warp_specialized_config(warp_specialized, gather_index), **option)

@@ -63,16 +63,16 @@ DW1_GATHER_MAX_COLUMN_TILES = 8
 DOUT_GATHER_MAX_COLUMN_TILES = 8
 # The dH kernel's variant: "registers" (grouped_gemm.dh storing dH and A' from registers),
 # "tma_store" (the same through SMEM and TMA stores: 2.56 vs 2.69 ms at 30B-n256 in session
-# 8's sweep) or "pingpong" (ffi/pingpong.py; its 64-row-tile version was bitwise equal to
-# "registers" but slower: 3.53 vs 2.78 ms at 30B-n256, session 9; on 128-row tiles bitwise
-# equal and as fast, session 10: 2.76 vs 2.75 ms, gathering dO 2.93 vs 3.02, one sweep each:
-# not enough to switch). With DH_H_SMEM, "tma_store" writes dH over H's
+# 8's sweep; without H from SMEM not better in the layer, session 16) or "pingpong" (ffi/pingpong.py; its 64-row-tile
+# version was bitwise equal to "registers" but slower: 3.53 vs 2.78 ms at 30B-n256, session 9;
+# on 128-row tiles bitwise equal and as fast, session 10: 2.76 vs 2.75 ms, gathering dO 2.93 vs
+# 3.02, one sweep each: not enough to switch). With DH_H_SMEM, "tma_store" writes dH over H's
 # tile in SMEM and A' over the lhs stages, all stored by TMA: H200 session 16's sweep, ms,
 # registers vs tma_store + h_smem (dO gathered in the kernel where it is): 7B-n256 0.738 vs
 # 0.538, 30B-n256 2.483 vs 2.160, olmoe 3.131 vs 2.465, 120B-n1024 4.467 vs 3.840; Nsight
 # Compute's excess global sectors at 7B-n256 from 32% to none. Those run dH with over_h off; in
-# the layer (dH over H) the gain is smaller: dH's kernel 0.504 -> 0.467 ms at 7B-n256, 2.585 ->
-# 2.485 at olmoe.
+# the layer (dH over H) the gain is smaller: fwd+bwd 3.465 -> 3.392 ms at 7B-n256, 18.869 ->
+# 18.665 at olmoe.
 DH_KERNEL = "tma_store"
 DH_KERNELS = ("registers", "tma_store", "pingpong")
 # dH's widest column tile (block_n: halved until it divides n). 256 (grouped_gemm's dh only; the
@@ -85,11 +85,6 @@ DH_BLOCK_N = 256
 # (grouped_gemm.dh's h_smem; the ping-pong dH reads it from global memory). Session 16: with
 # register stores alone 7B-n256 0.738 -> 0.631 ms; with "tma_store" see DH_KERNEL.
 DH_H_SMEM = True
-# With DH_H_SMEM, and dO's rows gathered in the kernel (its producer warpgroup): the producer
-# loads H's tile, each part as soon as the mainloop's last k steps free the stages under it
-# (grouped_gemm.dh's h_prefetch), instead of the MMA warpgroups after their mainloop. Written
-# in session 16, not yet run on a GPU.
-DH_H_PREFETCH = False
 # dH written over H's buffer (FFI operand aliasing: the backward then holds one [P, 2n] buffer
 # for both). Per-op timings of dh alone turn it off (benchmarks/kernels.py): with H an argument
 # of the timed program XLA would copy it first, which the layer's step never does.
@@ -247,9 +242,7 @@ def dh(dout, w2, h, scores, plan):
   else:
     dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
                                               tma_store=DH_KERNEL == "tma_store",
-                                              over_h=DH_OVER_H, h_smem=DH_H_SMEM,
-                                              h_prefetch=DH_H_PREFETCH and DH_H_SMEM
-                                              and bool(gather), **gather)
+                                              over_h=DH_OVER_H, h_smem=DH_H_SMEM, **gather)
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
 
 

@@ -841,29 +841,18 @@ def test_cute_dh_h_smem_needs_its_stages():
   with pytest.raises(ValueError, match=f"h_smem needs stages >= {minimum}"):
     jax.eval_shape(lambda *a: grouped_gemm.dh(*a, block_n=128, stages=minimum - 1, h_smem=True),
                    *shapes)
-  with pytest.raises(ValueError, match="h_prefetch needs h_smem and a producer warpgroup"):
-    jax.eval_shape(lambda *a: grouped_gemm.dh(*a, block_n=128, h_smem=True, h_prefetch=True),
-                   *shapes)
-  # the producer loading H's tile as the last k steps free the stages compiles too
-  fn = lambda *a: grouped_gemm.dh(*a, block_n=128, h_smem=True, h_prefetch=True,
-                                  warp_specialized=True)
-  assert FFI_TARGET in _cuda_module(fn, *shapes)
 
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,gather,tma_store,d,prefetch", [
-    (256, True, False, 640, False), (128, False, False, 640, False),
-    (256, False, True, 640, False), (128, True, True, 128, False),
-    (256, True, False, 128, False), (256, True, True, 640, True), (128, True, True, 128, True),
-    (64, True, False, 640, True), (128, False, True, 640, True)])
-def test_cute_dh_h_smem_keeps_outputs_on_gpu(block_n, gather, tma_store, d, prefetch):
-  """dH's epilogue reading H from SMEM (TMA-loaded over the rhs stages after the mainloop, or
-  with prefetch by the producer warpgroup (gathering, else warp-specialized) as the last k
-  steps free them; with tma_store its outputs written there and stored by TMA; experts of 0
-  to 10 k steps: the last k steps on stages 2, 3, 0, 1 at d 640; fewer k steps than stages at
-  d 128, a tile past the last group) gives the bitwise same dH, A' and dS parts as reading it
-  from global memory."""
+@pytest.mark.parametrize("block_n,gather,tma_store,d", [
+    (256, True, False, 640), (128, False, False, 640), (256, False, True, 640),
+    (128, True, True, 128), (256, True, False, 128)])
+def test_cute_dh_h_smem_keeps_outputs_on_gpu(block_n, gather, tma_store, d):
+  """dH's epilogue reading H from SMEM (TMA-loaded over the rhs stages after the mainloop;
+  with tma_store its outputs written there and stored by TMA; experts of 0 to 10 k steps,
+  fewer k steps than stages at d 128, a tile past the last group) gives the bitwise same dH,
+  A' and dS parts as reading it from global memory."""
   from ffi import grouped_gemm
   T, n, E = 1000, 256, 4
   tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
@@ -876,8 +865,7 @@ def test_cute_dh_h_smem_keeps_outputs_on_gpu(block_n, gather, tma_store, d, pref
   index = jax.random.randint(keys[4], (P,), 0, T).at[::7].set(T) if gather else None
   run = jax.jit(lambda h_smem: grouped_gemm.dh(
       dout, w2, h, scores, tile_expert, block_n=block_n, gather_index=index, over_h=False,
-      tma_store=tma_store, h_smem=h_smem, h_prefetch=h_smem and prefetch,
-      warp_specialized=h_smem and prefetch and not gather), static_argnums=0)
+      tma_store=tma_store, h_smem=h_smem), static_argnums=0)
   for g, w in zip(run(True), run(False)):
     assert np.any(np.asarray(w, np.float32) != 0)
     np.testing.assert_array_equal(g, w)
