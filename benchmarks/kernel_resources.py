@@ -41,6 +41,7 @@ VARIANTS = [
     ("dh h_smem bn256 fit", "dh_h_smem", 256, 0),
     ("dh gather h_smem bn256 fit", "dh_gather_h_smem", 256, 0),
     ("dh tma h_smem bn256 fit", "dh_tma_h_smem", 256, 0),
+    ("dh gather tma h_smem bn256 fit", "dh_gather_tma_h_smem", 256, 0),   # the default
     ("wgrad bn128 st3", "wgrad", 128, 3),
     ("wgrad bn256 fit", "wgrad", 256, 0), ("wgrad gather bn128 st3", "wgrad_gather", 128, 3),
     ("wgrad gather bn256 fit", "wgrad_gather", 256, 0),
@@ -79,6 +80,10 @@ fn, args = {
     "dh_gather": (lambda a, w, h, s, t, i: g.dh(a, w, h, s, t, gather_index=i, **kw),
                   (sds(300, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32),
                    sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
+    "dh_gather_tma": (lambda a, w, h, s, t, i: g.dh(a, w, h, s, t, gather_index=i, tma_store=True,
+                                                    **kw),
+                      (sds(300, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32),
+                       sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
     "matmul_pingpong": (lambda a, b, t: pp.grouped_matmul(a, b, t, **kw),
                         (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "matmul_pingpong_tma": (lambda a, b, t: pp.grouped_matmul(a, b, t, tma_store=True, **kw),

@@ -63,16 +63,17 @@ DW1_GATHER_MAX_COLUMN_TILES = 8
 DOUT_GATHER_MAX_COLUMN_TILES = 8
 # The dH kernel's variant: "registers" (grouped_gemm.dh storing dH and A' from registers),
 # "tma_store" (the same through SMEM and TMA stores: 2.56 vs 2.69 ms at 30B-n256 in session
-# 8's sweep; without H from SMEM not better in the layer, session 16) or "pingpong" (ffi/pingpong.py; its 64-row-tile
-# version was bitwise equal to "registers" but slower: 3.53 vs 2.78 ms at 30B-n256, session 9;
-# on 128-row tiles bitwise equal and as fast, session 10: 2.76 vs 2.75 ms, gathering dO 2.93 vs
-# 3.02, one sweep each: not enough to switch). With DH_H_SMEM, "tma_store" writes dH over H's
+# 8's sweep) or "pingpong" (ffi/pingpong.py; its 64-row-tile version was bitwise equal to
+# "registers" but slower: 3.53 vs 2.78 ms at 30B-n256, session 9; on 128-row tiles bitwise
+# equal and as fast, session 10: 2.76 vs 2.75 ms, gathering dO 2.93 vs 3.02, one sweep each:
+# not enough to switch). With DH_H_SMEM, "tma_store" writes dH over H's
 # tile in SMEM and A' over the lhs stages, all stored by TMA: H200 session 16's sweep, ms,
 # registers vs tma_store + h_smem (dO gathered in the kernel where it is): 7B-n256 0.738 vs
 # 0.538, 30B-n256 2.483 vs 2.160, olmoe 3.131 vs 2.465, 120B-n1024 4.467 vs 3.840; Nsight
 # Compute's excess global sectors at 7B-n256 from 32% to none. Those run dH with over_h off; in
-# the layer (dH over H) the gain is smaller: fwd+bwd 3.465 -> 3.392 ms at 7B-n256, 18.869 ->
-# 18.665 at olmoe.
+# the layer (dH over H) the gain is smaller: dH's kernel 0.504 -> 0.467 ms at 7B-n256, 2.585 ->
+# 2.485 at olmoe. (Session 16 also tried the producer loading H's tile as the last k steps
+# free the stages: bitwise equal, no gain in the layer; removed.)
 DH_KERNEL = "tma_store"
 DH_KERNELS = ("registers", "tma_store", "pingpong")
 # dH's widest column tile (block_n: halved until it divides n). 256 (grouped_gemm's dh only; the
