@@ -236,11 +236,7 @@ def _dh_outputs(acc, h_srcs, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dtyp
       group = ((None, None, k), m, 0)
       gate, up = [v.to(cutlass.Float32) for v in ahead[k]]
       da = acc[group].load()
-      sig = 1.0 / (1.0 + cute.math.exp(-gate))
-      silu = gate * sig
-      a = silu * up
-      da_s = s * da
-      values = [da_s * up * sig * (1.0 + gate * (1.0 - sig)), da_s * silu, s * a]
+      values, a = dswiglu(gate, up, da, s)
       for q in cutlass.range_constexpr(3):
         if cutlass.const_expr(out_dsts is None):
           outs[q][group].store(values[q].to(dtype))
@@ -248,20 +244,44 @@ def _dh_outputs(acc, h_srcs, score_tile, m_ds, thr_mma, tidx, row0, n_tile, dtyp
           frag = cute.make_rmem_tensor(acc[group].shape, dtype)
           frag.store(values[q].to(dtype))
           cute.autovec_copy(frag, _chunk_group(out_dsts[q], k, m))
-      prod = cute.make_rmem_tensor(acc[group].shape, cutlass.Float32)
-      prod.store(da * a)
-      for j in cutlass.range_constexpr(2):
-        for i in cutlass.range_constexpr(2):
-          row_sums[2 * m + j] += prod[i, j]
-  # dS part: each row's sum over this thread's columns, then over the 4 threads (a quad)
-  # sharing the row
+      add_row_sums(row_sums, m, da * a, acc[group].shape)
+  store_ds_part(row_sums, thr_mma, m_ds, tidx, row0, n_tile, block_n, tile_m)
+  return outs
+
+
+@cute.jit
+def dswiglu(gate, up, da, s):
+  """dH's epilogue math on one column group (fp32 vectors): H's gate and up values, dA' and
+  the rows' score s -> ([dH gate, dH up, A' = s A], A = silu(gate) up)."""
+  sig = 1.0 / (1.0 + cute.math.exp(-gate))
+  silu = gate * sig
+  a = silu * up
+  da_s = s * da
+  return [da_s * up * sig * (1.0 + gate * (1.0 - sig)), da_s * silu, s * a], a
+
+
+@cute.jit
+def add_row_sums(row_sums, m: cutlass.Constexpr, prod, shape: cutlass.Constexpr):
+  """Adds a column group's dA' A values (prod, rows r and r + 8 of m block m) to this
+  thread's row sums (rows r, r + 8 per m block)."""
+  frag = cute.make_rmem_tensor(shape, cutlass.Float32)
+  frag.store(prod)
+  for j in cutlass.range_constexpr(2):
+    for i in cutlass.range_constexpr(2):
+      row_sums[2 * m + j] += frag[i, j]
+
+
+@cute.jit
+def store_ds_part(row_sums, thr_mma, m_ds, tidx, row0, n_tile, block_n: cutlass.Constexpr,
+                  tile_m: cutlass.Constexpr):
+  """dS's part of this column tile: each row's sum over this thread's columns (row_sums),
+  then over the 4 threads (a quad) sharing the row, to m_ds[n_tile, row] (fp32)."""
   rows = thr_mma.partition_C(cute.make_identity_tensor((tile_m, block_n)))
-  for m in cutlass.range_constexpr(m_blocks):
+  for m in cutlass.range_constexpr(cute.size(row_sums) // 2):
     for j in cutlass.range_constexpr(2):
       total = cute.arch.warp_reduction_sum(row_sums[2 * m + j], threads_in_group=4)
       if tidx % 4 == 0:
         m_ds[n_tile, row0 + rows[(0, j, 0), m, 0][0]] = total
-  return outs
 
 
 @cute.jit

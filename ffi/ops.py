@@ -73,9 +73,12 @@ DOUT_GATHER_MAX_COLUMN_TILES = 8
 # Compute's excess global sectors at 7B-n256 from 32% to none. Those run dH with over_h off; in
 # the layer (dH over H) the gain is smaller: dH's kernel 0.504 -> 0.467 ms at 7B-n256, 2.585 ->
 # 2.485 at olmoe. (Session 16 also tried the producer loading H's tile as the last k steps
-# free the stages: bitwise equal, no gain in the layer; removed.)
+# free the stages: bitwise equal, no gain in the layer; removed.) "pingpong_tma": the ping-pong
+# dH with its SMEM epilogue (pingpong.dh's tma_store: each consumer's epilogue, one 64-column
+# chunk at a time through buffers of its own, under the other's mainloop; written in session
+# 16, not yet run on a GPU).
 DH_KERNEL = "tma_store"
-DH_KERNELS = ("registers", "tma_store", "pingpong")
+DH_KERNELS = ("registers", "tma_store", "pingpong", "pingpong_tma")
 # dH's widest column tile (block_n: halved until it divides n). 256 (grouped_gemm's dh only; the
 # ping-pong dh takes at most 128) makes n = 256 one column tile, so each M tile reads (and
 # gathers) its dO rows once instead of twice (174 registers, no stack, one CTA per SM). H200
@@ -209,7 +212,7 @@ def down_proj(a, w2, plan):
 
 def _dh_block_n(n: int) -> int:
   """dH's column tile: DH_BLOCK_N (at most 128 on the ping-pong kernel), halved to divide n."""
-  widest = pingpong.widest_block_n(1) if DH_KERNEL == "pingpong" else DH_BLOCK_N
+  widest = pingpong.widest_block_n(1) if DH_KERNEL.startswith("pingpong") else DH_BLOCK_N
   return _wide_tile(n, min(DH_BLOCK_N, widest))
 
 
@@ -237,9 +240,10 @@ def dh(dout, w2, h, scores, plan):
     rows, gather = dout, dict(gather_index=plan.token_index)
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
-  if DH_KERNEL == "pingpong":
+  if DH_KERNEL.startswith("pingpong"):
     dh_, a_scaled, ds_parts = pingpong.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
-                                          over_h=DH_OVER_H, **gather)
+                                          over_h=DH_OVER_H, tma_store=DH_KERNEL == "pingpong_tma",
+                                          **gather)
   else:
     dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
                                               tma_store=DH_KERNEL == "tma_store",

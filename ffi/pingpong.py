@@ -2,7 +2,8 @@
 grouped_gemm.py's kernels with the same operands, outputs and epilogue math: dh (the dSwiGLU
 epilogue, grouped_gemm._dh_outputs; dO's rows read in slot order or gathered), up_proj
 gathering X's rows (the SwiGLU epilogue) and grouped_matmul (out = lhs_e rhs_e: down_proj,
-dx_tilde), storing their outputs from registers (grouped_matmul also by TMA stores).
+dx_tilde), storing their outputs from registers (grouped_matmul, and dh, also through SMEM
+by TMA stores).
 grouped_gemm's kernel runs its epilogue after its mainloop with the tensor cores idle, and its
 MMA warpgroups issue the gather's copies between their wgmmas; here one consumer warpgroup's
 epilogue runs while the other's mainloop does, and a producer warpgroup does all the loading.
@@ -60,22 +61,35 @@ THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 # registers: grouped_gemm's gathering producer's budgets)
 REGISTERS = {False: (40, 232),
              True: (grouped_gemm.PRODUCER_REGISTERS, grouped_gemm.MMA_REGISTERS)}
+# dh's SMEM epilogue with a gathering producer: its consumers spilled 92 bytes at 224 (sm_90a
+# cubin, block_n 128); at these none, the producer's gather neither
+DH_SMEM_GATHER_REGISTERS = (48, 232)
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
 EPILOGUE_BARRIER = 6        # named barriers 6 and 7: consumer 0's and 1's TMA-store epilogue
 MAX_STAGES = 8
+# dh's SMEM epilogue (tma_store): each consumer's EPI_TILE buffers, one column chunk at a time:
+# H's gate and up chunks (TMA-loaded; dH's written over them) and A''s chunk
+DH_EPI_BUFFERS = 3
 
 
-def epilogue_bytes(itemsize: int) -> int:
-  """SMEM of the TMA-store epilogue: EPI_STAGES EPI_TILE buffers for each consumer."""
-  return 2 * grouped_gemm.EPI_STAGES * EPI_TILE[0] * EPI_TILE[1] * itemsize
+def epilogue_buffers(kind: str) -> int:
+  """EPI_TILE buffers of each consumer's TMA-store epilogue: dh's (DH_EPI_BUFFERS) or the
+  store kernels' (grouped_gemm.EPI_STAGES)."""
+  return DH_EPI_BUFFERS if kind == "dh" else grouped_gemm.EPI_STAGES
 
 
-def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1, tma_store: bool = False) -> int:
+def epilogue_bytes(itemsize: int, kind: str = "store") -> int:
+  """SMEM of the TMA-store epilogue: epilogue_buffers(kind) EPI_TILE buffers per consumer."""
+  return 2 * epilogue_buffers(kind) * EPI_TILE[0] * EPI_TILE[1] * itemsize
+
+
+def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1, tma_store: bool = False,
+                    kind: str = "store") -> int:
   """The ring's deepest: stages of a [TILE_M, BLOCK_K] lhs tile and num_rhs [block_n,
   BLOCK_K] rhs tiles that fit in SMEM (beside the epilogue's buffers with tma_store), at most
   MAX_STAGES."""
   return min(MAX_STAGES, grouped_gemm._stages_that_fit(
-      block_n, num_rhs, itemsize, TILE_M, epilogue_bytes(itemsize) if tma_store else 0))
+      block_n, num_rhs, itemsize, TILE_M, epilogue_bytes(itemsize, kind) if tma_store else 0))
 
 
 def widest_block_n(num_rhs: int) -> int:
@@ -100,13 +114,71 @@ def _register_outputs(accs, out_tiles, thr_mma, dtype, block_n: cutlass.Constexp
         cute.autovec_copy(frag, thr_mma.partition_C(out_tiles[q])[group])
 
 
+@cute.jit
+def _dh_smem_epilogue(acc, h_tiles, out_tiles, atoms, s_c, first, chunk_mma,
+                      thr_mma, score_tile, m_ds, wg_tidx, leader, h_bar, phase0, row0, n_tile,
+                      block_n: cutlass.Constexpr, barrier_id: cutlass.Constexpr):
+  """dh's epilogue through a consumer's own SMEM buffers (s_c's first .. first + 2), one
+  EPI_TILE column chunk at a time: the leader warp TMA-loads H's gate and up chunks (h_tiles,
+  of H's TMA tensor; atoms[0]) once the previous chunk's stores have read the buffers,
+  completing on mbarrier h_bar (its phase phase0 + chunk); every thread computes its values of
+  the chunk (grouped_gemm.dswiglu on acc = dA''s columns of the chunk), writing dH's gate and up
+  over H's and A' to the third buffer; then the leader stores the three by TMA (out_tiles: dH
+  gate, dH up, A', of their TMA tensors; atoms[1:]). dS's part as grouped_gemm._dh_outputs.
+  chunk_mma: the wgmma on EPI_TILE's columns, so that a thread's values of a buffer are its
+  accumulator's values of the chunk's columns."""
+  groups = EPI_TILE[1] // 8   # column groups of a chunk
+  thr_chunk = chunk_mma.get_slice(wg_tidx)
+  bufs = [thr_chunk.partition_C(s_c[None, None, first + q]) for q in range(DH_EPI_BUFFERS)]
+  s_epi = cute.group_modes(s_c, 0, 2)
+  tma_views = lambda atom, tile: cpasync.tma_partition(atom, 0, cute.make_layout(1), s_epi,
+                                                       cute.zipped_divide(tile, EPI_TILE))
+  loads = [tma_views(atoms[0], t) for t in h_tiles]
+  stores = [tma_views(atom, t) for atom, t in zip(atoms[1:], out_tiles)]
+  s_src = thr_mma.partition_C(score_tile)
+  m_blocks = cute.size(acc, mode=[1])
+  row_sums = cute.make_rmem_tensor((2 * m_blocks,), cutlass.Float32)   # rows r, r + 8 per block
+  row_sums.fill(0.0)
+  for c in cutlass.range_constexpr(block_n // EPI_TILE[1]):
+    if leader:
+      cute.arch.cp_async_bulk_wait_group(0, read=True)
+      with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive_and_expect_tx(
+            h_bar, 2 * EPI_TILE[0] * EPI_TILE[1] * s_c.element_type.width // 8)
+      for half in cutlass.range_constexpr(2):
+        s_part, g_part = loads[half]
+        cute.copy(atoms[0], g_part[None, (0, c)], s_part[None, first + half], tma_bar_ptr=h_bar)
+    cute.arch.mbarrier_wait(h_bar, (phase0 + c) % 2)
+    for m in cutlass.range_constexpr(m_blocks):
+      s = grouped_gemm._group_fp32(s_src[((None, None, 0), m, 0)])
+      for k in cutlass.range_constexpr(groups):
+        group = ((None, None, k), m, 0)
+        acc_group = ((None, None, c * groups + k), m, 0)
+        gate, up = [grouped_gemm._group_fp32(buf[group]) for buf in bufs[:2]]
+        da = acc[acc_group].load()
+        values, a = grouped_gemm.dswiglu(gate, up, da, s)
+        for q in cutlass.range_constexpr(DH_EPI_BUFFERS):
+          frag = cute.make_rmem_tensor(acc[acc_group].shape, s_c.element_type)
+          frag.store(values[q].to(s_c.element_type))
+          cute.autovec_copy(frag, bufs[q][group])
+        grouped_gemm.add_row_sums(row_sums, m, da * a, acc[acc_group].shape)
+    cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA engine
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+    if leader:
+      for q in cutlass.range_constexpr(DH_EPI_BUFFERS):
+        s_part, g_part = stores[q]
+        cute.copy(atoms[1 + q], s_part[None, first + q], g_part[None, (0, c)])
+      cute.arch.cp_async_bulk_commit_group()
+  grouped_gemm.store_ds_part(row_sums, thr_mma, m_ds, wg_tidx, row0, n_tile, block_n, TILE_M)
+
+
 @cute.kernel
 def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
             m_out: cute.Tensor, m_out2: cute.Tensor, m_h: cute.Tensor, m_scores: cute.Tensor,
             m_ds: cute.Tensor, tile_expert: cute.Tensor, gather_index: cute.Tensor,
             tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout, tma_out: cute.CopyAtom, m_out_tma: cute.Tensor,
-            c_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
+            c_smem_staged: cute.ComposedLayout, dh_smem, num_experts: cutlass.Int32,
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, tx_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, tma_store: cutlass.Constexpr):
@@ -116,8 +188,10 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   gate and up column tiles), m_out H, m_out2 A. kind "store": m_a lhs (P, K, 1) by TMA, m_b
   rhs (N, K, E), m_out = m_out2 out (P, N, 1) = lhs_e rhs_e, stored from registers or (tma_store)
   by the TMA-store epilogue (tma_out, m_out_tma: out's TMA atom and tensor; c_smem_staged: both
-  consumers' epilogue buffers). (Unused operands: m_h, m_scores, m_ds outside dh; tma_out,
-  m_out_tma, c_smem_staged without tma_store.)"""
+  consumers' epilogue buffers). kind "dh" with tma_store: its SMEM epilogue
+  (_dh_smem_epilogue; tma_out, m_out_tma dH's), dh_smem = (A''s TMA atom and tensor, H's TMA
+  atom and tensor, the wgmma on EPI_TILE's columns); () otherwise. (Unused operands: m_h,
+  m_scores, m_ds outside dh; tma_out, m_out_tma, c_smem_staged without tma_store.)"""
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -129,7 +203,10 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   my_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
   k_steps = cute.size(m_a, mode=[1]) // BLOCK_K
   tile_mnk = (TILE_M, block_n, BLOCK_K)
+  dh_smem_epilogue = kind == "dh" and tma_store
   producer_regs, consumer_regs = REGISTERS[gather]
+  if cutlass.const_expr(dh_smem_epilogue and gather):
+    producer_regs, consumer_regs = DH_SMEM_GATHER_REGISTERS
 
   smem = cutlass.memory.SmemAllocator()
   storage = smem.allocate(shared_storage)
@@ -137,8 +214,13 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   s_bs = [buf.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
           for buf in ([storage.s_b, storage.s_b2] if cutlass.const_expr(swiglu) else [storage.s_b])]
   s_c = None
-  if cutlass.const_expr(tma_store):   # consumer c's epilogue buffers: c * EPI_STAGES onwards
+  if cutlass.const_expr(tma_store):   # consumer c's epilogue buffers: c * their number onwards
     s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
+  h_bars = storage.barriers.data_ptr() + 2 * stages   # (dh_smem_epilogue) each consumer's H
+  if cutlass.const_expr(dh_smem_epilogue):
+    if tidx == 0:
+      for consumer in cutlass.range_constexpr(2):
+        cute.arch.mbarrier_init(h_bars + consumer, 1)
   loads = pipeline.PipelineTmaAsync.create(   # (initialises the barriers, then syncs the CTA)
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
       # a full barrier completes on the TMA bytes and, gathering, every producer thread's copies
@@ -239,6 +321,16 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
           outs = [tile_of(m_out, halves[0]), tile_of(m_out, halves[1]), tile_of(m_out2, cols)]
           if cutlass.const_expr(swiglu):
             _register_outputs(accs, outs, thr_mma, m_out.element_type, block_n, True)
+          elif cutlass.const_expr(dh_smem_epilogue):
+            tma_out2, m_out2_tma, tma_h, m_h_tma, chunk_mma = dh_smem
+            # this consumer's tiles so far: i // 2, each using its H barrier once per chunk
+            _dh_smem_epilogue(
+                accs[0], [tile_of(m_h_tma, c) for c in halves],
+                [tile_of(m_out_tma, halves[0]), tile_of(m_out_tma, halves[1]),
+                 tile_of(m_out2_tma, cols)], [tma_h, tma_out, tma_out, tma_out2], s_c,
+                me * DH_EPI_BUFFERS, chunk_mma, thr_mma, tile_of(scores, 0), m_ds, wg_tidx,
+                warp % 4 == 0, h_bars + me, i // 2 * (block_n // EPI_TILE[1]), rows * TILE_M,
+                cols, block_n, EPILOGUE_BARRIER + me)
           else:
             grouped_gemm._dh_outputs(
                 accs[0], grouped_gemm.acc_chunks([tile_of(m_h, c) for c in halves], thr_mma),
@@ -246,6 +338,9 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
                 wg_tidx, rows * TILE_M, cols, m_out.element_type,
                 grouped_gemm.acc_chunks(outs, thr_mma), block_n, TILE_M)
       i += 1
+    if cutlass.const_expr(dh_smem_epilogue):   # the last stores have read SMEM before exit
+      if warp % 4 == 0:
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 @cute.jit
@@ -274,13 +369,22 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
                                              cute.slice_(a_smem_staged, (None, None, 0)),
                                              (TILE_M, BLOCK_K))
   a_elems, b_elems = cute.cosize(a_smem_staged), cute.cosize(b_smem_staged)
-  # the TMA-store epilogue (kind "store" with tma_store): EPI_STAGES buffers per consumer and
-  # out's TMA atom (made for every kind: the kernel takes them, unused elsewhere)
+  # the TMA-store epilogue (kind "store" or "dh" with tma_store): epilogue_buffers(kind) per
+  # consumer and out's TMA atom (made for every kind: the kernel takes them, unused elsewhere)
   c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, EPI_TILE,
-                                                  2 * grouped_gemm.EPI_STAGES)
-  tma_out, m_out_tma = cpasync.make_tiled_tma_atom(
-      cpasync.CopyBulkTensorTileS2GOp(), out, cute.slice_(c_smem_staged, (None, None, 0)),
-      EPI_TILE)
+                                                  2 * epilogue_buffers(kind))
+  c_tile = cute.slice_(c_smem_staged, (None, None, 0))
+  tma_out, m_out_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out, c_tile,
+                                                   EPI_TILE)
+  dh_smem = ()   # (dh with tma_store) A''s and H's TMA atoms, the wgmma on a chunk's columns
+  if cutlass.const_expr(kind == "dh" and tma_store):
+    dh_smem = (*cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out2, c_tile,
+                                            EPI_TILE),
+               *cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_h, c_tile,
+                                            EPI_TILE),
+               sm90_utils.make_trivial_tiled_mma(
+                   dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+                   cutlass.Float32, (1, 1, 1), tiler_mn=(MMA_M, EPI_TILE[1])))
 
   # the bytes TMA brings per stage: the rhs tiles, and unless gathered the lhs tile
   rhs_bytes = cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
@@ -288,14 +392,15 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   if cutlass.const_expr(not gather):
     tx_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   num_tiles = cute.size(out2, mode=[0]) // TILE_M * (cute.size(out2, mode=[1]) // block_n)
-  # (the TMA-store epilogue's buffers: the store kernels' only)
+  # (the TMA-store epilogue's buffers: the store kernels' and dh's with tma_store; dh's H
+  # barriers, one per consumer)
   storage = grouped_gemm.shared_storage(
-      dtype, stages * 2, a_elems, b_elems, 2 if swiglu else 1,
-      cute.cosize(c_smem_staged) if tma_store and not swiglu else 0)
+      dtype, stages * 2 + (2 if kind == "dh" and tma_store else 0), a_elems, b_elems,
+      2 if swiglu else 1, cute.cosize(c_smem_staged) if tma_store and not swiglu else 0)
   _kernel.set_name_prefix(grouped_gemm.kernel_label(kind, gather, "pingpong"),
                           remove_cutlass_symbol=True)
   _kernel(tma_a, m_a, tma_b, m_b, out, out2, m_h, m_scores, m_ds, tile_expert, gather_index,
-          tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma, c_smem_staged,
+          tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma, c_smem_staged, dh_smem,
           cute.size(rhs, mode=[2]), storage, block_n, stages, tx_bytes, kind, gather,
           tma_store).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
                        stream=stream)
@@ -304,22 +409,24 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
 @cute.jit
 def _dh_pingpong(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor,
                  h: cute.Tensor, scores: cute.Tensor, dh: cute.Tensor, a_scaled: cute.Tensor,
-                 ds_parts: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+                 ds_parts: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+                 tma_store: cutlass.Constexpr = False):
   """dOg (P, d, 1), w2 (n, d, E) K-major, H (P, 2n, 1), scores (P,), dH (P, 2n, 1), A' (P, n, 1),
   dS parts (n / block_n, P): the operands of grouped_gemm._dh."""
   _launch(stream, dout_g, w2, tile_expert, tile_expert, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", False)
+          block_n, stages, "dh", False, tma_store)
 
 
 @cute.jit
 def _gathered_dh_pingpong(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor,
                           gather_index: cute.Tensor, h: cute.Tensor, scores: cute.Tensor,
                           dh: cute.Tensor, a_scaled: cute.Tensor, ds_parts: cute.Tensor,
-                          block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+                          block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+                          tma_store: cutlass.Constexpr = False):
   """_dh_pingpong with dO (T, d, 1) the source rows, slot r reading dO[gather_index[r]]: the
   operands of grouped_gemm._gathered_dh."""
   _launch(stream, dout, w2, tile_expert, gather_index, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", True)
+          block_n, stages, "dh", True, tma_store)
 
 
 @cute.jit
@@ -342,7 +449,7 @@ def _up_proj_pingpong(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute
 
 
 def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str,
-                tma_store: bool = False) -> int:
+                tma_store: bool = False, kind: str = "store") -> int:
   """block_n within the accumulators' registers (widest_block_n) and the ring's depth:
   `stages`, or as many as fit (beside the TMA-store epilogue's buffers with tma_store);
   ValueError naming the limit."""
@@ -351,7 +458,7 @@ def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str,
     raise ValueError(f"cute ping-pong {name}: block_n={block_n} is wider than {widest} (its "
                      f"{num_rhs} accumulator(s) of {TILE_M} x block_n fp32 in "
                      f"{MAX_ACCUMULATOR_REGISTERS} registers per consumer thread)")
-  fit = stages_that_fit(block_n, itemsize, num_rhs, tma_store)
+  fit = stages_that_fit(block_n, itemsize, num_rhs, tma_store, kind)
   if stages is None:
     return fit
   if not 2 <= stages <= fit:
@@ -390,10 +497,13 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None,
-       gather_index=None, over_h: bool = True):
+       gather_index=None, over_h: bool = True, tma_store: bool = False):
   """grouped_gemm.dh (register stores) on the ping-pong schedule: the same operands and
   outputs; with gather_index [P], dout_g is dO [T, d] and the producer warpgroup gathers slot
   r's row dO[gather_index[r]] by cp.async (zeros where it is T or more), as up_proj gathers X.
+  tma_store: each consumer's epilogue goes through SMEM buffers of its own one 64-column chunk
+  at a time (_dh_smem_epilogue: H's chunks TMA-loaded, dH and A' stored by TMA; fewer ring
+  stages fit; written in session 16, not yet run on a GPU).
   block_n: at most widest_block_n(1) (128); stages: the ring's depth (default: as many as fit,
   at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL = "pingpong". On an H200
   it gives grouped_gemm.dh's bits; at 30B-n256, block_n 128, 3 stages it took 2.76 ms (dOg's
@@ -404,9 +514,11 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
                                        scores, block_n)
   if reason:
     raise ValueError(f"cute ping-pong dh: {reason}")
-  stages = _check_tile(block_n, dout_g.dtype.itemsize, 1, stages, "dh")
+  stages = _check_tile(block_n, dout_g.dtype.itemsize, 1, stages, "dh", tma_store, "dh")
+  option = dict(tma_store=True) if tma_store else {}   # (off: the targets leave it out)
   return grouped_gemm.dh_call((_dh_pingpong, _gathered_dh_pingpong), dout_g, w2, h, scores,
-                              tile_expert, gather_index, over_h, block_n=block_n, stages=stages)
+                              tile_expert, gather_index, over_h, block_n=block_n, stages=stages,
+                              **option)
 
 
 def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | None = None):

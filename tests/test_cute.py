@@ -586,6 +586,16 @@ def test_cute_pingpong_dh_compiles_for_cuda(block_n, stages):
   fn = lambda g, w, h, s, t, i: pingpong.dh(g, w, h, s, t, block_n=block_n, stages=stages,
                                             gather_index=i)
   assert FFI_TARGET in _cuda_module(fn, *gathered)
+  # its SMEM epilogue (tma_store): buffers of each consumer's own, fewer stages fit
+  fit_tma = pingpong.stages_that_fit(block_n, 2, 1, True, "dh")
+  assert 2 <= fit_tma < fit
+  if block_n == 128:
+    fn = lambda g, w, h, s, t, i: pingpong.dh(g, w, h, s, t, block_n=block_n, gather_index=i,
+                                              tma_store=True)
+    assert FFI_TARGET in _cuda_module(fn, *gathered)
+  with pytest.raises(ValueError, match=f"stages={fit_tma + 1} must be between 2 and {fit_tma}"):
+    jax.eval_shape(lambda *a: pingpong.dh(*a, block_n=block_n, stages=fit_tma + 1,
+                                          tma_store=True), *shapes)
 
 
 @needs_cute
@@ -715,11 +725,13 @@ def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles):
 
 @pytest.mark.gpu
 @needs_cute
-def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(monkeypatch):
-  """The layer with every op on cute, dH (gathering dO's rows: n = 256), up_proj, down_proj
-  and dx_tilde (TMA stores) on the ping-pong kernels, against the xla backend."""
+@pytest.mark.parametrize("dh_kernel", ["pingpong", "pingpong_tma"])
+def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(dh_kernel, monkeypatch):
+  """The layer with every op on cute, dH (gathering dO's rows: n = 256; register stores or
+  the SMEM epilogue), up_proj, down_proj and dx_tilde (TMA stores) on the ping-pong kernels,
+  against the xla backend."""
   cute_ops = importlib.import_module("ffi.ops")
-  monkeypatch.setattr(cute_ops, "DH_KERNEL", "pingpong")
+  monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
   monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong")
   monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong_tma")
   T, d, n, E, K = 4096, 1536, 256, 128, 8
@@ -755,13 +767,16 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("num_tiles,block_n,gather", [
-    (4, 128, False), (80, 128, False), (81, 64, False), (81, 128, True), (4, 64, True)])
-def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n, gather):
+@pytest.mark.parametrize("num_tiles,block_n,gather,tma_store", [
+    (4, 128, False, False), (80, 128, False, False), (81, 64, False, False),
+    (81, 128, True, False), (4, 64, True, False), (80, 128, False, True), (81, 128, True, True),
+    (4, 64, True, True), (300, 128, True, True)])
+def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n, gather, tma_store):
   """The ping-pong schedule gives grouped_gemm.dh's bits, reading dOg or gathering dO's rows
-  (padding slots among them): M tiles of experts with and without rows and past the last
-  group; fewer work tiles than CTAs (one consumer busy), and several per CTA (both consumers,
-  an odd count: the turn handed over to no one at the end)."""
+  (padding slots among them), with register stores or (tma_store) the SMEM epilogue: M tiles
+  of experts with and without rows and past the last group; fewer work tiles than CTAs (one
+  consumer busy), and several per CTA (both consumers, an odd count: the turn handed over to
+  no one at the end; 300 tiles: each consumer's H barrier through many phases)."""
   from ffi import grouped_gemm, pingpong
   T, E, d, n = 1000, 5, 384, 256
   tile_expert = jnp.sort(jax.random.randint(jax.random.key(61), (num_tiles,), 0, E + 1))
@@ -776,7 +791,7 @@ def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n, gather):
   index = {}
   if gather:
     index = dict(gather_index=jax.random.randint(keys[4], (P,), 0, T).at[::7].set(T))
-  got = jax.jit(lambda *a: pingpong.dh(*a, block_n=block_n, **index))(
+  got = jax.jit(lambda *a: pingpong.dh(*a, block_n=block_n, tma_store=tma_store, **index))(
       dout, w2, h, scores, tile_expert)
   want = jax.jit(lambda *a: grouped_gemm.dh(*a, block_n=block_n, **index))(
       dout, w2, h, scores, tile_expert)
