@@ -22,6 +22,12 @@ def _grads(fn, args, cot):
   return jax.grad(lambda *a: jnp.sum(fn(*a) * cot), argnums=(0, 1, 2, 3))(*args)
 
 
+def expert_parallel(*args, **kwargs):
+  """sharding.moe_expert_parallel under one jit (eagerly each op would compile on its own:
+  ~30 s per test on the 2-core CI machine)."""
+  return jax.jit(lambda *a: sharding.moe_expert_parallel(*a, **kwargs))(*args)
+
+
 @pytest.mark.parametrize("data,expert", [(2, 4), (1, 8), (4, 2), (8, 1)])
 def test_sharded_equals_single_device(data, expert):
   T, d, n, E, K = 64, 32, 16, 8, 2
@@ -39,21 +45,21 @@ def test_one_expert_receives_everything():
   T, d, n, E, K = 64, 32, 16, 8, 1
   args = make_inputs(3, T, d, n, E, dead_experts=7)   # every token picks expert 7
   m = mesh(2, 4)
-  out, stats, dropped = sharding.moe_expert_parallel(*args, mesh=m, k=K)
+  out, stats, dropped = expert_parallel(*args, mesh=m, k=K)
   assert int(stats.topk_counts[7]) == T and int(dropped) == 0
-  assert rel_err(out, sm.moe(*args, k=K).out) < 1e-4
+  assert rel_err(out, jax.jit(lambda *a: sm.moe(*a, k=K).out)(*args)) < 1e-4
 
 
 def test_capacity_factor_drops_and_counts():
   args = make_inputs(3, 64, 32, 16, 8, dead_experts=7)
-  _, _, dropped = sharding.moe_expert_parallel(*args, mesh=mesh(2, 4), k=1, capacity_factor=1.0)
+  _, _, dropped = expert_parallel(*args, mesh=mesh(2, 4), k=1, capacity_factor=1.0)
   assert int(dropped) > 0
 
 
 def test_rounding_keeps_global_counts_tile_aligned():
   T, d, n, E, K, tile = 512, 32, 16, 8, 2, 16
   args = make_inputs(4, T, d, n, E)
-  out, stats, _ = sharding.moe_expert_parallel(*args, mesh=mesh(2, 4), k=K, rounding="nearest", tile=tile)
+  out, stats, _ = expert_parallel(*args, mesh=mesh(2, 4), k=K, rounding="nearest", tile=tile)
   counts = np.asarray(stats.expert_counts)
   assert np.all(counts % tile == 0)
   assert np.all(np.abs(counts - np.asarray(stats.topk_counts)) < tile * 8)
@@ -84,8 +90,8 @@ def test_errors():
 
 def test_aux_losses_are_those_of_the_global_batch():
   args = make_inputs(9, 64, 32, 16, 8)
-  _, stats, _ = sharding.moe_expert_parallel(*args, mesh=mesh(2, 4), k=2)
-  ref = sm.moe(*args, k=2).stats
+  _, stats, _ = expert_parallel(*args, mesh=mesh(2, 4), k=2)
+  ref = jax.jit(lambda *a: sm.moe(*a, k=2).stats)(*args)
   np.testing.assert_allclose(stats.load_balancing_loss, ref.load_balancing_loss, rtol=1e-5)
   np.testing.assert_allclose(stats.z_loss, ref.z_loss, rtol=1e-5)
   np.testing.assert_array_equal(stats.topk_counts, ref.topk_counts)

@@ -4,6 +4,7 @@ state restores exactly with its shardings."""
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 from flax import nnx
 
 from models import train
@@ -16,23 +17,31 @@ def _losses(result):
   return np.array([h[1] for h in result["history"]] + [e[1] for e in result["evals"]])
 
 
-def test_sharded_training_matches_single_device(tmp_path):
-  single = train.main(ARGS + [str(tmp_path / "a")])
-  sharded = train.main(ARGS + [str(tmp_path / "b"), "--mesh", "data=2,expert=4"])
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+  """The run without a mesh (once for the module's tests)."""
+  return train.main(ARGS + [str(tmp_path_factory.mktemp("single"))])
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+  """The run on a data=2, expert=4 mesh (once for the module's tests)."""
+  return train.main(ARGS + [str(tmp_path_factory.mktemp("sharded")), "--mesh", "data=2,expert=4"])
+
+
+def test_sharded_training_matches_single_device(single, sharded):
   np.testing.assert_allclose(_losses(sharded), _losses(single), rtol=1e-4)
   w1 = sharded["model"].blocks[0].moe.w1[...]
   assert w1.sharding.spec[0] == "expert" and len(w1.sharding.device_set) == 8
 
 
-def test_mesh_of_one_device_matches_no_mesh(tmp_path):
-  single = train.main(ARGS + [str(tmp_path / "a")])
+def test_mesh_of_one_device_matches_no_mesh(single, tmp_path):
   one = train.main(ARGS + [str(tmp_path / "b"), "--mesh", "data=1,expert=1"])
   np.testing.assert_allclose(_losses(one), _losses(single), rtol=1e-5)
 
 
-def test_checkpoint_roundtrip_of_sharded_state(tmp_path):
-  model = train.main(ARGS + [str(tmp_path / "run"), "--mesh", "data=2,expert=4"])["model"]
-  state = nnx.state(model)
+def test_checkpoint_roundtrip_of_sharded_state(sharded, tmp_path):
+  state = nnx.state(sharded["model"])
   ckpt = ocp.StandardCheckpointer()
   ckpt.save(tmp_path / "ckpt", state)
   ckpt.wait_until_finished()
@@ -44,8 +53,7 @@ def test_checkpoint_roundtrip_of_sharded_state(tmp_path):
     assert a.sharding == b.sharding
 
 
-def test_fsdp_training_matches_single_device(tmp_path):
-  single = train.main(ARGS + [str(tmp_path / "a")])
+def test_fsdp_training_matches_single_device(single, tmp_path):
   fsdp = train.main(ARGS + [str(tmp_path / "b"), "--mesh", "data=4,expert=2", "--fsdp"])
   np.testing.assert_allclose(_losses(fsdp), _losses(single), rtol=1e-4)
   emb = fsdp["model"].embed.embedding[...]
