@@ -125,8 +125,9 @@ def measure(fn, args, dout, iters, reps):
 
 
 def kernels_of(fwd, fwd_bwd, args):
-  """The GPU kernels of a forward and of a forward+backward step (device_kernels.kernel_times),
-  as the torch subprocess records them: {} off the GPU."""
+  """The GPU kernels of a forward and of a forward+backward step (device_kernels.kernel_times:
+  their total, per-kernel times and launch order), as the torch subprocess records them: {}
+  off the GPU."""
   if jax.default_backend() != "gpu":
     return {}
   rec = {}
@@ -137,7 +138,7 @@ def kernels_of(fwd, fwd_bwd, args):
       rec["kernels_status"] = f"{type(e).__name__}: {str(e)[:200]}"
       break
     if times is not None:
-      rec[f"kernel_{key}_ms"], rec[f"kernels_{key}"] = times
+      rec[f"kernel_{key}_ms"], rec[f"kernels_{key}"], rec[f"kernel_order_{key}"] = times
   return rec
 
 

@@ -52,6 +52,12 @@ def stream_events(planes):
   return sorted(events)
 
 
+def launch_order(planes):
+  """Kernel names (as per_kernel keys them) in the order of their first launch: which kernel
+  is which op, where names alone do not say."""
+  return list(dict.fromkeys(name for _, _, name in stream_events(planes)))
+
+
 def idle_gaps(events, top: int = 8):
   """Where the GPU sat idle between kernels: (span ms, busy ms, [(gap ms, kernel before, kernel
   after)] longest first) over events from stream_events (overlapping kernels count once)."""
@@ -86,6 +92,8 @@ def profile(fn, args, steps: int = 3):
 
 def kernel_times(fn, args, steps: int = 3):
   """per_kernel of `steps` calls of the jitted fn(*args) (one call first, untraced, to
-  compile), or None off the GPU."""
+  compile) and their launch_order: (ms per step, [(name, ms)] longest first, [names]), or
+  None off the GPU."""
   planes = profile(fn, args, steps)
-  return None if planes is None else per_kernel(planes, steps)
+  times = None if planes is None else per_kernel(planes, steps)
+  return None if times is None else (*times, launch_order(planes))

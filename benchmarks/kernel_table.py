@@ -1,7 +1,7 @@
 """Per-kernel side by side from a bench.py JSON: for each config, every impl's GPU kernels of a
 forward+backward step (their profilers' per-step times, longest first), in columns.
 
-  python -m benchmarks.kernel_table benchmarks/results/<run>/bench.json [--top 12] [--fwd]
+  python -m benchmarks.kernel_table benchmarks/results/<run>/bench.json [--top 12] [--fwd] [--order]
 """
 from __future__ import annotations
 
@@ -29,8 +29,19 @@ def short_name(name: str) -> str:
   return head + (f" [MNK {','.join(mma.groups())}]" if mma else "")
 
 
-def table(records, top: int = 12, key: str = "kernels_fwd_bwd") -> str:
-  """Text table: per config, one column pair (kernel, ms) per impl that has `key`."""
+def in_launch_order(record, key: str):
+  """The record's [(kernel, ms)] of `key` in the order of their first launch (bench's
+  kernel_order_*), where the record has it; else longest first."""
+  order = record.get(key.replace("kernels_", "kernel_order_"))
+  if not order:
+    return record[key]
+  ms = dict(record[key])
+  return [(name, ms[name]) for name in order if name in ms]
+
+
+def table(records, top: int = 12, key: str = "kernels_fwd_bwd", launch_order: bool = False) -> str:
+  """Text table: per config, one column pair (kernel, ms) per impl that has `key` (longest
+  first, or with launch_order in the order the step launches them)."""
   lines = []
   for config in dict.fromkeys(r["config"] for r in records):
     rows = [r for r in records if r["config"] == config and r.get(key)]
@@ -38,10 +49,11 @@ def table(records, top: int = 12, key: str = "kernels_fwd_bwd") -> str:
       continue
     total_key = key.replace("kernels_", "kernel_") + "_ms"
     lines.append(f"{config}: " + "   ".join(f"{r['impl']} {r[total_key]:.3f} ms" for r in rows))
-    for i in range(min(top, max(len(r[key]) for r in rows))):
+    kernels = [in_launch_order(r, key) if launch_order else r[key] for r in rows]
+    for i in range(min(top, max(len(k) for k in kernels))):
       cells = []
-      for r in rows:
-        name, ms = r[key][i] if i < len(r[key]) else ("", None)
+      for k in kernels:
+        name, ms = k[i] if i < len(k) else ("", None)
         cells.append(f"{short_name(name)[:NAME_WIDTH]:{NAME_WIDTH}s} "
                      f"{'' if ms is None else f'{ms:7.3f}':>7s}")
       lines.append("  " + " | ".join(cells))
@@ -53,10 +65,12 @@ def main(argv=None):
   p.add_argument("bench_json")
   p.add_argument("--top", type=int, default=12)
   p.add_argument("--fwd", action="store_true", help="the forward's kernels instead")
+  p.add_argument("--order", action="store_true",
+                 help="in the order the step first launches them (runs from session 16 on)")
   a = p.parse_args(argv)
   with open(a.bench_json) as f:
     records = json.load(f)
-  text = table(records, a.top, "kernels_fwd" if a.fwd else "kernels_fwd_bwd")
+  text = table(records, a.top, "kernels_fwd" if a.fwd else "kernels_fwd_bwd", a.order)
   print(text)
   return text
 

@@ -30,7 +30,8 @@ def time_ms(fn, iters=20, reps=5):
 
 
 def kernel_times(fn, iters=3):
-  """(ms per step summed over every CUDA kernel, [(kernel name, ms per step)] longest first)."""
+  """(ms per step summed over every CUDA kernel, [(kernel name, ms per step)] longest first,
+  [kernel names in the order of their first launch])."""
   from torch.profiler import ProfilerActivity, profile
   fn()
   torch.cuda.synchronize()
@@ -38,14 +39,19 @@ def kernel_times(fn, iters=3):
     for _ in range(iters):
       fn()
     torch.cuda.synchronize()
-  per_name = {}
-  for event in prof.events():
+  per_name, first_start = {}, {}
+  for i, event in enumerate(prof.events()):
     if event.device_type == torch.autograd.DeviceType.CUDA:
       us = getattr(event, "device_time", None)
       us = event.cuda_time if us is None else us
-      per_name[event.name[:160]] = per_name.get(event.name[:160], 0.0) + us / 1e3 / iters
+      name = event.name[:160]
+      per_name[name] = per_name.get(name, 0.0) + us / 1e3 / iters
+      # (FunctionEvent.time_range: its start in us; else the events' own order)
+      start = getattr(getattr(event, "time_range", None), "start", i)
+      first_start[name] = min(first_start.get(name, float("inf")), start)
   ranked = sorted(per_name.items(), key=lambda item: -item[1])
-  return sum(per_name.values()), [(name, round(ms, 4)) for name, ms in ranked]
+  return (sum(per_name.values()), [(name, round(ms, 4)) for name, ms in ranked],
+          sorted(first_start, key=first_start.get))
 
 
 def main():
@@ -77,8 +83,9 @@ def main():
       rec["fwd_ms"] = time_ms(fwd)
       rec["fwd_bwd_ms"] = time_ms(fwd_bwd)
       rec["bwd_ms"] = rec["fwd_bwd_ms"] - rec["fwd_ms"]
-      rec["kernel_fwd_ms"], rec["kernels_fwd"] = kernel_times(fwd)
-      rec["kernel_fwd_bwd_ms"], rec["kernels_fwd_bwd"] = kernel_times(fwd_bwd)
+      rec["kernel_fwd_ms"], rec["kernels_fwd"], rec["kernel_order_fwd"] = kernel_times(fwd)
+      (rec["kernel_fwd_bwd_ms"], rec["kernels_fwd_bwd"],
+       rec["kernel_order_fwd_bwd"]) = kernel_times(fwd_bwd)
       x.grad = None
       for prm in layer.parameters():
         prm.grad = None
