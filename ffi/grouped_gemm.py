@@ -120,6 +120,13 @@ def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, sta
   return stages
 
 
+def epi_tma_views(atom, s_epi, tile):
+  """(SMEM part, global part) of a TMA atom over EPI_TILE buffers s_epi (indexed [None, buffer])
+  and a tile of its TMA tensor cut into EPI_TILE chunks (indexed [None, (0, chunk)])."""
+  return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_epi, 0, 2),
+                               cute.zipped_divide(tile, EPI_TILE))
+
+
 def tma_operand(atom, smem, gmem):
   """(atom, gmem tiles by k step, smem stages) of a TMA-loaded operand: load_stage's operand."""
   s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
@@ -292,9 +299,7 @@ def _load_h_tile(tma_h, h_tiles, s_h, bar, nbytes: cutlass.Constexpr):
     cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
   chunks = cute.size(h_tiles[0], mode=[1]) // EPI_TILE[1]
   for half in cutlass.range_constexpr(2):
-    s_part, g_part = cpasync.tma_partition(tma_h, 0, cute.make_layout(1),
-                                           cute.group_modes(s_h, 0, 2),
-                                           cute.zipped_divide(h_tiles[half], EPI_TILE))
+    s_part, g_part = epi_tma_views(tma_h, s_h, h_tiles[half])
     for j in cutlass.range_constexpr(chunks):
       cute.copy(tma_h, g_part[None, (0, j)], s_part[None, half * chunks + j], tma_bar_ptr=bar)
 
@@ -305,9 +310,7 @@ def _store_tiles_tma(stores, chunks: cutlass.Constexpr):
   its TMA tensor) of `stores` stored by TMA, `chunks` buffers each; returns once the stores
   have read SMEM."""
   for atom, s_epi, first, tile in stores:
-    s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                           cute.group_modes(s_epi, 0, 2),
-                                           cute.zipped_divide(tile, EPI_TILE))
+    s_part, g_part = epi_tma_views(atom, s_epi, tile)
     for j in cutlass.range_constexpr(chunks):
       cute.copy(atom, s_part[None, first + j], g_part[None, (0, j)])
   cute.arch.cp_async_bulk_commit_group()
@@ -340,8 +343,7 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutl
   chunk_vals, chunk_m, chunk_n = (cute.size(chunk_layout, mode=[i]) for i in range(3))
   # accumulators (or dh's bf16/f16 outputs) seen as ((R2S values, 16-column groups), MMA_M, 1)
   acc_views = [r2s.retile(acc) for acc in accs]
-  gmem_parts = [cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2),
-                                      cute.zipped_divide(tile, EPI_TILE)) for atom, tile in stores]
+  gmem_parts = [epi_tma_views(atom, s_c, tile) for atom, tile in stores]
   buffers = pipeline.PipelineTmaStore.create(
       num_stages=EPI_STAGES,
       producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, threads))
@@ -767,21 +769,6 @@ def shared_storage(dtype, num_barriers: int, a_elems: int, b_elems: int, num_rhs
   return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
-def mma_and_stages(dtype, a_major, b_major, rhs, block_n: int, stages: int):
-  """The two MMA warpgroups' wgmma (BLOCK_M x block_n, 64 rows each), the lhs and rhs stages'
-  SMEM layouts, and rhs's TMA atom and tensor (block_n x BLOCK_K tiles)."""
-  tile_mnk = (BLOCK_M, block_n, BLOCK_K)
-  tiled_mma = sm90_utils.make_trivial_tiled_mma(
-      dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-      cutlass.Float32, (WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
-  a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
-  b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
-  tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
-                                           cute.slice_(b_smem_staged, (None, None, 0)),
-                                           (block_n, BLOCK_K))
-  return tiled_mma, a_smem_staged, b_smem_staged, tma_b, m_b
-
-
 KERNEL_LABELS = {"store": "matmul", "swiglu": "up_proj", "dh": "dh", "wgrad": "weight_grad"}
 
 
@@ -816,8 +803,15 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   a_major, b_major = LayoutEnum.from_tensor(lhs), LayoutEnum.from_tensor(rhs)
   if cutlass.const_expr(gather and kind == "wgrad"):   # lhs X (T, M, 1); A tiles (M, rows) M-major
     a_major = LayoutEnum.COL_MAJOR
-  tiled_mma, a_smem_staged, b_smem_staged, tma_b, m_b = mma_and_stages(dtype, a_major, b_major,
-                                                                      rhs, block_n, stages)
+  tile_mnk = (BLOCK_M, block_n, BLOCK_K)
+  tiled_mma = sm90_utils.make_trivial_tiled_mma(
+      dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+      cutlass.Float32, (WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
+  a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
+  b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
+  tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
+                                           cute.slice_(b_smem_staged, (None, None, 0)),
+                                           (block_n, BLOCK_K))
   if cutlass.const_expr(gather and kind == "wgrad"):   # no TMA for A (the kernel takes an atom: B's, unused)
     tma_a, m_a = tma_b, m_b
   else:

@@ -128,15 +128,15 @@ def _dh_smem_epilogue(acc, h_tiles, out_tiles, atoms, s_c, first, chunk_mma,
   chunk_mma: the wgmma on EPI_TILE's columns, so that a thread's values of a buffer are its
   accumulator's values of the chunk's columns."""
   groups = EPI_TILE[1] // 8   # column groups of a chunk
-  thr_chunk = chunk_mma.get_slice(wg_tidx)
-  bufs = [thr_chunk.partition_C(s_c[None, None, first + q]) for q in range(DH_EPI_BUFFERS)]
-  s_epi = cute.group_modes(s_c, 0, 2)
-  tma_views = lambda atom, tile: cpasync.tma_partition(atom, 0, cute.make_layout(1), s_epi,
-                                                       cute.zipped_divide(tile, EPI_TILE))
-  loads = [tma_views(atoms[0], t) for t in h_tiles]
-  stores = [tma_views(atom, t) for atom, t in zip(atoms[1:], out_tiles)]
+  # this thread's values of each buffer (one chunk: [q][0]) and the buffers' TMA views
+  bufs = grouped_gemm.smem_chunks(s_c, chunk_mma, wg_tidx,
+                                  [first + q for q in range(DH_EPI_BUFFERS)], 1)
+  loads = [grouped_gemm.epi_tma_views(atoms[0], s_c, t) for t in h_tiles]
+  stores = [grouped_gemm.epi_tma_views(atom, s_c, t) for atom, t in zip(atoms[1:], out_tiles)]
   s_src = thr_mma.partition_C(score_tile)
   m_blocks = cute.size(acc, mode=[1])
+  # the rows' scores (the same in every column), loaded once for every chunk
+  scores = [grouped_gemm._group_fp32(s_src[((None, None, 0), m, 0)]) for m in range(m_blocks)]
   row_sums = cute.make_rmem_tensor((2 * m_blocks,), cutlass.Float32)   # rows r, r + 8 per block
   row_sums.fill(0.0)
   for c in cutlass.range_constexpr(block_n // EPI_TILE[1]):
@@ -150,17 +150,17 @@ def _dh_smem_epilogue(acc, h_tiles, out_tiles, atoms, s_c, first, chunk_mma,
         cute.copy(atoms[0], g_part[None, (0, c)], s_part[None, first + half], tma_bar_ptr=h_bar)
     cute.arch.mbarrier_wait(h_bar, (phase0 + c) % 2)
     for m in cutlass.range_constexpr(m_blocks):
-      s = grouped_gemm._group_fp32(s_src[((None, None, 0), m, 0)])
+      s = scores[m]
       for k in cutlass.range_constexpr(groups):
         group = ((None, None, k), m, 0)
         acc_group = ((None, None, c * groups + k), m, 0)
-        gate, up = [grouped_gemm._group_fp32(buf[group]) for buf in bufs[:2]]
+        gate, up = [grouped_gemm._group_fp32(buf[0][group]) for buf in bufs[:2]]
         da = acc[acc_group].load()
         values, a = grouped_gemm.dswiglu(gate, up, da, s)
         for q in cutlass.range_constexpr(DH_EPI_BUFFERS):
           frag = cute.make_rmem_tensor(acc[acc_group].shape, s_c.element_type)
           frag.store(values[q].to(s_c.element_type))
-          cute.autovec_copy(frag, bufs[q][group])
+          cute.autovec_copy(frag, bufs[q][0][group])
         grouped_gemm.add_row_sums(row_sums, m, da * a, acc[acc_group].shape)
     cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA engine
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
