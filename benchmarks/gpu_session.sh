@@ -135,7 +135,7 @@ for mode in "$@"; do
           --out "$OUT/bench_dh_${dh_kernel}_$h_smem" 2>&1 | tail -6
       done ;;
     pingpong_tma)  # after `cute` staging: the ping-pong dH's SMEM epilogue (pingpong.dh's
-                   # tma_store): bitwise tests (90 s cap: a hang), the layer beside the default
+                   # tma_store): bitwise tests (240 s cap: a hang), the layer beside the default
       timeout 240 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
         -k "pingpong_dh_matches or layer_with_pingpong" > "$OUT/pytest_pingpong_tma.log" 2>&1
       rc=$?; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_pingpong_tma.log" | tail -6

@@ -139,20 +139,15 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dh_gemm"] = (jax.jit(lambda c, dg, w2, h, s, t: cute_gemm.grouped_matmul(
       dg, w2, t, transpose_rhs=True, **dataclasses.asdict(c)), static_argnums=0),
       dh_args, dh_flops, dh_n)
-  # dh reading H from SMEM (TMA-loaded over the rhs stages after the mainloop): _hsmem
-  rows["dh_hsmem"] = (jax.jit(lambda c, dg, w2, h, s, t: cute_gemm.dh(
-      dg, w2, h, s, t, over_h=False, h_smem=True, **dataclasses.asdict(c)), static_argnums=0),
-      dh_args, dh_flops, dh_n)
-  rows["dh_tma_hsmem"] = (jax.jit(lambda c, dg, w2, h, s, t: cute_gemm.dh(
-      dg, w2, h, s, t, over_h=False, h_smem=True, tma_store=True, **dataclasses.asdict(c)),
-      static_argnums=0), dh_args, dh_flops, dh_n)
-  rows["dh_gather_hsmem"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(
-      g, w2, h, s, t, gather_index=i, over_h=False, h_smem=True, **dataclasses.asdict(c)),
-      static_argnums=0), (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
-  rows["dh_gather_tma_hsmem"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(
-      g, w2, h, s, t, gather_index=i, over_h=False, h_smem=True, tma_store=True,
-      **dataclasses.asdict(c)), static_argnums=0), (dout, *dh_args[1:], plan.token_index),
-      dh_flops, dh_n)
+  # dh reading H from SMEM (TMA-loaded over the rhs stages after the mainloop): _hsmem, rows
+  # in slot order or (_gather) dO's rows gathered, register or (_tma) TMA stores
+  for gather in (False, True):
+    for tma in (False, True):
+      name = f"dh{'_gather' if gather else ''}{'_tma' if tma else ''}_hsmem"
+      args = (dout, *dh_args[1:], plan.token_index) if gather else dh_args
+      rows[name] = (jax.jit(lambda c, g, w2, h, s, t, *i, tma=tma: cute_gemm.dh(
+          g, w2, h, s, t, gather_index=i[0] if i else None, over_h=False, h_smem=True,
+          tma_store=tma, **dataclasses.asdict(c)), static_argnums=0), args, dh_flops, dh_n)
   _, (_, h, offsets), dw1_flops, _ = rows["dw1"]
   _, (a, _, _), dw2_flops, _ = rows["dw2"]
   rows["dh_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(
