@@ -89,7 +89,8 @@ K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128
 # completes on the TMA bytes and PRODUCER_ARRIVALS arrivals (the TMA warp's, then two per
 # producer thread: its cp.async copies landed, its padding rows' plain stores released)
 PRODUCER_ARRIVALS = 1 + 2 * 128   # (ffi/pingpong.py's gathering producer too)
-# setmaxnreg budgets (producer, MMA warpgroups): 128 x 56 + 256 x 224 <= 64K registers per SM
+# setmaxnreg budgets (producer, MMA warpgroups): 128 x 56 + 256 x 224 = 64512, what the CTA gets
+# at launch (384 threads x 168 registers; an increase past it waits for ever)
 PRODUCER_REGISTERS, MMA_REGISTERS = 56, 224
 
 

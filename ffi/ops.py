@@ -76,9 +76,15 @@ DOUT_GATHER_MAX_COLUMN_TILES = 8
 # free the stages: bitwise equal, no gain in the layer; removed.) "pingpong_tma": the ping-pong
 # dH with its SMEM epilogue (pingpong.dh's tma_store: each consumer's epilogue, one 64-column
 # chunk at a time through buffers of its own, under the other's mainloop; written in session
-# 16, not yet run on a GPU).
-DH_KERNEL = "tma_store"
-DH_KERNELS = ("registers", "tma_store", "pingpong", "pingpong_tma")
+# 16). "auto": "pingpong_tma" where d (dH's contraction) is at most DH_PINGPONG_MAX_D, else
+# "tma_store".
+DH_KERNEL = "auto"
+DH_KERNELS = ("auto", "registers", "tma_store", "pingpong", "pingpong_tma")
+# A short mainloop (d / 64 k steps per tile) leaves the epilogue a larger share of each tile,
+# which the ping-pong kernel hides under the other consumer's mainloop. H200 session 17, the
+# layer's dH kernel, ms, tma_store vs pingpong_tma: 7B-n256 (d 1536) 0.467 vs 0.437 (kernels
+# fwd+bwd 3.238 vs 3.196); olmoe (d 2048) 2.505 vs 2.558 (16.470 vs 16.583).
+DH_PINGPONG_MAX_D = 1536
 # dH's widest column tile (block_n: halved until it divides n). 256 (grouped_gemm's dh only; the
 # ping-pong dh takes at most 128) makes n = 256 one column tile, so each M tile reads (and
 # gathers) its dO rows once instead of twice (174 registers, no stack, one CTA per SM). H200
@@ -210,43 +216,51 @@ def down_proj(a, w2, plan):
   return _store_matmul(a, w2, plan, False, w2.shape[2])
 
 
-def _dh_block_n(n: int) -> int:
+def _dh_kernel(d: int) -> str:
+  """dH's kernel variant for model width d: DH_KERNEL, "auto" resolved (DH_PINGPONG_MAX_D)."""
+  if DH_KERNEL not in DH_KERNELS:
+    raise ValueError(f"ffi.ops.DH_KERNEL must be one of {DH_KERNELS}; got {DH_KERNEL!r}")
+  if DH_KERNEL == "auto":
+    return "pingpong_tma" if d <= DH_PINGPONG_MAX_D else "tma_store"
+  return DH_KERNEL
+
+
+def _dh_block_n(n: int, d: int) -> int:
   """dH's column tile: DH_BLOCK_N (at most 128 on the ping-pong kernel), halved to divide n."""
-  widest = pingpong.widest_block_n(1) if DH_KERNEL.startswith("pingpong") else DH_BLOCK_N
+  widest = pingpong.widest_block_n(1) if _dh_kernel(d).startswith("pingpong") else DH_BLOCK_N
   return _wide_tile(n, min(DH_BLOCK_N, widest))
 
 
-def _dout_gathered_in_kernel(n: int) -> bool:
+def _dout_gathered_in_kernel(n: int, d: int) -> bool:
   """Whether dh and dw2 gather dO's rows themselves (DOUT_GATHER_MAX_COLUMN_TILES of dH; the
   two ops decide alike, so that XLA's gather, when made, is one copy shared by both)."""
-  return n // _dh_block_n(n) <= DOUT_GATHER_MAX_COLUMN_TILES
+  return n // _dh_block_n(n, d) <= DOUT_GATHER_MAX_COLUMN_TILES
 
 
 def dh(dout, w2, h, scores, plan):
   """dA' = dO_e W2_e^T fused with dSwiGLU: dH, dS, A' = s A (dO's rows gathered in the kernel
-  or by XLA first: _dout_gathered_in_kernel), by the DH_KERNEL variant. An H past the
-  kernel's 32-bit epilogue offsets goes to xla_ops.dh with a warning."""
+  or by XLA first: _dout_gathered_in_kernel), by the DH_KERNEL variant (_dh_kernel). An H
+  past the kernel's 32-bit epilogue offsets goes to xla_ops.dh with a warning."""
   if h.size > grouped_gemm.MAX_REGISTER_ADDRESSED:
     warnings.warn(f"backend 'cute' dh: H {h.shape} has more than "
                   f"{grouped_gemm.MAX_REGISTER_ADDRESSED} elements; using xla_ops.dh", stacklevel=2)
     return xla_ops.dh(dout, w2, h, scores, plan)
-  if DH_KERNEL not in DH_KERNELS:
-    raise ValueError(f"ffi.ops.DH_KERNEL must be one of {DH_KERNELS}; got {DH_KERNEL!r}")
+  kernel = _dh_kernel(dout.shape[1])
   if DH_BLOCK_N not in (64, 128, 256):
     raise ValueError(f"ffi.ops.DH_BLOCK_N must be 64, 128 or 256; got {DH_BLOCK_N!r}")
-  n = w2.shape[1]
-  block_n = _dh_block_n(n)
-  if _dout_gathered_in_kernel(n):
+  n, d = w2.shape[1], w2.shape[2]
+  block_n = _dh_block_n(n, d)
+  if _dout_gathered_in_kernel(n, d):
     rows, gather = dout, dict(gather_index=plan.token_index)
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
-  if DH_KERNEL.startswith("pingpong"):
+  if kernel.startswith("pingpong"):
     dh_, a_scaled, ds_parts = pingpong.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
-                                          over_h=DH_OVER_H, tma_store=DH_KERNEL == "pingpong_tma",
+                                          over_h=DH_OVER_H, tma_store=kernel == "pingpong_tma",
                                           **gather)
   else:
     dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
-                                              tma_store=DH_KERNEL == "tma_store",
+                                              tma_store=kernel == "tma_store",
                                               over_h=DH_OVER_H, h_smem=DH_H_SMEM, **gather)
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
 
@@ -273,7 +287,7 @@ def dw2(a_scaled, dout, plan):
   _dout_gathered_in_kernel computed transposed, dW2_e^T = dO_e^T A'_e with dO's rows gathered
   in the kernel (its gathered operand is the lhs), stored back as [E, n, d] by the kernel's
   M-major epilogue."""
-  if _dout_gathered_in_kernel(a_scaled.shape[1]):
+  if _dout_gathered_in_kernel(a_scaled.shape[1], dout.shape[1]):
     return grouped_gemm.weight_grad(dout, a_scaled, plan.group_offsets, plan.num_experts,
                                     block_n=_wide_tile(a_scaled.shape[1], 256),
                                     gather_index=plan.token_index, transpose_out=True)

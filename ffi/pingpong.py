@@ -56,14 +56,16 @@ MMA_M = 64                  # one wgmma's rows: a consumer warpgroup covers TILE
 MAX_ACCUMULATOR_REGISTERS = 128   # fp32 accumulator registers per consumer thread, all tiles
 NUM_SMS = 132               # H100 / H200 SXM: the persistent grid (fewer SMs only queue CTAs)
 THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
-# setmaxnreg budgets (producer, consumers), 128 x producer + 256 x consumer <= 64K per SM, by
-# whether the producer gathers (it then keeps its rows' token ids and copy addresses in
-# registers: grouped_gemm's gathering producer's budgets)
+# setmaxnreg budgets (producer, consumers): 128 x producer + 256 x consumer may not pass what
+# the CTA got at launch, 384 threads x 168 registers = 64512 (a consumer's increase past it
+# waits for ever: 48 / 232 hung on an H200 in session 17). By whether the producer gathers (it
+# then keeps its rows' token ids and copy addresses in registers: grouped_gemm's gathering
+# producer's budgets)
 REGISTERS = {False: (40, 232),
              True: (grouped_gemm.PRODUCER_REGISTERS, grouped_gemm.MMA_REGISTERS)}
 # dh's SMEM epilogue with a gathering producer: its consumers spilled 92 bytes at 224 (sm_90a
-# cubin, block_n 128); at these none, the producer's gather neither
-DH_SMEM_GATHER_REGISTERS = (48, 232)
+# cubin, block_n 128); at 232 none
+DH_SMEM_GATHER_REGISTERS = (40, 232)
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
 EPILOGUE_BARRIER = 6        # named barriers 6 and 7: consumer 0's and 1's TMA-store epilogue
 MAX_STAGES = 8
@@ -503,9 +505,11 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
   r's row dO[gather_index[r]] by cp.async (zeros where it is T or more), as up_proj gathers X.
   tma_store: each consumer's epilogue goes through SMEM buffers of its own one 64-column chunk
   at a time (_dh_smem_epilogue: H's chunks TMA-loaded, dH and A' stored by TMA; fewer ring
-  stages fit; written in session 16, not yet run on a GPU).
+  stages fit; grouped_gemm.dh's bits on an H200, session 17: 0.437 ms in the layer at
+  7B-n256 against grouped_gemm.dh's 0.467, 2.558 against 2.505 at olmoe).
   block_n: at most widest_block_n(1) (128); stages: the ring's depth (default: as many as fit,
-  at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL = "pingpong". On an H200
+  at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL "pingpong",
+  "pingpong_tma" or "auto" (tma_store where d <= ffi.ops.DH_PINGPONG_MAX_D). On an H200
   it gives grouped_gemm.dh's bits; at 30B-n256, block_n 128, 3 stages it took 2.76 ms (dOg's
   rows read in slot order; grouped_gemm.dh 2.75 with as many stages as fit) and 2.93 gathering
   dO (grouped_gemm.dh 3.02), session 10 (its 64-row-tile version, session 9: 3.53 vs 2.78).

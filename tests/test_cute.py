@@ -290,19 +290,21 @@ def test_cute_top_k_matches_lax_on_gpu(T, E, k):
 @needs_cute
 @pytest.mark.parametrize("dout_gather_max_column_tiles,dh_kernel,dh_block_n", [
     (0, "registers", 128), (2, "registers", 128), (0, "pingpong", 128), (2, "pingpong", 128),
-    (1, "registers", 256), (1, "tma_store", 256)])
+    (1, "registers", 256), (1, "tma_store", 256), (1, "pingpong_tma", 128), (2, "auto", 256)])
 def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_kernel,
                                                dh_block_n, monkeypatch):
   """The layer's forward and gradients with the CuTe grouped GEMMs: the kernels compile for
   sm_90a here and the program exports for CUDA with them as FFI calls (forward: up_proj,
   down_proj and aggregate; backward adds dh, dx_tilde, aggregate, dw1 and dw2), with dO's rows
   gathered by XLA or by dh and dw2, with dH's register or TMA stores (H read from SMEM: the
-  default DH_H_SMEM) and with the ping-pong kernels (dH, up_proj and the store GEMMs)."""
+  default DH_H_SMEM) and with the ping-pong kernels (dH with register stores or its SMEM
+  epilogue, which "auto" picks at this d; up_proj and the store GEMMs)."""
   cute_ops = importlib.import_module("ffi.ops")
   monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", dout_gather_max_column_tiles)
   monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
   monkeypatch.setattr(cute_ops, "DH_BLOCK_N", dh_block_n)
-  pingpong = dh_kernel == "pingpong"
+  T, d, n, E, K = 256, 256, max(128, dh_block_n), 8, 2
+  pingpong = cute_ops._dh_kernel(d).startswith("pingpong")   # "auto" at d 256: pingpong_tma
   monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong" if pingpong else "grouped")
   monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong" if pingpong else "grouped")
   dh_block_ns = []   # the dH kernel's column tile, as ffi.ops calls it
@@ -310,7 +312,6 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_
   real_dh = kernel_module.dh
   monkeypatch.setattr(kernel_module, "dh", lambda *a, block_n, **k: (
       dh_block_ns.append(block_n), real_dh(*a, block_n=block_n, **k))[1])
-  T, d, n, E, K = 256, 256, max(128, dh_block_n), 8, 2
   args = make_inputs(0, T, d, n, E, jnp.bfloat16)
 
   def loss(*a):
@@ -318,7 +319,7 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_
 
   text = _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
   assert text.count(FFI_TARGET) >= 8
-  assert set(dh_block_ns) == {dh_block_n}
+  assert set(dh_block_ns) == {min(dh_block_n, 128) if pingpong else dh_block_n}
   # dH written over H: dh's FFI call aliases its output 0 to H (operand 3, after dOg, W2,
   # tile_expert and, when it gathers, the gather index); no other call aliases
   h_operand = 4 if dout_gather_max_column_tiles else 3
@@ -741,6 +742,37 @@ def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(dh_kernel, monkeypa
       sm.moe(*a, k=K, backend=backend).out.astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(*args)
   for a, b in zip(f(CUTE_GEMMS), f("xla")):
     assert rel_err(a, b) < 1e-2
+
+
+@needs_cute
+def test_setmaxnreg_budgets_fit_what_the_cta_gets_at_launch():
+  """Every warp-specialized kernel's (producer, MMA warpgroups) register budgets fit the
+  384-thread CTA's launch allocation (168 registers a thread): a consumer's setmaxnreg
+  increase past it waits for ever (48 / 232 hung the ping-pong dH on an H200)."""
+  from ffi import grouped_gemm, pingpong
+  launch = pingpong.THREADS * 168
+  budgets = [*pingpong.REGISTERS.values(), pingpong.DH_SMEM_GATHER_REGISTERS,
+             (grouped_gemm.PRODUCER_REGISTERS, grouped_gemm.MMA_REGISTERS)]
+  for producer, consumers in budgets:
+    assert producer % 8 == 0 and consumers % 8 == 0, (producer, consumers)
+    assert 128 * producer + 256 * consumers <= launch, (producer, consumers)
+
+
+@needs_cute
+def test_cute_dh_kernel_auto_follows_the_model_width(monkeypatch):
+  """DH_KERNEL "auto": the ping-pong dH (SMEM epilogue, 128-wide column tiles) up to
+  DH_PINGPONG_MAX_D, grouped_gemm's dh (TMA stores, 256 wide) past it; dO's rows gathered by
+  both kernels at n 1024 (8 and 4 column tiles), an explicit variant kept at every width."""
+  cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "DH_KERNEL", "auto")
+  limit = cute_ops.DH_PINGPONG_MAX_D
+  assert cute_ops._dh_kernel(limit) == "pingpong_tma"
+  assert cute_ops._dh_kernel(limit + 512) == "tma_store"
+  assert (cute_ops._dh_block_n(256, limit), cute_ops._dh_block_n(256, limit + 512)) == (128, 256)
+  assert cute_ops._dout_gathered_in_kernel(1024, limit)
+  assert cute_ops._dout_gathered_in_kernel(1024, limit + 512)
+  monkeypatch.setattr(cute_ops, "DH_KERNEL", "registers")
+  assert cute_ops._dh_kernel(limit) == "registers"
 
 
 @needs_cute
