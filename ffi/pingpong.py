@@ -509,7 +509,7 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
   7B-n256 against grouped_gemm.dh's 0.467, 2.558 against 2.505 at olmoe).
   block_n: at most widest_block_n(1) (128); stages: the ring's depth (default: as many as fit,
   at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL "pingpong",
-  "pingpong_tma" or "auto" (tma_store where d <= ffi.ops.DH_PINGPONG_MAX_D). On an H200
+  "pingpong_tma" or "auto" (where d <= ffi.ops.DH_PINGPONG_MAX_D). On an H200
   it gives grouped_gemm.dh's bits; at 30B-n256, block_n 128, 3 stages it took 2.76 ms (dOg's
   rows read in slot order; grouped_gemm.dh 2.75 with as many stages as fit) and 2.93 gathering
   dO (grouped_gemm.dh 3.02), session 10 (its 64-row-tile version, session 9: 3.53 vs 2.78).
