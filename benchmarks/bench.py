@@ -110,10 +110,18 @@ def forward_backward(fn, dout):
   """The timed step: loss = sum(fn(x, router_w, w1, w2) * dout), its value and gradients.
   The value too, as a training step (and the PyTorch SonicMoE's out.backward) needs it: with
   the gradients alone XLA drops the forward's work past the residuals (the down-projection and
-  the aggregation), as the fwd+bwd rows measured before 2026-11-30 (session 11) did."""
-  def loss(*a):
-    return jnp.sum(fn(*a).astype(jnp.float32) * dout.astype(jnp.float32))
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+  the aggregation), as the fwd+bwd rows measured before 2026-11-30 (session 11) did.
+  The backward starts from dout only once the forward's output exists (an optimization
+  barrier on the two): in a network dO depends on O, and the PyTorch SonicMoE runs its whole
+  forward first. Without it this loss's dO (dout itself) lets XLA run the backward beside the
+  forward's down-projection and aggregation, and its peak memory then holds both (measured
+  before 2026-12-01, session 17)."""
+  def step(*args):
+    out, pullback = jax.vjp(fn, *args)
+    out, d_out = jax.lax.optimization_barrier((out, dout.astype(out.dtype)))
+    value = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+    return value, pullback(d_out)
+  return jax.jit(step)
 
 
 def measure(fn, args, dout, iters, reps):

@@ -188,4 +188,7 @@ def test_timed_step_computes_the_forward_output():
   dout = jax.random.normal(jax.random.key(1), (64, 32))
   value, grads = bench.forward_backward(fn, dout)(*args)
   np.testing.assert_allclose(value, jnp.sum(fn(*args) * dout), rtol=1e-5)
-  assert len(grads) == 4 and grads[2].shape == args[2].shape
+  want = jax.grad(lambda *a: jnp.sum(fn(*a) * dout), argnums=(0, 1, 2, 3))(*args)
+  assert len(grads) == 4
+  for g, w in zip(grads, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
