@@ -146,7 +146,7 @@ def kernels_of(fwd, fwd_bwd, args):
       rec["kernels_status"] = f"{type(e).__name__}: {str(e)[:200]}"
       break
     if times is not None:
-      rec[f"kernel_{key}_ms"], rec[f"kernels_{key}"], rec[f"kernel_order_{key}"] = times
+      rec[f"kernel_{key}_ms"], rec[f"kernels_{key}"], rec[f"kernel_launches_{key}"] = times
   return rec
 
 

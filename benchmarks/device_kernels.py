@@ -52,10 +52,12 @@ def stream_events(planes):
   return sorted(events)
 
 
-def launch_order(planes):
-  """Kernel names (as per_kernel keys them) in the order of their first launch: which kernel
-  is which op, where names alone do not say."""
-  return list(dict.fromkeys(name for _, _, name in stream_events(planes)))
+def step_launches(planes, steps: int):
+  """[(name, ms)] of every kernel or copy of one step, in launch order: the first of `steps`
+  identical steps' stream events (which GEMM is which op, where names alone do not say)."""
+  events = stream_events(planes)
+  return [(name, round((end - start) / 1e6, 4))
+          for start, end, name in events[:len(events) // steps]]
 
 
 def idle_gaps(events, top: int = 8):
@@ -92,8 +94,8 @@ def profile(fn, args, steps: int = 3):
 
 def kernel_times(fn, args, steps: int = 3):
   """per_kernel of `steps` calls of the jitted fn(*args) (one call first, untraced, to
-  compile) and their launch_order: (ms per step, [(name, ms)] longest first, [names]), or
-  None off the GPU."""
+  compile) and one step's launches: (ms per step, [(name, ms)] longest first, [(name, ms)] in
+  launch order), or None off the GPU."""
   planes = profile(fn, args, steps)
   times = None if planes is None else per_kernel(planes, steps)
-  return None if times is None else (*times, launch_order(planes))
+  return None if times is None else (*times, step_launches(planes, steps))

@@ -2,6 +2,7 @@
 forward+backward step (their profilers' per-step times, longest first), in columns.
 
   python -m benchmarks.kernel_table benchmarks/results/<run>/bench.json [--top 12] [--fwd] [--order]
+      [--min-ms 0.05]
 """
 from __future__ import annotations
 
@@ -30,8 +31,12 @@ def short_name(name: str) -> str:
 
 
 def in_launch_order(record, key: str):
-  """The record's [(kernel, ms)] of `key` in the order of their first launch (bench's
-  kernel_order_*), where the record has it; else longest first."""
+  """The record's kernels of `key` as the step launches them: every launch with its time
+  (kernel_launches_*, runs from session 18 on), or each kernel once at its first launch with
+  its per-step total (kernel_order_*, sessions 16-17); else longest first."""
+  launches = record.get(key.replace("kernels_", "kernel_launches_"))
+  if launches:
+    return launches
   order = record.get(key.replace("kernels_", "kernel_order_"))
   if not order:
     return record[key]
@@ -39,7 +44,8 @@ def in_launch_order(record, key: str):
   return [(name, ms[name]) for name in order if name in ms]
 
 
-def table(records, top: int = 12, key: str = "kernels_fwd_bwd", launch_order: bool = False) -> str:
+def table(records, top: int = 12, key: str = "kernels_fwd_bwd", launch_order: bool = False,
+          min_ms: float = 0.0) -> str:
   """Text table: per config, one column pair (kernel, ms) per impl that has `key` (longest
   first, or with launch_order in the order the step launches them)."""
   lines = []
@@ -49,7 +55,8 @@ def table(records, top: int = 12, key: str = "kernels_fwd_bwd", launch_order: bo
       continue
     total_key = key.replace("kernels_", "kernel_") + "_ms"
     lines.append(f"{config}: " + "   ".join(f"{r['impl']} {r[total_key]:.3f} ms" for r in rows))
-    kernels = [in_launch_order(r, key) if launch_order else r[key] for r in rows]
+    kernels = [[(name, ms) for name, ms in (in_launch_order(r, key) if launch_order else r[key])
+                if ms >= min_ms] for r in rows]
     for i in range(min(top, max(len(k) for k in kernels))):
       cells = []
       for k in kernels:
@@ -66,11 +73,13 @@ def main(argv=None):
   p.add_argument("--top", type=int, default=12)
   p.add_argument("--fwd", action="store_true", help="the forward's kernels instead")
   p.add_argument("--order", action="store_true",
-                 help="in the order the step first launches them (runs from session 16 on)")
+                 help="in the order one step launches them (every launch from session 18's runs on; "
+                      "sessions 16-17: each kernel once, at its first launch)")
+  p.add_argument("--min-ms", type=float, default=0.0, help="leave out kernels shorter than this")
   a = p.parse_args(argv)
   with open(a.bench_json) as f:
     records = json.load(f)
-  text = table(records, a.top, "kernels_fwd" if a.fwd else "kernels_fwd_bwd", a.order)
+  text = table(records, a.top, "kernels_fwd" if a.fwd else "kernels_fwd_bwd", a.order, a.min_ms)
   print(text)
   return text
 

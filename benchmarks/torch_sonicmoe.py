@@ -31,7 +31,7 @@ def time_ms(fn, iters=20, reps=5):
 
 def kernel_times(fn, iters=3):
   """(ms per step summed over every CUDA kernel, [(kernel name, ms per step)] longest first,
-  [kernel names in the order of their first launch])."""
+  [(kernel name, ms)] of one step's launches in launch order)."""
   from torch.profiler import ProfilerActivity, profile
   fn()
   torch.cuda.synchronize()
@@ -39,7 +39,7 @@ def kernel_times(fn, iters=3):
     for _ in range(iters):
       fn()
     torch.cuda.synchronize()
-  per_name, first_start = {}, {}
+  per_name, launches = {}, []
   for i, event in enumerate(prof.events()):
     if event.device_type == torch.autograd.DeviceType.CUDA:
       us = getattr(event, "device_time", None)
@@ -48,10 +48,11 @@ def kernel_times(fn, iters=3):
       per_name[name] = per_name.get(name, 0.0) + us / 1e3 / iters
       # (FunctionEvent.time_range: its start in us; else the events' own order)
       start = getattr(getattr(event, "time_range", None), "start", i)
-      first_start[name] = min(first_start.get(name, float("inf")), start)
+      launches.append((start, name, round(us / 1e3, 4)))
   ranked = sorted(per_name.items(), key=lambda item: -item[1])
+  launches.sort(key=lambda launch: launch[0])
   return (sum(per_name.values()), [(name, round(ms, 4)) for name, ms in ranked],
-          sorted(first_start, key=first_start.get))
+          [(name, ms) for _, name, ms in launches[:len(launches) // iters]])
 
 
 def main():
@@ -83,9 +84,9 @@ def main():
       rec["fwd_ms"] = time_ms(fwd)
       rec["fwd_bwd_ms"] = time_ms(fwd_bwd)
       rec["bwd_ms"] = rec["fwd_bwd_ms"] - rec["fwd_ms"]
-      rec["kernel_fwd_ms"], rec["kernels_fwd"], rec["kernel_order_fwd"] = kernel_times(fwd)
+      rec["kernel_fwd_ms"], rec["kernels_fwd"], rec["kernel_launches_fwd"] = kernel_times(fwd)
       (rec["kernel_fwd_bwd_ms"], rec["kernels_fwd_bwd"],
-       rec["kernel_order_fwd_bwd"]) = kernel_times(fwd_bwd)
+       rec["kernel_launches_fwd_bwd"]) = kernel_times(fwd_bwd)
       x.grad = None
       for prm in layer.parameters():
         prm.grad = None

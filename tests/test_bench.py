@@ -108,11 +108,14 @@ def test_device_kernel_times_count_gpu_stream_events_only():
   ]
   total, ranked = device_kernels.per_kernel(planes, steps=2)
   assert ranked == [("gemm", 2.0), ("gather", 1.0)] and total == 3.0
-  timed = lambda name, start: NS(name=name, start_ns=start, duration_ns=1)
+  # one step's launches: the first half of two steps' events, in start order, each timed
+  timed = lambda name, start, ms: NS(name=name, start_ns=start, duration_ns=ms * 1e6)
   launches = [NS(name="/device:GPU:0", lines=[
-      NS(name="Stream #14(compute)", events=[timed("up", 0), timed("down", 20), timed("up", 40)]),
-      NS(name="Stream #15(copy)", events=[timed("gather", 10)])])]
-  assert device_kernels.launch_order(launches) == ["up", "gather", "down"]
+      NS(name="Stream #14(compute)", events=[timed("up", 0, 2), timed("down", 20, 3),
+                                             timed("up", 40, 2), timed("down", 60, 3)]),
+      NS(name="Stream #15(copy)", events=[timed("gather", 10, 1), timed("gather", 50, 1)])])]
+  assert device_kernels.step_launches(launches, steps=2) == [
+      ("up", 2.0), ("gather", 1.0), ("down", 3.0)]
   assert device_kernels.per_kernel(planes[:1], steps=2) is None
 
 
@@ -150,7 +153,8 @@ def test_kernel_table_puts_impls_side_by_side(tmp_path):
            kernels_fwd_bwd=[["up_proj_kernel", 2.0], ["fusion.3", 1.0]]),
       dict(config="7B", impl="torch_sonicmoe", kernel_fwd_bwd_ms=2.5,
            kernels_fwd_bwd=[["GemmGated", 1.5], ["gather_sum", 0.6], ["add", 0.4]],
-           kernel_order_fwd_bwd=["add", "GemmGated", "gather_sum"]),
+           kernel_launches_fwd_bwd=[["add", 0.4], ["GemmGated", 0.7], ["gather_sum", 0.6],
+                                    ["GemmGated", 0.8]]),
       dict(config="7B", impl="dense", status="ok"),
   ]
   path = tmp_path / "bench.json"
@@ -159,10 +163,21 @@ def test_kernel_table_puts_impls_side_by_side(tmp_path):
   assert lines[0] == "7B: auto 3.000 ms   torch_sonicmoe 2.500 ms"
   assert len(lines) == 4 and "up_proj_kernel" in lines[1] and "GemmGated" in lines[1]
   assert "fusion.3" in lines[2] and "  1.000" in lines[2] and lines[3].split("|")[1].strip().startswith("add")
-  # --order: in launch order where the record has it (torch's), longest first where not
+  # --order: every launch in launch order where the record has them (torch's), longest first
+  # where not; --min-ms leaves out the short ones
   ordered = kernel_table.main([str(path), "--order"]).splitlines()
-  assert ordered[1].split("|")[1].strip().startswith("add")
+  assert [line.split("|")[1].split()[0] for line in ordered[1:]] == [
+      "add", "GemmGated", "gather_sum", "GemmGated"]
+  assert ordered[4].split("|")[1].split()[1] == "0.800"
   assert ordered[1].split("|")[0].strip().startswith("up_proj_kernel")
+  ordered = kernel_table.main([str(path), "--order", "--min-ms", "0.5"]).splitlines()
+  assert [line.split("|")[1].split()[0] for line in ordered[1:]] == [
+      "GemmGated", "gather_sum", "GemmGated"]
+  # session 16-17 records: each kernel once, at its first launch
+  old = dict(records[1], kernel_order_fwd_bwd=["add", "GemmGated", "gather_sum"])
+  del old["kernel_launches_fwd_bwd"]
+  assert [name for name, _ in kernel_table.in_launch_order(old, "kernels_fwd_bwd")] == [
+      "add", "GemmGated", "gather_sum"]
   assert kernel_table.short_name(
       "kernel_cutlass_kernel_quackgemm_actGemmGatedSm90_object_at__TiledMMA_ThrLayoutVMNK1282111"
       "12800_PermutationMNK____MMAAtom_ThrID1281_ShapeMNK6425616_TVLayoutA") == \
