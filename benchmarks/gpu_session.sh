@@ -38,6 +38,8 @@
 #           at four anchors, ncu at 7B-n256, the layer at 7B-n256 and olmoe           (~8 min)
 #   pingpong_tma: the ping-pong dH's SMEM epilogue (tests, the layer beside the default) (~5 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
+#   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
+#           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
 #           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
@@ -155,6 +157,22 @@ for mode in "$@"; do
         > "$OUT/ncu_dh_7b.txt" 2>&1; echo "ncu: rc $?"
       grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|L2 Cache Throughput|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occupancy|Stall" \
         "$OUT/ncu_dh_7b.txt" | cut -c1-150 | head -90 ;;
+    ncu_pair)  # after `cute` and upstream staging and `torch_warm` of NCU_CONFIG (default
+               # 30B-n256): Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's
+      cfg=${NCU_CONFIG:-30B-n256}; tp=$(torch_pythonpath)
+      sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats
+                --section Occupancy --section LaunchStats --section SchedulerStats)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 250 ncu --profile-from-start off \
+        --clock-control none -k regex:sonicmoe "${sections[@]}" python3 -m benchmarks.ncu_step \
+        --config "$cfg" --impl auto > "$OUT/ncu_ours_$cfg.txt" 2>&1; echo "ncu ours: rc $?"
+      PYTHONPATH=$tp timeout 250 ncu --profile-from-start off --clock-control none \
+        -k regex:quackgemm "${sections[@]}" python3 benchmarks/torch_sonicmoe.py "$(python3 -c \
+        "from benchmarks import configs as C; import json; print(json.dumps({'$cfg': C.ANCHORS['$cfg']}))")" \
+        --profile-one-step > "$OUT/ncu_torch_$cfg.txt" 2>&1; echo "ncu torch: rc $?"
+      for side in ours torch; do
+        grep -E "^  [a-zA-Z_]+.*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|L2 Cache Throughput|Registers Per|Achieved Occupancy|Grid Size|Block Size|Issue Slots Busy|No Eligible" \
+          "$OUT/ncu_${side}_$cfg.txt" | cut -c1-110 | head -70
+      done ;;
     dout_gather)
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs olmoe,120B-n1024 \
         --stages 3,0 --block-n 256 --kernels dh,dh_gather,dw2,dw2_gather \

@@ -4,6 +4,9 @@ argv[1]: JSON {config name: [T, d, n, E, K]}. Prints one JSON record per config:
 memory, and the GPU time of each kernel in one forward+backward step (torch.profiler; the
 kernels' own time, without the host overhead that the wall time includes), for a per-kernel
 comparison with benchmarks/kernels.py.
+argv[2] == "--profile-one-step": instead, after two warm-up steps, one forward+backward step
+between cudaProfilerStart and cudaProfilerStop, for `ncu --profile-from-start off`
+(benchmarks/ncu_step.py does the same for ours).
 """
 import json
 import statistics
@@ -55,6 +58,17 @@ def kernel_times(fn, iters=3):
           [(name, ms) for _, name, ms in launches[:len(launches) // iters]])
 
 
+def profile_one_step(step):
+  """Two warm-up steps (compiles, autotuning), then one between cudaProfilerStart and Stop."""
+  step()
+  step()
+  torch.cuda.synchronize()
+  torch.cuda.cudart().cudaProfilerStart()
+  step()
+  torch.cuda.synchronize()
+  torch.cuda.cudart().cudaProfilerStop()
+
+
 def main():
   from sonicmoe import KernelBackendMoE, MoE
   from sonicmoe.enums import ActivationType
@@ -76,6 +90,9 @@ def main():
       def fwd_bwd():
         layer(x, kernel_backend_moe=backend)[0].backward(dout)
 
+      if sys.argv[2:] == ["--profile-one-step"]:
+        profile_one_step(fwd_bwd)
+        continue
       start = time.perf_counter()
       fwd_bwd()  # first calls compile and autotune the CuTe / Triton kernels (cached on disk)
       torch.cuda.synchronize()

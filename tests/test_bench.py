@@ -207,3 +207,11 @@ def test_timed_step_computes_the_forward_output():
   assert len(grads) == 4
   for g, w in zip(grads, want):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_ncu_step_runs_one_step_of_a_small_layer(capsys):
+  """benchmarks.ncu_step (the step Nsight Compute profiles) runs our layer's forward+backward
+  at a config given as T,d,n,E,K (off the GPU without the profiler calls)."""
+  from benchmarks import ncu_step
+  ncu_step.main(["--config", "64,32,16,4,2", "--impl", "xla", "--no-profiler"])
+  assert "T64-d32-n16-E4-K2 xla: one step profiled" in capsys.readouterr().out
