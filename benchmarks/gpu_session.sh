@@ -37,6 +37,8 @@
 #   dh_hsmem: dH's epilogue reading H from SMEM (TMA-loaded after the mainloop): tests, sweep
 #           at four anchors, ncu at 7B-n256, the layer at 7B-n256 and olmoe           (~8 min)
 #   pingpong_tma: the ping-pong dH's SMEM epilogue (tests, the layer beside the default) (~5 min)
+#   up_proj_tma: the ping-pong up_proj's SMEM epilogue (tests, the layer beside the default at
+#           7B-n256, 7B-n1024, 30B-n256)                                            (~6 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
@@ -146,6 +148,17 @@ for mode in "$@"; do
         timeout 100 python3 -m benchmarks.bench --configs 7B-n256,olmoe --impls auto \
           --cute-dh $k --iters 5 --reps 3 --out "$OUT/bench_dh_$k" 2>&1 | tail -5
         python3 -m benchmarks.kernel_table "$OUT/bench_dh_$k.json" --top 4
+      done ;;
+    up_proj_tma)  # after `cute` staging: the ping-pong up_proj's SMEM epilogue (pingpong.up_proj's
+                  # tma_store): bitwise tests (240 s cap: a hang), the layer beside the default
+      timeout 240 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
+        -k "pingpong_up_proj_matches or layer_with_pingpong" > "$OUT/pytest_up_proj_tma.log" 2>&1
+      rc=$?; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_up_proj_tma.log" | tail -6
+      [ $rc -ne 0 ] && { echo "ping-pong up_proj tests: rc $rc, not timed"; continue; }
+      for k in grouped pingpong_tma; do
+        timeout 150 python3 -m benchmarks.bench --configs 7B-n256,7B-n1024,30B-n256 --impls auto \
+          --cute-up-proj $k --iters 5 --reps 3 --out "$OUT/bench_up_proj_$k" 2>&1 | tail -4
+        python3 -m benchmarks.kernel_table "$OUT/bench_up_proj_$k.json" --top 3
       done ;;
     ncu_dh)  # after `cute` staging: Nsight Compute on the dH kernels at 7B-n256 (grouped_gemm's
              # at block_n 128 and 256, the ping-pong one at 128; every launch of the sweep) (~3 min)

@@ -63,9 +63,12 @@ THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 # producer's budgets)
 REGISTERS = {False: (40, 232),
              True: (grouped_gemm.PRODUCER_REGISTERS, grouped_gemm.MMA_REGISTERS)}
-# dh's SMEM epilogue with a gathering producer: its consumers spilled 92 bytes at 224 (sm_90a
-# cubin, block_n 128); at 232 none
-DH_SMEM_GATHER_REGISTERS = (40, 232)
+# an SMEM epilogue (dh's or SwiGLU's, tma_store) with a gathering producer: dh's consumers
+# spilled 92 bytes at 224 (sm_90a cubin, block_n 128); at 232 none. SwiGLU's spills 24 bytes
+# here (8 at 24 / 240). ptxas honours setmaxnreg in the SwiGLU kernel only with a launch
+# bound (min_blocks_per_mp 1, PTX .minnctapersm; else warning C7508, "setmaxnreg ignored":
+# its register-store version runs on 168 registers throughout, 155 used)
+SMEM_EPILOGUE_GATHER_REGISTERS = (40, 232)
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
 EPILOGUE_BARRIER = 6        # named barriers 6 and 7: consumer 0's and 1's TMA-store epilogue
 MAX_STAGES = 8
@@ -75,9 +78,9 @@ DH_EPI_BUFFERS = 3
 
 
 def epilogue_buffers(kind: str) -> int:
-  """EPI_TILE buffers of each consumer's TMA-store epilogue: dh's (DH_EPI_BUFFERS) or the
-  store kernels' (grouped_gemm.EPI_STAGES)."""
-  return DH_EPI_BUFFERS if kind == "dh" else grouped_gemm.EPI_STAGES
+  """EPI_TILE buffers of each consumer's TMA-store epilogue: dh's and SwiGLU's (three outputs
+  of a chunk: DH_EPI_BUFFERS) or the store kernels' (grouped_gemm.EPI_STAGES)."""
+  return DH_EPI_BUFFERS if kind in ("dh", "swiglu") else grouped_gemm.EPI_STAGES
 
 
 def epilogue_bytes(itemsize: int, kind: str = "store") -> int:
@@ -174,13 +177,43 @@ def _dh_smem_epilogue(acc, h_tiles, out_tiles, atoms, s_c, first, chunk_mma,
   grouped_gemm.store_ds_part(row_sums, thr_mma, m_ds, wg_tidx, row0, n_tile, block_n, TILE_M)
 
 
+@cute.jit
+def _swiglu_smem_epilogue(accs, out_tiles, atoms, s_c, first, thr_mma, leader,
+                          barrier_id: cutlass.Constexpr):
+  """up_proj's epilogue through a consumer's own SMEM buffers (s_c's first .. first + 2): once
+  its previous tile's stores have read them, every thread writes its values of H's gate and
+  up tiles (the two accumulators) and of A = silu(gate) * up one column group at a time
+  (block_n = EPI_TILE's 64 columns: the tile is one chunk); then the leader stores the three
+  by TMA (out_tiles: H gate, H up, A, of their TMA tensors; atoms: their TMA atoms)."""
+  bufs = [thr_mma.partition_C(s_c[None, None, first + q]) for q in range(DH_EPI_BUFFERS)]
+  stores = [grouped_gemm.epi_tma_views(atom, s_c, t) for atom, t in zip(atoms, out_tiles)]
+  if leader:
+    cute.arch.cp_async_bulk_wait_group(0, read=True)
+  cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+  for m in cutlass.range_constexpr(cute.size(accs[0], mode=[1])):
+    for k in cutlass.range_constexpr(EPI_TILE[1] // 8):
+      group = ((None, None, k), m, 0)
+      values = grouped_gemm._epilogue_values([acc[group].load() for acc in accs], True)
+      for q in cutlass.range_constexpr(DH_EPI_BUFFERS):
+        frag = cute.make_rmem_tensor(accs[0][group].shape, s_c.element_type)
+        frag.store(values[q].to(s_c.element_type))
+        cute.autovec_copy(frag, bufs[q][group])
+  cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA engine
+  cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+  if leader:
+    for q in cutlass.range_constexpr(DH_EPI_BUFFERS):
+      s_part, g_part = stores[q]
+      cute.copy(atoms[q], s_part[None, first + q], g_part[None, (0, 0)])
+    cute.arch.cp_async_bulk_commit_group()
+
+
 @cute.kernel
 def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
             m_out: cute.Tensor, m_out2: cute.Tensor, m_h: cute.Tensor, m_scores: cute.Tensor,
             m_ds: cute.Tensor, tile_expert: cute.Tensor, gather_index: cute.Tensor,
             tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout, tma_out: cute.CopyAtom, m_out_tma: cute.Tensor,
-            c_smem_staged: cute.ComposedLayout, dh_smem, num_experts: cutlass.Int32,
+            c_smem_staged: cute.ComposedLayout, smem_epilogue, num_experts: cutlass.Int32,
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, tx_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, tma_store: cutlass.Constexpr):
@@ -191,9 +224,11 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   rhs (N, K, E), m_out = m_out2 out (P, N, 1) = lhs_e rhs_e, stored from registers or (tma_store)
   by the TMA-store epilogue (tma_out, m_out_tma: out's TMA atom and tensor; c_smem_staged: both
   consumers' epilogue buffers). kind "dh" with tma_store: its SMEM epilogue
-  (_dh_smem_epilogue; tma_out, m_out_tma dH's), dh_smem = (A''s TMA atom and tensor, H's TMA
-  atom and tensor, the wgmma on EPI_TILE's columns); () otherwise. (Unused operands: m_h,
-  m_scores, m_ds outside dh; tma_out, m_out_tma, c_smem_staged without tma_store.)"""
+  (_dh_smem_epilogue; tma_out, m_out_tma dH's), smem_epilogue = (A''s TMA atom and tensor,
+  H's TMA atom and tensor, the wgmma on EPI_TILE's columns); kind "swiglu" with tma_store:
+  _swiglu_smem_epilogue (tma_out, m_out_tma H's), smem_epilogue = (A's TMA atom and tensor);
+  () otherwise. (Unused operands: m_h, m_scores, m_ds outside dh; tma_out, m_out_tma,
+  c_smem_staged without tma_store.)"""
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -207,8 +242,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   tile_mnk = (TILE_M, block_n, BLOCK_K)
   dh_smem_epilogue = kind == "dh" and tma_store
   producer_regs, consumer_regs = REGISTERS[gather]
-  if cutlass.const_expr(dh_smem_epilogue and gather):
-    producer_regs, consumer_regs = DH_SMEM_GATHER_REGISTERS
+  if cutlass.const_expr(tma_store and kind != "store" and gather):
+    producer_regs, consumer_regs = SMEM_EPILOGUE_GATHER_REGISTERS
 
   smem = cutlass.memory.SmemAllocator()
   storage = smem.allocate(shared_storage)
@@ -321,10 +356,16 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
         else:
           halves = [cols, cols + num_n_tiles]   # H's (and dH's) gate and up column tiles
           outs = [tile_of(m_out, halves[0]), tile_of(m_out, halves[1]), tile_of(m_out2, cols)]
-          if cutlass.const_expr(swiglu):
+          if cutlass.const_expr(swiglu and tma_store):
+            tma_out2, m_out2_tma = smem_epilogue
+            _swiglu_smem_epilogue(
+                accs, [tile_of(m_out_tma, halves[0]), tile_of(m_out_tma, halves[1]),
+                       tile_of(m_out2_tma, cols)], [tma_out, tma_out, tma_out2], s_c,
+                me * DH_EPI_BUFFERS, thr_mma, warp % 4 == 0, EPILOGUE_BARRIER + me)
+          elif cutlass.const_expr(swiglu):
             _register_outputs(accs, outs, thr_mma, m_out.element_type, block_n, True)
           elif cutlass.const_expr(dh_smem_epilogue):
-            tma_out2, m_out2_tma, tma_h, m_h_tma, chunk_mma = dh_smem
+            tma_out2, m_out2_tma, tma_h, m_h_tma, chunk_mma = smem_epilogue
             # this consumer's tiles so far: i // 2, each using its H barrier once per chunk
             _dh_smem_epilogue(
                 accs[0], [tile_of(m_h_tma, c) for c in halves],
@@ -340,7 +381,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
                 wg_tidx, rows * TILE_M, cols, m_out.element_type,
                 grouped_gemm.acc_chunks(outs, thr_mma), block_n, TILE_M)
       i += 1
-    if cutlass.const_expr(dh_smem_epilogue):   # the last stores have read SMEM before exit
+    if cutlass.const_expr(tma_store and kind != "store"):   # the last stores have read SMEM
       if warp % 4 == 0:
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -378,15 +419,20 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   c_tile = cute.slice_(c_smem_staged, (None, None, 0))
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out, c_tile,
                                                    EPI_TILE)
-  dh_smem = ()   # (dh with tma_store) A''s and H's TMA atoms, the wgmma on a chunk's columns
+  # (dh or swiglu with tma_store) A''s or A's TMA atom; dh's also H's and the wgmma on a
+  # chunk's columns
+  smem_epilogue = ()
+  if cutlass.const_expr(kind != "store" and tma_store):
+    smem_epilogue = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out2, c_tile,
+                                                EPI_TILE)
   if cutlass.const_expr(kind == "dh" and tma_store):
-    dh_smem = (*cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out2, c_tile,
-                                            EPI_TILE),
-               *cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_h, c_tile,
-                                            EPI_TILE),
-               sm90_utils.make_trivial_tiled_mma(
-                   dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-                   cutlass.Float32, (1, 1, 1), tiler_mn=(MMA_M, EPI_TILE[1])))
+    smem_epilogue = (*smem_epilogue,
+                     *cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_h, c_tile,
+                                                  EPI_TILE),
+                     sm90_utils.make_trivial_tiled_mma(
+                         dtype, dtype, a_major.sm90_mma_major_mode(),
+                         b_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
+                         tiler_mn=(MMA_M, EPI_TILE[1])))
 
   # the bytes TMA brings per stage: the rhs tiles, and unless gathered the lhs tile
   rhs_bytes = cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
@@ -398,14 +444,14 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   # barriers, one per consumer)
   storage = grouped_gemm.shared_storage(
       dtype, stages * 2 + (2 if kind == "dh" and tma_store else 0), a_elems, b_elems,
-      2 if swiglu else 1, cute.cosize(c_smem_staged) if tma_store and not swiglu else 0)
+      2 if swiglu else 1, cute.cosize(c_smem_staged) if tma_store else 0)
   _kernel.set_name_prefix(grouped_gemm.kernel_label(kind, gather, "pingpong"),
                           remove_cutlass_symbol=True)
   _kernel(tma_a, m_a, tma_b, m_b, out, out2, m_h, m_scores, m_ds, tile_expert, gather_index,
-          tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma, c_smem_staged, dh_smem,
+          tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma, c_smem_staged, smem_epilogue,
           cute.size(rhs, mode=[2]), storage, block_n, stages, tx_bytes, kind, gather,
           tma_store).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
-                       stream=stream)
+                       stream=stream, min_blocks_per_mp=1 if swiglu and tma_store else 0)
 
 
 @cute.jit
@@ -444,10 +490,12 @@ def _matmul_pingpong(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cu
 @cute.jit
 def _up_proj_pingpong(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor,
                       gather_index: cute.Tensor, h: cute.Tensor, a: cute.Tensor,
-                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+                      tma_store: cutlass.Constexpr = False):
   """x (T, d, 1) the source rows, w1 (2n, d, E) N-major, H (P, 2n, 1), A (P, n, 1): the
   operands of grouped_gemm._gathered_up_proj."""
-  _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True)
+  _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True,
+          tma_store)
 
 
 def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str,
@@ -525,20 +573,25 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
                               **option)
 
 
-def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | None = None):
+def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | None = None,
+            tma_store: bool = False):
   """grouped_gemm.up_proj with gather_index on the ping-pong schedule, the producer warpgroup
   gathering X's rows by cp.async: x [T, d], w1 [E, d, 2n], gather_index [P] (slot r reads
   X[gather_index[r]], zeros where it is T or more); returns H [P, 2n] and A [P, n]. block_n:
   H's gate (and up) columns per tile, at most widest_block_n(2) (64). On an H200 it gives
   grouped_gemm.up_proj's bits; at 30B-n256 it took 4.06 ms with as many stages as fit (5.38
   with 3), grouped_gemm.up_proj at block_n 128 4.05, session 10 (its 64-row-tile version,
-  session 9: 4.13 vs 3.88)."""
+  session 9: 4.13 vs 3.88). tma_store: each consumer's epilogue writes H's gate
+  and up tiles and A into SMEM buffers of its own and stores them by TMA
+  (_swiglu_smem_epilogue; fewer ring stages fit; written in session 17, not yet run on a
+  GPU)."""
   n = w1.shape[2] // 2
   reason = grouped_gemm.unsupported(grouped_gemm.rows_read(x, gather_index), w1, block_n) or (
       None if n % block_n == 0 else f"n={n} must be a multiple of block_n={block_n}")
   if reason:
     raise ValueError(f"cute ping-pong up_proj: {reason}")
-  stages = _check_tile(block_n, x.dtype.itemsize, 2, stages, "up_proj")
+  stages = _check_tile(block_n, x.dtype.itemsize, 2, stages, "up_proj", tma_store, "swiglu")
+  option = dict(tma_store=True) if tma_store else {}   # (off: the targets leave it out)
   # (the ping-pong kernel always gathers: no kernel reading rows in slot order)
   return grouped_gemm.up_proj_call((None, _up_proj_pingpong), x, w1, tile_expert, gather_index,
-                                   block_n=block_n, stages=stages)
+                                   block_n=block_n, stages=stages, **option)
