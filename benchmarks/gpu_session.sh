@@ -40,6 +40,7 @@
 #   up_proj_tma: the ping-pong up_proj's SMEM epilogue (tests, the layer beside the default at
 #           7B-n256, 7B-n1024, 30B-n256)                                            (~6 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
+#   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
@@ -170,6 +171,15 @@ for mode in "$@"; do
         > "$OUT/ncu_dh_7b.txt" 2>&1; echo "ncu: rc $?"
       grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|L2 Cache Throughput|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occupancy|Stall" \
         "$OUT/ncu_dh_7b.txt" | cut -c1-150 | head -90 ;;
+    step_memory)  # after `cute` staging: the step's peak memory and XLA's memory-usage report
+                  # (its largest buffers) at MEM_CONFIGS (default 30B-n256 7B-n256)   (~2 min)
+      for cfg in ${MEM_CONFIGS:-30B-n256 7B-n256}; do
+        rm -rf /tmp/xladump
+        XLA_FLAGS="--xla_dump_to=/tmp/xladump --xla_dump_hlo_module_re=jit_step" timeout 200 \
+          python3 -m benchmarks.ncu_step --no-profiler --config "$cfg" --impl auto 2>&1 | tail -1
+        report=$(ls /tmp/xladump/*jit_step*memory-usage-report.txt 2>/dev/null | head -1)
+        [ -n "$report" ] && { cp "$report" "$OUT/memory_report_$cfg.txt"; head -16 "$report" | cut -c1-160; }
+      done ;;
     ncu_pair)  # after `cute` and upstream staging and `torch_warm` of NCU_CONFIG (default
                # 30B-n256): Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's
       cfg=${NCU_CONFIG:-30B-n256}; tp=$(torch_pythonpath)

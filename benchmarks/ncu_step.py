@@ -5,7 +5,10 @@ Nsight Compute to profile that step's kernels alone (after two untraced steps: c
       python3 -m benchmarks.ncu_step --config 30B-n256 --impl auto
 
 benchmarks/torch_sonicmoe.py '<configs JSON>' --profile-one-step does the same for the PyTorch
-SonicMoE (regex:quackgemm), so that the two sides' GEMMs meet in one report.
+SonicMoE (regex:quackgemm), so that the two sides' GEMMs meet in one report. It also prints
+the step's peak memory as bench measures it (bench.step_bytes); with
+XLA_FLAGS=--xla_dump_to=DIR XLA writes the step's memory-usage report there (its largest
+buffers and the values sharing each).
 """
 from __future__ import annotations
 
@@ -53,7 +56,9 @@ def main(argv=None):
   value, _ = jax.block_until_ready(step(*args))
   if cudart is not None:
     cudart.cudaProfilerStop()
-  print(f"{name} {a.impl}: one step profiled (loss {float(value):.4g})")
+  step_mib = bench.step_bytes(step, args)
+  step_mib = "n/a" if step_mib is None else f"{step_mib / 2**20:.1f}"
+  print(f"{name} {a.impl}: one step profiled (loss {float(value):.4g}; step MiB {step_mib})")
 
 
 if __name__ == "__main__":
