@@ -2,8 +2,8 @@
 grouped_gemm.py's kernels with the same operands, outputs and epilogue math: dh (the dSwiGLU
 epilogue, grouped_gemm._dh_outputs; dO's rows read in slot order or gathered), up_proj
 gathering X's rows (the SwiGLU epilogue) and grouped_matmul (out = lhs_e rhs_e: down_proj,
-dx_tilde), storing their outputs from registers (grouped_matmul, and dh, also through SMEM
-by TMA stores).
+dx_tilde), storing their outputs from registers or through SMEM by TMA stores (tma_store:
+each consumer's own buffers).
 grouped_gemm's kernel runs its epilogue after its mainloop with the tensor cores idle, and its
 MMA warpgroups issue the gather's copies between their wgmmas; here one consumer warpgroup's
 epilogue runs while the other's mainloop does, and a producer warpgroup does all the loading.
@@ -34,8 +34,9 @@ Schedule:
               never read one lap early), runs the wgmma mainloop (one k step in flight, each
               stage released once its wgmmas are done; gathered stages fenced for the async
               proxy first), hands the turn over, then runs the epilogue (registers to global,
-              or through its own EPI_STAGES SMEM buffers and TMA stores, synced on named
-              barrier EPILOGUE_BARRIER + its index) while the other warpgroup's mainloop runs.
+              or through its own SMEM buffers (epilogue_buffers) and TMA stores, synced on
+              named barrier EPILOGUE_BARRIER + its index) while the other warpgroup's
+              mainloop runs.
               The other's tiles it steps over.
 """
 from __future__ import annotations
