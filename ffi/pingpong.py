@@ -73,15 +73,16 @@ SMEM_EPILOGUE_GATHER_REGISTERS = (40, 232)
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
 EPILOGUE_BARRIER = 6        # named barriers 6 and 7: consumer 0's and 1's TMA-store epilogue
 MAX_STAGES = 8
-# dh's SMEM epilogue (tma_store): each consumer's EPI_TILE buffers, one column chunk at a time:
-# H's gate and up chunks (TMA-loaded; dH's written over them) and A''s chunk
-DH_EPI_BUFFERS = 3
+# The SMEM epilogues of dh and up_proj (tma_store): each consumer's EPI_TILE buffers, one
+# column chunk at a time: dh's H gate and up chunks (TMA-loaded; dH's written over them) and
+# A''s chunk; up_proj's H gate, H up and A
+OUTPUT_BUFFERS = 3
 
 
 def epilogue_buffers(kind: str) -> int:
-  """EPI_TILE buffers of each consumer's TMA-store epilogue: dh's and SwiGLU's (three outputs
-  of a chunk: DH_EPI_BUFFERS) or the store kernels' (grouped_gemm.EPI_STAGES)."""
-  return DH_EPI_BUFFERS if kind in ("dh", "swiglu") else grouped_gemm.EPI_STAGES
+  """EPI_TILE buffers of each consumer's TMA-store epilogue: dh's and SwiGLU's (a chunk's
+  three outputs: OUTPUT_BUFFERS) or the store kernels' (grouped_gemm.EPI_STAGES)."""
+  return OUTPUT_BUFFERS if kind in ("dh", "swiglu") else grouped_gemm.EPI_STAGES
 
 
 def epilogue_bytes(itemsize: int, kind: str = "store") -> int:
@@ -136,7 +137,7 @@ def _dh_smem_epilogue(acc, h_tiles, out_tiles, atoms, s_c, first, chunk_mma,
   groups = EPI_TILE[1] // 8   # column groups of a chunk
   # this thread's values of each buffer (one chunk: [q][0]) and the buffers' TMA views
   bufs = grouped_gemm.smem_chunks(s_c, chunk_mma, wg_tidx,
-                                  [first + q for q in range(DH_EPI_BUFFERS)], 1)
+                                  [first + q for q in range(OUTPUT_BUFFERS)], 1)
   loads = [grouped_gemm.epi_tma_views(atoms[0], s_c, t) for t in h_tiles]
   stores = [grouped_gemm.epi_tma_views(atom, s_c, t) for atom, t in zip(atoms[1:], out_tiles)]
   s_src = thr_mma.partition_C(score_tile)
@@ -163,7 +164,7 @@ def _dh_smem_epilogue(acc, h_tiles, out_tiles, atoms, s_c, first, chunk_mma,
         gate, up = [grouped_gemm._group_fp32(buf[0][group]) for buf in bufs[:2]]
         da = acc[acc_group].load()
         values, a = grouped_gemm.dswiglu(gate, up, da, s)
-        for q in cutlass.range_constexpr(DH_EPI_BUFFERS):
+        for q in cutlass.range_constexpr(OUTPUT_BUFFERS):
           frag = cute.make_rmem_tensor(acc[acc_group].shape, s_c.element_type)
           frag.store(values[q].to(s_c.element_type))
           cute.autovec_copy(frag, bufs[q][0][group])
@@ -171,7 +172,7 @@ def _dh_smem_epilogue(acc, h_tiles, out_tiles, atoms, s_c, first, chunk_mma,
     cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA engine
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
     if leader:
-      for q in cutlass.range_constexpr(DH_EPI_BUFFERS):
+      for q in cutlass.range_constexpr(OUTPUT_BUFFERS):
         s_part, g_part = stores[q]
         cute.copy(atoms[1 + q], s_part[None, first + q], g_part[None, (0, c)])
       cute.arch.cp_async_bulk_commit_group()
@@ -186,7 +187,7 @@ def _swiglu_smem_epilogue(accs, out_tiles, atoms, s_c, first, thr_mma, leader,
   up tiles (the two accumulators) and of A = silu(gate) * up one column group at a time
   (block_n = EPI_TILE's 64 columns: the tile is one chunk); then the leader stores the three
   by TMA (out_tiles: H gate, H up, A, of their TMA tensors; atoms: their TMA atoms)."""
-  bufs = [thr_mma.partition_C(s_c[None, None, first + q]) for q in range(DH_EPI_BUFFERS)]
+  bufs = [thr_mma.partition_C(s_c[None, None, first + q]) for q in range(OUTPUT_BUFFERS)]
   stores = [grouped_gemm.epi_tma_views(atom, s_c, t) for atom, t in zip(atoms, out_tiles)]
   if leader:
     cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -195,14 +196,14 @@ def _swiglu_smem_epilogue(accs, out_tiles, atoms, s_c, first, thr_mma, leader,
     for k in cutlass.range_constexpr(EPI_TILE[1] // 8):
       group = ((None, None, k), m, 0)
       values = grouped_gemm._epilogue_values([acc[group].load() for acc in accs], True)
-      for q in cutlass.range_constexpr(DH_EPI_BUFFERS):
+      for q in cutlass.range_constexpr(OUTPUT_BUFFERS):
         frag = cute.make_rmem_tensor(accs[0][group].shape, s_c.element_type)
         frag.store(values[q].to(s_c.element_type))
         cute.autovec_copy(frag, bufs[q][group])
   cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA engine
   cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
   if leader:
-    for q in cutlass.range_constexpr(DH_EPI_BUFFERS):
+    for q in cutlass.range_constexpr(OUTPUT_BUFFERS):
       s_part, g_part = stores[q]
       cute.copy(atoms[q], s_part[None, first + q], g_part[None, (0, 0)])
     cute.arch.cp_async_bulk_commit_group()
@@ -362,7 +363,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             _swiglu_smem_epilogue(
                 accs, [tile_of(m_out_tma, halves[0]), tile_of(m_out_tma, halves[1]),
                        tile_of(m_out2_tma, cols)], [tma_out, tma_out, tma_out2], s_c,
-                me * DH_EPI_BUFFERS, thr_mma, warp % 4 == 0, EPILOGUE_BARRIER + me)
+                me * OUTPUT_BUFFERS, thr_mma, warp % 4 == 0, EPILOGUE_BARRIER + me)
           elif cutlass.const_expr(swiglu):
             _register_outputs(accs, outs, thr_mma, m_out.element_type, block_n, True)
           elif cutlass.const_expr(dh_smem_epilogue):
@@ -372,7 +373,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
                 accs[0], [tile_of(m_h_tma, c) for c in halves],
                 [tile_of(m_out_tma, halves[0]), tile_of(m_out_tma, halves[1]),
                  tile_of(m_out2_tma, cols)], [tma_h, tma_out, tma_out, tma_out2], s_c,
-                me * DH_EPI_BUFFERS, chunk_mma, thr_mma, tile_of(scores, 0), m_ds, wg_tidx,
+                me * OUTPUT_BUFFERS, chunk_mma, thr_mma, tile_of(scores, 0), m_ds, wg_tidx,
                 warp % 4 == 0, h_bars + me, i // 2 * (block_n // EPI_TILE[1]), rows * TILE_M,
                 cols, block_n, EPILOGUE_BARRIER + me)
           else:
