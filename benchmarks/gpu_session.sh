@@ -36,7 +36,6 @@
 #           loading, at 30B-n256 and 120B-n1024                                   (~6 min)
 #   dh_hsmem: dH's epilogue reading H from SMEM (TMA-loaded after the mainloop): tests, sweep
 #           at four anchors, ncu at 7B-n256, the layer at 7B-n256 and olmoe           (~8 min)
-#   pingpong_tma: the ping-pong dH's SMEM epilogue (tests, the layer beside the default) (~5 min)
 #   up_proj_tma: the ping-pong up_proj's SMEM epilogue (tests, the layer beside the default at
 #           7B-n256, 7B-n1024, 30B-n256)                                            (~6 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
@@ -138,17 +137,6 @@ for mode in "$@"; do
         timeout 150 python3 -m benchmarks.bench --configs 7B-n256,olmoe --impls auto \
           --cute-dh "$dh_kernel" --cute-dh-h-smem "$h_smem" --iters 5 --reps 3 \
           --out "$OUT/bench_dh_${dh_kernel}_$h_smem" 2>&1 | tail -6
-      done ;;
-    pingpong_tma)  # after `cute` staging: the ping-pong dH's SMEM epilogue (pingpong.dh's
-                   # tma_store): bitwise tests (240 s cap: a hang), the layer beside the default
-      timeout 240 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "pingpong_dh_matches or layer_with_pingpong" > "$OUT/pytest_pingpong_tma.log" 2>&1
-      rc=$?; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_pingpong_tma.log" | tail -6
-      [ $rc -ne 0 ] && { echo "ping-pong dh tests: rc $rc, not timed"; continue; }
-      for k in tma_store pingpong_tma; do
-        timeout 100 python3 -m benchmarks.bench --configs 7B-n256,olmoe --impls auto \
-          --cute-dh $k --iters 5 --reps 3 --out "$OUT/bench_dh_$k" 2>&1 | tail -5
-        python3 -m benchmarks.kernel_table "$OUT/bench_dh_$k.json" --top 4
       done ;;
     up_proj_tma)  # after `cute` staging: the ping-pong up_proj's SMEM epilogue (pingpong.up_proj's
                   # tma_store): bitwise tests (240 s cap: a hang), the layer beside the default
