@@ -65,10 +65,10 @@ THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 REGISTERS = {False: (40, 232),
              True: (grouped_gemm.PRODUCER_REGISTERS, grouped_gemm.MMA_REGISTERS)}
 # an SMEM epilogue (dh's or SwiGLU's, tma_store) with a gathering producer: dh's consumers
-# spilled 92 bytes at 224 (sm_90a cubin, block_n 128); at 232 none. SwiGLU's spills 24 bytes
-# here (8 at 24 / 240). ptxas honours setmaxnreg in the SwiGLU kernel only with a launch
-# bound (min_blocks_per_mp 1, PTX .minnctapersm; else warning C7508, "setmaxnreg ignored":
-# its register-store version runs on 168 registers throughout, 155 used)
+# spilled 92 bytes at 224 (sm_90a cubin, block_n 128); at 232 none, SwiGLU's neither. ptxas
+# honours setmaxnreg in the SwiGLU kernel only with a launch bound (min_blocks_per_mp 1, PTX
+# .minnctapersm; else warning C7508, "setmaxnreg ignored": its register-store version runs on
+# 168 registers throughout, 155 used)
 SMEM_EPILOGUE_GATHER_REGISTERS = (40, 232)
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
 EPILOGUE_BARRIER = 6        # named barriers 6 and 7: consumer 0's and 1's TMA-store epilogue
@@ -184,21 +184,23 @@ def _swiglu_smem_epilogue(accs, out_tiles, atoms, s_c, first, thr_mma, leader,
                           barrier_id: cutlass.Constexpr):
   """up_proj's epilogue through a consumer's own SMEM buffers (s_c's first .. first + 2): once
   its previous tile's stores have read them, every thread writes its values of H's gate and
-  up tiles (the two accumulators) and of A = silu(gate) * up one column group at a time
-  (block_n = EPI_TILE's 64 columns: the tile is one chunk); then the leader stores the three
-  by TMA (out_tiles: H gate, H up, A, of their TMA tensors; atoms: their TMA atoms)."""
+  up tiles (the two accumulators), then of A = silu(gate) * up, one output and column group
+  at a time (block_n = EPI_TILE's 64 columns: the tile is one chunk; all three outputs per
+  column group at once spilled 24 bytes); then the leader stores the three by TMA (out_tiles:
+  H gate, H up, A, of their TMA tensors; atoms: their TMA atoms)."""
   bufs = [thr_mma.partition_C(s_c[None, None, first + q]) for q in range(OUTPUT_BUFFERS)]
   stores = [grouped_gemm.epi_tma_views(atom, s_c, t) for atom, t in zip(atoms, out_tiles)]
   if leader:
     cute.arch.cp_async_bulk_wait_group(0, read=True)
   cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
-  for m in cutlass.range_constexpr(cute.size(accs[0], mode=[1])):
-    for k in cutlass.range_constexpr(EPI_TILE[1] // 8):
-      group = ((None, None, k), m, 0)
-      values = grouped_gemm._epilogue_values([acc[group].load() for acc in accs], True)
-      for q in cutlass.range_constexpr(OUTPUT_BUFFERS):
+  for q in cutlass.range_constexpr(OUTPUT_BUFFERS):   # one output at a time: fewer live values
+    for m in cutlass.range_constexpr(cute.size(accs[0], mode=[1])):
+      for k in cutlass.range_constexpr(EPI_TILE[1] // 8):
+        group = ((None, None, k), m, 0)
+        value = accs[q][group].load() if q < 2 else grouped_gemm._epilogue_values(
+            [acc[group].load() for acc in accs], True)[2]
         frag = cute.make_rmem_tensor(accs[0][group].shape, s_c.element_type)
-        frag.store(values[q].to(s_c.element_type))
+        frag.store(value.to(s_c.element_type))
         cute.autovec_copy(frag, bufs[q][group])
   cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA engine
   cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
