@@ -41,7 +41,7 @@ VARIANTS = [
     ("dh h_smem bn256 fit", "dh_h_smem", 256, 0),
     ("dh gather h_smem bn256 fit", "dh_gather_h_smem", 256, 0),
     ("dh tma h_smem bn256 fit", "dh_tma_h_smem", 256, 0),
-    ("dh gather tma h_smem bn256 fit", "dh_gather_tma_h_smem", 256, 0),   # the default
+    ("dh gather tma h_smem bn256 fit", "dh_gather_tma_h_smem", 256, 0),   # the default, d > 1536
     ("wgrad bn128 st3", "wgrad", 128, 3),
     ("wgrad bn256 fit", "wgrad", 256, 0), ("wgrad gather bn128 st3", "wgrad_gather", 128, 3),
     ("wgrad gather bn256 fit", "wgrad_gather", 256, 0),
@@ -49,7 +49,7 @@ VARIANTS = [
     ("store pingpong tma bn128 fit", "matmul_pingpong_tma", 128, 0),
     ("dh pingpong bn128 fit", "dh_pingpong", 128, 0), ("dh pingpong bn64 fit", "dh_pingpong", 64, 0),
     ("dh pingpong gather bn128 fit", "dh_pingpong_gather", 128, 0),
-    ("dh pingpong gather tma bn128 fit", "dh_pingpong_gather_tma", 128, 0),
+    ("dh pingpong gather tma bn128 fit", "dh_pingpong_gather_tma", 128, 0),   # d <= 1536
     ("up_proj pingpong bn64 fit", "up_proj_pingpong", 64, 0),
     ("up_proj pingpong tma bn64 fit", "up_proj_pingpong_tma", 64, 0),
     ("store ws bn256 fit", "matmul_ws", 256, 0), ("up_proj ws bn128 fit", "up_proj_ws", 128, 0),
