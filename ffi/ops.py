@@ -248,10 +248,10 @@ def dh(dout, w2, h, scores, plan):
     warnings.warn(f"backend 'cute' dh: H {h.shape} has more than "
                   f"{grouped_gemm.MAX_REGISTER_ADDRESSED} elements; using xla_ops.dh", stacklevel=2)
     return xla_ops.dh(dout, w2, h, scores, plan)
-  kernel = _dh_kernel(dout.shape[1])
+  n, d = w2.shape[1], w2.shape[2]
+  kernel = _dh_kernel(d)
   if DH_BLOCK_N not in (64, 128, 256):
     raise ValueError(f"ffi.ops.DH_BLOCK_N must be 64, 128 or 256; got {DH_BLOCK_N!r}")
-  n, d = w2.shape[1], w2.shape[2]
   block_n = _dh_block_n(n, d)
   if _dout_gathered_in_kernel(n, d):
     rows, gather = dout, dict(gather_index=plan.token_index)

@@ -65,10 +65,10 @@ THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 REGISTERS = {False: (40, 232),
              True: (grouped_gemm.PRODUCER_REGISTERS, grouped_gemm.MMA_REGISTERS)}
 # an SMEM epilogue (dh's or SwiGLU's, tma_store) with a gathering producer: dh's consumers
-# spilled 92 bytes at 224 (sm_90a cubin, block_n 128); at 232 none, SwiGLU's neither. ptxas
-# honours setmaxnreg in the SwiGLU kernel only with a launch bound (min_blocks_per_mp 1, PTX
-# .minnctapersm; else warning C7508, "setmaxnreg ignored": its register-store version runs on
-# 168 registers throughout, 155 used)
+# spilled 92 bytes at 224 (sm_90a cubin, block_n 128); at 232 none, SwiGLU's neither. Every
+# ping-pong kernel is launched with min_blocks_per_mp 1 (PTX .minnctapersm): without it ptxas
+# ignored setmaxnreg in the SwiGLU kernel (warning C7508), and the other kernels' cubins are
+# the same with it or without (session 17)
 SMEM_EPILOGUE_GATHER_REGISTERS = (40, 232)
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
 EPILOGUE_BARRIER = 6        # named barriers 6 and 7: consumer 0's and 1's TMA-store epilogue
@@ -122,6 +122,20 @@ def _register_outputs(accs, out_tiles, thr_mma, dtype, block_n: cutlass.Constexp
 
 
 @cute.jit
+def _store_buffers(atoms, stores, first, chunk, leader, barrier_id: cutlass.Constexpr):
+  """A consumer's OUTPUT_BUFFERS SMEM buffers (first onwards), written by its 128 threads,
+  made visible to the TMA engine; then its leader warp stores buffer q to chunk `chunk` of
+  stores[q] (epi_tma_views of an output tile) with atoms[q], as one bulk group."""
+  cute.arch.fence_proxy("async.shared", space="cta")
+  cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+  if leader:
+    for q in cutlass.range_constexpr(OUTPUT_BUFFERS):
+      s_part, g_part = stores[q]
+      cute.copy(atoms[q], s_part[None, first + q], g_part[None, (0, chunk)])
+    cute.arch.cp_async_bulk_commit_group()
+
+
+@cute.jit
 def _dh_smem_epilogue(acc, h_tiles, out_tiles, atoms, s_c, first, chunk_mma,
                       thr_mma, score_tile, m_ds, wg_tidx, leader, h_bar, phase0, row0, n_tile,
                       block_n: cutlass.Constexpr, barrier_id: cutlass.Constexpr):
@@ -169,18 +183,12 @@ def _dh_smem_epilogue(acc, h_tiles, out_tiles, atoms, s_c, first, chunk_mma,
           frag.store(values[q].to(s_c.element_type))
           cute.autovec_copy(frag, bufs[q][0][group])
         grouped_gemm.add_row_sums(row_sums, m, da * a, acc[acc_group].shape)
-    cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA engine
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
-    if leader:
-      for q in cutlass.range_constexpr(OUTPUT_BUFFERS):
-        s_part, g_part = stores[q]
-        cute.copy(atoms[1 + q], s_part[None, first + q], g_part[None, (0, c)])
-      cute.arch.cp_async_bulk_commit_group()
+    _store_buffers(atoms[1:], stores, first, c, leader, barrier_id)
   grouped_gemm.store_ds_part(row_sums, thr_mma, m_ds, wg_tidx, row0, n_tile, block_n, TILE_M)
 
 
 @cute.jit
-def _swiglu_smem_epilogue(accs, out_tiles, atoms, s_c, first, thr_mma, leader,
+def _swiglu_smem_epilogue(accs, out_tiles, atoms, s_c, first, tiled_mma, wg_tidx, leader,
                           barrier_id: cutlass.Constexpr):
   """up_proj's epilogue through a consumer's own SMEM buffers (s_c's first .. first + 2): once
   its previous tile's stores have read them, every thread writes its values of H's gate and
@@ -188,7 +196,8 @@ def _swiglu_smem_epilogue(accs, out_tiles, atoms, s_c, first, thr_mma, leader,
   at a time (block_n = EPI_TILE's 64 columns: the tile is one chunk; all three outputs per
   column group at once spilled 24 bytes); then the leader stores the three by TMA (out_tiles:
   H gate, H up, A, of their TMA tensors; atoms: their TMA atoms)."""
-  bufs = [thr_mma.partition_C(s_c[None, None, first + q]) for q in range(OUTPUT_BUFFERS)]
+  bufs = grouped_gemm.smem_chunks(s_c, tiled_mma, wg_tidx,
+                                  [first + q for q in range(OUTPUT_BUFFERS)], 1)
   stores = [grouped_gemm.epi_tma_views(atom, s_c, t) for atom, t in zip(atoms, out_tiles)]
   if leader:
     cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -201,14 +210,8 @@ def _swiglu_smem_epilogue(accs, out_tiles, atoms, s_c, first, thr_mma, leader,
             [acc[group].load() for acc in accs], True)[2]
         frag = cute.make_rmem_tensor(accs[0][group].shape, s_c.element_type)
         frag.store(value.to(s_c.element_type))
-        cute.autovec_copy(frag, bufs[q][group])
-  cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA engine
-  cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
-  if leader:
-    for q in cutlass.range_constexpr(OUTPUT_BUFFERS):
-      s_part, g_part = stores[q]
-      cute.copy(atoms[q], s_part[None, first + q], g_part[None, (0, 0)])
-    cute.arch.cp_async_bulk_commit_group()
+        cute.autovec_copy(frag, bufs[q][0][group])
+  _store_buffers(atoms, stores, first, 0, leader, barrier_id)
 
 
 @cute.kernel
@@ -244,9 +247,10 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   my_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
   k_steps = cute.size(m_a, mode=[1]) // BLOCK_K
   tile_mnk = (TILE_M, block_n, BLOCK_K)
+  smem_outputs = tma_store and kind != "store"   # dh's or SwiGLU's OUTPUT_BUFFERS epilogue
   dh_smem_epilogue = kind == "dh" and tma_store
   producer_regs, consumer_regs = REGISTERS[gather]
-  if cutlass.const_expr(tma_store and kind != "store" and gather):
+  if cutlass.const_expr(smem_outputs and gather):
     producer_regs, consumer_regs = SMEM_EPILOGUE_GATHER_REGISTERS
 
   smem = cutlass.memory.SmemAllocator()
@@ -365,7 +369,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             _swiglu_smem_epilogue(
                 accs, [tile_of(m_out_tma, halves[0]), tile_of(m_out_tma, halves[1]),
                        tile_of(m_out2_tma, cols)], [tma_out, tma_out, tma_out2], s_c,
-                me * OUTPUT_BUFFERS, thr_mma, warp % 4 == 0, EPILOGUE_BARRIER + me)
+                me * OUTPUT_BUFFERS, tiled_mma, wg_tidx, warp % 4 == 0, EPILOGUE_BARRIER + me)
           elif cutlass.const_expr(swiglu):
             _register_outputs(accs, outs, thr_mma, m_out.element_type, block_n, True)
           elif cutlass.const_expr(dh_smem_epilogue):
@@ -385,7 +389,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
                 wg_tidx, rows * TILE_M, cols, m_out.element_type,
                 grouped_gemm.acc_chunks(outs, thr_mma), block_n, TILE_M)
       i += 1
-    if cutlass.const_expr(tma_store and kind != "store"):   # the last stores have read SMEM
+    if cutlass.const_expr(smem_outputs):   # the last stores have read SMEM before exit
       if warp % 4 == 0:
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -455,7 +459,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
           tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma, c_smem_staged, smem_epilogue,
           cute.size(rhs, mode=[2]), storage, block_n, stages, tx_bytes, kind, gather,
           tma_store).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
-                       stream=stream, min_blocks_per_mp=1 if swiglu and tma_store else 0)
+                       stream=stream, min_blocks_per_mp=1)
 
 
 @cute.jit
