@@ -8,6 +8,7 @@ of the plane summarize the same work (XLA modules, ops) and are not counted.
 """
 from __future__ import annotations
 
+import collections
 import glob
 import os
 import tempfile
@@ -17,6 +18,10 @@ import jax
 DEVICE_PLANE_PREFIX = "/device:GPU:"
 STREAM_LINE_PREFIX = "Stream"
 NAME_CHARS = 160   # as torch_sonicmoe.kernel_times keeps
+
+Plane = collections.namedtuple("Plane", "name lines")
+Line = collections.namedtuple("Line", "name events")
+Event = collections.namedtuple("Event", "name start_ns duration_ns")
 
 
 def per_kernel(planes, steps: int):
@@ -78,9 +83,18 @@ def idle_gaps(events, top: int = 8):
   return (cur_end - events[0][0]) / 1e6, busy / 1e6, sorted(gaps, key=lambda g: -g[0])[:top]
 
 
+def device_planes(planes):
+  """The GPU planes' stream lines copied into lists: ProfileData's planes, lines and events
+  are one-pass iterators, and per_kernel and step_launches each read them."""
+  return [Plane(plane.name, [Line(line.name, [Event(e.name, e.start_ns, e.duration_ns)
+                                              for e in line.events])
+                             for line in plane.lines if line.name.startswith(STREAM_LINE_PREFIX)])
+          for plane in planes if plane.name.startswith(DEVICE_PLANE_PREFIX)]
+
+
 def profile(fn, args, steps: int = 3):
-  """ProfileData planes of `steps` calls of the jitted fn(*args) (one call first, untraced, to
-  compile), or None when the trace wrote nothing."""
+  """The GPU planes (device_planes) of `steps` calls of the jitted fn(*args) (one call first,
+  untraced, to compile), or None when the trace wrote nothing."""
   jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir):
@@ -89,7 +103,7 @@ def profile(fn, args, steps: int = 3):
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not files:
       return None
-    return jax.profiler.ProfileData.from_file(files[0]).planes
+    return device_planes(jax.profiler.ProfileData.from_file(files[0]).planes)
 
 
 def kernel_times(fn, args, steps: int = 3):

@@ -119,6 +119,23 @@ def test_device_kernel_times_count_gpu_stream_events_only():
   assert device_kernels.per_kernel(planes[:1], steps=2) is None
 
 
+def test_device_planes_copy_one_pass_iterators_so_both_readers_see_every_event():
+  """ProfileData's planes, lines and events can be read once (session 18 recorded no launches
+  for our side: per_kernel had read them first); device_planes keeps the GPU stream lines."""
+  from types import SimpleNamespace as NS
+  from benchmarks import device_kernels
+  timed = lambda name, start, ms: NS(name=name, start_ns=start, duration_ns=ms * 1e6)
+  one_pass = lambda plane_list: iter(plane_list)
+  planes = one_pass([
+      NS(name="/host:CPU", lines=iter([NS(name="Stream #1", events=iter([timed("x", 0, 9)]))])),
+      NS(name="/device:GPU:0", lines=iter([
+          NS(name="Stream #14(compute)", events=iter([timed("up", 0, 2), timed("up", 40, 2)])),
+          NS(name="XLA Ops", events=iter([timed("fusion", 0, 4)]))]))])
+  copied = device_kernels.device_planes(planes)
+  assert device_kernels.per_kernel(copied, steps=2) == (2.0, [("up", 2.0)])
+  assert device_kernels.step_launches(copied, steps=2) == [("up", 2.0)]
+
+
 def test_idle_gaps_count_overlaps_once_and_name_the_kernels_around_each_gap():
   """device_kernels.idle_gaps: the span of a step's stream events, the time some kernel ran
   (overlapping kernels on two streams counted once), and the idle gaps longest first."""
