@@ -688,13 +688,27 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
                           m_major=out_m_major)
 
 
+def lhs_window(lhs: cute.Tensor, out: cute.Tensor, first_row: int) -> cute.Tensor:
+  """lhs (P, K, 1)'s rows first_row .. as many as out (W, N, 1) has: the rows a window of the
+  product reads (a view, its TMA descriptor starting at that row; first_row a multiple of
+  BLOCK_M). lhs itself for the whole product."""
+  if cutlass.const_expr(first_row == 0 and cute.size(lhs, mode=[0]) == cute.size(out, mode=[0])):
+    return lhs
+  start = lhs.iterator + first_row * lhs.stride[0]
+  return cute.make_tensor(cute.make_ptr(lhs.element_type, start.toint(), cute.AddressSpace.gmem,
+                                        assumed_align=16),
+                          cute.make_layout((cute.size(out, mode=[0]), *lhs.shape[1:]),
+                                           stride=lhs.stride))
+
+
 @cute.jit
 def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-            warp_specialized: cutlass.Constexpr = False):
-  """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, N, 1) (logical modes)."""
-  _launch(stream, lhs, rhs, tile_expert, tile_expert, out, out, None, block_n, stages, "store",
-          False, False, warp_specialized)
+            warp_specialized: cutlass.Constexpr = False, first_row: cutlass.Constexpr = 0):
+  """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (W, N, 1) (logical modes): out's
+  rows are lhs's from first_row on (lhs_window; all of them by default)."""
+  _launch(stream, lhs_window(lhs, out, first_row), rhs, tile_expert, tile_expert, out, out, None,
+          block_n, stages, "store", False, False, warp_specialized)
 
 
 @cute.jit
@@ -893,17 +907,18 @@ def unsupported(lhs, rhs, block_n: int):
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
-                   stages: int | None = None, warp_specialized: bool = False):
+                   stages: int | None = None, warp_specialized: bool = False, rows=None):
   """out [P, N] = lhs_e rhs_e per M tile (module docstring), rhs [E, K, N]; with transpose_rhs
   rhs is [E, N, K] and out = lhs_e rhs_e^T (read K-major, no transposed copy).
   tile_expert: [P / BLOCK_M] int32, E or more past the last group. stages: the TMA pipeline's
   depth (default: as many as fit in SMEM, at most 8). warp_specialized: a producer warpgroup
-  issues the TMA loads (bitwise the same result; one CTA per SM)."""
+  issues the TMA loads (bitwise the same result; one CTA per SM). rows=(lo, hi), multiples of
+  BLOCK_M (hi may be P): out is the product's rows lo .. hi - 1 only (out [hi - lo, N])."""
   reason = unsupported(lhs, rhs_as_ekn(rhs, transpose_rhs), block_n)
   if reason:
     raise ValueError(f"cute grouped_matmul: {reason}")
   stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K, stages)
-  return matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, block_n=block_n,
+  return matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, rows, block_n=block_n,
                      stages=stages, **_warp_specialized_config(warp_specialized))
 
 
@@ -914,14 +929,23 @@ def rhs_as_ekn(rhs, transpose_rhs: bool):
   return jax.ShapeDtypeStruct((rhs.shape[0], rhs.shape[2], rhs.shape[1]), rhs.dtype)
 
 
-def matmul_call(kernel, lhs, rhs, tile_expert, transpose_rhs: bool, **config):
+def matmul_call(kernel, lhs, rhs, tile_expert, transpose_rhs: bool, rows=None, **config):
   """out [P, N] of a grouped-matmul kernel (grouped_matmul's operands, checked by the
-  caller) as an FFI call."""
+  caller) as an FFI call; rows=(lo, hi): out [hi - lo, N], the product's rows lo .. hi - 1."""
+  if rows is not None:
+    lo, hi = rows
+    if not (0 <= lo < hi <= lhs.shape[0] and lo % BLOCK_M == 0
+            and (hi % BLOCK_M == 0 or hi == lhs.shape[0])):
+      raise ValueError(f"cute grouped matmul: rows={rows} must be a range within lhs's "
+                       f"{lhs.shape[0]} rows whose bounds are multiples of {BLOCK_M}")
+    tile_expert = tile_expert[lo // BLOCK_M:-(-hi // BLOCK_M)]
+    if lo:
+      config["first_row"] = lo
+  num_rows = tile_expert.shape[0] * BLOCK_M if rows is not None else lhs.shape[0]
   # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major
   out, = xla_call.call(
       kernel, [lhs[None], rhs, tile_expert.astype(jnp.int32)],
-      [jax.ShapeDtypeStruct((1, lhs.shape[0], rhs_as_ekn(rhs, transpose_rhs).shape[2]),
-                            lhs.dtype)],
+      [jax.ShapeDtypeStruct((1, num_rows, rhs_as_ekn(rhs, transpose_rhs).shape[2]), lhs.dtype)],
       modes=[ROW_MODES, (1, 2, 0) if transpose_rhs else (2, 1, 0), None, ROW_MODES], **config)
   return out[0]
 

@@ -44,10 +44,20 @@ def up_proj(x, w1, plan):
   return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, tiles(plan))
 
 
-def down_proj(a, w2, plan):
+def window_rows(lhs, plan, rows):
+  """(lhs's rows, the M tiles' experts) of a window of slot rows (lo, hi), or of them all
+  (rows=None). The window's rows are a copy: the kernels read lhs from its first row."""
+  if rows is None:
+    return lhs, tiles(plan)
+  lo, hi = rows
+  return lhs[lo:hi], tiles(plan)[lo // config.BLOCK_M:hi // config.BLOCK_M]
+
+
+def down_proj(a, w2, plan, rows=None):
   config.check_operands("down_proj", a=a, w2=w2)
   config.check_dims(w2.shape[2], w2.shape[1])
-  return grouped_gemm.matmul(a, w2, tiles(plan), transpose_rhs=False)
+  lhs, tile_expert = window_rows(a, plan, rows)
+  return grouped_gemm.matmul(lhs, w2, tile_expert, transpose_rhs=False)
 
 
 def dh(dout, w2, h, scores, plan):
@@ -58,10 +68,11 @@ def dh(dout, w2, h, scores, plan):
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
 
 
-def dx_tilde(dh_, w1, plan):
+def dx_tilde(dh_, w1, plan, rows=None):
   config.check_operands("dx_tilde", dh=dh_, w1=w1)
   config.check_dims(w1.shape[1], w1.shape[2] // 2)
-  return grouped_gemm.matmul(dh_, w1, tiles(plan), transpose_rhs=True)
+  lhs, tile_expert = window_rows(dh_, plan, rows)
+  return grouped_gemm.matmul(lhs, w1, tile_expert, transpose_rhs=True)
 
 
 def dw1(x, dh_, plan):

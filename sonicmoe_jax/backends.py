@@ -3,12 +3,17 @@
 Ops (signatures as in xla_ops.py):
   top_k(logits, k) -> (values, experts)   router top-K over fp32 logits [T, E], as jax.lax.top_k
   up_proj(x, w1, plan) -> (H, A)          gather-fused varlen-M GEMM + SwiGLU
-  down_proj(a, w2, plan) -> Y             varlen-M GEMM, contiguous store
-  aggregate(y, scores|None, plan) -> O    per-token gather-and-sum
+  down_proj(a, w2, plan, rows=None) -> Y  varlen-M GEMM, contiguous store
+  aggregate(y, scores|None, plan, rows=None, acc=None, out_dtype=None) -> O
+                                          per-token gather-and-sum
   dh(dO, w2, H, scores, plan) -> (dH, dS, A')
-  dx_tilde(dH, w1, plan) -> dX~           varlen-M GEMM with W1^T
+  dx_tilde(dH, w1, plan, rows=None) -> dX~  varlen-M GEMM with W1^T
   dw1(x, dH, plan) -> dW1                 varlen-K GEMM, X rows gathered
   dw2(A', dO, plan) -> dW2                varlen-K GEMM, dO rows gathered
+
+rows=(lo, hi) (the layer's `windows`, routing.slot_windows): down_proj and dx_tilde make only
+the product's slot rows lo .. hi - 1, and aggregate sums a window's rows (y holds those rows
+only), adds the fp32 partial `acc` and returns out_dtype (fp32 for a partial).
 
 A backend is a module exposing OPS: {op name: function}, imported on first use, and optionally
 ALIGN: the row alignment its kernels need for each expert's group of slots (the routing plan

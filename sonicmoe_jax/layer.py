@@ -20,28 +20,48 @@ from sonicmoe_jax import backends, routing, validation
 from sonicmoe_jax.routing import RouterStats, RoutingPlan
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def expert_mlp(ops: backends.Ops, x, scores, w1, w2, plan: RoutingPlan):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
+def expert_mlp(ops: backends.Ops, x, scores, w1, w2, plan: RoutingPlan, windows: int = 1):
   """O = sum over each token's slots of score * SwiGLU-MLP_e(x); see module docstring.
 
   `plan`'s own `scores` field is ignored: the differentiable scores come in `scores`.
+  windows: the [slots, d] products (Y; dX~ in the backward) are made and summed per token one
+  row window at a time (window_sum).
   """
-  return _expert_mlp_fwd(ops, x, scores, w1, w2, plan)[0]
+  return _expert_mlp_fwd(ops, x, scores, w1, w2, plan, windows)[0]
 
 
-def _expert_mlp_fwd(ops, x, scores, w1, w2, plan):
+def window_sum(matmul, aggregate, lhs, rhs, scores, plan: RoutingPlan, windows: int, dtype):
+  """aggregate(matmul(lhs, rhs, plan), scores, plan) in `dtype`, the product made over
+  routing.slot_windows one window at a time: each window's rows are summed into an fp32 [T, d]
+  partial before the next window's GEMM starts (an optimization barrier orders them), so the
+  [slots, d] product is never whole in memory: its peak is one window's plus the partial."""
+  if windows == 1:
+    return aggregate(matmul(lhs, rhs, plan), scores, plan)
+  partial = None
+  bounds = routing.slot_windows(plan.num_slots, windows, plan.align)
+  for i, rows in enumerate(bounds):
+    if partial is not None:
+      partial, lhs = jax.lax.optimization_barrier((partial, lhs))
+    out_dtype = dtype if i == len(bounds) - 1 else jnp.float32
+    partial = aggregate(matmul(lhs, rhs, plan, rows=rows), scores, plan, rows=rows, acc=partial,
+                        out_dtype=out_dtype)
+  return partial
+
+
+def _expert_mlp_fwd(ops, x, scores, w1, w2, plan, windows):
   h, a = ops.up_proj(x, w1, plan)
-  out = ops.aggregate(ops.down_proj(a, w2, plan), scores, plan)
+  out = window_sum(ops.down_proj, ops.aggregate, a, w2, scores, plan, windows, x.dtype)
   return out, (x, h, scores, w1, w2, plan)
 
 
-def _expert_mlp_bwd(ops, residuals, dout):
+def _expert_mlp_bwd(ops, windows, residuals, dout):
   x, h, scores, w1, w2, plan = residuals
   dout = dout.astype(x.dtype)
   dh, dscores, a_scaled = ops.dh(dout, w2, h, scores, plan)
   # dW2 first: A' (and dO's rows, where a backend gathers them in XLA) die before dX~ is made
   dw2 = ops.dw2(a_scaled, dout, plan).astype(w2.dtype)
-  dx = ops.aggregate(ops.dx_tilde(dh, w1, plan), None, plan)
+  dx = window_sum(ops.dx_tilde, ops.aggregate, dh, w1, None, plan, windows, x.dtype)
   # The barrier keeps XLA from merging dW1's gather of X's rows with the forward's (when a
   # backend gathers them in XLA): merged, the gathered X [pairs, d] would be kept from the
   # forward to the backward, which is what this layer exists to avoid.
@@ -91,7 +111,7 @@ def _check_inputs(x, router_w, w1, w2):
 
 def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
         renormalize: bool = False, rounding: Optional[str] = None, tile: int = 128,
-        rng=None, backend: backends.BackendSpec = "auto") -> MoEOutput:
+        rng=None, backend: backends.BackendSpec = "auto", windows: int = 1) -> MoEOutput:
   """A SonicMoE layer: top-K routing, SwiGLU experts, minimal-memory backward.
 
   Args:
@@ -107,6 +127,12 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
     tile: token-rounding tile (power of two, default 128: the kernels' M tile).
     rng: PRNG key for rounding="stochastic".
     backend: "auto", "xla", "pallas", "cute", or {op: backend}; see backends.py.
+    windows: compute the expert outputs Y [slots, d] (and in the backward dX~) in this many
+      row windows, each summed per token into an fp32 [T, d] partial before the next is made:
+      the layer's peak memory then holds one window of them instead of all (on a [T*K, d]
+      product, 1/windows of it) plus the partial, for one more read and write of the partial
+      per window and one more GEMM launch. 1 (default): no windows. At most the plan's slots
+      over the kernels' row tile.
 
   Returns:
     MoEOutput(out [T, d] in x's dtype, plan, stats). Differentiable in x, router_w, w1, w2.
@@ -119,5 +145,6 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
                               rounding=rounding, tile=tile, rng=rng, align=ops.align,
                               top_k=ops.top_k)
   plan_arrays = dataclasses.replace(plan, scores=jax.lax.stop_gradient(plan.scores))
-  out = expert_mlp(ops, x, plan.scores, w1, w2, plan_arrays)
+  routing.slot_windows(plan.num_slots, windows, plan.align)   # (checks windows)
+  out = expert_mlp(ops, x, plan.scores, w1, w2, plan_arrays, windows)
   return MoEOutput(out=out, plan=plan, stats=stats)

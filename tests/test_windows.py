@@ -1,0 +1,111 @@
+"""The layer's row windows (moe(..., windows=W)): the same result as without, a smaller peak."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sonicmoe_jax as sm
+from conftest import make_inputs, rel_err
+from sonicmoe_jax import routing, xla_ops
+
+
+@pytest.mark.parametrize("num_slots,windows,align", [(512, 2, 128), (640, 3, 128), (37, 4, 1),
+                                                      (768, 2, 256), (384, 3, 128)])
+def test_slot_windows_cover_the_slots_in_aligned_consecutive_ranges(num_slots, windows, align):
+  bounds = routing.slot_windows(num_slots, windows, align)
+  assert len(bounds) == windows and bounds[0][0] == 0 and bounds[-1][1] == num_slots
+  for (lo, hi), (next_lo, _) in zip(bounds, bounds[1:]):
+    assert hi == next_lo
+  for lo, hi in bounds:
+    assert hi > lo and lo % align == 0 and (hi % align == 0 or hi == num_slots)
+
+
+@pytest.mark.parametrize("windows", [0, 5, 2.0, True])
+def test_slot_windows_refuse_what_cannot_be_split(windows):
+  with pytest.raises((ValueError, TypeError), match="windows"):
+    routing.slot_windows(512, windows, 128)   # four tiles of 128 rows
+
+
+@pytest.mark.parametrize("rounding", [None, "up"])
+def test_windowed_aggregate_adds_up_to_the_whole(rounding):
+  """aggregate over windows of Y's rows, each adding the previous partial, is the aggregate of
+  all rows (fp32 partials; exact up to the summation order)."""
+  T, d, n, E, K = 96, 32, 16, 8, 3
+  x, router_w, w1, w2 = make_inputs(3, T, d, n, E, jnp.float32)
+  plan, _ = sm.route(sm.router_logits(x, router_w), k=K, rounding=rounding, tile=16, align=16)
+  y = jax.random.normal(jax.random.key(4), (plan.num_slots, d))
+  whole = xla_ops.aggregate(y, plan.scores, plan)
+  partial = None
+  for rows in routing.slot_windows(plan.num_slots, 3, plan.align):
+    partial = xla_ops.aggregate(y[rows[0]:rows[1]], plan.scores, plan, rows=rows, acc=partial,
+                                out_dtype=jnp.float32)
+  np.testing.assert_allclose(partial, whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("windows", [2, 3])
+@pytest.mark.parametrize("rounding", [None, "nearest"])
+def test_windows_give_the_layer_and_its_gradients_unchanged(windows, rounding):
+  T, d, n, E, K = 128, 32, 16, 8, 4
+  x, router_w, w1, w2 = make_inputs(5, T, d, n, E, jnp.float32)
+  dout = jax.random.normal(jax.random.key(6), (T, d))
+
+  def loss(w, *args):
+    out = sm.moe(*args, k=K, rounding=rounding, tile=16, backend="xla", windows=w).out
+    return jnp.sum(out * dout)
+
+  grads = [jax.grad(loss, argnums=(1, 2, 3, 4))(w, x, router_w, w1, w2) for w in (1, windows)]
+  for name, whole, windowed in zip(("dx", "drouter_w", "dw1", "dw2"), *grads):
+    assert rel_err(windowed, whole) < 1e-5, name
+  out_1 = sm.moe(x, router_w, w1, w2, k=K, rounding=rounding, tile=16, backend="xla").out
+  out_w = sm.moe(x, router_w, w1, w2, k=K, rounding=rounding, tile=16, backend="xla",
+                 windows=windows).out
+  assert rel_err(out_w, out_1) < 1e-5
+
+
+def test_window_sum_orders_each_window_after_the_last_ones_sum():
+  """Without the optimization barrier XLA may make every window's GEMM first (all of the
+  product alive at once, as without windows): one barrier between consecutive windows."""
+  T, d, n, E, K = 256, 64, 16, 8, 4
+  x, router_w, _, _ = make_inputs(7, T, 32, n, E, jnp.bfloat16)
+  plan, _ = sm.route(sm.router_logits(x, router_w), k=K, align=128)
+  a = jax.random.normal(jax.random.key(8), (plan.num_slots, n), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(9), (n, d), jnp.bfloat16)
+
+  def matmul(lhs, rhs, plan, rows=None):
+    lo, hi = (0, plan.num_slots) if rows is None else rows
+    return jnp.dot(lhs[lo:hi], rhs, preferred_element_type=jnp.float32).astype(lhs.dtype)
+
+  for windows in (1, 2, 3):
+    text = jax.jit(lambda a, w, plan: sm.layer.window_sum(
+        matmul, xla_ops.aggregate, a, w, plan.scores, plan, windows, jnp.bfloat16)).lower(
+            a, w, plan).as_text()
+    assert text.count("optimization_barrier") == windows - 1
+
+
+@pytest.mark.gpu
+def test_windows_lower_the_steps_peak_memory_on_gpu():
+  """The layer's forward+backward with two windows on the GPU's default backend: XLA's
+  temporaries at their peak shrink by at least a quarter of the [T K, d] product (half of it
+  less the fp32 [T, d] partial)."""
+  T, d, n, E, K = 4096, 1024, 256, 32, 8
+  x, router_w, w1, w2 = make_inputs(7, T, d, n, E, jnp.bfloat16)
+  dout = jax.random.normal(jax.random.key(8), (T, d), jnp.bfloat16)
+
+  def temp_bytes(windows):
+    def step(x, router_w, w1, w2, dout):
+      out, pullback = jax.vjp(lambda *a: sm.moe(*a, k=K, windows=windows).out,
+                              x, router_w, w1, w2)
+      out, dout = jax.lax.optimization_barrier((out, dout))   # the backward after the forward
+      return pullback(dout)
+    compiled = jax.jit(step).lower(x, router_w, w1, w2, dout).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  product = T * K * d * 2
+  whole, halves = temp_bytes(1), temp_bytes(2)
+  assert halves < whole - product // 4, (whole, halves)
+
+
+def test_moe_names_the_windows_limit():
+  x, router_w, w1, w2 = make_inputs(8, 64, 16, 8, 4, jnp.float32)
+  with pytest.raises(ValueError, match="windows must be between 1 and"):
+    sm.moe(x, router_w, w1, w2, k=2, backend="xla", windows=10_000)
