@@ -347,7 +347,7 @@ def main(argv=None):
   p.add_argument("--cute-dh-h-smem", choices=("on", "off"),
                  help="cute dh's epilogue reads H from SMEM, TMA-loaded after the mainloop "
                       "(default: ffi/ops.py DH_H_SMEM)")
-  p.add_argument("--cute-up-proj", choices=("grouped", "pingpong", "pingpong_tma"),
+  p.add_argument("--cute-up-proj", choices=("grouped", "pingpong"),
                  help="cute up_proj's kernel variant (default: ffi/ops.py UP_PROJ_KERNEL)")
   p.add_argument("--cute-store", choices=("grouped", "pingpong", "pingpong_tma"),
                  help="cute down_proj's and dx_tilde's kernel (default: ffi/ops.py STORE_KERNEL)")

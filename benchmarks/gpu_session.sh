@@ -36,8 +36,6 @@
 #           loading, at 30B-n256 and 120B-n1024                                   (~6 min)
 #   dh_hsmem: dH's epilogue reading H from SMEM (TMA-loaded after the mainloop): tests, sweep
 #           at four anchors, ncu at 7B-n256, the layer at 7B-n256 and olmoe           (~8 min)
-#   up_proj_tma: the ping-pong up_proj's SMEM epilogue (tests, the layer beside the default at
-#           7B-n256, 7B-n1024, 30B-n256)                                            (~6 min)
 #   windows: the layer's row windows: GPU tests, then the default with and without two
 #           windows at four anchors (time, step MiB)                               (~7 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
@@ -139,17 +137,6 @@ for mode in "$@"; do
         timeout 150 python3 -m benchmarks.bench --configs 7B-n256,olmoe --impls auto \
           --cute-dh "$dh_kernel" --cute-dh-h-smem "$h_smem" --iters 5 --reps 3 \
           --out "$OUT/bench_dh_${dh_kernel}_$h_smem" 2>&1 | tail -6
-      done ;;
-    up_proj_tma)  # after `cute` staging: the ping-pong up_proj's SMEM epilogue (pingpong.up_proj's
-                  # tma_store): bitwise tests (240 s cap: a hang), the layer beside the default
-      timeout 240 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "pingpong_up_proj_matches or layer_with_pingpong" > "$OUT/pytest_up_proj_tma.log" 2>&1
-      rc=$?; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_up_proj_tma.log" | tail -6
-      [ $rc -ne 0 ] && { echo "ping-pong up_proj tests: rc $rc, not timed"; continue; }
-      for k in grouped pingpong_tma; do
-        timeout 150 python3 -m benchmarks.bench --configs 7B-n256,7B-n1024,30B-n256 --impls auto \
-          --cute-up-proj $k --iters 5 --reps 3 --out "$OUT/bench_up_proj_$k" 2>&1 | tail -4
-        python3 -m benchmarks.kernel_table "$OUT/bench_up_proj_$k.json" --top 3
       done ;;
     windows)  # after `cute` staging: the layer's row windows (moe's `windows`): GPU tests (the
               # windowed store GEMMs bitwise, gather_sum's partials, the layer, its peak memory),

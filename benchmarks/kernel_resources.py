@@ -51,7 +51,6 @@ VARIANTS = [
     ("dh pingpong gather bn128 fit", "dh_pingpong_gather", 128, 0),
     ("dh pingpong gather tma bn128 fit", "dh_pingpong_gather_tma", 128, 0),   # d <= 1536
     ("up_proj pingpong bn64 fit", "up_proj_pingpong", 64, 0),
-    ("up_proj pingpong tma bn64 fit", "up_proj_pingpong_tma", 64, 0),
     ("store ws bn256 fit", "matmul_ws", 256, 0), ("up_proj ws bn128 fit", "up_proj_ws", 128, 0),
     ("dh ws bn256 fit", "dh_ws", 256, 0), ("wgrad ws bn256 fit", "wgrad_ws", 256, 0),
 ]
@@ -101,9 +100,6 @@ fn, args = {
                                 sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
     "up_proj_pingpong": (lambda a, b, t, i: pp.up_proj(a, b, t, i, **kw),
                          (sds(300, K), sds(E, K, N), sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
-    "up_proj_pingpong_tma": (lambda a, b, t, i: pp.up_proj(a, b, t, i, tma_store=True, **kw),
-                             (sds(300, K), sds(E, K, N), sds(P // 128, dt=jnp.int32),
-                              sds(P, dt=jnp.int32))),
     "wgrad": (lambda a, b, o: g.weight_grad(a, b, o, E, **kw), (sds(P, K), sds(P, N), sds(E + 1, dt=jnp.int32))),
     "wgrad_gather": (lambda a, b, o, i: g.weight_grad(a, b, o, E, gather_index=i, **kw),
                      (sds(300, K), sds(P, N), sds(E + 1, dt=jnp.int32), sds(P, dt=jnp.int32))),

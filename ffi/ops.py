@@ -41,10 +41,10 @@ UP_PROJ_GATHER_IN_KERNEL = True
 # fast on 128-row tiles: 4.06 vs 4.05 ms at 30B-n256, session 10; 64-row: 4.13 vs 3.88).
 # (Persistent CTAs whose producer runs on into the next tile, bitwise equal, were slower in
 # H200 session 16: 0.654 vs 0.629 ms at 7B-n256, 3.590 vs 3.440 at 30B-n256; removed.)
-# "pingpong_tma": the same with each consumer's SMEM epilogue, H's gate and up tiles and A
-# stored by TMA (written in session 17, not yet run on a GPU).
+# (The ping-pong kernel with an SMEM epilogue storing H and A by TMA, bitwise equal, was slower
+# in H200 session 18: 0.646 vs 0.569 ms at 7B-n256, 4.272 vs 3.359 at 30B-n256; removed.)
 UP_PROJ_KERNEL = "grouped"
-UP_PROJ_KERNELS = ("grouped", "pingpong", "pingpong_tma")
+UP_PROJ_KERNELS = ("grouped", "pingpong")
 # dW1 gathers X's rows itself (bitwise equal to gathering first) where its output has at most
 # this many column tiles (each re-gathers the rows). H200 session 8, forward+backward ms with
 # dh, dx_tilde, dw1 on cute, the MMA warpgroups gathering (since replaced): 30B-n256 (2 tiles)
@@ -158,9 +158,8 @@ def up_proj(x, w1, plan):
   if UP_PROJ_KERNEL not in UP_PROJ_KERNELS:
     raise ValueError(f"ffi.ops.UP_PROJ_KERNEL must be one of {UP_PROJ_KERNELS}; got "
                      f"{UP_PROJ_KERNEL!r}")
-  if UP_PROJ_GATHER_IN_KERNEL and UP_PROJ_KERNEL.startswith("pingpong"):
-    return pingpong.up_proj(x, w1, _tiles(plan), plan.token_index,
-                            tma_store=UP_PROJ_KERNEL == "pingpong_tma")
+  if UP_PROJ_GATHER_IN_KERNEL and UP_PROJ_KERNEL == "pingpong":
+    return pingpong.up_proj(x, w1, _tiles(plan), plan.token_index)
   if UP_PROJ_GATHER_IN_KERNEL:
     return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index)
   return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan))

@@ -2,8 +2,8 @@
 grouped_gemm.py's kernels with the same operands, outputs and epilogue math: dh (the dSwiGLU
 epilogue, grouped_gemm._dh_outputs; dO's rows read in slot order or gathered), up_proj
 gathering X's rows (the SwiGLU epilogue) and grouped_matmul (out = lhs_e rhs_e: down_proj,
-dx_tilde), storing their outputs from registers or through SMEM by TMA stores (tma_store:
-each consumer's own buffers).
+dx_tilde), storing their outputs from registers or (dh and grouped_matmul) through SMEM by TMA
+stores (tma_store: each consumer's own buffers).
 grouped_gemm's kernel runs its epilogue after its mainloop with the tensor cores idle, and its
 MMA warpgroups issue the gather's copies between their wgmmas; here one consumer warpgroup's
 epilogue runs while the other's mainloop does, and a producer warpgroup does all the loading.
@@ -64,25 +64,23 @@ THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 # producer's budgets)
 REGISTERS = {False: (40, 232),
              True: (grouped_gemm.PRODUCER_REGISTERS, grouped_gemm.MMA_REGISTERS)}
-# an SMEM epilogue (dh's or SwiGLU's, tma_store) with a gathering producer: dh's consumers
-# spilled 92 bytes at 224 (sm_90a cubin, block_n 128); at 232 none, SwiGLU's neither. Every
-# ping-pong kernel is launched with min_blocks_per_mp 1 (PTX .minnctapersm): without it ptxas
-# ignored setmaxnreg in the SwiGLU kernel (warning C7508), and the other kernels' cubins are
-# the same with it or without (session 17)
+# dh's SMEM epilogue (tma_store) with a gathering producer: its consumers spilled 92 bytes at
+# 224 (sm_90a cubin, block_n 128); at 232 none. Every ping-pong kernel is launched with
+# min_blocks_per_mp 1 (PTX .minnctapersm): without it ptxas ignored setmaxnreg in a SwiGLU
+# kernel (warning C7508, session 17)
 SMEM_EPILOGUE_GATHER_REGISTERS = (40, 232)
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
 EPILOGUE_BARRIER = 6        # named barriers 6 and 7: consumer 0's and 1's TMA-store epilogue
 MAX_STAGES = 8
-# The SMEM epilogues of dh and up_proj (tma_store): each consumer's EPI_TILE buffers, one
-# column chunk at a time: dh's H gate and up chunks (TMA-loaded; dH's written over them) and
-# A''s chunk; up_proj's H gate, H up and A
+# dh's SMEM epilogue (tma_store): each consumer's EPI_TILE buffers, one column chunk at a time:
+# H's gate and up chunks (TMA-loaded; dH's written over them) and A''s chunk
 OUTPUT_BUFFERS = 3
 
 
 def epilogue_buffers(kind: str) -> int:
-  """EPI_TILE buffers of each consumer's TMA-store epilogue: dh's and SwiGLU's (a chunk's
-  three outputs: OUTPUT_BUFFERS) or the store kernels' (grouped_gemm.EPI_STAGES)."""
-  return OUTPUT_BUFFERS if kind in ("dh", "swiglu") else grouped_gemm.EPI_STAGES
+  """EPI_TILE buffers of each consumer's TMA-store epilogue: dh's (a chunk's three outputs:
+  OUTPUT_BUFFERS) or the store kernels' (grouped_gemm.EPI_STAGES)."""
+  return OUTPUT_BUFFERS if kind == "dh" else grouped_gemm.EPI_STAGES
 
 
 def epilogue_bytes(itemsize: int, kind: str = "store") -> int:
@@ -187,33 +185,6 @@ def _dh_smem_epilogue(acc, h_tiles, out_tiles, atoms, s_c, first, chunk_mma,
   grouped_gemm.store_ds_part(row_sums, thr_mma, m_ds, wg_tidx, row0, n_tile, block_n, TILE_M)
 
 
-@cute.jit
-def _swiglu_smem_epilogue(accs, out_tiles, atoms, s_c, first, tiled_mma, wg_tidx, leader,
-                          barrier_id: cutlass.Constexpr):
-  """up_proj's epilogue through a consumer's own SMEM buffers (s_c's first .. first + 2): once
-  its previous tile's stores have read them, every thread writes its values of H's gate and
-  up tiles (the two accumulators), then of A = silu(gate) * up, one output and column group
-  at a time (block_n = EPI_TILE's 64 columns: the tile is one chunk; all three outputs per
-  column group at once spilled 24 bytes); then the leader stores the three by TMA (out_tiles:
-  H gate, H up, A, of their TMA tensors; atoms: their TMA atoms)."""
-  bufs = grouped_gemm.smem_chunks(s_c, tiled_mma, wg_tidx,
-                                  [first + q for q in range(OUTPUT_BUFFERS)], 1)
-  stores = [grouped_gemm.epi_tma_views(atom, s_c, t) for atom, t in zip(atoms, out_tiles)]
-  if leader:
-    cute.arch.cp_async_bulk_wait_group(0, read=True)
-  cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
-  for q in cutlass.range_constexpr(OUTPUT_BUFFERS):   # one output at a time: fewer live values
-    for m in cutlass.range_constexpr(cute.size(accs[0], mode=[1])):
-      for k in cutlass.range_constexpr(EPI_TILE[1] // 8):
-        group = ((None, None, k), m, 0)
-        value = accs[q][group].load() if q < 2 else grouped_gemm._epilogue_values(
-            [acc[group].load() for acc in accs], True)[2]
-        frag = cute.make_rmem_tensor(accs[0][group].shape, s_c.element_type)
-        frag.store(value.to(s_c.element_type))
-        cute.autovec_copy(frag, bufs[q][0][group])
-  _store_buffers(atoms, stores, first, 0, leader, barrier_id)
-
-
 @cute.kernel
 def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
             m_out: cute.Tensor, m_out2: cute.Tensor, m_h: cute.Tensor, m_scores: cute.Tensor,
@@ -232,9 +203,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   by the TMA-store epilogue (tma_out, m_out_tma: out's TMA atom and tensor; c_smem_staged: both
   consumers' epilogue buffers). kind "dh" with tma_store: its SMEM epilogue
   (_dh_smem_epilogue; tma_out, m_out_tma dH's), smem_epilogue = (A''s TMA atom and tensor,
-  H's TMA atom and tensor, the wgmma on EPI_TILE's columns); kind "swiglu" with tma_store:
-  _swiglu_smem_epilogue (tma_out, m_out_tma H's), smem_epilogue = (A's TMA atom and tensor);
-  () otherwise. (Unused operands: m_h, m_scores, m_ds outside dh; tma_out, m_out_tma,
+  H's TMA atom and tensor, the wgmma on EPI_TILE's columns); () otherwise. (Unused operands: m_h, m_scores, m_ds outside dh; tma_out, m_out_tma,
   c_smem_staged without tma_store.)"""
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
@@ -247,10 +216,9 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   my_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
   k_steps = cute.size(m_a, mode=[1]) // BLOCK_K
   tile_mnk = (TILE_M, block_n, BLOCK_K)
-  smem_outputs = tma_store and kind != "store"   # dh's or SwiGLU's OUTPUT_BUFFERS epilogue
-  dh_smem_epilogue = kind == "dh" and tma_store
+  dh_smem_epilogue = kind == "dh" and tma_store   # its OUTPUT_BUFFERS epilogue
   producer_regs, consumer_regs = REGISTERS[gather]
-  if cutlass.const_expr(smem_outputs and gather):
+  if cutlass.const_expr(dh_smem_epilogue and gather):
     producer_regs, consumer_regs = SMEM_EPILOGUE_GATHER_REGISTERS
 
   smem = cutlass.memory.SmemAllocator()
@@ -364,13 +332,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
         else:
           halves = [cols, cols + num_n_tiles]   # H's (and dH's) gate and up column tiles
           outs = [tile_of(m_out, halves[0]), tile_of(m_out, halves[1]), tile_of(m_out2, cols)]
-          if cutlass.const_expr(swiglu and tma_store):
-            tma_out2, m_out2_tma = smem_epilogue
-            _swiglu_smem_epilogue(
-                accs, [tile_of(m_out_tma, halves[0]), tile_of(m_out_tma, halves[1]),
-                       tile_of(m_out2_tma, cols)], [tma_out, tma_out, tma_out2], s_c,
-                me * OUTPUT_BUFFERS, tiled_mma, wg_tidx, warp % 4 == 0, EPILOGUE_BARRIER + me)
-          elif cutlass.const_expr(swiglu):
+          if cutlass.const_expr(swiglu):
             _register_outputs(accs, outs, thr_mma, m_out.element_type, block_n, True)
           elif cutlass.const_expr(dh_smem_epilogue):
             tma_out2, m_out2_tma, tma_h, m_h_tma, chunk_mma = smem_epilogue
@@ -389,7 +351,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
                 wg_tidx, rows * TILE_M, cols, m_out.element_type,
                 grouped_gemm.acc_chunks(outs, thr_mma), block_n, TILE_M)
       i += 1
-    if cutlass.const_expr(smem_outputs):   # the last stores have read SMEM before exit
+    if cutlass.const_expr(dh_smem_epilogue):   # the last stores have read SMEM before exit
       if warp % 4 == 0:
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -427,14 +389,11 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   c_tile = cute.slice_(c_smem_staged, (None, None, 0))
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out, c_tile,
                                                    EPI_TILE)
-  # (dh or swiglu with tma_store) A''s or A's TMA atom; dh's also H's and the wgmma on a
-  # chunk's columns
+  # (dh with tma_store) A''s and H's TMA atoms and the wgmma on a chunk's columns
   smem_epilogue = ()
-  if cutlass.const_expr(kind != "store" and tma_store):
-    smem_epilogue = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out2, c_tile,
-                                                EPI_TILE)
   if cutlass.const_expr(kind == "dh" and tma_store):
-    smem_epilogue = (*smem_epilogue,
+    smem_epilogue = (*cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out2, c_tile,
+                                                  EPI_TILE),
                      *cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_h, c_tile,
                                                   EPI_TILE),
                      sm90_utils.make_trivial_tiled_mma(
@@ -498,12 +457,10 @@ def _matmul_pingpong(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cu
 @cute.jit
 def _up_proj_pingpong(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor,
                       gather_index: cute.Tensor, h: cute.Tensor, a: cute.Tensor,
-                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                      tma_store: cutlass.Constexpr = False):
+                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
   """x (T, d, 1) the source rows, w1 (2n, d, E) N-major, H (P, 2n, 1), A (P, n, 1): the
   operands of grouped_gemm._gathered_up_proj."""
-  _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True,
-          tma_store)
+  _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True)
 
 
 def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str,
@@ -582,25 +539,22 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
                               **option)
 
 
-def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | None = None,
-            tma_store: bool = False):
+def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | None = None):
   """grouped_gemm.up_proj with gather_index on the ping-pong schedule, the producer warpgroup
   gathering X's rows by cp.async: x [T, d], w1 [E, d, 2n], gather_index [P] (slot r reads
   X[gather_index[r]], zeros where it is T or more); returns H [P, 2n] and A [P, n]. block_n:
   H's gate (and up) columns per tile, at most widest_block_n(2) (64). On an H200 it gives
   grouped_gemm.up_proj's bits; at 30B-n256 it took 4.06 ms with as many stages as fit (5.38
   with 3), grouped_gemm.up_proj at block_n 128 4.05, session 10 (its 64-row-tile version,
-  session 9: 4.13 vs 3.88). tma_store: each consumer's epilogue writes H's gate
-  and up tiles and A into SMEM buffers of its own and stores them by TMA
-  (_swiglu_smem_epilogue; fewer ring stages fit; written in session 17, not yet run on a
-  GPU)."""
+  session 9: 4.13 vs 3.88). (Its epilogue through SMEM buffers and TMA stores, session 17,
+  gave the same bits but took 0.646 / 0.638 / 4.272 ms in the layer at 7B-n256 / 7B-n1024 /
+  30B-n256 against grouped_gemm.up_proj's 0.569 / 0.551 / 3.359, session 18: removed.)"""
   n = w1.shape[2] // 2
   reason = grouped_gemm.unsupported(grouped_gemm.rows_read(x, gather_index), w1, block_n) or (
       None if n % block_n == 0 else f"n={n} must be a multiple of block_n={block_n}")
   if reason:
     raise ValueError(f"cute ping-pong up_proj: {reason}")
-  stages = _check_tile(block_n, x.dtype.itemsize, 2, stages, "up_proj", tma_store, "swiglu")
-  option = dict(tma_store=True) if tma_store else {}   # (off: the targets leave it out)
+  stages = _check_tile(block_n, x.dtype.itemsize, 2, stages, "up_proj")
   # (the ping-pong kernel always gathers: no kernel reading rows in slot order)
   return grouped_gemm.up_proj_call((None, _up_proj_pingpong), x, w1, tile_expert, gather_index,
-                                   block_n=block_n, stages=stages, **option)
+                                   block_n=block_n, stages=stages)

@@ -305,7 +305,7 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_
   monkeypatch.setattr(cute_ops, "DH_BLOCK_N", dh_block_n)
   T, d, n, E, K = 256, 256, max(128, dh_block_n), 8, 2
   pingpong = cute_ops._dh_kernel(d).startswith("pingpong")   # "auto" at d 256: pingpong_tma
-  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", cute_ops._dh_kernel(d) if pingpong else "grouped")
+  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong" if pingpong else "grouped")
   monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong" if pingpong else "grouped")
   dh_block_ns = []   # the dH kernel's column tile, as ffi.ops calls it
   kernel_module = importlib.import_module("ffi.pingpong" if pingpong else "ffi.grouped_gemm")
@@ -654,24 +654,21 @@ def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs, tma_store):
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,tma_store", [
-    (64, None, False), (64, 3, False), (64, None, True)])
-def test_cute_pingpong_up_proj_compiles_for_cuda(block_n, stages, tma_store):
-  """The ping-pong up-projection (the producer warpgroup gathering X; register stores or the
-  SMEM epilogue) compiles for sm_90a and lowers as an FFI call; shapes and depths it cannot
-  run are refused by name."""
+@pytest.mark.parametrize("block_n,stages", [(64, None), (64, 3)])
+def test_cute_pingpong_up_proj_compiles_for_cuda(block_n, stages):
+  """The ping-pong up-projection (the producer warpgroup gathering X) compiles for sm_90a and
+  lowers as an FFI call; shapes and depths it cannot run are refused by name."""
   from ffi import pingpong
   T, P, d, n, E = 300, 1024, 256, 256, 4
   shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [
       ((T, d), jnp.bfloat16), ((E, d, 2 * n), jnp.bfloat16), ((P // 128,), jnp.int32),
       ((P,), jnp.int32)]]
-  fn = lambda *a: pingpong.up_proj(*a, block_n=block_n, stages=stages, tma_store=tma_store)
+  fn = lambda *a: pingpong.up_proj(*a, block_n=block_n, stages=stages)
   assert FFI_TARGET in _cuda_module(fn, *shapes)
-  fit = pingpong.stages_that_fit(block_n, 2, 2, tma_store, "swiglu")
-  assert fit == (4 if tma_store else 7)   # the SMEM epilogue's six buffers take 96 KiB
+  fit = pingpong.stages_that_fit(block_n, 2, 2)
+  assert fit == 7
   with pytest.raises(ValueError, match=f"up_proj: stages={fit + 1} must be between 2 and {fit}"):
-    jax.eval_shape(lambda *a: pingpong.up_proj(*a, block_n=block_n, stages=fit + 1,
-                                               tma_store=tma_store), *shapes)
+    jax.eval_shape(lambda *a: pingpong.up_proj(*a, block_n=block_n, stages=fit + 1), *shapes)
   with pytest.raises(ValueError, match=r"up_proj: n=96 must be a multiple of block_n=64"):
     jax.eval_shape(lambda *a: pingpong.up_proj(*a, block_n=64),
                    shapes[0], jax.ShapeDtypeStruct((E, d, 192), jnp.bfloat16), *shapes[2:])
@@ -707,13 +704,11 @@ def test_cute_pingpong_matmul_matches_grouped_matmul_on_gpu(num_tiles, transpose
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("num_tiles,tma_store", [
-    (1, False), (4, False), (81, False), (1, True), (81, True), (300, True)])
-def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles, tma_store):
-  """The ping-pong up-projection, storing from registers or through its SMEM epilogue, gives
-  grouped_gemm.up_proj's H bit for bit and its A to rounding (both gathering X; padding slots,
-  experts without rows, tiles past the groups; 300 tiles: several per consumer, its SMEM
-  buffers reused)."""
+@pytest.mark.parametrize("num_tiles", [1, 4, 81, 300])
+def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles):
+  """The ping-pong up-projection gives grouped_gemm.up_proj's H bit for bit and its A to
+  rounding (both gathering X; padding slots, experts without rows, tiles past the groups;
+  300 tiles: several per consumer)."""
   from ffi import grouped_gemm, pingpong
   T, E, d, n = 1000, 5, 384, 256
   tile_expert = jnp.sort(jax.random.randint(jax.random.key(71), (num_tiles,), 0, E + 1))
@@ -722,7 +717,7 @@ def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles, tma_store):
   x = jax.random.normal(jax.random.key(72), (T, d)).astype(jnp.bfloat16)
   w1 = (jax.random.normal(jax.random.key(73), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(74), (P,), 0, T).at[::7].set(T)
-  got_h, got_a = jax.jit(lambda *a: pingpong.up_proj(*a, block_n=64, tma_store=tma_store))(
+  got_h, got_a = jax.jit(lambda *a: pingpong.up_proj(*a, block_n=64))(
       x, w1, tile_expert, index)
   want_h, want_a = jax.jit(lambda x, w, t, i: grouped_gemm.up_proj(
       x, w, t, block_n=64, gather_index=i))(x, w1, tile_expert, index)
@@ -735,12 +730,12 @@ def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles, tma_store):
 @needs_cute
 @pytest.mark.parametrize("kernel", ["pingpong", "pingpong_tma"])
 def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(kernel, monkeypatch):
-  """The layer with every op on cute, dH (gathering dO's rows: n = 256) and up_proj with
-  register stores or their SMEM epilogues, down_proj and dx_tilde (TMA stores) on the
-  ping-pong kernels, against the xla backend."""
+  """The layer with every op on cute, dH (gathering dO's rows: n = 256; register stores or its
+  SMEM epilogue), up_proj, down_proj and dx_tilde (TMA stores) on the ping-pong kernels,
+  against the xla backend."""
   cute_ops = importlib.import_module("ffi.ops")
   monkeypatch.setattr(cute_ops, "DH_KERNEL", kernel)
-  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", kernel)
+  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong")
   monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong_tma")
   T, d, n, E, K = 4096, 1536, 256, 128, 8
   args = make_inputs(3, T, d, n, E, jnp.bfloat16)
