@@ -36,6 +36,7 @@
 #           loading, at 30B-n256 and 120B-n1024                                   (~6 min)
 #   dh_hsmem: dH's epilogue reading H from SMEM (TMA-loaded after the mainloop): tests, sweep
 #           at four anchors, ncu at 7B-n256, the layer at 7B-n256 and olmoe           (~8 min)
+#   clocks: SM clock, power and temperature sampled while the default runs at 30B-n256  (~2 min)
 #   windows: the layer's row windows: GPU tests, then the default with and without two
 #           windows at four anchors (time, step MiB)                               (~7 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
@@ -138,6 +139,23 @@ for mode in "$@"; do
           --cute-dh "$dh_kernel" --cute-dh-h-smem "$h_smem" --iters 5 --reps 3 \
           --out "$OUT/bench_dh_${dh_kernel}_$h_smem" 2>&1 | tail -6
       done ;;
+    clocks)  # after `cute` staging: SM clock, power and temperature every 20 ms (nvidia-smi)
+             # while the default runs at CLOCK_CONFIG (default 30B-n256): does the step run
+             # below the clock its kernels get alone?                                (~2 min)
+      nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv,noheader -lms 20 > "$OUT/clocks.csv" 2>&1 & smi=$!
+      timeout 200 python3 -m benchmarks.bench --configs "${CLOCK_CONFIG:-30B-n256}" --impls auto \
+        --iters 20 --reps 3 --out "$OUT/bench_clocks" 2>&1 | tail -3
+      kill $smi; python3 - "$OUT/clocks.csv" <<'PY'
+import sys
+rows = [r.split(", ") for r in open(sys.argv[1]) if r.count(",") == 4]
+busy = [r for r in rows if float(r[2].split()[0]) > 300]   # drawing > 300 W: in the loop
+for name, i in (("SM MHz", 1), ("W", 2), ("C", 3)):
+  v = [float(r[i].split()[0]) for r in busy]
+  print(f"{name}: {len(v)} samples under load, min {min(v):.0f} mean {sum(v)/len(v):.0f} max {max(v):.0f}" if v else f"{name}: no samples under load")
+print("throttle reasons under load:", sorted({r[4].strip() for r in busy}))
+PY
+      ;;
     windows)  # after `cute` staging: the layer's row windows (moe's `windows`): GPU tests (the
               # windowed store GEMMs bitwise, gather_sum's partials, the layer, its peak memory),
               # then the default vs two windows at WIN_CONFIGS: time and step MiB   (~7 min)
@@ -171,8 +189,10 @@ for mode in "$@"; do
       cfg=${NCU_CONFIG:-30B-n256}; tp=$(torch_pythonpath)
       sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats
                 --section Occupancy --section LaunchStats --section SchedulerStats)
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 250 ncu --profile-from-start off \
-        --clock-control none -k regex:sonicmoe "${sections[@]}" python3 -m benchmarks.ncu_step \
+      # (ours from the start, its first step's launches: around cudaProfilerStart it segfaulted
+      # in session 18, as it did from the start at 7B-n256)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 250 ncu --clock-control none -k regex:sonicmoe \
+        --launch-count 10 "${sections[@]}" python3 -m benchmarks.ncu_step --no-profiler \
         --config "$cfg" --impl auto > "$OUT/ncu_ours_$cfg.txt" 2>&1; echo "ncu ours: rc $?"
       PYTHONPATH=$tp timeout 250 ncu --profile-from-start off --clock-control none \
         -k regex:quackgemm "${sections[@]}" python3 benchmarks/torch_sonicmoe.py "$(python3 -c \
