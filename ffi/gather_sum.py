@@ -4,9 +4,10 @@ One CTA per token, 128 threads striding over the row in chunks of `vec` columns 
 bf16 values, one vector load each); each thread accumulates its chunks in fp32 over the
 token's slots (token_slots[token_offsets[t]:token_offsets[t+1]]), optionally weighted by the
 slot's score, and writes O[t] (in Y's dtype, or fp32 for a window's partial sum).
-Bandwidth-bound: reads each slot row once, writes each token row once. Callable from any jitted JAX program: the kernel is compiled for the GPU
-when the program is lowered (CUTE_DSL_ARCH=sm_90a compiles it on a machine without a GPU) and
-runs as an XLA FFI custom call on XLA's stream.
+Bandwidth-bound: reads each slot row once, writes each token row once. Callable from any
+jitted JAX program: the kernel is compiled for the GPU when the program is lowered
+(CUTE_DSL_ARCH=sm_90a compiles it on a machine without a GPU) and runs as an XLA FFI custom
+call on XLA's stream.
 """
 from __future__ import annotations
 

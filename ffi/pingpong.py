@@ -203,8 +203,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   by the TMA-store epilogue (tma_out, m_out_tma: out's TMA atom and tensor; c_smem_staged: both
   consumers' epilogue buffers). kind "dh" with tma_store: its SMEM epilogue
   (_dh_smem_epilogue; tma_out, m_out_tma dH's), smem_epilogue = (A''s TMA atom and tensor,
-  H's TMA atom and tensor, the wgmma on EPI_TILE's columns); () otherwise. (Unused operands: m_h, m_scores, m_ds outside dh; tma_out, m_out_tma,
-  c_smem_staged without tma_store.)"""
+  H's TMA atom and tensor, the wgmma on EPI_TILE's columns); () otherwise. (Unused operands:
+  m_h, m_scores, m_ds outside dh; tma_out, m_out_tma, c_smem_staged without tma_store.)"""
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()

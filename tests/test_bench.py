@@ -9,8 +9,8 @@ KEYS = {"impl", "config", "T", "d", "n", "E", "K", "fwd_ms", "bwd_ms", "fwd_bwd_
 
 def test_bench_tiny(tmp_path):
   out = tmp_path / "tiny"
-  records = bench.main(["--tiny", "--impls", "xla,xla/w2,lax_ragged_dot,dense,nosuch", "--iters", "1",
-                        "--reps", "1", "--out", str(out)])
+  records = bench.main(["--tiny", "--impls", "xla,xla/w2,lax_ragged_dot,dense,nosuch",
+                        "--iters", "1", "--reps", "1", "--out", str(out)])
   saved = json.loads((tmp_path / "tiny.json").read_text())
   assert saved == json.loads(json.dumps(records))
   by_impl = {r["impl"]: r for r in saved}
