@@ -60,10 +60,10 @@ def expert_weight_grads(xe, doe, s, w1_e, w2_e):
   return xe.T @ dh, (s * jax.nn.silu(g) * u).T @ doe
 
 
-def check(name, cfg, backend, rounding, num_tokens=16, num_experts=2):
+def check(name, cfg, backend, rounding, num_tokens=16, num_experts=2, windows=1):
   T, d, n, E, K = cfg
   (x, wr, w1, w2), dout = make_args(T, d, n, E, K)
-  kw = dict(k=K, rounding=rounding, tile=128, backend=backend_spec(backend))
+  kw = dict(k=K, rounding=rounding, tile=128, backend=backend_spec(backend), windows=windows)
 
   @jax.jit
   def fwd_bwd(x, wr, w1, w2):
@@ -74,7 +74,7 @@ def check(name, cfg, backend, rounding, num_tokens=16, num_experts=2):
   plan = jax.jit(lambda x, wr: sm.route(sm.router_logits(x, wr), k=K, rounding=rounding,
                                         tile=128, align=ops.align)[0])(x, wr)
   h = jax.jit(lambda *a: ops.up_proj(*a, plan))(x, w1)[0]
-  rec = dict(config=name, backend=backend, rounding=rounding)
+  rec = dict(config=name, backend=backend, rounding=rounding, windows=windows)
   rec["finite"] = bool(all(np.isfinite(np.asarray(a, np.float32)).all() for a in (out, dx, dwr, dw1, dw2)))
   rec["padding_rows_zero"] = bool(np.all(np.asarray(h, np.float32)[~np.asarray(plan.valid)] == 0))
 
@@ -121,13 +121,14 @@ def main(argv=None):
   p.add_argument("--backend", default="pallas",
                  help='a backend, or a per-op mix such as "dh=cute+dx_tilde=cute"')
   p.add_argument("--configs", default=",".join(C.ANCHORS))
+  p.add_argument("--windows", type=int, default=1, help="the layer's row windows (moe's windows)")
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
   recs = []
   for name in a.configs.split(","):
     for rounding in (None, "nearest"):
       try:
-        rec = check(name, C.ANCHORS[name], a.backend, rounding)
+        rec = check(name, C.ANCHORS[name], a.backend, rounding, windows=a.windows)
       except Exception as e:
         rec = dict(config=name, backend=a.backend, rounding=rounding, ok=False,
                    error=f"{type(e).__name__}: {str(e)[:300]}")

@@ -74,6 +74,7 @@ def test_check_anchors_tiny(monkeypatch):
   rounded = check_anchors.check("tiny", cfg, "xla", "nearest")
   assert rounded["ok"] and rounded["dx_rel_err_max"] is None
   assert check_anchors.check("tiny", cfg, "up_proj=xla+dh=xla", None)["ok"]   # a per-op mix
+  assert check_anchors.check("tiny", cfg, "xla", None, windows=3)["ok"]   # row windows
   real = check_anchors.token_output
   monkeypatch.setattr(check_anchors, "token_output", lambda *a: 1.1 * real(*a))
   check_anchors.token_references.clear_cache()
