@@ -144,18 +144,17 @@ for mode in "$@"; do
     clocks)  # after `cute` staging: SM clock, power and temperature every 20 ms (nvidia-smi)
              # while the default runs at CLOCK_CONFIG (default 30B-n256): does the step run
              # below the clock its kernels get alone?                                (~2 min)
-      nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-        --format=csv,noheader -lms 20 > "$OUT/clocks.csv" 2>&1 & smi=$!
+      nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader \
+        -lms 20 > "$OUT/clocks.csv" 2>&1 & smi=$!
       timeout 200 python3 -m benchmarks.bench --configs "${CLOCK_CONFIG:-30B-n256}" --impls auto \
         --iters 20 --reps 3 --out "$OUT/bench_clocks" 2>&1 | tail -3
       kill $smi; python3 - "$OUT/clocks.csv" <<'PY'
 import sys
-rows = [r.split(", ") for r in open(sys.argv[1]) if r.count(",") == 4]
+rows = [r.split(", ") for r in open(sys.argv[1]) if r.count(",") == 3]
 busy = [r for r in rows if float(r[2].split()[0]) > 300]   # drawing > 300 W: in the loop
 for name, i in (("SM MHz", 1), ("W", 2), ("C", 3)):
   v = [float(r[i].split()[0]) for r in busy]
   print(f"{name}: {len(v)} samples under load, min {min(v):.0f} mean {sum(v)/len(v):.0f} max {max(v):.0f}" if v else f"{name}: no samples under load")
-print("throttle reasons under load:", sorted({r[4].strip() for r in busy}))
 PY
       ;;
     windows)  # after `cute` staging: the layer's row windows (moe's `windows`): GPU tests (the
