@@ -156,7 +156,7 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
   num_rhs = 2 if kernel.startswith("up_proj") else 1
   if "pingpong" in kernel:
     tma_store = kernel.endswith("_tma")
-    kind = {"dh": "dh", "up_proj": "swiglu"}.get(kernel.split("_pingpong")[0], "store")
+    kind = "dh" if kernel.startswith("dh") else "store"
     depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store, kind)
     return (g.smem_bytes(block_n, num_rhs, 2, depth, rows=pp.TILE_M)
             + (pp.epilogue_bytes(2, kind) if tma_store else 0))

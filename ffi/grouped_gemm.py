@@ -913,7 +913,7 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   tile_expert: [P / BLOCK_M] int32, E or more past the last group. stages: the TMA pipeline's
   depth (default: as many as fit in SMEM, at most 8). warp_specialized: a producer warpgroup
   issues the TMA loads (bitwise the same result; one CTA per SM). rows=(lo, hi), multiples of
-  BLOCK_M (hi may be P): out is the product's rows lo .. hi - 1 only (out [hi - lo, N])."""
+  BLOCK_M: out is the product's rows lo .. hi - 1 only (out [hi - lo, N])."""
   reason = unsupported(lhs, rhs_as_ekn(rhs, transpose_rhs), block_n)
   if reason:
     raise ValueError(f"cute grouped_matmul: {reason}")
@@ -932,16 +932,15 @@ def rhs_as_ekn(rhs, transpose_rhs: bool):
 def matmul_call(kernel, lhs, rhs, tile_expert, transpose_rhs: bool, rows=None, **config):
   """out [P, N] of a grouped-matmul kernel (grouped_matmul's operands, checked by the
   caller) as an FFI call; rows=(lo, hi): out [hi - lo, N], the product's rows lo .. hi - 1."""
+  lo, hi = (0, lhs.shape[0]) if rows is None else rows
+  if not (0 <= lo < hi <= lhs.shape[0] and lo % BLOCK_M == 0 and hi % BLOCK_M == 0):
+    raise ValueError(f"cute grouped matmul: rows={rows} must be a range within lhs's "
+                     f"{lhs.shape[0]} rows whose bounds are multiples of {BLOCK_M}")
   if rows is not None:
-    lo, hi = rows
-    if not (0 <= lo < hi <= lhs.shape[0] and lo % BLOCK_M == 0
-            and (hi % BLOCK_M == 0 or hi == lhs.shape[0])):
-      raise ValueError(f"cute grouped matmul: rows={rows} must be a range within lhs's "
-                       f"{lhs.shape[0]} rows whose bounds are multiples of {BLOCK_M}")
-    tile_expert = tile_expert[lo // BLOCK_M:-(-hi // BLOCK_M)]
-    if lo:
-      config["first_row"] = lo
-  num_rows = tile_expert.shape[0] * BLOCK_M if rows is not None else lhs.shape[0]
+    tile_expert = tile_expert[lo // BLOCK_M:hi // BLOCK_M]
+  if lo:
+    config["first_row"] = lo
+  num_rows = hi - lo
   # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major
   out, = xla_call.call(
       kernel, [lhs[None], rhs, tile_expert.astype(jnp.int32)],

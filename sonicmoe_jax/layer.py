@@ -35,11 +35,12 @@ def window_sum(matmul, aggregate, lhs, rhs, scores, plan: RoutingPlan, windows: 
   """aggregate(matmul(lhs, rhs, plan), scores, plan) in `dtype`, the product made over
   routing.slot_windows one window at a time: each window's rows are summed into an fp32 [T, d]
   partial before the next window's GEMM starts (an optimization barrier orders them), so the
-  [slots, d] product is never whole in memory: its peak is one window's plus the partial."""
-  if windows == 1:
+  [slots, d] product is never whole in memory: its peak is one window's plus the partial.
+  (routing.slot_windows checks `windows`.)"""
+  bounds = routing.slot_windows(plan.num_slots, windows, plan.align)
+  if len(bounds) == 1:
     return aggregate(matmul(lhs, rhs, plan), scores, plan)
   partial = None
-  bounds = routing.slot_windows(plan.num_slots, windows, plan.align)
   for i, rows in enumerate(bounds):
     if partial is not None:
       partial, lhs = jax.lax.optimization_barrier((partial, lhs))
@@ -145,6 +146,5 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
                               rounding=rounding, tile=tile, rng=rng, align=ops.align,
                               top_k=ops.top_k)
   plan_arrays = dataclasses.replace(plan, scores=jax.lax.stop_gradient(plan.scores))
-  routing.slot_windows(plan.num_slots, windows, plan.align)   # (checks windows)
   out = expert_mlp(ops, x, plan.scores, w1, w2, plan_arrays, windows)
   return MoEOutput(out=out, plan=plan, stats=stats)

@@ -728,13 +728,13 @@ def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("kernel", ["pingpong", "pingpong_tma"])
-def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(kernel, monkeypatch):
+@pytest.mark.parametrize("dh_kernel", ["pingpong", "pingpong_tma"])
+def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(dh_kernel, monkeypatch):
   """The layer with every op on cute, dH (gathering dO's rows: n = 256; register stores or its
   SMEM epilogue), up_proj, down_proj and dx_tilde (TMA stores) on the ping-pong kernels,
   against the xla backend."""
   cute_ops = importlib.import_module("ffi.ops")
-  monkeypatch.setattr(cute_ops, "DH_KERNEL", kernel)
+  monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
   monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong")
   monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong_tma")
   T, d, n, E, K = 4096, 1536, 256, 128, 8
