@@ -694,11 +694,25 @@ def lhs_window(lhs: cute.Tensor, out: cute.Tensor, first_row: int) -> cute.Tenso
   BLOCK_M). lhs itself for the whole product."""
   if cutlass.const_expr(first_row == 0 and cute.size(lhs, mode=[0]) == cute.size(out, mode=[0])):
     return lhs
-  start = lhs.iterator + first_row * lhs.stride[0]
-  return cute.make_tensor(cute.make_ptr(lhs.element_type, start.toint(), cute.AddressSpace.gmem,
-                                        assumed_align=16),
-                          cute.make_layout((cute.size(out, mode=[0]), *lhs.shape[1:]),
-                                           stride=lhs.stride))
+  return _mode0_view(lhs, first_row, cute.size(out, mode=[0]), 16)
+
+
+def tiles_window(tile_expert: cute.Tensor, first_row: int) -> cute.Tensor:
+  """tile_expert's entries from the M tile of row first_row on: the window's tiles (a view;
+  the FFI call passes the whole table, as a slice of it may start off XLA's 16-byte alignment)."""
+  if cutlass.const_expr(first_row == 0):
+    return tile_expert
+  first_tile = first_row // BLOCK_M
+  return _mode0_view(tile_expert, first_tile, cute.size(tile_expert) - first_tile, 4)
+
+
+def _mode0_view(tensor: cute.Tensor, first: int, count: int, align: int) -> cute.Tensor:
+  """tensor's entries first .. first + count - 1 along mode 0 (the other modes whole) as a view
+  with the same strides, its start assumed aligned to `align` bytes."""
+  start = tensor.iterator + first * tensor.stride[0]
+  return cute.make_tensor(cute.make_ptr(tensor.element_type, start.toint(), cute.AddressSpace.gmem,
+                                        assumed_align=align),
+                          cute.make_layout((count, *tensor.shape[1:]), stride=tensor.stride))
 
 
 @cute.jit
@@ -707,8 +721,9 @@ def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
             warp_specialized: cutlass.Constexpr = False, first_row: cutlass.Constexpr = 0):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (W, N, 1) (logical modes): out's
   rows are lhs's from first_row on (lhs_window; all of them by default)."""
-  _launch(stream, lhs_window(lhs, out, first_row), rhs, tile_expert, tile_expert, out, out, None,
-          block_n, stages, "store", False, False, warp_specialized)
+  tiles = tiles_window(tile_expert, first_row)
+  _launch(stream, lhs_window(lhs, out, first_row), rhs, tiles, tiles, out, out, None, block_n,
+          stages, "store", False, False, warp_specialized)
 
 
 @cute.jit
@@ -936,9 +951,7 @@ def matmul_call(kernel, lhs, rhs, tile_expert, transpose_rhs: bool, rows=None, *
   if not (0 <= lo < hi <= lhs.shape[0] and lo % BLOCK_M == 0 and hi % BLOCK_M == 0):
     raise ValueError(f"cute grouped matmul: rows={rows} must be a range within lhs's "
                      f"{lhs.shape[0]} rows whose bounds are multiples of {BLOCK_M}")
-  if rows is not None:
-    tile_expert = tile_expert[lo // BLOCK_M:hi // BLOCK_M]
-  if lo:
+  if lo:   # the kernel views lhs and tile_expert from row lo (tiles_window: no slices here)
     config["first_row"] = lo
   num_rows = hi - lo
   # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major

@@ -450,8 +450,9 @@ def _matmul_pingpong(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cu
                      tma_store: cutlass.Constexpr, first_row: cutlass.Constexpr = 0):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (W, N, 1): the operands of
   grouped_gemm._matmul (first_row as its)."""
-  _launch(stream, grouped_gemm.lhs_window(lhs, out, first_row), rhs, tile_expert, tile_expert,
-          out, out, None, block_n, stages, "store", False, tma_store)
+  tiles = grouped_gemm.tiles_window(tile_expert, first_row)
+  _launch(stream, grouped_gemm.lhs_window(lhs, out, first_row), rhs, tiles, tiles, out, out,
+          None, block_n, stages, "store", False, tma_store)
 
 
 @cute.jit
