@@ -48,7 +48,7 @@ def make_args(T, d, n, E, K, seed=0):
   return (x, wr, w1, w2), dout
 
 
-def ours(backend, K, rounding, tile, windows=1):
+def ours(backend, K, rounding, tile, windows=None):
   def fn(x, wr, w1, w2):
     return sm.moe(x, wr, w1, w2, k=K, rounding=rounding, tile=tile, backend=backend,
                   windows=windows).out
@@ -170,11 +170,11 @@ def backend_spec(impl):
 
 
 def impl_fn(impl, K, rounding, tile):
-  """The function an impl name runs; ours with "/w<W>" appended (e.g. "auto/w2") runs the
-  layer with that many row windows (moe's `windows`)."""
+  """The function an impl name runs; ours with "/w<W>" appended (e.g. "auto/w2", "auto/w1")
+  runs the layer with that many row windows (moe's `windows`; without: its default)."""
   impl, _, windows = impl.partition("/w")
   if impl in ("xla", "pallas", "cute", "auto") or "=" in impl:
-    return ours(backend_spec(impl), K, rounding, tile, int(windows or 1))
+    return ours(backend_spec(impl), K, rounding, tile, int(windows) if windows else None)
   if impl == "lax_ragged_dot":
     return plain_autodiff(functools.partial(jax.lax.ragged_dot, preferred_element_type=None), K)
   if impl == "tokamax":

@@ -60,7 +60,7 @@ def expert_weight_grads(xe, doe, s, w1_e, w2_e):
   return xe.T @ dh, (s * jax.nn.silu(g) * u).T @ doe
 
 
-def check(name, cfg, backend, rounding, num_tokens=16, num_experts=2, windows=1):
+def check(name, cfg, backend, rounding, num_tokens=16, num_experts=2, windows=None):
   T, d, n, E, K = cfg
   (x, wr, w1, w2), dout = make_args(T, d, n, E, K)
   kw = dict(k=K, rounding=rounding, tile=128, backend=backend_spec(backend), windows=windows)
@@ -121,7 +121,8 @@ def main(argv=None):
   p.add_argument("--backend", default="pallas",
                  help='a backend, or a per-op mix such as "dh=cute+dx_tilde=cute"')
   p.add_argument("--configs", default=",".join(C.ANCHORS))
-  p.add_argument("--windows", type=int, default=1, help="the layer's row windows (moe's windows)")
+  p.add_argument("--windows", type=int, default=None,
+                 help="the layer's row windows (moe's windows; default: the layer's default)")
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
   recs = []

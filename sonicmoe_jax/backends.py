@@ -101,6 +101,23 @@ GPU_CUTE_WHERE = {"top_k": _many_experts, "up_proj": _everywhere, "down_proj": _
                   "dw2": _everywhere}
 
 
+# The layer's row windows when moe's `windows` is left None: WINDOWED_STORE_WINDOWS where the
+# store GEMMs (down_proj, dx_tilde) run on cute and Y's rows are at least as wide as H's
+# (d >= 2n), else 1. H200 session 19 (results/2026-12-01-h200-session19), the default's
+# forward+backward ms and step MiB, one -> two windows: 7B-n256 3.30 / 1303 -> 3.47 / 992,
+# 30B-n256 21.86 / 6970 -> 22.22 / 4798, 120B-n1024 35.91 / 7140 -> 36.67 / 4971, olmoe
+# 18.42 / 3542 -> 18.64 / 3016 (the PyTorch SonicMoE's step: 1210, 6684, 6670, 3082 MiB);
+# at 7B-n1024 (d < 2n) 2.84 / 674 -> 2.97 / 677: its peak is not the [slots, d] product.
+WINDOWED_STORE_WINDOWS = 2
+
+
+def default_windows(store_backends: tuple[str, str], d: int | None, n: int | None) -> int:
+  """The row windows moe makes by default: store_backends are down_proj's and dx_tilde's."""
+  if store_backends == ("cute", "cute") and None not in (d, n) and d >= 2 * n:
+    return WINDOWED_STORE_WINDOWS
+  return 1
+
+
 def _cute_installed() -> bool:
   return all(importlib.util.find_spec(m) is not None for m in ("cutlass", "jax_tvm_ffi"))
 
@@ -120,6 +137,7 @@ class Ops(NamedTuple):
   dw1: Callable
   dw2: Callable
   align: int = 1
+  windows: int = 1   # the layer's default row windows (default_windows)
 
 
 def _backend_module(name: str):
@@ -169,7 +187,7 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype
     choice = {op: backend.get(op, "auto") for op in OP_NAMES}
   else:
     raise TypeError(f"backend must be a string or a mapping of op name to backend; got {type(backend).__name__}")
-  impls, align = {}, 1
+  impls, names, align = {}, {}, 1
   for op, name in choice.items():
     if name == "auto":
       name = default_backend(op, platform, dtype=dtype, d=d, n=n, num_experts=num_experts, k=k)
@@ -180,6 +198,7 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype
                       stacklevel=3)
         name = "xla"
     module = _backend_module(name)
-    impls[op] = module.OPS[op]
+    impls[op], names[op] = module.OPS[op], name
     align = max(align, getattr(module, "ALIGN", 1))
-  return Ops(**impls, align=align)
+  windows = default_windows((names["down_proj"], names["dx_tilde"]), d, n)
+  return Ops(**impls, align=align, windows=windows)

@@ -47,9 +47,9 @@ def _apply(x, router_w, w1, w2, dtype, deterministic, rng, rounding, mesh=None, 
   args = (x.reshape(-1, d).astype(dtype), router_w, w1.astype(dtype), w2.astype(dtype))
   rounding = None if deterministic else rounding
   if mesh is not None:
-    if kw.pop("windows") != 1:
+    if kw.pop("windows") not in (None, 1):
       raise ValueError("windows: the expert-parallel layer (mesh given) computes no row windows; "
-                       "use windows=1 with a mesh")
+                       "leave windows None (or 1) with a mesh")
     out, stats, _ = sharding.moe_expert_parallel(*args, mesh=mesh, data_axes=data_axes,
                                                  rounding=rounding, rng=rng, **kw)
     return out.reshape(*lead, d), stats
@@ -67,7 +67,8 @@ class SonicMoE(nnx.Module):
     k: experts per token.
     rounding: token-rounding mode used in training (None disables it; evaluation never rounds).
     tile: rounding tile (default 128, the kernels' M tile).
-    score_fn, renormalize, backend, windows: as in `sonicmoe_jax.moe` (windows: 1 with a mesh).
+    score_fn, renormalize, backend, windows: as in `sonicmoe_jax.moe` (windows: None or 1 with
+      a mesh).
     dtype: compute dtype of the expert GEMMs (default bfloat16).
     param_dtype: storage dtype of the parameters (default float32).
     rngs: nnx.Rngs; its "params" stream initialises the weights, and a "rounding" stream (or
@@ -85,8 +86,8 @@ class SonicMoE(nnx.Module):
   def __init__(self, d_model: int, d_expert: int, num_experts: int, k: int, *,
                rounding: Optional[str] = "nearest", tile: int = 128,
                score_fn: str = "softmax_topk", renormalize: bool = False, backend="auto",
-               windows: int = 1, dtype=jnp.bfloat16, param_dtype=jnp.float32, mesh=None,
-               data_axes=("data",), rngs: nnx.Rngs):
+               windows: Optional[int] = None, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+               mesh=None, data_axes=("data",), rngs: nnx.Rngs):
     _check_config(num_experts, k, rounding, tile)
     init_router, init_w1, init_w2 = _init_fns()
     key = rngs.params
@@ -126,7 +127,7 @@ class SonicMoELinen(nn.Module):
   score_fn: str = "softmax_topk"
   renormalize: bool = False
   backend: str = "auto"
-  windows: int = 1
+  windows: Optional[int] = None
   dtype: jnp.dtype = jnp.bfloat16
   param_dtype: jnp.dtype = jnp.float32
 

@@ -112,7 +112,7 @@ def _check_inputs(x, router_w, w1, w2):
 
 def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
         renormalize: bool = False, rounding: Optional[str] = None, tile: int = 128,
-        rng=None, backend: backends.BackendSpec = "auto", windows: int = 1) -> MoEOutput:
+        rng=None, backend: backends.BackendSpec = "auto", windows: Optional[int] = None) -> MoEOutput:
   """A SonicMoE layer: top-K routing, SwiGLU experts, minimal-memory backward.
 
   Args:
@@ -132,8 +132,10 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
       row windows, each summed per token into an fp32 [T, d] partial before the next is made:
       the layer's peak memory then holds one window of them instead of all (on a [T*K, d]
       product, 1/windows of it) plus the partial, for one more read and write of the partial
-      per window and one more GEMM launch. 1 (default): no windows. At most the plan's slots
-      over the kernels' row tile.
+      per window and one more GEMM launch. 1: no windows. At most the plan's slots over the
+      kernels' row tile. None (default): the measured choice (backends.default_windows: two
+      where the store GEMMs run on cute and d >= 2n, else one; never more than the plan has
+      tiles).
 
   Returns:
     MoEOutput(out [T, d] in x's dtype, plan, stats). Differentiable in x, router_w, w1, w2.
@@ -146,5 +148,7 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
                               rounding=rounding, tile=tile, rng=rng, align=ops.align,
                               top_k=ops.top_k)
   plan_arrays = dataclasses.replace(plan, scores=jax.lax.stop_gradient(plan.scores))
+  if windows is None:
+    windows = min(ops.windows, max(1, plan.num_slots // plan.align))
   out = expert_mlp(ops, x, plan.scores, w1, w2, plan_arrays, windows)
   return MoEOutput(out=out, plan=plan, stats=stats)

@@ -1375,6 +1375,13 @@ def test_cute_windowed_store_matmuls_compile_for_cuda(kernel):
 
 
 @needs_cute
+@pytest.mark.parametrize("d,n,windows", [(256, 128, 2), (256, 256, 1)])
+def test_cute_store_gemms_window_the_layer_by_default_where_d_is_at_least_2n(d, n, windows):
+  """backend "cute" resolves to two row windows by default where d >= 2n (moe's windows=None)."""
+  assert sm.backends.resolve("cute", dtype=jnp.bfloat16, d=d, n=n).windows == windows
+
+
+@needs_cute
 def test_cute_windowed_aggregate_compiles_and_lowers_for_cuda():
   """The layer with windows on backend "cute" (its store GEMMs and gather-and-sum on windows,
   the partial sums added in the kernel): forward and backward export for CUDA."""

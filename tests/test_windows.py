@@ -105,6 +105,33 @@ def test_windows_lower_the_steps_peak_memory_on_gpu():
   assert halves < whole - product // 4, (whole, halves)
 
 
+@pytest.mark.parametrize("stores,d,n,expected", [
+    (("cute", "cute"), 1536, 256, 2), (("cute", "cute"), 2048, 1024, 2),
+    (("cute", "cute"), 1536, 1024, 1), (("pallas", "pallas"), 4096, 256, 1),
+    (("cute", "pallas"), 4096, 256, 1), (("cute", "cute"), None, 256, 1)])
+def test_default_windows_are_two_where_cute_stores_a_product_as_wide_as_h(stores, d, n, expected):
+  """The measured rule (backends.default_windows): two windows where down_proj and dx_tilde
+  run on cute and d >= 2n, else one."""
+  assert sm.backends.default_windows(stores, d, n) == expected
+  assert sm.backends.resolve("xla", d=d, n=n).windows == 1
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,default,barriers",
+                         [(256, 4, 3, 2), (256, 4, 1, 0), (256, 1, 3, 1), (8, 1, 3, 0)])
+def test_moe_without_windows_takes_the_backends_default_within_the_plans_tiles(
+    monkeypatch, num_tokens, num_experts, default, barriers):
+  """windows=None: the resolved backend's default (Ops.windows), fewer where the plan has
+  fewer tiles (one barrier per window boundary in the forward; groups aligned to 128 rows as
+  for the GPU kernels: 256 + 4 * 127 slots make five tiles, 256 + 127 two, 8 + 127 one)."""
+  real_resolve = sm.backends.resolve
+  monkeypatch.setattr(sm.backends, "resolve", lambda *a, **kw: real_resolve(*a, **kw)._replace(
+      windows=default, align=128))
+  x, router_w, w1, w2 = make_inputs(11, num_tokens, 32, 16, num_experts, jnp.float32)
+  forward = lambda *a: sm.moe(*a, k=1, backend="xla").out
+  jaxpr = str(jax.make_jaxpr(forward)(x, router_w, w1, w2))
+  assert jaxpr.count("optimization_barrier") == barriers
+
+
 def test_moe_names_the_windows_limit():
   x, router_w, w1, w2 = make_inputs(8, 64, 16, 8, 4, jnp.float32)
   with pytest.raises(ValueError, match="windows must be between 1 and"):
