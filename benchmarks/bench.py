@@ -171,7 +171,7 @@ def backend_spec(impl):
 
 def impl_fn(impl, K, rounding, tile):
   """The function an impl name runs; ours with "/w<W>" appended (e.g. "auto/w2", "auto/w1")
-  runs the layer with that many row windows (moe's `windows`; without: its default)."""
+  runs the layer with that many column windows (moe's `windows`; without: its default)."""
   impl, _, windows = impl.partition("/w")
   if impl in ("xla", "pallas", "cute", "auto") or "=" in impl:
     return ours(backend_spec(impl), K, rounding, tile, int(windows) if windows else None)

@@ -122,7 +122,7 @@ def main(argv=None):
                  help='a backend, or a per-op mix such as "dh=cute+dx_tilde=cute"')
   p.add_argument("--configs", default=",".join(C.ANCHORS))
   p.add_argument("--windows", type=int, default=None,
-                 help="the layer's row windows (moe's windows; default: the layer's default)")
+                 help="the layer's column windows (moe's windows; default: the layer's default)")
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
   recs = []

@@ -37,9 +37,10 @@
 #   dh_hsmem: dH's epilogue reading H from SMEM (TMA-loaded after the mainloop): tests, sweep
 #           at four anchors, ncu at 7B-n256, the layer at 7B-n256 and olmoe           (~8 min)
 #   clocks: SM clock, power and temperature sampled while the default runs at 30B-n256  (~2 min)
-#   windows: the layer's row windows: GPU tests, the default with two windows against float32
+#   windows: the layer's column windows: GPU tests, the default with two windows against float32
 #           at 30B-n256                                                            (~6 min)
-#   windows_bench: the default with and without two windows at four anchors (time, step MiB)
+#   windows_bench: the default (two windows where it picks them) and one window at four
+#           anchors (time, step MiB; WIN_IMPLS adds e.g. auto/w4)
 #                                                                                  (~6 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
@@ -157,8 +158,8 @@ for name, i in (("SM MHz", 1), ("W", 2), ("C", 3)):
   print(f"{name}: {len(v)} samples under load, min {min(v):.0f} mean {sum(v)/len(v):.0f} max {max(v):.0f}" if v else f"{name}: no samples under load")
 PY
       ;;
-    windows)  # after `cute` staging: the layer's row windows (moe's `windows`): GPU tests (the
-              # windowed store GEMMs bitwise, gather_sum's partials, the layer, its peak memory),
+    windows)  # after `cute` staging: the layer's column windows (moe's `windows`): GPU tests (the
+              # windowed store GEMMs bitwise, the layer, its peak memory),
               # then the default with two windows against float32 at 30B-n256   (~6 min)
       timeout 240 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
         tests/test_windows.py -k "window" > "$OUT/pytest_windows.log" 2>&1
@@ -166,10 +167,11 @@ PY
       [ $rc -ne 0 ] && { echo "windows tests: rc $rc"; continue; }
       timeout 200 python3 -m benchmarks.check_anchors --backend auto --configs 30B-n256 \
         --windows 2 --out "$OUT/check_windows.json" 2>&1 | tail -2 ;;
-    windows_bench)  # after `windows`: the default with and without two windows at WIN_CONFIGS
-                    # (default 7B-n256, 30B-n256, 120B-n1024, olmoe): time, step MiB (~6 min)
+    windows_bench)  # after `windows`: the default (two windows where it picks them) and one
+                    # window (WIN_IMPLS) at WIN_CONFIGS (default 7B-n256, 30B-n256, 120B-n1024,
+                    # olmoe): time, step MiB (~6 min)
       timeout 560 python3 -m benchmarks.bench --configs "${WIN_CONFIGS:-7B-n256,30B-n256,120B-n1024,olmoe}" \
-        --impls auto,auto/w2 --iters 5 --reps 3 --out "$OUT/bench_windows" 2>&1 | tail -14 ;;
+        --impls "${WIN_IMPLS:-auto,auto/w1}" --iters 5 --reps 3 --out "$OUT/bench_windows" 2>&1 | tail -14 ;;
     ncu_dh)  # after `cute` staging: Nsight Compute on the dH kernels at 7B-n256 (grouped_gemm's
              # at block_n 128 and 256, the ping-pong one at 128; every launch of the sweep) (~3 min)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 ncu --clock-control none -k regex:cutlass \

@@ -3,11 +3,10 @@
 One CTA per token, 128 threads striding over the row in chunks of `vec` columns (16 bytes: 8
 bf16 values, one vector load each); each thread accumulates its chunks in fp32 over the
 token's slots (token_slots[token_offsets[t]:token_offsets[t+1]]), optionally weighted by the
-slot's score, and writes O[t] (in Y's dtype, or fp32 for a window's partial sum).
-Bandwidth-bound: reads each slot row once, writes each token row once. Callable from any
-jitted JAX program: the kernel is compiled for the GPU when the program is lowered
-(CUTE_DSL_ARCH=sm_90a compiles it on a machine without a GPU) and runs as an XLA FFI custom
-call on XLA's stream.
+slot's score, and writes O[t] in Y's dtype. Bandwidth-bound: reads each slot row once, writes
+each token row once. Callable from any jitted JAX program: the kernel is compiled for the GPU
+when the program is lowered (CUTE_DSL_ARCH=sm_90a compiles it on a machine without a GPU) and
+runs as an XLA FFI custom call on XLA's stream.
 """
 from __future__ import annotations
 
@@ -23,75 +22,46 @@ ACCESS_BYTES = 16   # one vector load or store per chunk
 
 @cute.kernel
 def _gather_sum_kernel(y: cute.Tensor, scores: cute.Tensor, token_slots: cute.Tensor,
-                       token_offsets: cute.Tensor, partial: cute.Tensor, out: cute.Tensor,
-                       weighted: cutlass.Constexpr, vec: cutlass.Constexpr,
-                       first_slot: cutlass.Constexpr, accumulate: cutlass.Constexpr):
+                       token_offsets: cute.Tensor, out: cute.Tensor, weighted: cutlass.Constexpr,
+                       vec: cutlass.Constexpr):
   tidx, _, _ = cute.arch.thread_idx()
   token, _, _ = cute.arch.block_idx()
   start = token_offsets[token]
   end = token_offsets[token + 1]
   for chunk in range(tidx, y.shape[1] // vec, THREADS):
     acc = cute.make_rmem_tensor((vec,), cutlass.Float32)
-    if cutlass.const_expr(accumulate):
-      cute.autovec_copy(cute.local_tile(partial[cutlass.Int64(token), None], (vec,), (chunk,)), acc)
-    else:
-      acc.fill(0.0)
+    acc.fill(0.0)
     row = cute.make_rmem_tensor((vec,), y.element_type)
     for j in range(start, end):
       slot = token_slots[j]
-      if cutlass.const_expr(first_slot is None):
-        _add_row(acc, row, y, slot, slot, scores, chunk, weighted, vec)
-      else:   # y holds slots first_slot .. first_slot + its rows - 1: the others are skipped
-        index = slot - first_slot
-        if index >= 0:
-          if index < y.shape[0]:
-            _add_row(acc, row, y, index, slot, scores, chunk, weighted, vec)
+      cute.autovec_copy(cute.local_tile(y[cutlass.Int64(slot), None], (vec,), (chunk,)), row)
+      values = row.load().to(cutlass.Float32)
+      if cutlass.const_expr(weighted):
+        values = values * scores[slot]
+      acc.store(acc.load() + values)
     result = cute.make_rmem_tensor((vec,), out.element_type)
     result.store(acc.load().to(out.element_type))
     cute.autovec_copy(result, cute.local_tile(out[cutlass.Int64(token), None], (vec,), (chunk,)))
 
 
 @cute.jit
-def _add_row(acc, row, y: cute.Tensor, index, slot, scores: cute.Tensor, chunk,
-             weighted: cutlass.Constexpr, vec: cutlass.Constexpr):
-  """acc += y[index]'s chunk (times the slot's score where weighted), via the row buffer."""
-  cute.autovec_copy(cute.local_tile(y[cutlass.Int64(index), None], (vec,), (chunk,)), row)
-  values = row.load().to(cutlass.Float32)
-  if cutlass.const_expr(weighted):
-    values = values * scores[slot]
-  acc.store(acc.load() + values)
-
-
-@cute.jit
 def _gather_sum(stream, y: cute.Tensor, scores: cute.Tensor, token_slots: cute.Tensor,
-                token_offsets: cute.Tensor, partial: cute.Tensor, out: cute.Tensor,
-                weighted: cutlass.Constexpr, vec: cutlass.Constexpr,
-                first_slot: cutlass.Constexpr = None, accumulate: cutlass.Constexpr = False):
-  _gather_sum_kernel(y, scores, token_slots, token_offsets, partial, out, weighted, vec,
-                     first_slot, accumulate).launch(
+                token_offsets: cute.Tensor, out: cute.Tensor, weighted: cutlass.Constexpr,
+                vec: cutlass.Constexpr):
+  _gather_sum_kernel(y, scores, token_slots, token_offsets, out, weighted, vec).launch(
       grid=(out.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream)
 
 
-def gather_sum(y, scores, token_slots, token_offsets, num_tokens: int, first_slot=None,
-               acc=None, out_dtype=None):
-  """[num_tokens, d] in out_dtype (default y's); scores=None sums unweighted. Rows whose width
-  is not a multiple of a 16-byte access are read one value at a time. Windows (xla_ops.aggregate's
-  rows): with first_slot, y holds the slots first_slot .. first_slot + its rows - 1 and the
-  others are skipped; acc, fp32 [num_tokens, d], is added to the sums."""
+def gather_sum(y, scores, token_slots, token_offsets, num_tokens: int):
+  """[num_tokens, d] in y's dtype; scores=None sums unweighted. Rows whose width is not a
+  multiple of a 16-byte access are read one value at a time."""
   weighted = scores is not None
   if scores is None:
     scores = jax.numpy.zeros((y.shape[0],), jax.numpy.float32)
   vec = ACCESS_BYTES // y.dtype.itemsize
   if y.shape[1] % vec:
     vec = 1
-  config = dict(weighted=weighted, vec=vec)
-  if first_slot is not None:
-    config["first_slot"] = first_slot
-  if acc is not None:
-    config["accumulate"] = True
-  partial = (acc.astype(jax.numpy.float32) if acc is not None
-             else jax.numpy.zeros((1, 1), jax.numpy.float32))   # (unread)
   out, = xla_call.call(
-      _gather_sum, [y, scores.astype(jax.numpy.float32), token_slots, token_offsets, partial],
-      [jax.ShapeDtypeStruct((num_tokens, y.shape[1]), out_dtype or y.dtype)], **config)
+      _gather_sum, [y, scores.astype(jax.numpy.float32), token_slots, token_offsets],
+      [jax.ShapeDtypeStruct((num_tokens, y.shape[1]), y.dtype)], weighted=weighted, vec=vec)
   return out

@@ -688,22 +688,14 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
                           m_major=out_m_major)
 
 
-def lhs_window(lhs: cute.Tensor, out: cute.Tensor, first_row: int) -> cute.Tensor:
-  """lhs (P, K, 1)'s rows first_row .. as many as out (W, N, 1) has: the rows a window of the
-  product reads (a view, its TMA descriptor starting at that row; first_row a multiple of
-  BLOCK_M). lhs itself for the whole product."""
-  if cutlass.const_expr(first_row == 0 and cute.size(lhs, mode=[0]) == cute.size(out, mode=[0])):
-    return lhs
-  return _mode0_view(lhs, first_row, cute.size(out, mode=[0]), 16)
-
-
-def tiles_window(tile_expert: cute.Tensor, first_row: int) -> cute.Tensor:
-  """tile_expert's entries from the M tile of row first_row on: the window's tiles (a view;
-  the FFI call passes the whole table, as a slice of it may start off XLA's 16-byte alignment)."""
-  if cutlass.const_expr(first_row == 0):
-    return tile_expert
-  first_tile = first_row // BLOCK_M
-  return _mode0_view(tile_expert, first_tile, cute.size(tile_expert) - first_tile, 4)
+def rhs_window(rhs: cute.Tensor, out: cute.Tensor, first_col: int) -> cute.Tensor:
+  """rhs (N, K, E)'s columns first_col .. as many as out (P, W, 1) has: the columns a window of
+  the product reads (a view, its TMA descriptor starting at that column; first_col a multiple
+  of 8: 16 bytes). rhs itself for the whole product. The FFI call passes the whole of rhs: a
+  slice of it in XLA may start off the 16-byte alignment the call requires."""
+  if cutlass.const_expr(first_col == 0 and cute.size(rhs, mode=[0]) == cute.size(out, mode=[1])):
+    return rhs
+  return _mode0_view(rhs, first_col, cute.size(out, mode=[1]), 16)
 
 
 def _mode0_view(tensor: cute.Tensor, first: int, count: int, align: int) -> cute.Tensor:
@@ -718,12 +710,11 @@ def _mode0_view(tensor: cute.Tensor, first: int, count: int, align: int) -> cute
 @cute.jit
 def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-            warp_specialized: cutlass.Constexpr = False, first_row: cutlass.Constexpr = 0):
-  """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (W, N, 1) (logical modes): out's
-  rows are lhs's from first_row on (lhs_window; all of them by default)."""
-  tiles = tiles_window(tile_expert, first_row)
-  _launch(stream, lhs_window(lhs, out, first_row), rhs, tiles, tiles, out, out, None, block_n,
-          stages, "store", False, False, warp_specialized)
+            warp_specialized: cutlass.Constexpr = False, first_col: cutlass.Constexpr = 0):
+  """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, W, 1) (logical modes): out's
+  columns are the product's from first_col on (rhs_window; all of them by default)."""
+  _launch(stream, lhs, rhs_window(rhs, out, first_col), tile_expert, tile_expert, out, out, None,
+          block_n, stages, "store", False, False, warp_specialized)
 
 
 @cute.jit
@@ -901,8 +892,9 @@ def _dtype_unsupported(lhs, rhs):
   return None
 
 
-def unsupported(lhs, rhs, block_n: int):
-  """Why these operands cannot run (a sentence naming the limit), or None."""
+def unsupported(lhs, rhs, block_n: int, cols=None):
+  """Why these operands cannot run (a sentence naming the limit), or None; cols=(lo, hi): the
+  window of output columns made (grouped_matmul's)."""
   reason = _dtype_unsupported(lhs, rhs)
   if reason:
     return reason
@@ -912,8 +904,13 @@ def unsupported(lhs, rhs, block_n: int):
     return f"rows P={lhs.shape[0]} must be a multiple of {BLOCK_M} (an aligned plan)"
   if lhs.shape[1] % BLOCK_K:
     return f"contraction K={lhs.shape[1]} must be a multiple of {BLOCK_K}"
-  if rhs.shape[2] % block_n:
-    return f"output columns N={rhs.shape[2]} must be a multiple of block_n={block_n}"
+  lo, hi = (0, rhs.shape[2]) if cols is None else cols
+  col_align = 16 // rhs.dtype.itemsize   # the window's first column: a 16-byte TMA address
+  if not (0 <= lo < hi <= rhs.shape[2] and lo % col_align == 0):
+    return (f"cols={cols} must be a range within the {rhs.shape[2]} output columns starting at a "
+            f"multiple of {col_align}")
+  if (hi - lo) % block_n:
+    return f"output columns N={hi - lo} must be a multiple of block_n={block_n}"
   if block_n % EPI_TILE[1]:
     return f"block_n={block_n} must be a multiple of {EPI_TILE[1]}"
   if lhs.shape[0] // BLOCK_M > MAX_GRID_Y:
@@ -922,18 +919,19 @@ def unsupported(lhs, rhs, block_n: int):
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
-                   stages: int | None = None, warp_specialized: bool = False, rows=None):
+                   stages: int | None = None, warp_specialized: bool = False, cols=None):
   """out [P, N] = lhs_e rhs_e per M tile (module docstring), rhs [E, K, N]; with transpose_rhs
   rhs is [E, N, K] and out = lhs_e rhs_e^T (read K-major, no transposed copy).
   tile_expert: [P / BLOCK_M] int32, E or more past the last group. stages: the TMA pipeline's
   depth (default: as many as fit in SMEM, at most 8). warp_specialized: a producer warpgroup
-  issues the TMA loads (bitwise the same result; one CTA per SM). rows=(lo, hi), multiples of
-  BLOCK_M: out is the product's rows lo .. hi - 1 only (out [hi - lo, N])."""
-  reason = unsupported(lhs, rhs_as_ekn(rhs, transpose_rhs), block_n)
+  issues the TMA loads (bitwise the same result; one CTA per SM). cols=(lo, hi): out is the
+  product's columns lo .. hi - 1 only (out [P, hi - lo]; lo a multiple of 8, hi - lo of
+  block_n)."""
+  reason = unsupported(lhs, rhs_as_ekn(rhs, transpose_rhs), block_n, cols)
   if reason:
     raise ValueError(f"cute grouped_matmul: {reason}")
   stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K, stages)
-  return matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, rows, block_n=block_n,
+  return matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, cols, block_n=block_n,
                      stages=stages, **_warp_specialized_config(warp_specialized))
 
 
@@ -944,20 +942,18 @@ def rhs_as_ekn(rhs, transpose_rhs: bool):
   return jax.ShapeDtypeStruct((rhs.shape[0], rhs.shape[2], rhs.shape[1]), rhs.dtype)
 
 
-def matmul_call(kernel, lhs, rhs, tile_expert, transpose_rhs: bool, rows=None, **config):
+def matmul_call(kernel, lhs, rhs, tile_expert, transpose_rhs: bool, cols=None, **config):
   """out [P, N] of a grouped-matmul kernel (grouped_matmul's operands, checked by the
-  caller) as an FFI call; rows=(lo, hi): out [hi - lo, N], the product's rows lo .. hi - 1."""
-  lo, hi = (0, lhs.shape[0]) if rows is None else rows
-  if not (0 <= lo < hi <= lhs.shape[0] and lo % BLOCK_M == 0 and hi % BLOCK_M == 0):
-    raise ValueError(f"cute grouped matmul: rows={rows} must be a range within lhs's "
-                     f"{lhs.shape[0]} rows whose bounds are multiples of {BLOCK_M}")
-  if lo:   # the kernel views lhs and tile_expert from row lo (tiles_window: no slices here)
-    config["first_row"] = lo
-  num_rows = hi - lo
+  caller) as an FFI call; cols=(lo, hi): out [P, hi - lo], the product's columns lo .. hi - 1
+  (the kernel views rhs from column lo: rhs_window)."""
+  num_cols = rhs_as_ekn(rhs, transpose_rhs).shape[2]
+  lo, hi = (0, num_cols) if cols is None else cols
+  if lo:
+    config["first_col"] = lo
   # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major
   out, = xla_call.call(
       kernel, [lhs[None], rhs, tile_expert.astype(jnp.int32)],
-      [jax.ShapeDtypeStruct((1, num_rows, rhs_as_ekn(rhs, transpose_rhs).shape[2]), lhs.dtype)],
+      [jax.ShapeDtypeStruct((1, lhs.shape[0], hi - lo), lhs.dtype)],
       modes=[ROW_MODES, (1, 2, 0) if transpose_rhs else (2, 1, 0), None, ROW_MODES], **config)
   return out[0]
 

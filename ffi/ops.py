@@ -144,12 +144,9 @@ def top_k(logits, k):
   return topk.top_k(logits, k)
 
 
-def aggregate(y, scores, plan, rows=None, acc=None, out_dtype=None):
-  """O_t = sum over token t's slots of score * Y_slot (fp32 sum), as xla_ops.aggregate (rows,
-  acc and out_dtype as its: a window of Y's rows, an fp32 partial to add, the result's dtype)."""
-  return gather_sum.gather_sum(y, scores, plan.token_slots, plan.token_offsets, plan.num_tokens,
-                               first_slot=None if rows is None else rows[0], acc=acc,
-                               out_dtype=out_dtype)
+def aggregate(y, scores, plan):
+  """O_t = sum over token t's slots of score * Y_slot (fp32 sum), as xla_ops.aggregate."""
+  return gather_sum.gather_sum(y, scores, plan.token_slots, plan.token_offsets, plan.num_tokens)
 
 
 def up_proj(x, w1, plan):
@@ -195,31 +192,34 @@ STORE_WIDE_MIN_N = 2048
 STORE_WIDE_WS_MIN_N = 4096
 
 
-def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, rows=None):
+def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   """out = lhs_e rhs_e (rhs_e^T with transpose_rhs) per expert group on the STORE_KERNEL, or
   where contraction and output are long (STORE_WIDE_MIN_K, STORE_WIDE_MIN_N) on grouped_gemm's
-  256-wide tiles (their TMA loads by a producer warp from STORE_WIDE_WS_MIN_N); rows=(lo, hi):
-  out's rows lo .. hi - 1 only (the kernels read lhs from row lo: no copy)."""
+  256-wide tiles (their TMA loads by a producer warp from STORE_WIDE_WS_MIN_N). n_out: the
+  product's columns (they pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the
+  kernels read rhs from column lo: no copy), their tile's width halved until it divides them."""
   if STORE_KERNEL not in STORE_KERNELS:
     raise ValueError(f"ffi.ops.STORE_KERNEL must be one of {STORE_KERNELS}; got {STORE_KERNEL!r}")
+  width = n_out if cols is None else cols[1] - cols[0]
   if lhs.shape[1] >= STORE_WIDE_MIN_K and n_out >= STORE_WIDE_MIN_N:
     return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                       block_n=_wide_tile(n_out, 256),
-                                       warp_specialized=n_out >= STORE_WIDE_WS_MIN_N, rows=rows)
-  block_n = _wide_tile(n_out, 128)
+                                       block_n=_wide_tile(width, 256),
+                                       warp_specialized=n_out >= STORE_WIDE_WS_MIN_N, cols=cols)
+  block_n = _wide_tile(width, 128)
   if STORE_KERNEL.startswith("pingpong"):
     # an out past the register stores' 32-bit offsets takes the TMA stores
     tma_store = (STORE_KERNEL == "pingpong_tma"
-                 or not pingpong.register_stores_fit(lhs.shape[0], n_out))
+                 or not pingpong.register_stores_fit(lhs.shape[0], width))
     return pingpong.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                   block_n=block_n, tma_store=tma_store, rows=rows)
+                                   block_n=block_n, tma_store=tma_store, cols=cols)
   return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                     block_n=block_n, stages=STORE_STAGES, rows=rows)
+                                     block_n=block_n, stages=STORE_STAGES, cols=cols)
 
 
-def down_proj(a, w2, plan, rows=None):
-  """Y = A W2_e per expert group (rows in slot order; with rows=(lo, hi) Y's rows lo .. hi - 1)."""
-  return _store_matmul(a, w2, plan, False, w2.shape[2], rows)
+def down_proj(a, w2, plan, cols=None):
+  """Y = A W2_e per expert group (rows in slot order; with cols=(lo, hi) Y's columns
+  lo .. hi - 1)."""
+  return _store_matmul(a, w2, plan, False, w2.shape[2], cols)
 
 
 def _dh_kernel(d: int) -> str:
@@ -271,10 +271,10 @@ def dh(dout, w2, h, scores, plan):
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
 
 
-def dx_tilde(dh, w1, plan, rows=None):
-  """dX~ = dH W1_e^T per expert group (W1 read K-major, not transposed in memory); rows as
+def dx_tilde(dh, w1, plan, cols=None):
+  """dX~ = dH W1_e^T per expert group (W1 read K-major, not transposed in memory); cols as
   down_proj's."""
-  return _store_matmul(dh, w1, plan, True, w1.shape[1], rows)
+  return _store_matmul(dh, w1, plan, True, w1.shape[1], cols)
 
 
 def dw1(x, dh_, plan):

@@ -447,12 +447,11 @@ def _gathered_dh_pingpong(stream, dout: cute.Tensor, w2: cute.Tensor, tile_exper
 @cute.jit
 def _matmul_pingpong(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
                      out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                     tma_store: cutlass.Constexpr, first_row: cutlass.Constexpr = 0):
-  """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (W, N, 1): the operands of
-  grouped_gemm._matmul (first_row as its)."""
-  tiles = grouped_gemm.tiles_window(tile_expert, first_row)
-  _launch(stream, grouped_gemm.lhs_window(lhs, out, first_row), rhs, tiles, tiles, out, out,
-          None, block_n, stages, "store", False, tma_store)
+                     tma_store: cutlass.Constexpr, first_col: cutlass.Constexpr = 0):
+  """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, W, 1): the operands of
+  grouped_gemm._matmul (first_col as its)."""
+  _launch(stream, lhs, grouped_gemm.rhs_window(rhs, out, first_col), tile_expert, tile_expert,
+          out, out, None, block_n, stages, "store", False, tma_store)
 
 
 @cute.jit
@@ -489,7 +488,7 @@ def register_stores_fit(num_rows: int, num_cols: int) -> bool:
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
-                   stages: int | None = None, tma_store: bool = False, rows=None):
+                   stages: int | None = None, tma_store: bool = False, cols=None):
   """grouped_gemm.grouped_matmul on the ping-pong schedule: out [P, N] = lhs_e rhs_e per M
   tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major. out is stored from
   registers, or with tma_store through SMEM buffers of each consumer's own and TMA stores
@@ -498,18 +497,18 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   down_proj and dx_tilde on it with STORE_KERNEL = "pingpong" / "pingpong_tma". On an H200
   both give grouped_matmul's bits (sessions 10, 11); the TMA stores are the default, 20-25%
   faster than grouped_matmul (session 11). The register stores' 32-bit offsets cannot address
-  an out past 2^31 elements (refused). rows: a window of the product, as grouped_matmul's."""
+  an out past 2^31 elements (refused). cols: a window of the product, as grouped_matmul's."""
   rhs_ekn = grouped_gemm.rhs_as_ekn(rhs, transpose_rhs)
-  reason = grouped_gemm.unsupported(lhs, rhs_ekn, block_n)
-  out_rows = lhs.shape[0] if rows is None else rows[1] - rows[0]
-  if not reason and not tma_store and not register_stores_fit(out_rows, rhs_ekn.shape[2]):
-    reason = (f"out [{out_rows}, {rhs_ekn.shape[2]}] has more than "
+  reason = grouped_gemm.unsupported(lhs, rhs_ekn, block_n, cols)
+  out_cols = rhs_ekn.shape[2] if cols is None else cols[1] - cols[0]
+  if not reason and not tma_store and not register_stores_fit(lhs.shape[0], out_cols):
+    reason = (f"out [{lhs.shape[0]}, {out_cols}] has more than "
               f"{grouped_gemm.MAX_REGISTER_ADDRESSED} elements, past the register stores' 32-bit "
               f"offsets: use tma_store=True")
   if reason:
     raise ValueError(f"cute ping-pong grouped_matmul: {reason}")
   stages = _check_tile(block_n, lhs.dtype.itemsize, 1, stages, "grouped_matmul", tma_store)
-  return grouped_gemm.matmul_call(_matmul_pingpong, lhs, rhs, tile_expert, transpose_rhs, rows,
+  return grouped_gemm.matmul_call(_matmul_pingpong, lhs, rhs, tile_expert, transpose_rhs, cols,
                                   block_n=block_n, stages=stages, tma_store=tma_store)
 
 

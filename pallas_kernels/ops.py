@@ -44,20 +44,13 @@ def up_proj(x, w1, plan):
   return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, tiles(plan))
 
 
-def window_rows(lhs, plan, rows):
-  """(lhs's rows, the M tiles' experts) of a window of slot rows (lo, hi), or of them all
-  (rows=None). The window's rows are a copy: the kernels read lhs from its first row."""
-  if rows is None:
-    return lhs, tiles(plan)
-  lo, hi = rows
-  return lhs[lo:hi], tiles(plan)[lo // config.BLOCK_M:hi // config.BLOCK_M]
-
-
-def down_proj(a, w2, plan, rows=None):
+def down_proj(a, w2, plan, cols=None):
+  """Y = A_e W2_e per expert; cols=(lo, hi): Y's columns lo .. hi - 1 (W2's columns copied)."""
   config.check_operands("down_proj", a=a, w2=w2)
+  if cols is not None:
+    w2 = w2[:, :, cols[0]:cols[1]]
   config.check_dims(w2.shape[2], w2.shape[1])
-  lhs, tile_expert = window_rows(a, plan, rows)
-  return grouped_gemm.matmul(lhs, w2, tile_expert, transpose_rhs=False)
+  return grouped_gemm.matmul(a, w2, tiles(plan), transpose_rhs=False)
 
 
 def dh(dout, w2, h, scores, plan):
@@ -68,11 +61,13 @@ def dh(dout, w2, h, scores, plan):
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
 
 
-def dx_tilde(dh_, w1, plan, rows=None):
+def dx_tilde(dh_, w1, plan, cols=None):
+  """dX~ = dH_e W1_e^T per expert; cols as down_proj's (W1's rows copied)."""
   config.check_operands("dx_tilde", dh=dh_, w1=w1)
+  if cols is not None:
+    w1 = w1[:, cols[0]:cols[1], :]
   config.check_dims(w1.shape[1], w1.shape[2] // 2)
-  lhs, tile_expert = window_rows(dh_, plan, rows)
-  return grouped_gemm.matmul(lhs, w1, tile_expert, transpose_rhs=True)
+  return grouped_gemm.matmul(dh_, w1, tiles(plan), transpose_rhs=True)
 
 
 def dw1(x, dh_, plan):

@@ -3,17 +3,15 @@
 Ops (signatures as in xla_ops.py):
   top_k(logits, k) -> (values, experts)   router top-K over fp32 logits [T, E], as jax.lax.top_k
   up_proj(x, w1, plan) -> (H, A)          gather-fused varlen-M GEMM + SwiGLU
-  down_proj(a, w2, plan, rows=None) -> Y  varlen-M GEMM, contiguous store
-  aggregate(y, scores|None, plan, rows=None, acc=None, out_dtype=None) -> O
-                                          per-token gather-and-sum
+  down_proj(a, w2, plan, cols=None) -> Y  varlen-M GEMM, contiguous store
+  aggregate(y, scores|None, plan) -> O    per-token gather-and-sum
   dh(dO, w2, H, scores, plan) -> (dH, dS, A')
-  dx_tilde(dH, w1, plan, rows=None) -> dX~  varlen-M GEMM with W1^T
+  dx_tilde(dH, w1, plan, cols=None) -> dX~  varlen-M GEMM with W1^T
   dw1(x, dH, plan) -> dW1                 varlen-K GEMM, X rows gathered
   dw2(A', dO, plan) -> dW2                varlen-K GEMM, dO rows gathered
 
-rows=(lo, hi) (the layer's `windows`, routing.slot_windows): down_proj and dx_tilde make only
-the product's slot rows lo .. hi - 1, and aggregate sums a window's rows (y holds those rows
-only), adds the fp32 partial `acc` and returns out_dtype (fp32 for a partial).
+cols=(lo, hi) (the layer's `windows`, layer.column_windows): down_proj and dx_tilde make only
+the product's columns lo .. hi - 1.
 
 A backend is a module exposing OPS: {op name: function}, imported on first use, and optionally
 ALIGN: the row alignment its kernels need for each expert's group of slots (the routing plan
@@ -101,13 +99,17 @@ GPU_CUTE_WHERE = {"top_k": _many_experts, "up_proj": _everywhere, "down_proj": _
                   "dw2": _everywhere}
 
 
-# The layer's row windows when moe's `windows` is left None: WINDOWED_STORE_WINDOWS where the
-# store GEMMs (down_proj, dx_tilde) run on cute and Y's rows are at least as wide as H's
-# (d >= 2n), else 1. H200 session 19 (results/2026-12-01-h200-session19), the default's
-# forward+backward ms and step MiB, one -> two windows: 7B-n256 3.30 / 1303 -> 3.47 / 992,
-# 30B-n256 21.86 / 6970 -> 22.22 / 4798, 120B-n1024 35.91 / 7140 -> 36.67 / 4971, olmoe
-# 18.42 / 3542 -> 18.64 / 3016 (the PyTorch SonicMoE's step: 1210, 6684, 6670, 3082 MiB);
-# at 7B-n1024 (d < 2n) 2.84 / 674 -> 2.97 / 677: its peak is not the [slots, d] product.
+# The layer's column windows when moe's `windows` is left None: WINDOWED_STORE_WINDOWS where
+# the store GEMMs (down_proj, dx_tilde) run on cute and Y's rows are at least as wide as H's
+# (d >= 2n), else 1. H200 session 19 (results/2026-12-01-h200-session19) measured the rule
+# with windows of slot rows (each window's sums added into an fp32 [T, d] partial), the
+# default's forward+backward ms and step MiB, one -> two windows: 7B-n256 3.30 / 1303 -> 3.47 /
+# 992, 30B-n256 21.86 / 6970 -> 22.22 / 4798, 120B-n1024 35.91 / 7140 -> 36.67 / 4971, olmoe
+# 18.42 / 3542 -> 18.64 / 3016 (the PyTorch SonicMoE's step: 1210, 6684, 6670, 3082 MiB); at
+# 7B-n1024 (d < 2n) 2.84 / 674 -> 2.97 / 677: its peak is not the [slots, d] product. Nearly
+# all of the time was the partial's traffic and the masked per-window aggregations (30B-n256:
+# aggregation kernels 2.13 -> 3.14 ms); column windows, which replaced them, have neither (the
+# same peak; not yet timed on a GPU).
 WINDOWED_STORE_WINDOWS = 2
 
 

@@ -48,7 +48,7 @@ def _apply(x, router_w, w1, w2, dtype, deterministic, rng, rounding, mesh=None, 
   rounding = None if deterministic else rounding
   if mesh is not None:
     if kw.pop("windows") not in (None, 1):
-      raise ValueError("windows: the expert-parallel layer (mesh given) computes no row windows; "
+      raise ValueError("windows: the expert-parallel layer (mesh given) computes no column windows; "
                        "leave windows None (or 1) with a mesh")
     out, stats, _ = sharding.moe_expert_parallel(*args, mesh=mesh, data_axes=data_axes,
                                                  rounding=rounding, rng=rng, **kw)

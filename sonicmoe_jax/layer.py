@@ -26,33 +26,54 @@ def expert_mlp(ops: backends.Ops, x, scores, w1, w2, plan: RoutingPlan, windows:
 
   `plan`'s own `scores` field is ignored: the differentiable scores come in `scores`.
   windows: the [slots, d] products (Y; dX~ in the backward) are made and summed per token one
-  row window at a time (window_sum).
+  column window at a time (window_sum).
   """
   return _expert_mlp_fwd(ops, x, scores, w1, w2, plan, windows)[0]
 
 
-def window_sum(matmul, aggregate, lhs, rhs, scores, plan: RoutingPlan, windows: int, dtype):
-  """aggregate(matmul(lhs, rhs, plan), scores, plan) in `dtype`, the product made over
-  routing.slot_windows one window at a time: each window's rows are summed into an fp32 [T, d]
-  partial before the next window's GEMM starts (an optimization barrier orders them), so the
-  [slots, d] product is never whole in memory: its peak is one window's plus the partial.
-  (routing.slot_windows checks `windows`.)"""
-  bounds = routing.slot_windows(plan.num_slots, windows, plan.align)
+# A column window's width is a multiple of this (the GPU kernels' column tile divides it).
+WINDOW_COLUMN_ALIGN = 128
+
+
+def column_windows(num_cols: int, windows: int) -> list[tuple[int, int]]:
+  """`windows` consecutive column ranges [lo, hi) covering 0 .. num_cols - 1, their bounds
+  multiples of WINDOW_COLUMN_ALIGN (widths within one multiple of each other).
+
+  Raises TypeError when windows is not an int, ValueError when it is not in
+  [1, num_cols // WINDOW_COLUMN_ALIGN] (only 1 where num_cols is not a multiple of it)."""
+  if not isinstance(windows, int) or isinstance(windows, bool):
+    raise TypeError(f"windows must be a Python int; got {type(windows).__name__}")
+  if windows == 1:
+    return [(0, num_cols)]
+  tiles = num_cols // WINDOW_COLUMN_ALIGN if num_cols % WINDOW_COLUMN_ALIGN == 0 else 1
+  if not 1 <= windows <= tiles:
+    raise ValueError(f"windows must be between 1 and {tiles}: d={num_cols} splits into windows "
+                     f"whose widths are multiples of {WINDOW_COLUMN_ALIGN} columns; got {windows}")
+  cuts = [WINDOW_COLUMN_ALIGN * (tiles * i // windows) for i in range(windows)] + [num_cols]
+  return list(zip(cuts[:-1], cuts[1:]))
+
+
+def window_sum(matmul, aggregate, lhs, rhs, scores, plan: RoutingPlan, windows: int,
+               num_cols: int):
+  """aggregate(matmul(lhs, rhs, plan), scores, plan), the [slots, num_cols] product made over
+  column_windows one window at a time: each window's columns are summed per token before the
+  next window's GEMM starts (an optimization barrier orders them), so the product is never
+  whole in memory: its peak is one window's. The sums are the result's columns (no partial
+  sums: each window is complete in its columns)."""
+  bounds = column_windows(num_cols, windows)
   if len(bounds) == 1:
     return aggregate(matmul(lhs, rhs, plan), scores, plan)
-  partial = None
-  for i, rows in enumerate(bounds):
-    if partial is not None:
-      partial, lhs = jax.lax.optimization_barrier((partial, lhs))
-    out_dtype = dtype if i == len(bounds) - 1 else jnp.float32
-    partial = aggregate(matmul(lhs, rhs, plan, rows=rows), scores, plan, rows=rows, acc=partial,
-                        out_dtype=out_dtype)
-  return partial
+  outs = []
+  for cols in bounds:
+    if outs:
+      outs[-1], lhs = jax.lax.optimization_barrier((outs[-1], lhs))
+    outs.append(aggregate(matmul(lhs, rhs, plan, cols=cols), scores, plan))
+  return jnp.concatenate(outs, axis=1)
 
 
 def _expert_mlp_fwd(ops, x, scores, w1, w2, plan, windows):
   h, a = ops.up_proj(x, w1, plan)
-  out = window_sum(ops.down_proj, ops.aggregate, a, w2, scores, plan, windows, x.dtype)
+  out = window_sum(ops.down_proj, ops.aggregate, a, w2, scores, plan, windows, x.shape[1])
   return out, (x, h, scores, w1, w2, plan)
 
 
@@ -62,7 +83,7 @@ def _expert_mlp_bwd(ops, windows, residuals, dout):
   dh, dscores, a_scaled = ops.dh(dout, w2, h, scores, plan)
   # dW2 first: A' (and dO's rows, where a backend gathers them in XLA) die before dX~ is made
   dw2 = ops.dw2(a_scaled, dout, plan).astype(w2.dtype)
-  dx = window_sum(ops.dx_tilde, ops.aggregate, dh, w1, None, plan, windows, x.dtype)
+  dx = window_sum(ops.dx_tilde, ops.aggregate, dh, w1, None, plan, windows, x.shape[1])
   # The barrier keeps XLA from merging dW1's gather of X's rows with the forward's (when a
   # backend gathers them in XLA): merged, the gathered X [pairs, d] would be kept from the
   # forward to the backward, which is what this layer exists to avoid.
@@ -129,13 +150,13 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
     rng: PRNG key for rounding="stochastic".
     backend: "auto", "xla", "pallas", "cute", or {op: backend}; see backends.py.
     windows: compute the expert outputs Y [slots, d] (and in the backward dX~) in this many
-      row windows, each summed per token into an fp32 [T, d] partial before the next is made:
-      the layer's peak memory then holds one window of them instead of all (on a [T*K, d]
-      product, 1/windows of it) plus the partial, for one more read and write of the partial
-      per window and one more GEMM launch. 1: no windows. At most the plan's slots over the
-      kernels' row tile. None (default): the measured choice (backends.default_windows: two
-      where the store GEMMs run on cute and d >= 2n, else one; never more than the plan has
-      tiles).
+      column windows (of d), each summed per token into its columns of the output before the
+      next is made: the layer's peak memory then holds one window of the [T*K, d] product
+      instead of all of it, for one more GEMM launch per window and one more read of the
+      GEMM's left operand (A [slots, n]; dH [slots, 2n]). 1: no windows. At most
+      d / WINDOW_COLUMN_ALIGN (128). None (default): the measured choice
+      (backends.default_windows: two where the store GEMMs run on cute and d >= 2n, else one;
+      one where d is not a multiple of 128 or too narrow for them).
 
   Returns:
     MoEOutput(out [T, d] in x's dtype, plan, stats). Differentiable in x, router_w, w1, w2.
@@ -149,6 +170,8 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
                               top_k=ops.top_k)
   plan_arrays = dataclasses.replace(plan, scores=jax.lax.stop_gradient(plan.scores))
   if windows is None:
-    windows = min(ops.windows, max(1, plan.num_slots // plan.align))
+    d = x.shape[1]
+    fits = d % WINDOW_COLUMN_ALIGN == 0 and d >= ops.windows * WINDOW_COLUMN_ALIGN
+    windows = ops.windows if fits else 1
   out = expert_mlp(ops, x, plan.scores, w1, w2, plan_arrays, windows)
   return MoEOutput(out=out, plan=plan, stats=stats)

@@ -226,23 +226,6 @@ def num_slots(num_tokens: int, num_experts: int, k: int, tile: int = 1, align: i
   return _round_up(min(num_tokens * k + extra, most), align)
 
 
-def slot_windows(num_slots: int, windows: int, align: int) -> list[tuple[int, int]]:
-  """`windows` consecutive row ranges [lo, hi) covering the slots 0 .. num_slots - 1, their
-  bounds multiples of `align` (so a kernel's M tile never straddles two), as even as that
-  allows. The layer computes its [slots, d] products (Y, dX~) one window at a time.
-
-  Raises ValueError when windows is not an int in [1, num_slots // align] (the number of
-  align-row tiles: a window holds at least one)."""
-  tiles = num_slots // align
-  if not isinstance(windows, int) or isinstance(windows, bool):
-    raise TypeError(f"windows must be a Python int; got {type(windows).__name__}")
-  if not 1 <= windows <= tiles:
-    raise ValueError(f"windows must be between 1 and {tiles} (the plan's {num_slots} slots in "
-                     f"tiles of {align} rows); got {windows}")
-  cuts = [align * (tiles * i // windows) for i in range(windows)] + [num_slots]
-  return list(zip(cuts[:-1], cuts[1:]))
-
-
 def _round_up(x, m):
   return (x + m - 1) // m * m
 

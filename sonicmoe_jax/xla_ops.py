@@ -30,14 +30,9 @@ def gather_rows(x, index):
   return jax.lax.bitcast_convert_type(out, x.dtype).reshape(index.shape[0], width)
 
 
-def _grouped_matmul(lhs, rhs, plan: RoutingPlan, rows=None):
-  """Varlen-M grouped GEMM: slot rows of expert e times rhs[e], fp32 result; with rows=(lo, hi)
-  only slot rows lo .. hi - 1 (the result's rows)."""
-  if rows is None:
-    return jax.lax.ragged_dot(lhs, rhs, plan.padded_group_sizes, preferred_element_type=_F32)
-  lo, hi = rows
-  offsets = jnp.clip(plan.group_offsets, lo, hi)   # each group's part of the window
-  return jax.lax.ragged_dot(lhs[lo:hi], rhs, jnp.diff(offsets), preferred_element_type=_F32)
+def _grouped_matmul(lhs, rhs, plan: RoutingPlan):
+  """Varlen-M grouped GEMM: slot rows of expert e times rhs[e], fp32 result."""
+  return jax.lax.ragged_dot(lhs, rhs, plan.padded_group_sizes, preferred_element_type=_F32)
 
 
 def _grouped_weight_grad(lhs, rhs, plan: RoutingPlan):
@@ -60,13 +55,15 @@ def up_proj(x, w1, plan: RoutingPlan):
   return h.astype(x.dtype), swiglu.forward(h).astype(x.dtype)
 
 
-def down_proj(a, w2, plan: RoutingPlan, rows=None):
-  """Y = A_e W2_e per expert, contiguous in slot order; with rows=(lo, hi) Y's slot rows
-  lo .. hi - 1 only."""
-  return _grouped_matmul(a, w2, plan, rows).astype(a.dtype)
+def down_proj(a, w2, plan: RoutingPlan, cols=None):
+  """Y = A_e W2_e per expert, contiguous in slot order; with cols=(lo, hi) Y's columns
+  lo .. hi - 1 only (W2's columns sliced)."""
+  if cols is not None:
+    w2 = w2[:, :, cols[0]:cols[1]]
+  return _grouped_matmul(a, w2, plan).astype(a.dtype)
 
 
-def aggregate(y, scores, plan: RoutingPlan, rows=None, acc=None, out_dtype=None):
+def aggregate(y, scores, plan: RoutingPlan):
   """O_t = sum over token t's slots of score * Y_slot (fp32 sum); scores=None sums plainly.
 
   A gather-and-sum, never a scatter: with a variable slot count per token (token rounding),
@@ -74,58 +71,38 @@ def aggregate(y, scores, plan: RoutingPlan, rows=None, acc=None, out_dtype=None)
   blocks as the busiest token needs (usually two: rounding adds fewer than a tile of tokens
   per expert), or where the plan bounds a token's slots (plan.max_token_slots: plans from
   given assignments) that many, unrolled.
-
-  Windows (the layer's `windows`): with rows=(lo, hi), y holds slot rows lo .. hi - 1 only and
-  the sum runs over each token's slots in that range (scores stays indexed by slot, [P]); acc,
-  fp32 [T, d], is added to the sum (the windows before); the result has out_dtype (default
-  y's: fp32 for a partial sum).
   """
-  out_dtype = y.dtype if out_dtype is None else out_dtype
-  lo = 0 if rows is None else rows[0]
-  num_rows = y.shape[0]
-
-  def read(slot):  # fp32 (weighted) rows of slots [...]; zeros for slots outside y's rows
-    index = jnp.where((slot >= lo) & (slot < lo + num_rows), slot - lo, num_rows)
-    # a plain gather, not gather_rows: XLA fuses it into the sum (the word view it would not)
-    block = y.at[index].get(mode="fill", fill_value=0).astype(_F32)
+  if plan.fixed_k:  # every token has exactly k slots
+    rows = y.astype(_F32)
     if scores is not None:
-      block = block * scores.at[slot].get(mode="fill", fill_value=0)[..., None]
-    return block
-
-  if plan.fixed_k and rows is None:  # every token has exactly k slots, all in y
-    weighted = y.astype(_F32)
-    if scores is not None:
-      weighted = weighted * scores[:, None]
-    out = jnp.sum(weighted[plan.token_slots].reshape(plan.num_tokens, plan.k, -1), axis=1)
-  elif plan.fixed_k:
-    out = jnp.sum(read(plan.token_slots.reshape(plan.num_tokens, plan.k)), axis=1)
-  else:
-    out = _variable_slots_sum(read, plan)
-  if acc is not None:
-    out = out + acc
-  return out.astype(out_dtype)
-
-
-def _variable_slots_sum(read, plan: RoutingPlan):
-  """aggregate's sum where tokens have any number of slots (see its docstring), fp32."""
+      rows = rows * scores[:, None]
+    out = jnp.sum(rows[plan.token_slots].reshape(plan.num_tokens, plan.k, -1), axis=1)
+    return out.astype(y.dtype)
   starts = plan.token_offsets[:-1]
   counts = plan.token_offsets[1:] - starts
   column = jnp.arange(plan.k, dtype=jnp.int32)
+  num_rows = y.shape[0]
 
-  def block_sum(b):  # token t's slots b*k .. b*k+k-1 (none past its count), summed
+  def block_sum(b):  # token t's slots b*k .. b*k+k-1 (zero rows past its count), summed
     j = b * plan.k + column[None, :]                                      # [T, k]
-    slot = plan.token_slots[jnp.minimum(starts[:, None] + j, plan.num_slots - 1)]
-    return jnp.sum(read(jnp.where(j < counts[:, None], slot, plan.num_slots)), axis=1)
+    slot = plan.token_slots[jnp.minimum(starts[:, None] + j, num_rows - 1)]
+    slot = jnp.where(j < counts[:, None], slot, num_rows)
+    # a plain gather, not gather_rows: XLA fuses it into the sum (the word view it would not)
+    block = y.at[slot].get(mode="fill", fill_value=0).astype(_F32)        # [T, k, d]
+    if scores is not None:
+      block = block * scores.at[slot].get(mode="fill", fill_value=0)[..., None]
+    return jnp.sum(block, axis=1)
 
   if plan.max_token_slots is not None:   # as many blocks as a token can fill: no device loop
     out = block_sum(0)
     for b in range(1, -(-plan.max_token_slots // plan.k)):
       out = out + block_sum(b)
-    return out
+    return out.astype(y.dtype)
   # the first block covers every slot of most tokens; the loop (a device while loop: a host
   # round trip per step on a GPU) only the busiest tokens' rest
   num_blocks = (jnp.max(counts) + plan.k - 1) // plan.k
-  return jax.lax.fori_loop(1, num_blocks, lambda b, acc: acc + block_sum(b), block_sum(0))
+  out = jax.lax.fori_loop(1, num_blocks, lambda b, acc: acc + block_sum(b), block_sum(0))
+  return out.astype(y.dtype)
 
 
 def dh(dout, w2, h, scores, plan: RoutingPlan):
@@ -137,9 +114,12 @@ def dh(dout, w2, h, scores, plan: RoutingPlan):
   return dh_.astype(h.dtype), dscores, (s * a).astype(h.dtype)
 
 
-def dx_tilde(dh_, w1, plan: RoutingPlan, rows=None):
-  """dX~ = dH_e W1_e^T per expert, contiguous in slot order; rows as down_proj's."""
-  return _grouped_matmul(dh_, jnp.swapaxes(w1, 1, 2), plan, rows).astype(dh_.dtype)
+def dx_tilde(dh_, w1, plan: RoutingPlan, cols=None):
+  """dX~ = dH_e W1_e^T per expert, contiguous in slot order; cols as down_proj's (W1's rows
+  sliced)."""
+  if cols is not None:
+    w1 = w1[:, cols[0]:cols[1], :]
+  return _grouped_matmul(dh_, jnp.swapaxes(w1, 1, 2), plan).astype(dh_.dtype)
 
 
 def dw1(x, dh_, plan: RoutingPlan):

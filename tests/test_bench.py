@@ -17,7 +17,7 @@ def test_bench_tiny(tmp_path):
   for r in saved:
     assert KEYS <= set(r)
   assert by_impl["xla"]["status"] == "ok" and by_impl["xla"]["fwd_ms"] > 0
-  assert by_impl["xla/w2"]["status"] == "ok"   # the layer with two row windows
+  assert by_impl["xla/w2"]["status"] == "ok"   # the layer with two column windows
   assert by_impl["nosuch"]["status"].startswith("ValueError")  # a failure is a row
   # our layer keeps less for backward than plain autodiff of the same math
   assert by_impl["xla"]["act_bytes"] < by_impl["lax_ragged_dot"]["act_bytes"]
@@ -74,7 +74,8 @@ def test_check_anchors_tiny(monkeypatch):
   rounded = check_anchors.check("tiny", cfg, "xla", "nearest")
   assert rounded["ok"] and rounded["dx_rel_err_max"] is None
   assert check_anchors.check("tiny", cfg, "up_proj=xla+dh=xla", None)["ok"]   # a per-op mix
-  assert check_anchors.check("tiny", cfg, "xla", None, windows=3)["ok"]   # row windows
+  # column windows
+  assert check_anchors.check("tiny", (512, 384, 64, 8, 2), "xla", None, windows=3)["ok"]
   real = check_anchors.token_output
   monkeypatch.setattr(check_anchors, "token_output", lambda *a: 1.1 * real(*a))
   check_anchors.token_references.clear_cache()

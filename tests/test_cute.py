@@ -1344,47 +1344,50 @@ def test_ffi_call_rejects_bad_modes_and_dtypes():
 WINDOW_KERNELS = ["pingpong_tma", "pingpong", "grouped", "grouped_ws"]
 
 
-def _windowed_matmul(kernel, transpose_rhs, rows):
-  """The store GEMM `kernel` (ffi.ops' variants) as fn(lhs, rhs, tile_expert), rows a window."""
+def _windowed_matmul(kernel, transpose_rhs, cols):
+  """The store GEMM `kernel` (ffi.ops' variants) as fn(lhs, rhs, tile_expert), cols a window."""
   from ffi import grouped_gemm, pingpong
   if kernel.startswith("pingpong"):
     return lambda a, b, t: pingpong.grouped_matmul(a, b, t, transpose_rhs=transpose_rhs,
-                                                   tma_store=kernel == "pingpong_tma", rows=rows)
+                                                   tma_store=kernel == "pingpong_tma", cols=cols)
   return lambda a, b, t: grouped_gemm.grouped_matmul(
       a, b, t, transpose_rhs=transpose_rhs, block_n=256 if kernel == "grouped_ws" else 128,
-      warp_specialized=kernel == "grouped_ws", rows=rows)
+      warp_specialized=kernel == "grouped_ws", cols=cols)
 
 
 @needs_cute
 @pytest.mark.parametrize("kernel", WINDOW_KERNELS)
 def test_cute_windowed_store_matmuls_compile_for_cuda(kernel):
-  """down_proj's and dx_tilde's kernels on a window of rows (the layer's `windows`): they
-  compile for sm_90a reading lhs and the tile table from the window's first row (views in the
-  kernel: XLA may pass a slice at an offset off its 16-byte alignment, which the call refuses);
-  out has the window's rows; a window not on tile bounds is refused."""
-  P, K, N, E = 1024, 256, 512, 4
+  """down_proj's and dx_tilde's kernels on a window of columns (the layer's `windows`): they
+  compile for sm_90a reading rhs from the window's first column (a view in the kernel: XLA may
+  pass a slice at an offset off its 16-byte alignment, which the call refuses); out has the
+  window's columns; a window starting off 16 bytes or not a multiple of the tile is refused."""
+  P, K, N, E = 1024, 256, 1024, 4
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16),
             jax.ShapeDtypeStruct((E, N, K), jnp.bfloat16),
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
-  fn = _windowed_matmul(kernel, True, (384, 768))
+  fn = _windowed_matmul(kernel, True, (256, 768))
   module = _cuda_module(fn, *shapes)
   assert FFI_TARGET in module and "slice" not in module
-  assert jax.eval_shape(fn, *shapes).shape == (384, N)
-  with pytest.raises(ValueError, match="multiples of 128"):
-    jax.eval_shape(_windowed_matmul(kernel, True, (100, 768)), *shapes)
+  assert jax.eval_shape(fn, *shapes).shape == (P, 512)
+  with pytest.raises(ValueError, match="starting at a multiple of 8"):
+    jax.eval_shape(_windowed_matmul(kernel, True, (100, 612)), *shapes)
+  with pytest.raises(ValueError, match="multiple of block_n"):
+    jax.eval_shape(_windowed_matmul(kernel, True, (0, 200)), *shapes)
 
 
 @needs_cute
 @pytest.mark.parametrize("d,n,windows", [(256, 128, 2), (256, 256, 1)])
 def test_cute_store_gemms_window_the_layer_by_default_where_d_is_at_least_2n(d, n, windows):
-  """backend "cute" resolves to two row windows by default where d >= 2n (moe's windows=None)."""
+  """backend "cute" resolves to two column windows by default where d >= 2n (moe's
+  windows=None)."""
   assert sm.backends.resolve("cute", dtype=jnp.bfloat16, d=d, n=n).windows == windows
 
 
 @needs_cute
-def test_cute_windowed_aggregate_compiles_and_lowers_for_cuda():
-  """The layer with windows on backend "cute" (its store GEMMs and gather-and-sum on windows,
-  the partial sums added in the kernel): forward and backward export for CUDA."""
+def test_cute_layer_with_windows_compiles_and_lowers_for_cuda():
+  """The layer with windows on backend "cute" (its store GEMMs on column windows, each summed
+  by gather_sum): forward and backward export for CUDA, one barrier per pass between them."""
   T, d, n, E, K = 256, 256, 128, 32, 4
   args = make_inputs(0, T, d, n, E, jnp.bfloat16)
   loss = lambda *a: jnp.sum(sm.moe(*a, k=K, backend="cute", windows=2).out.astype(jnp.float32))
@@ -1395,44 +1398,23 @@ def test_cute_windowed_aggregate_compiles_and_lowers_for_cuda():
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("kernel", WINDOW_KERNELS)
-@pytest.mark.parametrize("rows", [(0, 384), (384, 1280), (1280, 2560)])
-def test_cute_windowed_store_matmuls_give_the_windows_rows_on_gpu(kernel, rows):
-  """A window of the product is the whole product's rows bit for bit (lhs read from the
-  window's first row; the last window ends at P; tiles past the groups: zeros)."""
-  E, K, N = 5, 384, 512
+@pytest.mark.parametrize("transpose_rhs", [True, False])
+@pytest.mark.parametrize("cols", [(0, 256), (256, 768), (768, 1024), (136, 392)])
+def test_cute_windowed_store_matmuls_give_the_windows_columns_on_gpu(kernel, transpose_rhs,
+                                                                      cols):
+  """A window of the product is the whole product's columns bit for bit (rhs read from the
+  window's first column, on a tile boundary or not; tiles past the groups: zeros)."""
+  E, K, N = 5, 384, 1024
   num_tiles = 20
   tile_expert = jnp.sort(jax.random.randint(jax.random.key(91), (num_tiles,), 0, E + 1))
   P = num_tiles * 128
   lhs = jax.random.normal(jax.random.key(92), (P, K)).astype(jnp.bfloat16)
-  rhs = (jax.random.normal(jax.random.key(93), (E, N, K)) / 8).astype(jnp.bfloat16)
+  shape = (E, N, K) if transpose_rhs else (E, K, N)
+  rhs = (jax.random.normal(jax.random.key(93), shape) / 8).astype(jnp.bfloat16)
   tile_expert = tile_expert.astype(jnp.int32)
-  whole = jax.jit(_windowed_matmul(kernel, True, None))(lhs, rhs, tile_expert)
-  window = jax.jit(_windowed_matmul(kernel, True, rows))(lhs, rhs, tile_expert)
-  np.testing.assert_array_equal(window, whole[rows[0]:rows[1]])
-
-
-@pytest.mark.gpu
-@needs_cute
-@pytest.mark.parametrize("rounding", [None, "nearest"])
-def test_cute_windowed_aggregate_matches_xla_on_gpu(rounding):
-  """gather_sum over windows of Y, each adding the last one's fp32 partial, against
-  xla_ops.aggregate of the whole (tokens with slots in one window only, or none)."""
-  from ffi import ops as cute_ops
-  from sonicmoe_jax import routing, xla_ops
-  T, d, n, E, K = 1000, 512, 128, 16, 4
-  x, router_w, _, _ = make_inputs(5, T, d, n, E, jnp.bfloat16)
-  plan, _ = sm.route(sm.router_logits(x, router_w), k=K, rounding=rounding, tile=128, align=128)
-  y = jax.random.normal(jax.random.key(6), (plan.num_slots, d)).astype(jnp.bfloat16)
-  want = xla_ops.aggregate(y, plan.scores, plan)
-  partial = None
-  bounds = routing.slot_windows(plan.num_slots, 3, plan.align)
-  for i, rows in enumerate(bounds):
-    partial = jax.jit(lambda y, s, p, acc, rows=rows, last=i == len(bounds) - 1:
-                      cute_ops.aggregate(y, s, p, rows=rows, acc=acc,
-                                         out_dtype=jnp.bfloat16 if last else jnp.float32))(
-        y[rows[0]:rows[1]], plan.scores, plan, partial)
-  assert partial.dtype == jnp.bfloat16
-  assert rel_err(partial, want) < 1e-2
+  whole = jax.jit(_windowed_matmul(kernel, transpose_rhs, None))(lhs, rhs, tile_expert)
+  window = jax.jit(_windowed_matmul(kernel, transpose_rhs, cols))(lhs, rhs, tile_expert)
+  np.testing.assert_array_equal(window, whole[:, cols[0]:cols[1]])
 
 
 @pytest.mark.gpu
@@ -1440,7 +1422,7 @@ def test_cute_windowed_aggregate_matches_xla_on_gpu(rounding):
 @pytest.mark.parametrize("windows", [2, 3])
 def test_layer_with_windows_matches_without_on_gpu(windows):
   """The default backend's layer with windows: forward and gradients as without (the same
-  kernels; only the fp32 sums' order differs)."""
+  kernels on column windows: each output column summed as without)."""
   T, d, n, E, K = 2048, 1024, 256, 32, 8
   args = make_inputs(7, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(8), (T, d))

@@ -75,23 +75,23 @@ def test_nnx_and_linen_pass_windows_to_the_layer():
   """windows reaches the functional layer (the same output; out of its range: the layer's
   error); with a mesh it must stay 1 (the expert-parallel layer has no windows)."""
   import pytest
-  x = jax.random.normal(jax.random.key(7), (96, 32))
-  m = sm.SonicMoE(32, 16, 8, 2, dtype=jnp.float32, windows=3, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(7), (96, 384))
+  m = sm.SonicMoE(384, 16, 8, 2, dtype=jnp.float32, windows=3, rngs=nnx.Rngs(0))
   m.eval()
   ref = oracle_moe(x, m.router_w[...], m.w1[...], m.w2[...], k=2)
   assert rel_err(m(x)[0], ref) < 1e-4
-  mod = sm.SonicMoELinen(d_model=32, d_expert=16, num_experts=8, k=2, tile=16,
+  mod = sm.SonicMoELinen(d_model=384, d_expert=16, num_experts=8, k=2, tile=16,
                          dtype=jnp.float32, windows=2)
   params = mod.init(jax.random.key(0), x)
   p = params["params"]
   y, _ = mod.apply(params, x, deterministic=True)
   assert rel_err(y, oracle_moe(x, p["router_w"], p["w1"], p["w2"], k=2)) < 1e-4
-  too_many = sm.SonicMoE(32, 16, 8, 2, dtype=jnp.float32, windows=10_000, rngs=nnx.Rngs(0))
+  too_many = sm.SonicMoE(384, 16, 8, 2, dtype=jnp.float32, windows=10_000, rngs=nnx.Rngs(0))
   too_many.eval()
   with pytest.raises(ValueError, match="windows must be between 1 and"):
     too_many(x)
   mesh = jax.make_mesh((1,), ("expert",))
-  sharded = sm.SonicMoE(32, 16, 8, 2, dtype=jnp.float32, windows=2, mesh=mesh, rngs=nnx.Rngs(0))
+  sharded = sm.SonicMoE(384, 16, 8, 2, dtype=jnp.float32, windows=2, mesh=mesh, rngs=nnx.Rngs(0))
   sharded.eval()
   with pytest.raises(ValueError, match="windows: the expert-parallel layer"):
     sharded(x)

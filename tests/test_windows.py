@@ -1,4 +1,4 @@
-"""The layer's row windows (moe(..., windows=W)): the same result as without, a smaller peak."""
+"""The layer's column windows (moe(..., windows=W)): the same result as without, a smaller peak."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,46 +6,32 @@ import pytest
 
 import sonicmoe_jax as sm
 from conftest import make_inputs, rel_err
-from sonicmoe_jax import routing, xla_ops
+from sonicmoe_jax import xla_ops
 
 
-@pytest.mark.parametrize("num_slots,windows,align", [(512, 2, 128), (640, 3, 128), (37, 4, 1),
-                                                      (768, 2, 256), (384, 3, 128)])
-def test_slot_windows_cover_the_slots_in_aligned_consecutive_ranges(num_slots, windows, align):
-  bounds = routing.slot_windows(num_slots, windows, align)
-  assert len(bounds) == windows and bounds[0][0] == 0 and bounds[-1][1] == num_slots
+@pytest.mark.parametrize("num_cols,windows", [(256, 2), (384, 3), (1536, 2), (640, 3),
+                                              (4096, 4), (100, 1)])
+def test_column_windows_cover_the_columns_in_aligned_consecutive_ranges(num_cols, windows):
+  bounds = sm.layer.column_windows(num_cols, windows)
+  assert len(bounds) == windows and bounds[0][0] == 0 and bounds[-1][1] == num_cols
   for (lo, hi), (next_lo, _) in zip(bounds, bounds[1:]):
     assert hi == next_lo
+  align = sm.layer.WINDOW_COLUMN_ALIGN
   for lo, hi in bounds:
-    assert hi > lo and lo % align == 0 and (hi % align == 0 or hi == num_slots)
+    assert hi > lo and (windows == 1 or (lo % align == 0 and hi % align == 0))
 
 
-@pytest.mark.parametrize("windows", [0, 5, 2.0, True])
-def test_slot_windows_refuse_what_cannot_be_split(windows):
+@pytest.mark.parametrize("num_cols,windows", [(512, 0), (512, 5), (512, 2.0), (512, True),
+                                              (320, 2)])
+def test_column_windows_refuse_what_cannot_be_split(num_cols, windows):
   with pytest.raises((ValueError, TypeError), match="windows"):
-    routing.slot_windows(512, windows, 128)   # four tiles of 128 rows
-
-
-@pytest.mark.parametrize("rounding", [None, "up"])
-def test_windowed_aggregate_adds_up_to_the_whole(rounding):
-  """aggregate over windows of Y's rows, each adding the previous partial, is the aggregate of
-  all rows (fp32 partials; exact up to the summation order)."""
-  T, d, n, E, K = 96, 32, 16, 8, 3
-  x, router_w, w1, w2 = make_inputs(3, T, d, n, E, jnp.float32)
-  plan, _ = sm.route(sm.router_logits(x, router_w), k=K, rounding=rounding, tile=16, align=16)
-  y = jax.random.normal(jax.random.key(4), (plan.num_slots, d))
-  whole = xla_ops.aggregate(y, plan.scores, plan)
-  partial = None
-  for rows in routing.slot_windows(plan.num_slots, 3, plan.align):
-    partial = xla_ops.aggregate(y[rows[0]:rows[1]], plan.scores, plan, rows=rows, acc=partial,
-                                out_dtype=jnp.float32)
-  np.testing.assert_allclose(partial, whole, rtol=1e-5, atol=1e-5)
+    sm.layer.column_windows(num_cols, windows)   # 512: four column tiles of 128
 
 
 @pytest.mark.parametrize("windows", [2, 3])
 @pytest.mark.parametrize("rounding", [None, "nearest"])
 def test_windows_give_the_layer_and_its_gradients_unchanged(windows, rounding):
-  T, d, n, E, K = 128, 32, 16, 8, 4
+  T, d, n, E, K = 128, 384, 16, 8, 4
   x, router_w, w1, w2 = make_inputs(5, T, d, n, E, jnp.float32)
   dout = jax.random.normal(jax.random.key(6), (T, d))
 
@@ -65,28 +51,29 @@ def test_windows_give_the_layer_and_its_gradients_unchanged(windows, rounding):
 def test_window_sum_orders_each_window_after_the_last_ones_sum():
   """Without the optimization barrier XLA may make every window's GEMM first (all of the
   product alive at once, as without windows): one barrier between consecutive windows."""
-  T, d, n, E, K = 256, 64, 16, 8, 4
+  T, d, n, E, K = 256, 384, 16, 8, 4
   x, router_w, _, _ = make_inputs(7, T, 32, n, E, jnp.bfloat16)
   plan, _ = sm.route(sm.router_logits(x, router_w), k=K, align=128)
   a = jax.random.normal(jax.random.key(8), (plan.num_slots, n), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(9), (n, d), jnp.bfloat16)
 
-  def matmul(lhs, rhs, plan, rows=None):
-    lo, hi = (0, plan.num_slots) if rows is None else rows
-    return jnp.dot(lhs[lo:hi], rhs, preferred_element_type=jnp.float32).astype(lhs.dtype)
+  def matmul(lhs, rhs, plan, cols=None):
+    lo, hi = (0, d) if cols is None else cols
+    return jnp.dot(lhs, rhs[:, lo:hi], preferred_element_type=jnp.float32).astype(lhs.dtype)
 
+  whole = xla_ops.aggregate(matmul(a, w, plan), plan.scores, plan)
   for windows in (1, 2, 3):
-    text = jax.jit(lambda a, w, plan: sm.layer.window_sum(
-        matmul, xla_ops.aggregate, a, w, plan.scores, plan, windows, jnp.bfloat16)).lower(
-            a, w, plan).as_text()
-    assert text.count("optimization_barrier") == windows - 1
+    fn = jax.jit(lambda a, w, plan: sm.layer.window_sum(
+        matmul, xla_ops.aggregate, a, w, plan.scores, plan, windows, d))
+    assert fn.lower(a, w, plan).as_text().count("optimization_barrier") == windows - 1
+    np.testing.assert_array_equal(fn(a, w, plan), whole)   # each column's sum as without
 
 
 @pytest.mark.gpu
 def test_windows_lower_the_steps_peak_memory_on_gpu():
   """The layer's forward+backward with two windows on the GPU's default backend: XLA's
   temporaries at their peak shrink by at least a quarter of the [T K, d] product (half of it
-  less the fp32 [T, d] partial, an eighth of it at K = 16)."""
+  less the first window's [T, d / 2] sums, a 32nd of it at K = 16)."""
   T, d, n, E, K = 2048, 1024, 256, 32, 16
   x, router_w, w1, w2 = make_inputs(7, T, d, n, E, jnp.bfloat16)
   dout = jax.random.normal(jax.random.key(8), (T, d), jnp.bfloat16)
@@ -116,18 +103,18 @@ def test_default_windows_are_two_where_cute_stores_a_product_as_wide_as_h(stores
   assert sm.backends.resolve("xla", d=d, n=n).windows == 1
 
 
-@pytest.mark.parametrize("num_tokens,num_experts,default,barriers",
-                         [(256, 4, 3, 2), (256, 4, 1, 0), (256, 1, 3, 1), (8, 1, 3, 0)])
-def test_moe_without_windows_takes_the_backends_default_within_the_plans_tiles(
-    monkeypatch, num_tokens, num_experts, default, barriers):
-  """windows=None: the resolved backend's default (Ops.windows), fewer where the plan has
-  fewer tiles (one barrier per window boundary in the forward; groups aligned to 128 rows as
-  for the GPU kernels: 256 + 4 * 127 slots make five tiles, 256 + 127 two, 8 + 127 one)."""
+@pytest.mark.parametrize("d,default,barriers", [(384, 3, 2), (384, 1, 0), (256, 3, 0),
+                                                 (320, 2, 0)])
+def test_moe_without_windows_takes_the_backends_default_where_d_fits_it(
+    monkeypatch, d, default, barriers):
+  """windows=None: the resolved backend's default (Ops.windows), one where d is not a
+  multiple of 128 columns or narrower than the windows (one barrier per window boundary in
+  the forward)."""
   real_resolve = sm.backends.resolve
-  monkeypatch.setattr(sm.backends, "resolve", lambda *a, **kw: real_resolve(*a, **kw)._replace(
-      windows=default, align=128))
-  x, router_w, w1, w2 = make_inputs(11, num_tokens, 32, 16, num_experts, jnp.float32)
-  forward = lambda *a: sm.moe(*a, k=1, backend="xla").out
+  monkeypatch.setattr(sm.backends, "resolve",
+                      lambda *a, **kw: real_resolve(*a, **kw)._replace(windows=default))
+  x, router_w, w1, w2 = make_inputs(11, 64, d, 16, 4, jnp.float32)
+  forward = lambda *a: sm.moe(*a, k=2, backend="xla").out
   jaxpr = str(jax.make_jaxpr(forward)(x, router_w, w1, w2))
   assert jaxpr.count("optimization_barrier") == barriers
 
@@ -139,9 +126,9 @@ def test_moe_names_the_windows_limit():
 
 
 def test_pallas_layer_with_windows_matches_xla_interpret():
-  """The pallas backend's store GEMMs on windows (their rows sliced from lhs), interpreted on
+  """The pallas backend's store GEMMs on windows (the weights' columns sliced), interpreted on
   the CPU: the layer and its gradients as the xla backend's without windows."""
-  T, d, n, E, K = 256, 128, 64, 4, 2
+  T, d, n, E, K = 256, 384, 64, 4, 2
   args = make_inputs(9, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(10), (T, d))
 
