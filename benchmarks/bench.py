@@ -20,6 +20,7 @@ import argparse
 import datetime
 import functools
 import importlib
+import importlib.metadata
 import json
 import os
 import statistics
@@ -193,6 +194,10 @@ def versions():
     v["tokamax"] = tokamax.__version__
   except Exception:
     pass
+  try:   # without it "auto" runs pallas: the rows say which they measured
+    v["nvidia_cutlass_dsl"] = importlib.metadata.version("nvidia-cutlass-dsl")
+  except importlib.metadata.PackageNotFoundError:
+    v["nvidia_cutlass_dsl"] = None
   return v
 
 

@@ -59,7 +59,9 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export SONICMOE_CUTE_CACHE=${SONICMOE_CUTE_CACHE:-/tmp/cute-cache}   # shared by the cute modes
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())"; } | tee "$OUT/gpu.txt"
+  python3 -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())"
+  python3 -c "from importlib import metadata as m; print('nvidia-cutlass-dsl', m.version('nvidia-cutlass-dsl'))" 2>/dev/null \
+    || echo "nvidia-cutlass-dsl: not importable (the cute backend is off: 'auto' runs pallas)"; } | tee "$OUT/gpu.txt"
 # the PyTorch SonicMoE's PYTHONPATH: its staged wheels alone (it pins an older
 # nvidia-cutlass-dsl than the cute backend's, which this process's PYTHONPATH may carry)
 torch_pythonpath() { [ -f /tmp/devsite-upstream/env.sh ] && (unset PYTHONPATH; . /tmp/devsite-upstream/env.sh; echo "$PYTHONPATH"); }
