@@ -244,7 +244,8 @@ def run_torch(names, cfgs, meta, timeout_s, pythonpath=None):
           for nm in names]
   for r, (nm, cfg) in zip(recs, zip(names, cfgs)):
     T, d, n, E, K = cfg
-    r.update(meta, config=nm, T=T, d=d, n=n, E=E, K=K)
+    r.update({k: v for k, v in meta.items() if k != "versions" or "versions" not in r},
+             config=nm, T=T, d=d, n=n, E=E, K=K)   # (its own process's versions kept)
     for key in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "act_bytes",
                 "step_bytes"):
       r.setdefault(key, None)

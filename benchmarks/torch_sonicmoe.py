@@ -8,6 +8,7 @@ argv[2] == "--profile-one-step": instead, after two warm-up steps, one forward+b
 between cudaProfilerStart and cudaProfilerStop, for `ncu --profile-from-start off`
 (benchmarks/ncu_step.py does the same for ours).
 """
+import importlib.metadata
 import json
 import statistics
 import sys
@@ -69,11 +70,22 @@ def profile_one_step(step):
   torch.cuda.cudart().cudaProfilerStop()
 
 
+def versions():
+  """This process's torch, sonic-moe and CuTe DSL versions (not the JAX process's)."""
+  v = {"python": sys.version.split()[0]}
+  for package in ("torch", "sonic-moe", "quack-kernels", "nvidia-cutlass-dsl"):
+    try:
+      v[package] = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+      v[package] = None
+  return v
+
+
 def main():
   from sonicmoe import KernelBackendMoE, MoE
   from sonicmoe.enums import ActivationType
   for name, (T, d, n, E, K) in json.loads(sys.argv[1]).items():
-    rec = dict(impl="torch_sonicmoe", config=name, status="ok")
+    rec = dict(impl="torch_sonicmoe", config=name, status="ok", versions=versions())
     try:
       torch.manual_seed(0)
       layer = MoE(num_experts=E, num_experts_per_tok=K, hidden_size=d, intermediate_size=n,

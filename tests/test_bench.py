@@ -28,7 +28,8 @@ def test_bench_tiny(tmp_path):
 
 def test_torch_rows_from_its_subprocess(monkeypatch):
   """The PyTorch SonicMoE's subprocess gets the given PYTHONPATH (its own wheels), its records
-  become rows with TF/s, and a config it did not reach is a row saying so."""
+  become rows with TF/s and keep its own versions, and a config it did not reach is a row
+  saying so (with this process's)."""
   import subprocess
   import types
   calls = []
@@ -36,14 +37,17 @@ def test_torch_rows_from_its_subprocess(monkeypatch):
   def fake_run(cmd, **kw):
     calls.append(kw["env"])
     line = json.dumps(dict(impl="torch_sonicmoe", config="a", status="ok", fwd_ms=1.0,
-                           fwd_bwd_ms=3.0, bwd_ms=2.0))
+                           fwd_bwd_ms=3.0, bwd_ms=2.0, versions={"torch": "9.9"}))
     return types.SimpleNamespace(stdout=line + "\n", stderr="")
   monkeypatch.setattr(subprocess, "run", fake_run)
   cfgs = [(256, 128, 64, 4, 2), (512, 128, 64, 4, 2)]
-  recs = bench.run_torch(["a", "b"], cfgs, dict(gpu="test"), 10, pythonpath="/torch/site")
+  recs = bench.run_torch(["a", "b"], cfgs, dict(gpu="test", versions={"jax": "0.0"}), 10,
+                         pythonpath="/torch/site")
   assert calls[0]["PYTHONPATH"] == "/torch/site"
   assert recs[0]["status"] == "ok" and recs[0]["fwd_tflops"] > 0 and recs[0]["gpu"] == "test"
+  assert recs[0]["versions"] == {"torch": "9.9"}
   assert recs[1]["status"] == "missing" and recs[1]["fwd_ms"] is None
+  assert recs[1]["versions"] == {"jax": "0.0"}
 
 
 def test_tile_sweep_custom_shape(tmp_path):
