@@ -101,20 +101,18 @@ GPU_CUTE_WHERE = {"top_k": _many_experts, "up_proj": _everywhere, "down_proj": _
 
 # The layer's column windows when moe's `windows` is left None: WINDOWED_STORE_WINDOWS where
 # the store GEMMs (down_proj, dx_tilde) run on cute and Y's rows are at least as wide as H's
-# (d >= 2n), else 1. H200 session 19 (results/2026-12-01-h200-session19) measured the rule
-# with windows of slot rows (each window's sums added into an fp32 [T, d] partial), the
-# default's forward+backward ms and step MiB, one -> two windows: 7B-n256 3.30 / 1303 -> 3.47 /
-# 992, 30B-n256 21.86 / 6970 -> 22.22 / 4798, 120B-n1024 35.91 / 7140 -> 36.67 / 4971, olmoe
-# 18.42 / 3542 -> 18.64 / 3016 (the PyTorch SonicMoE's step: 1210, 6684, 6670, 3082 MiB); at
-# 7B-n1024 (d < 2n) 2.84 / 674 -> 2.97 / 677: its peak is not the [slots, d] product. Nearly
-# all of the time was the partial's traffic and the masked per-window aggregations (30B-n256:
-# aggregation kernels 2.13 -> 3.14 ms); column windows, which replaced them, have neither (the
-# same peak; not yet timed on a GPU).
+# (d >= 2n), else 1: at d < 2n the peak is not the [slots, d] product (7B-n1024: 674 MiB with
+# one window, 677 with two, session 19). H200 session 21 (results/2026-12-01-h200-session21),
+# the default's forward+backward ms and step MiB, one -> two column windows: 7B-n256 3.40 /
+# 1301 -> 3.44 / 989, 30B-n256 22.12 / 6970 -> 21.76 / 4797, 120B-n1024 35.95 / 7140 -> 36.08 /
+# 4970, olmoe 18.21 / 3542 -> 18.51 / 3017 (the PyTorch SonicMoE's step: 1211, 6684, 6670,
+# 3082 MiB). Session 19's windows of slot rows (each summed into an fp32 [T, d] partial) had
+# the same peaks and were slower at all four (22.66 ms at 30B-n256 in session 21).
 WINDOWED_STORE_WINDOWS = 2
 
 
 def default_windows(store_backends: tuple[str, str], d: int | None, n: int | None) -> int:
-  """The row windows moe makes by default: store_backends are down_proj's and dx_tilde's."""
+  """The column windows moe makes by default: store_backends are down_proj's and dx_tilde's."""
   if store_backends == ("cute", "cute") and None not in (d, n) and d >= 2 * n:
     return WINDOWED_STORE_WINDOWS
   return 1
@@ -139,7 +137,7 @@ class Ops(NamedTuple):
   dw1: Callable
   dw2: Callable
   align: int = 1
-  windows: int = 1   # the layer's default row windows (default_windows)
+  windows: int = 1   # the layer's default column windows (default_windows)
 
 
 def _backend_module(name: str):
