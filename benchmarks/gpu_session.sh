@@ -42,6 +42,8 @@
 #   windows_bench: the default (two windows where it picks them) and one window at four
 #           anchors (time, step MiB; WIN_IMPLS adds e.g. auto/w4)
 #                                                                                  (~6 min)
+#   wgrad_persistent: the persistent weight gradients: bitwise GPU tests, sweep rows beside
+#           grouped_gemm's at 30B-n256, olmoe, 7B-n256, the layer with them           (~8 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
@@ -174,6 +176,21 @@ PY
                     # olmoe): time, step MiB (~6 min)
       timeout 560 python3 -m benchmarks.bench --configs "${WIN_CONFIGS:-7B-n256,30B-n256,120B-n1024,olmoe}" \
         --impls "${WIN_IMPLS:-auto,auto/w1}" --iters 5 --reps 3 --out "$OUT/bench_windows" 2>&1 | tail -14 ;;
+    wgrad_persistent)  # after `cute` staging: the persistent weight gradients (WGRAD_KERNEL):
+                       # bitwise GPU tests against grouped_gemm's, the sweep rows beside theirs
+                       # at 30B-n256, olmoe and 7B-n256, then the layer with them (~8 min)
+      timeout 240 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
+        -k "persistent" > "$OUT/pytest_wgrad_persistent.log" 2>&1
+      rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_wgrad_persistent.log" | tail -8
+      [ $rc -ne 0 ] && { echo "persistent tests: rc $rc"; continue; }
+      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,olmoe,7B-n256 \
+        --stages 0 --block-n 256 --out "$OUT/sweep_wgrad_persistent.json" --kernels \
+        dw1_gather,dw1_gather_persistent,dw2_gather,dw2_gather_persistent 2>&1 | grep -v '^{' \
+        | grep -v "^config"
+      for wgrad in grouped persistent; do
+        timeout 150 python3 -m benchmarks.bench --configs 30B-n256,olmoe --impls auto \
+          --cute-wgrad $wgrad --iters 5 --reps 3 --out "$OUT/bench_wgrad_$wgrad" 2>&1 | tail -5
+      done ;;
     ncu_dh)  # after `cute` staging: Nsight Compute on the dH kernels at 7B-n256 (grouped_gemm's
              # at block_n 128 and 256, the ping-pong one at 128; every launch of the sweep) (~3 min)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 ncu --clock-control none -k regex:cutlass \

@@ -53,13 +53,15 @@ VARIANTS = [
     ("up_proj pingpong bn64 fit", "up_proj_pingpong", 64, 0),
     ("store ws bn256 fit", "matmul_ws", 256, 0), ("up_proj ws bn128 fit", "up_proj_ws", 128, 0),
     ("dh ws bn256 fit", "dh_ws", 256, 0), ("wgrad ws bn256 fit", "wgrad_ws", 256, 0),
+    ("wgrad persistent gather bn128 fit", "wgrad_persistent_gather", 128, 0),
+    ("wgrad persistent gather bn256 fit", "wgrad_persistent_gather", 256, 0),
 ]
 
 _COMPILE = """
 import sys
 import ffi  # noqa: F401  (CUTE_DSL_ARCH=sm_90a off the GPU)
 import jax, jax.numpy as jnp
-from ffi import grouped_gemm as g, pingpong as pp
+from ffi import grouped_gemm as g, persistent_wgrad as pw, pingpong as pp
 kernel, bn, stages, k_steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None, int(sys.argv[4])
 P = K = k_steps * g.BLOCK_K
 N, E = 512, 4
@@ -103,6 +105,8 @@ fn, args = {
     "wgrad": (lambda a, b, o: g.weight_grad(a, b, o, E, **kw), (sds(P, K), sds(P, N), sds(E + 1, dt=jnp.int32))),
     "wgrad_gather": (lambda a, b, o, i: g.weight_grad(a, b, o, E, gather_index=i, **kw),
                      (sds(300, K), sds(P, N), sds(E + 1, dt=jnp.int32), sds(P, dt=jnp.int32))),
+    "wgrad_persistent_gather": (lambda a, b, o, i: pw.weight_grad(a, b, o, E, i, **kw),
+                                (sds(300, K), sds(P, N), sds(E + 1, dt=jnp.int32), sds(P, dt=jnp.int32))),
 }[kernel]
 jax.jit(fn).trace(*args)
 """
@@ -152,8 +156,11 @@ def measure(kernel: str, block_n: int, stages: int) -> dict:
 
 def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
   """The variant's SMEM at the pipeline depth its kernel runs (stages 0: as many as fit)."""
-  from ffi import grouped_gemm as g, pingpong as pp
+  from ffi import grouped_gemm as g, persistent_wgrad as pw, pingpong as pp
   num_rhs = 2 if kernel.startswith("up_proj") else 1
+  if "persistent" in kernel:   # the ring beside the epilogue's own buffers
+    depth = stages or min(pw.stages_that_fit(block_n, 2), K_STEPS)
+    return g.smem_bytes(block_n, 1, 2, depth) + pw.epilogue_bytes(2)
   if "pingpong" in kernel:
     tma_store = kernel.endswith("_tma")
     kind = "dh" if kernel.startswith("dh") else "store"
@@ -192,9 +199,9 @@ def main(argv=None):
     rec["ctas_per_sm"] = ctas_per_sm(rec["registers"], rec["smem_bytes"], threads(kernel))
     recs.append(rec)
     print(json.dumps(rec), flush=True)
-  print(f"{'variant':26s} {'regs':>5s} {'stack B':>8s} {'SMEM KiB':>9s} {'CTAs/SM':>8s}")
+  print(f"{'variant':34s} {'regs':>5s} {'stack B':>8s} {'SMEM KiB':>9s} {'CTAs/SM':>8s}")
   for r in recs:
-    print(f"{r['variant']:26s} {r['registers']:5d} {r['stack_bytes']:8d} "
+    print(f"{r['variant']:34s} {r['registers']:5d} {r['stack_bytes']:8d} "
           f"{r['smem_bytes'] / 1024:9.1f} {r['ctas_per_sm']:8d}")
   if a.out:
     with open(a.out, "w") as f:

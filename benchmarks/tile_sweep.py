@@ -89,12 +89,13 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   the TMA-store epilogue): the ping-pong kernels (ffi/pingpong.py), dh_gather
   and dh_pingpong_gather: dh gathering dO's rows in the kernel (dh_pingpong_gather_tma: with
   its SMEM epilogue), dw1, dw1_gather: dW1 gathering X's
-  rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows; up_proj, down_proj,
+  rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows (dw1_gather_persistent,
+  dw2_gather_persistent: the same on persistent CTAs); up_proj, down_proj,
   dx_tilde, dh, dw1 and dw2 again as *_ws, a producer warpgroup issuing their TMA loads;
   dh_hsmem, dh_tma_hsmem, dh_gather_hsmem, dh_gather_tma_hsmem: dh's epilogue reading H from
   SMEM (_tma: and storing its outputs through it); dh_gemm: dh's GEMM without its epilogue
   math; cfg a CuteTile)."""
-  from ffi import grouped_gemm as cute_gemm, pingpong  # optional extra
+  from ffi import grouped_gemm as cute_gemm, persistent_wgrad, pingpong  # optional extra
   tiles = schedule.tile_experts(plan, cute_gemm.BLOCK_M)
   rows = _gemm_rows(
       lambda c, xg, w1, t: cute_gemm.up_proj(xg, w1, t, **dataclasses.asdict(c)),
@@ -160,6 +161,13 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   # the kernel's M-major epilogue), A standing in for A' as in the dw2 row
   rows["dw2_gather"] = (jax.jit(lambda c, g, a, o, i: cute_gemm.weight_grad(
       g, a, o, E, gather_index=i, transpose_out=True, **dataclasses.asdict(c)),
+      static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
+  # the same two on persistent CTAs (ffi/persistent_wgrad.py)
+  rows["dw1_gather_persistent"] = (jax.jit(lambda c, x, h, o, i: persistent_wgrad.weight_grad(
+      x, h, o, E, i, **dataclasses.asdict(c)), static_argnums=0),
+      (x, h, offsets, plan.token_index), dw1_flops, None)
+  rows["dw2_gather_persistent"] = (jax.jit(lambda c, g, a, o, i: persistent_wgrad.weight_grad(
+      g, a, o, E, i, transpose_out=True, **dataclasses.asdict(c)),
       static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
   # the kernels that do not gather again as *_ws: a producer warpgroup issuing their TMA loads
   ws = lambda c: dict(warp_specialized=True, **dataclasses.asdict(c))

@@ -1100,22 +1100,31 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   transpose_out the kernel stores out[e]^T: [E, N, M] (its epilogue writes M-major tiles; no
   separate transpose). warp_specialized (without gather_index): as grouped_matmul's."""
   slots = rows_read(lhs, gather_index)   # the rows the GEMM reads
-  P, M = slots.shape
   reason = _weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
   if reason:
     raise ValueError(f"cute weight_grad: {reason}")
-  stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, P // BLOCK_K, stages)
+  stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, slots.shape[0] // BLOCK_K, stages)
+  return weight_grad_call((_weight_grad, _gathered_weight_grad), lhs, rhs, group_offsets,
+                          num_experts, gather_index, transpose_out, block_n=block_n,
+                          stages=stages,
+                          **_warp_specialized_config(warp_specialized, gather_index))
+
+
+def weight_grad_call(kernels, lhs, rhs, group_offsets, num_experts: int, gather_index,
+                     transpose_out: bool, **config):
+  """out [E, M, N] (with transpose_out [E, N, M]) of a weight-gradient kernel (weight_grad's
+  operands, checked by the caller) as an FFI call: kernels = (reading lhs's rows, gathering
+  them by gather_index; None where a kernel has no such variant)."""
+  M, N = lhs.shape[1], rhs.shape[1]
   rows_last = (2, 1, 0)   # [1, P, C] -> (C, P, 1): C contiguous
   if gather_index is None:
-    fn, lhs_mode, index = _weight_grad, rows_last, ()
+    lhs_mode, index = rows_last, ()
   else:   # X as (T, M, 1), like up_proj's gather source
-    fn, lhs_mode, index = _gathered_weight_grad, ROW_MODES, (gather_index.astype(jnp.int32),)
-  N = rhs.shape[1]
+    lhs_mode, index = ROW_MODES, (gather_index.astype(jnp.int32),)
   # out [E, M, N] seen as (M, N, E) N-major, or [E, N, M] as (M, N, E) M-major
   out_shape, out_mode = ((num_experts, N, M), rows_last) if transpose_out else ((num_experts, M, N), ROW_MODES)
   out, = xla_call.call(
-      fn, [lhs[None], rhs[None], group_offsets.astype(jnp.int32), *index],
+      kernels[len(index)], [lhs[None], rhs[None], group_offsets.astype(jnp.int32), *index],
       [jax.ShapeDtypeStruct(out_shape, lhs.dtype)],
-      modes=[lhs_mode, rows_last, None, *[None] * len(index), out_mode],
-      block_n=block_n, stages=stages, **_warp_specialized_config(warp_specialized, gather_index))
+      modes=[lhs_mode, rows_last, None, *[None] * len(index), out_mode], **config)
   return out

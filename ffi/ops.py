@@ -3,8 +3,9 @@ aggregation (gather_sum.py) and the grouped GEMMs (grouped_gemm.py) up_proj
 (SwiGLU epilogue; X's rows gathered in the kernel, UP_PROJ_GATHER_IN_KERNEL), down_proj, dh (the
 dSwiGLU epilogue), dx_tilde and the varlen-K weight gradients dw1 (X's rows gathered in the
 kernel up to DW1_GATHER_MAX_COLUMN_TILES column tiles) and dw2 (dO's rows for dh and dw2
-gathered by both kernels up to DOUT_GATHER_MAX_COLUMN_TILES of dH, else once by XLA); the
-gathering kernels' copies are issued by a producer warpgroup. All match float32 references
+gathered by both kernels up to DOUT_GATHER_MAX_COLUMN_TILES of dH, else once by XLA; where
+they gather, on grouped_gemm's kernel or persistent_wgrad.py's, WGRAD_KERNEL); the gathering
+kernels' copies are issued by a producer warpgroup. All match float32 references
 (top_k: jax.lax.top_k) and the xla backend on an H200 (tests/test_cute.py). Speed against the
 pallas backend: benchmarks/results/2026-11-30-h200-session8 to -session14; the shapes where each
 of the GEMMs is the GPU default: sonicmoe_jax/backends.py.
@@ -29,7 +30,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from ffi import gather_sum, grouped_gemm, pingpong, topk
+from ffi import gather_sum, grouped_gemm, persistent_wgrad, pingpong, topk
 from pallas_kernels import schedule
 from sonicmoe_jax import xla_ops
 
@@ -111,6 +112,13 @@ DH_OVER_H = True
 # (such outs take the TMA stores).
 STORE_KERNEL = "pingpong_tma"
 STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
+# The weight gradients' kernel where they gather rows (dw1's X, dw2's dO): "grouped"
+# (grouped_gemm.weight_grad, one CTA per output tile) or "persistent" (persistent_wgrad.py:
+# CTAs looping over tiles, the producer filling the next tile's stages under the epilogue;
+# bitwise the same). Written in session 21 for the weight gradients' idle time (8-10% of a
+# tile at 30B-n256, benchmarks/NOTES.md); not yet run on a GPU.
+WGRAD_KERNEL = "grouped"
+WGRAD_KERNELS = ("grouped", "persistent")
 
 
 def unsupported(dtype, d: int, n: int):
@@ -277,14 +285,22 @@ def dx_tilde(dh, w1, plan, cols=None):
   return _store_matmul(dh, w1, plan, True, w1.shape[1], cols)
 
 
+def _gathered_weight_grad(x, rhs, plan, block_n: int, transpose_out: bool = False):
+  """weight_grad with x's rows gathered by the plan's token_index, on WGRAD_KERNEL."""
+  if WGRAD_KERNEL not in WGRAD_KERNELS:
+    raise ValueError(f"ffi.ops.WGRAD_KERNEL must be one of {WGRAD_KERNELS}; got {WGRAD_KERNEL!r}")
+  kernel = persistent_wgrad if WGRAD_KERNEL == "persistent" else grouped_gemm
+  return kernel.weight_grad(x, rhs, plan.group_offsets, plan.num_experts, block_n=block_n,
+                            gather_index=plan.token_index, transpose_out=transpose_out)
+
+
 def dw1(x, dh_, plan):
   """dW1_e = X_e^T dH_e over expert e's rows; block_n 256 where 2n allows. X's rows are
   gathered in the kernel by cp.async where dW1 has at most DW1_GATHER_MAX_COLUMN_TILES column
   tiles (each tile gathers the rows again), else by XLA first."""
   block_n = _wide_tile(dh_.shape[1], 256)
   if dh_.shape[1] // block_n <= DW1_GATHER_MAX_COLUMN_TILES:
-    return grouped_gemm.weight_grad(x, dh_, plan.group_offsets, plan.num_experts,
-                                    block_n=block_n, gather_index=plan.token_index)
+    return _gathered_weight_grad(x, dh_, plan, block_n)
   return grouped_gemm.weight_grad(xla_ops.gather_rows(x, plan.token_index), dh_,
                                   plan.group_offsets, plan.num_experts, block_n=block_n)
 
@@ -295,9 +311,8 @@ def dw2(a_scaled, dout, plan):
   in the kernel (its gathered operand is the lhs), stored back as [E, n, d] by the kernel's
   M-major epilogue."""
   if _dout_gathered_in_kernel(a_scaled.shape[1], dout.shape[1]):
-    return grouped_gemm.weight_grad(dout, a_scaled, plan.group_offsets, plan.num_experts,
-                                    block_n=_wide_tile(a_scaled.shape[1], 256),
-                                    gather_index=plan.token_index, transpose_out=True)
+    return _gathered_weight_grad(dout, a_scaled, plan, _wide_tile(a_scaled.shape[1], 256),
+                                 transpose_out=True)
   return grouped_gemm.weight_grad(a_scaled, xla_ops.gather_rows(dout, plan.token_index),
                                   plan.group_offsets, plan.num_experts)
 

@@ -779,8 +779,8 @@ def test_cute_dh_kernel_auto_follows_the_model_width(monkeypatch):
 
 @needs_cute
 def test_cute_kernel_settings_are_checked(monkeypatch):
-  """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL or STORE_KERNEL outside its list is refused by
-  name (runs on CPU: the error comes before any kernel)."""
+  """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL, STORE_KERNEL or WGRAD_KERNEL outside its list is
+  refused by name (runs on CPU: the error comes before any kernel)."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(6, 256, 128, 64, 4, jnp.bfloat16)
   grad = lambda: jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={
@@ -797,6 +797,10 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
   monkeypatch.setattr(cute_ops, "STORE_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"STORE_KERNEL must be one of .*'fast'"):
     sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
+  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "fast")
+  with pytest.raises(ValueError, match=r"WGRAD_KERNEL must be one of .*'fast'"):
+    jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {
+        "dw1": "cute"}).out.astype(jnp.float32)), argnums=2)(*args)
 
 
 @pytest.mark.gpu
@@ -997,6 +1001,80 @@ def test_cute_weight_grad_stores_transposed_on_gpu(block_n, gather):
   got, want = run(True), run(False)
   assert got.shape == (E, N, M)
   np.testing.assert_array_equal(got, jnp.swapaxes(want, 1, 2))
+
+
+@needs_cute
+@pytest.mark.parametrize("block_n,stages,transpose_out", [(128, None, False), (256, 2, True),
+                                                          (256, None, False)])
+def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out):
+  """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers) compiles
+  for sm_90a at the tiles and depths the layer and the sweep run."""
+  from ffi import persistent_wgrad
+  P, M, N, E, T = 512, 256, 512, 4, 300
+  offsets = jnp.arange(E + 1, dtype=jnp.int32) * (P // E)
+  fn = lambda x, r, i: persistent_wgrad.weight_grad(x, r, offsets, E, i, block_n=block_n,
+                                                    stages=stages, transpose_out=transpose_out)
+  shapes = [jax.ShapeDtypeStruct((T, M), jnp.bfloat16), jax.ShapeDtypeStruct((P, N), jnp.bfloat16),
+            jax.ShapeDtypeStruct((P,), jnp.int32)]
+  assert FFI_TARGET in _cuda_module(fn, *shapes)
+
+
+@needs_cute
+def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
+  from ffi import persistent_wgrad
+  x, rhs = jnp.zeros((300, 256), jnp.bfloat16), jnp.zeros((512, 512), jnp.bfloat16)
+  offsets, index = jnp.arange(5, dtype=jnp.int32) * 128, jnp.zeros((512,), jnp.int32)
+  with pytest.raises(ValueError, match=r"cute persistent weight_grad: stages=9 must be between 2 and \d+"):
+    persistent_wgrad.weight_grad(x, rhs, offsets, 4, index, stages=9)
+  with pytest.raises(ValueError, match="rhs columns N=512 must be a multiple of block_n=384"):
+    persistent_wgrad.weight_grad(x, rhs, offsets, 4, index, block_n=384)
+  with pytest.raises(ValueError, match="num_ctas must be a positive int; got 0"):
+    persistent_wgrad.weight_grad(x, rhs, offsets, 4, index, num_ctas=0)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas", [
+    (128, None, False, None), (256, None, True, None), (256, 2, False, 3), (128, 3, True, 5),
+    (256, None, True, 1)])
+def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, transpose_out,
+                                                            num_ctas):
+  """The persistent kernel gives grouped_gemm.weight_grad's bits, gathering X's rows (padding
+  slots: index T): experts of 256, 0 (zeros), 640, 128 and 1152 rows, so that a CTA's tiles run
+  2, 0, 10, 2 and 18 k steps and its ring of `stages` wraps within and across tiles; num_ctas
+  3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each)."""
+  from ffi import grouped_gemm, persistent_wgrad
+  sizes = [256, 0, 640, 128, 1152]
+  offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
+  T, P, M, N, E = 1000, sum(sizes) + 128, 384, 512, len(sizes)
+  x = jax.random.normal(jax.random.key(71), (T, M)).astype(jnp.bfloat16)
+  rhs = jax.random.normal(jax.random.key(72), (P, N)).astype(jnp.bfloat16)
+  index = jax.random.randint(jax.random.key(73), (P,), 0, T).at[::5].set(T)
+  kw = dict(block_n=block_n, transpose_out=transpose_out)
+  got = jax.jit(lambda a, b, o, i: persistent_wgrad.weight_grad(
+      a, b, o, E, i, stages=stages, num_ctas=num_ctas, **kw))(x, rhs, offsets, index)
+  want = jax.jit(lambda a, b, o, i: grouped_gemm.weight_grad(
+      a, b, o, E, gather_index=i, **kw))(x, rhs, offsets, index)
+  assert got.shape == want.shape == ((E, N, M) if transpose_out else (E, M, N))
+  assert np.all(np.asarray(want[1], np.float32) == 0) and np.any(np.asarray(want, np.float32) != 0)
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(monkeypatch):
+  """The layer's gradients with WGRAD_KERNEL "persistent" (dW1 and dW2 gathering their rows on
+  it) are bitwise the default's."""
+  cute_ops = importlib.import_module("ffi.ops")
+  args = make_inputs(74, 1000, 512, 256, 16, jnp.bfloat16)
+  grad = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
+      jnp.float32)), argnums=(2, 3)))
+  want = grad(*args)
+  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "persistent")
+  got = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
+      jnp.float32)), argnums=(2, 3)))(*args)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.gpu
