@@ -43,7 +43,7 @@
 #           anchors (time, step MiB; WIN_IMPLS adds e.g. auto/w4)
 #                                                                                  (~6 min)
 #   wgrad_persistent: the persistent weight gradients: bitwise GPU tests, sweep rows beside
-#           grouped_gemm's at 30B-n256, olmoe, 7B-n256, the layer with them           (~8 min)
+#           grouped_gemm's at 120B-n1024, 7B-n1024, 30B-n256, the step with either     (~8 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
@@ -178,12 +178,13 @@ PY
         --impls "${WIN_IMPLS:-auto,auto/w1}" --iters 5 --reps 3 --out "$OUT/bench_windows" 2>&1 | tail -14 ;;
     wgrad_persistent)  # after `cute` staging: the persistent weight gradients (WGRAD_KERNEL):
                        # bitwise GPU tests against grouped_gemm's, the sweep rows beside theirs
-                       # at 30B-n256, olmoe and 7B-n256, then the layer with them (~8 min)
+                       # at 120B-n1024, 7B-n1024 and 30B-n256, then the layer's step with
+                       # either at 30B-n256 and olmoe (~8 min)
       timeout 240 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
         -k "persistent" > "$OUT/pytest_wgrad_persistent.log" 2>&1
       rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_wgrad_persistent.log" | tail -8
       [ $rc -ne 0 ] && { echo "persistent tests: rc $rc"; continue; }
-      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,olmoe,7B-n256 \
+      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 120B-n1024,7B-n1024,30B-n256 \
         --stages 0 --block-n 256 --out "$OUT/sweep_wgrad_persistent.json" --kernels \
         dw1_gather,dw1_gather_persistent,dw2_gather,dw2_gather_persistent 2>&1 | grep -v '^{' \
         | grep -v "^config"
