@@ -363,6 +363,8 @@ def main(argv=None):
   p.add_argument("--cute-store-wide-ws-min-n", type=int,
                  help="the output width from which the wide store kernel has a producer warp "
                       "issue its TMA loads (default: ffi/ops.py STORE_WIDE_WS_MIN_N)")
+  p.add_argument("--cute-store-wide", choices=("grouped", "persistent"),
+                 help="the wide store GEMMs' kernel (default: ffi/ops.py STORE_WIDE_KERNEL)")
   p.add_argument("--cute-wgrad", choices=("grouped", "persistent"),
                  help="cute dw1's and dw2's kernel where they gather rows (default: ffi/ops.py "
                       "WGRAD_KERNEL)")
@@ -372,7 +374,8 @@ def main(argv=None):
   cute_settings = dict(DH_KERNEL=a.cute_dh, DH_BLOCK_N=a.cute_dh_block_n,
                        UP_PROJ_KERNEL=a.cute_up_proj, STORE_KERNEL=a.cute_store,
                        STORE_WIDE_MIN_K=a.cute_store_wide_min_k,
-                       STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n, WGRAD_KERNEL=a.cute_wgrad)
+                       STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n, WGRAD_KERNEL=a.cute_wgrad,
+                       STORE_WIDE_KERNEL=a.cute_store_wide)
   if a.cute_dh_h_smem:
     cute_settings["DH_H_SMEM"] = a.cute_dh_h_smem == "on"
   if a.cute_dout_gather:

@@ -42,8 +42,9 @@
 #   windows_bench: the default (two windows where it picks them) and one window at four
 #           anchors (time, step MiB; WIN_IMPLS adds e.g. auto/w4)
 #                                                                                  (~6 min)
-#   wgrad_persistent: the persistent weight gradients: bitwise GPU tests, sweep rows beside
-#           grouped_gemm's at 120B-n1024, 7B-n1024, 30B-n256, the step with either     (~8 min)
+#   persistent: the persistent kernels: bitwise GPU tests (kernels, layer), the weight
+#           gradients' sweep rows at 120B-n1024 and 7B-n1024, the wide store GEMMs' at olmoe and
+#           120B-n1024 beside grouped_gemm's, the step with either store kernel      (~9 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
@@ -176,21 +177,25 @@ PY
                     # olmoe): time, step MiB (~6 min)
       timeout 560 python3 -m benchmarks.bench --configs "${WIN_CONFIGS:-7B-n256,30B-n256,120B-n1024,olmoe}" \
         --impls "${WIN_IMPLS:-auto,auto/w1}" --iters 5 --reps 3 --out "$OUT/bench_windows" 2>&1 | tail -14 ;;
-    wgrad_persistent)  # after `cute` staging: the persistent weight gradients (WGRAD_KERNEL):
-                       # bitwise GPU tests against grouped_gemm's, the sweep rows beside theirs
-                       # at 120B-n1024, 7B-n1024 and 30B-n256, then the layer's step with
-                       # either at 30B-n256 and olmoe (~8 min)
+    persistent)  # after `cute` staging: the persistent kernels (ffi/persistent.py): bitwise GPU
+                 # tests against grouped_gemm's and in the layer, the weight gradients' sweep rows
+                 # at 120B-n1024 and 7B-n1024 and the wide store GEMMs' at olmoe and 120B-n1024
+                 # beside grouped_gemm's, then the step with either store kernel (~9 min)
       timeout 240 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "persistent" > "$OUT/pytest_wgrad_persistent.log" 2>&1
-      rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_wgrad_persistent.log" | tail -8
+        -k "persistent" > "$OUT/pytest_persistent.log" 2>&1
+      rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_persistent.log" | tail -14
       [ $rc -ne 0 ] && { echo "persistent tests: rc $rc"; continue; }
-      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 120B-n1024,7B-n1024,30B-n256 \
+      timeout 150 python3 -m benchmarks.tile_sweep --impl cute --configs 120B-n1024,7B-n1024 \
         --stages 0 --block-n 256 --out "$OUT/sweep_wgrad_persistent.json" --kernels \
         dw1_gather,dw1_gather_persistent,dw2_gather,dw2_gather_persistent 2>&1 | grep -v '^{' \
         | grep -v "^config"
-      for wgrad in grouped persistent; do
-        timeout 150 python3 -m benchmarks.bench --configs 30B-n256,olmoe --impls auto \
-          --cute-wgrad $wgrad --iters 5 --reps 3 --out "$OUT/bench_wgrad_$wgrad" 2>&1 | tail -5
+      timeout 150 python3 -m benchmarks.tile_sweep --impl cute --configs olmoe,120B-n1024 \
+        --stages 0 --block-n 256 --out "$OUT/sweep_store_persistent.json" --kernels \
+        down_proj,down_proj_ws,down_proj_persistent,dx_tilde,dx_tilde_ws,dx_tilde_persistent 2>&1 | grep -v '^{' \
+        | grep -v "^config"
+      for store in grouped persistent; do
+        timeout 150 python3 -m benchmarks.bench --configs olmoe,120B-n1024 --impls auto \
+          --cute-store-wide $store --iters 5 --reps 3 --out "$OUT/bench_store_wide_$store" 2>&1 | tail -5
       done ;;
     ncu_dh)  # after `cute` staging: Nsight Compute on the dH kernels at 7B-n256 (grouped_gemm's
              # at block_n 128 and 256, the ping-pong one at 128; every launch of the sweep) (~3 min)

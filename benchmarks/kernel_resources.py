@@ -55,13 +55,14 @@ VARIANTS = [
     ("dh ws bn256 fit", "dh_ws", 256, 0), ("wgrad ws bn256 fit", "wgrad_ws", 256, 0),
     ("wgrad persistent gather bn128 fit", "wgrad_persistent_gather", 128, 0),
     ("wgrad persistent gather bn256 fit", "wgrad_persistent_gather", 256, 0),
+    ("store persistent bn256 fit", "matmul_persistent", 256, 0),
 ]
 
 _COMPILE = """
 import sys
 import ffi  # noqa: F401  (CUTE_DSL_ARCH=sm_90a off the GPU)
 import jax, jax.numpy as jnp
-from ffi import grouped_gemm as g, persistent_wgrad as pw, pingpong as pp
+from ffi import grouped_gemm as g, persistent as pw, pingpong as pp
 kernel, bn, stages, k_steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None, int(sys.argv[4])
 P = K = k_steps * g.BLOCK_K
 N, E = 512, 4
@@ -105,6 +106,8 @@ fn, args = {
     "wgrad": (lambda a, b, o: g.weight_grad(a, b, o, E, **kw), (sds(P, K), sds(P, N), sds(E + 1, dt=jnp.int32))),
     "wgrad_gather": (lambda a, b, o, i: g.weight_grad(a, b, o, E, gather_index=i, **kw),
                      (sds(300, K), sds(P, N), sds(E + 1, dt=jnp.int32), sds(P, dt=jnp.int32))),
+    "matmul_persistent": (lambda a, b, t: pw.grouped_matmul(a, b, t, **kw),
+                          (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "wgrad_persistent_gather": (lambda a, b, o, i: pw.weight_grad(a, b, o, E, i, **kw),
                                 (sds(300, K), sds(P, N), sds(E + 1, dt=jnp.int32), sds(P, dt=jnp.int32))),
 }[kernel]
@@ -156,7 +159,7 @@ def measure(kernel: str, block_n: int, stages: int) -> dict:
 
 def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
   """The variant's SMEM at the pipeline depth its kernel runs (stages 0: as many as fit)."""
-  from ffi import grouped_gemm as g, persistent_wgrad as pw, pingpong as pp
+  from ffi import grouped_gemm as g, persistent as pw, pingpong as pp
   num_rhs = 2 if kernel.startswith("up_proj") else 1
   if "persistent" in kernel:   # the ring beside the epilogue's own buffers
     depth = stages or min(pw.stages_that_fit(block_n, 2), K_STEPS)
@@ -176,7 +179,7 @@ def threads(kernel: str) -> int:
   from ffi import grouped_gemm as g, pingpong as pp
   if "pingpong" in kernel:
     return pp.THREADS
-  producer = kernel.endswith(("_gather", "_ws"))   # + the producer warpgroup
+  producer = kernel.endswith(("_gather", "_ws", "_persistent"))   # + the producer warpgroup
   return g.THREADS + (128 if producer else 0)
 
 

@@ -90,12 +90,13 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   and dh_pingpong_gather: dh gathering dO's rows in the kernel (dh_pingpong_gather_tma: with
   its SMEM epilogue), dw1, dw1_gather: dW1 gathering X's
   rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows (dw1_gather_persistent,
-  dw2_gather_persistent: the same on persistent CTAs); up_proj, down_proj,
+  dw2_gather_persistent, down_proj_persistent, dx_tilde_persistent: the same on persistent
+  CTAs); up_proj, down_proj,
   dx_tilde, dh, dw1 and dw2 again as *_ws, a producer warpgroup issuing their TMA loads;
   dh_hsmem, dh_tma_hsmem, dh_gather_hsmem, dh_gather_tma_hsmem: dh's epilogue reading H from
   SMEM (_tma: and storing its outputs through it); dh_gemm: dh's GEMM without its epilogue
   math; cfg a CuteTile)."""
-  from ffi import grouped_gemm as cute_gemm, persistent_wgrad, pingpong  # optional extra
+  from ffi import grouped_gemm as cute_gemm, persistent, pingpong  # optional extra
   tiles = schedule.tile_experts(plan, cute_gemm.BLOCK_M)
   rows = _gemm_rows(
       lambda c, xg, w1, t: cute_gemm.up_proj(xg, w1, t, **dataclasses.asdict(c)),
@@ -162,13 +163,19 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dw2_gather"] = (jax.jit(lambda c, g, a, o, i: cute_gemm.weight_grad(
       g, a, o, E, gather_index=i, transpose_out=True, **dataclasses.asdict(c)),
       static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
-  # the same two on persistent CTAs (ffi/persistent_wgrad.py)
-  rows["dw1_gather_persistent"] = (jax.jit(lambda c, x, h, o, i: persistent_wgrad.weight_grad(
+  # the same two on persistent CTAs (ffi/persistent.py)
+  rows["dw1_gather_persistent"] = (jax.jit(lambda c, x, h, o, i: persistent.weight_grad(
       x, h, o, E, i, **dataclasses.asdict(c)), static_argnums=0),
       (x, h, offsets, plan.token_index), dw1_flops, None)
-  rows["dw2_gather_persistent"] = (jax.jit(lambda c, g, a, o, i: persistent_wgrad.weight_grad(
+  rows["dw2_gather_persistent"] = (jax.jit(lambda c, g, a, o, i: persistent.weight_grad(
       g, a, o, E, i, transpose_out=True, **dataclasses.asdict(c)),
       static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
+  for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands
+    _, mm_args, mm_flops, mm_n = rows[name]
+    rows[f"{name}_persistent"] = (jax.jit(
+        lambda c, lhs, rhs, t, tr=transpose_rhs: persistent.grouped_matmul(
+            lhs, rhs, t, transpose_rhs=tr, **dataclasses.asdict(c)), static_argnums=0),
+        mm_args, mm_flops, mm_n)
   # the kernels that do not gather again as *_ws: a producer warpgroup issuing their TMA loads
   ws = lambda c: dict(warp_specialized=True, **dataclasses.asdict(c))
   ws_fns = {

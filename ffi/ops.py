@@ -4,7 +4,7 @@ aggregation (gather_sum.py) and the grouped GEMMs (grouped_gemm.py) up_proj
 dSwiGLU epilogue), dx_tilde and the varlen-K weight gradients dw1 (X's rows gathered in the
 kernel up to DW1_GATHER_MAX_COLUMN_TILES column tiles) and dw2 (dO's rows for dh and dw2
 gathered by both kernels up to DOUT_GATHER_MAX_COLUMN_TILES of dH, else once by XLA; where
-they gather, on grouped_gemm's kernel or persistent_wgrad.py's, WGRAD_KERNEL); the gathering
+they gather, on grouped_gemm's kernel or persistent.py's, WGRAD_KERNEL); the gathering
 kernels' copies are issued by a producer warpgroup. All match float32 references
 (top_k: jax.lax.top_k) and the xla backend on an H200 (tests/test_cute.py). Speed against the
 pallas backend: benchmarks/results/2026-11-30-h200-session8 to -session14; the shapes where each
@@ -30,7 +30,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from ffi import gather_sum, grouped_gemm, persistent_wgrad, pingpong, topk
+from ffi import gather_sum, grouped_gemm, persistent, pingpong, topk
 from pallas_kernels import schedule
 from sonicmoe_jax import xla_ops
 
@@ -113,7 +113,7 @@ DH_OVER_H = True
 STORE_KERNEL = "pingpong_tma"
 STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
 # The weight gradients' kernel where they gather rows (dw1's X, dw2's dO): "grouped"
-# (grouped_gemm.weight_grad, one CTA per output tile) or "persistent" (persistent_wgrad.py:
+# (grouped_gemm.weight_grad, one CTA per output tile) or "persistent" (persistent.py:
 # CTAs looping over tiles, the producer filling the next tile's stages under the epilogue;
 # bitwise the same on the H200). H200 session 21's sweep (block_n 256, stages as fit), ms,
 # grouped vs persistent: dW1 30B-n256 3.729 vs 3.546, olmoe 3.353 vs 3.319, 7B-n256 0.596 vs
@@ -200,18 +200,31 @@ STORE_WIDE_MIN_N = 2048
 # 3.492 vs 3.398; olmoe (N 2048) 3.140 vs 3.173 and 1.726 vs 1.751. The layer's kernels at
 # 120B-n1024: 33.77 -> 33.47 ms.
 STORE_WIDE_WS_MIN_N = 4096
+# Those wide tiles' kernel: "grouped" (grouped_gemm.grouped_matmul, one CTA per tile) or
+# "persistent" (persistent.py: CTAs looping over tiles, each tile's epilogue under the next
+# tile's loads; bitwise the same, written in session 21 after the persistent weight gradients
+# were 1-7% faster than grouped_gemm's; not yet run on a GPU).
+STORE_WIDE_KERNEL = "grouped"
+STORE_WIDE_KERNELS = ("grouped", "persistent")
 
 
 def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   """out = lhs_e rhs_e (rhs_e^T with transpose_rhs) per expert group on the STORE_KERNEL, or
   where contraction and output are long (STORE_WIDE_MIN_K, STORE_WIDE_MIN_N) on grouped_gemm's
-  256-wide tiles (their TMA loads by a producer warp from STORE_WIDE_WS_MIN_N). n_out: the
+  256-wide tiles (their TMA loads by a producer warp from STORE_WIDE_WS_MIN_N; or on
+  persistent.py's, STORE_WIDE_KERNEL). n_out: the
   product's columns (they pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the
   kernels read rhs from column lo: no copy), their tile's width halved until it divides them."""
   if STORE_KERNEL not in STORE_KERNELS:
     raise ValueError(f"ffi.ops.STORE_KERNEL must be one of {STORE_KERNELS}; got {STORE_KERNEL!r}")
   width = n_out if cols is None else cols[1] - cols[0]
+  if STORE_WIDE_KERNEL not in STORE_WIDE_KERNELS:
+    raise ValueError(f"ffi.ops.STORE_WIDE_KERNEL must be one of {STORE_WIDE_KERNELS}; got "
+                     f"{STORE_WIDE_KERNEL!r}")
   if lhs.shape[1] >= STORE_WIDE_MIN_K and n_out >= STORE_WIDE_MIN_N:
+    if STORE_WIDE_KERNEL == "persistent":
+      return persistent.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
+                                       block_n=_wide_tile(width, 256), cols=cols)
     return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                        block_n=_wide_tile(width, 256),
                                        warp_specialized=n_out >= STORE_WIDE_WS_MIN_N, cols=cols)
@@ -291,7 +304,7 @@ def _gathered_weight_grad(x, rhs, plan, block_n: int, transpose_out: bool = Fals
   """weight_grad with x's rows gathered by the plan's token_index, on WGRAD_KERNEL."""
   if WGRAD_KERNEL not in WGRAD_KERNELS:
     raise ValueError(f"ffi.ops.WGRAD_KERNEL must be one of {WGRAD_KERNELS}; got {WGRAD_KERNEL!r}")
-  kernel = persistent_wgrad if WGRAD_KERNEL == "persistent" else grouped_gemm
+  kernel = persistent if WGRAD_KERNEL == "persistent" else grouped_gemm
   return kernel.weight_grad(x, rhs, plan.group_offsets, plan.num_experts, block_n=block_n,
                             gather_index=plan.token_index, transpose_out=transpose_out)
 

@@ -779,8 +779,8 @@ def test_cute_dh_kernel_auto_follows_the_model_width(monkeypatch):
 
 @needs_cute
 def test_cute_kernel_settings_are_checked(monkeypatch):
-  """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL, STORE_KERNEL or WGRAD_KERNEL outside its list is
-  refused by name (runs on CPU: the error comes before any kernel)."""
+  """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL, STORE_KERNEL, STORE_WIDE_KERNEL or WGRAD_KERNEL
+  outside its list is refused by name (runs on CPU: the error comes before any kernel)."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(6, 256, 128, 64, 4, jnp.bfloat16)
   grad = lambda: jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={
@@ -796,6 +796,10 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
     sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"up_proj": "cute"})
   monkeypatch.setattr(cute_ops, "STORE_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"STORE_KERNEL must be one of .*'fast'"):
+    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
+  monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong_tma")
+  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "fast")
+  with pytest.raises(ValueError, match=r"STORE_WIDE_KERNEL must be one of .*'fast'"):
     sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
   monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"WGRAD_KERNEL must be one of .*'fast'"):
@@ -1009,10 +1013,10 @@ def test_cute_weight_grad_stores_transposed_on_gpu(block_n, gather):
 def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out):
   """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers) compiles
   for sm_90a at the tiles and depths the layer and the sweep run."""
-  from ffi import persistent_wgrad
+  from ffi import persistent
   P, M, N, E, T = 512, 256, 512, 4, 300
   offsets = jnp.arange(E + 1, dtype=jnp.int32) * (P // E)
-  fn = lambda x, r, i: persistent_wgrad.weight_grad(x, r, offsets, E, i, block_n=block_n,
+  fn = lambda x, r, i: persistent.weight_grad(x, r, offsets, E, i, block_n=block_n,
                                                     stages=stages, transpose_out=transpose_out)
   shapes = [jax.ShapeDtypeStruct((T, M), jnp.bfloat16), jax.ShapeDtypeStruct((P, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P,), jnp.int32)]
@@ -1020,16 +1024,38 @@ def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpos
 
 
 @needs_cute
+@pytest.mark.parametrize("block_n,stages,transpose_rhs,cols", [
+    (256, None, False, None), (256, 2, True, None), (128, None, False, (128, 384)),
+    (256, None, True, (256, 512))])
+def test_cute_persistent_matmul_compiles_for_cuda(block_n, stages, transpose_rhs, cols):
+  """The persistent store GEMM compiles for sm_90a, both rhs layouts, whole and windowed."""
+  from ffi import persistent
+  P, K, N, E = 512, 256, 512, 4
+  fn = lambda a, b, t: persistent.grouped_matmul(
+      a, jnp.swapaxes(b, 1, 2) if transpose_rhs else b, t, transpose_rhs=transpose_rhs,
+      block_n=block_n, stages=stages, cols=cols)
+  shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16),
+            jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
+  assert FFI_TARGET in _cuda_module(fn, *shapes)
+
+
+@needs_cute
 def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
-  from ffi import persistent_wgrad
+  from ffi import persistent
   x, rhs = jnp.zeros((300, 256), jnp.bfloat16), jnp.zeros((512, 512), jnp.bfloat16)
   offsets, index = jnp.arange(5, dtype=jnp.int32) * 128, jnp.zeros((512,), jnp.int32)
   with pytest.raises(ValueError, match=r"cute persistent weight_grad: stages=9 must be between 2 and \d+"):
-    persistent_wgrad.weight_grad(x, rhs, offsets, 4, index, stages=9)
+    persistent.weight_grad(x, rhs, offsets, 4, index, stages=9)
   with pytest.raises(ValueError, match="rhs columns N=512 must be a multiple of block_n=384"):
-    persistent_wgrad.weight_grad(x, rhs, offsets, 4, index, block_n=384)
+    persistent.weight_grad(x, rhs, offsets, 4, index, block_n=384)
   with pytest.raises(ValueError, match="num_ctas must be a positive int; got 0"):
-    persistent_wgrad.weight_grad(x, rhs, offsets, 4, index, num_ctas=0)
+    persistent.weight_grad(x, rhs, offsets, 4, index, num_ctas=0)
+  lhs, w, tiles = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((4, 256, 512), jnp.bfloat16), \
+      jnp.zeros((4,), jnp.int32)
+  with pytest.raises(ValueError, match=r"cute persistent grouped_matmul: cols=\(0, 600\) must be"):
+    persistent.grouped_matmul(lhs, w, tiles, cols=(0, 600))
+  with pytest.raises(ValueError, match=r"cute persistent grouped_matmul: stages=1 must be"):
+    persistent.grouped_matmul(lhs, w, tiles, stages=1)
 
 
 @pytest.mark.gpu
@@ -1043,7 +1069,7 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
   slots: index T): experts of 256, 0 (zeros), 640, 128 and 1152 rows, so that a CTA's tiles run
   2, 0, 10, 2 and 18 k steps and its ring of `stages` wraps within and across tiles; num_ctas
   3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each)."""
-  from ffi import grouped_gemm, persistent_wgrad
+  from ffi import grouped_gemm, persistent
   sizes = [256, 0, 640, 128, 1152]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
   T, P, M, N, E = 1000, sum(sizes) + 128, 384, 512, len(sizes)
@@ -1051,7 +1077,7 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
   rhs = jax.random.normal(jax.random.key(72), (P, N)).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(73), (P,), 0, T).at[::5].set(T)
   kw = dict(block_n=block_n, transpose_out=transpose_out)
-  got = jax.jit(lambda a, b, o, i: persistent_wgrad.weight_grad(
+  got = jax.jit(lambda a, b, o, i: persistent.weight_grad(
       a, b, o, E, i, stages=stages, num_ctas=num_ctas, **kw))(x, rhs, offsets, index)
   want = jax.jit(lambda a, b, o, i: grouped_gemm.weight_grad(
       a, b, o, E, gather_index=i, **kw))(x, rhs, offsets, index)
@@ -1062,11 +1088,59 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
 
 @pytest.mark.gpu
 @needs_cute
+@pytest.mark.parametrize("transpose_rhs,block_n,stages,cols,num_ctas", [
+    (False, 256, None, None, None), (True, 256, None, None, 3), (False, 128, 2, (128, 384), 5),
+    (True, 256, 3, (256, 512), 1), (True, 128, None, None, None)])
+def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, stages, cols,
+                                                       num_ctas):
+  """The persistent store GEMM gives grouped_gemm.grouped_matmul's bits: experts 0, 1 and 3
+  (2 skipped: no tiles), a tile past the last group (zeros), whole and windowed (cols), both
+  rhs layouts; num_ctas 1, 3 and 5 make each CTA loop over many tiles (the default grid: one
+  tile each). The contraction's 10 k steps wrap rings of 2-4 stages within and across tiles."""
+  from ffi import grouped_gemm, persistent
+  E, K, N = 4, 640, 512
+  tile_expert = jnp.array([0, 0, 1, 3, 3, 3, E], jnp.int32)
+  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
+  lhs = jax.random.normal(jax.random.key(81), (P, K)).astype(jnp.bfloat16)
+  rhs = (jax.random.normal(jax.random.key(82), (E, K, N)) / 16).astype(jnp.bfloat16)
+  if transpose_rhs:
+    rhs = jnp.swapaxes(rhs, 1, 2)
+  kw = dict(transpose_rhs=transpose_rhs, block_n=block_n, cols=cols)
+  got = jax.jit(lambda a, b, t: persistent.grouped_matmul(a, b, t, stages=stages,
+                                                          num_ctas=num_ctas, **kw))(lhs, rhs, tile_expert)
+  want = jax.jit(lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, **kw))(lhs, rhs, tile_expert)
+  assert got.shape == want.shape == (P, N if cols is None else cols[1] - cols[0])
+  assert np.all(np.asarray(want[-128:], np.float32) == 0) and np.any(np.asarray(want, np.float32) != 0)
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypatch):
+  """The layer's output and gradients with STORE_WIDE_KERNEL "persistent" (down_proj and
+  dx_tilde on it where their tiles are wide: d 2048, n 1024; in the default two column
+  windows) are bitwise the grouped kernel's."""
+  cute_ops = importlib.import_module("ffi.ops")
+  args = make_inputs(75, 600, 2048, 1024, 8, jnp.bfloat16)
+  def run(*a):
+    out, pullback = jax.vjp(lambda *b: sm.moe(*b, k=2, backend="cute").out, *a)
+    return out, pullback(jnp.ones_like(out))
+  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "grouped")
+  want = jax.jit(run)(*args)
+  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "persistent")
+  got = jax.jit(lambda *a: run(*a))(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.gpu
+@needs_cute
 def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(monkeypatch):
   """The layer's gradients with WGRAD_KERNEL "persistent" (dW1 and dW2 gathering their rows on
-  it) are bitwise the default's."""
+  it) are bitwise those with "grouped"."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(74, 1000, 512, 256, 16, jnp.bfloat16)
+  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "grouped")
   grad = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
       jnp.float32)), argnums=(2, 3)))
   want = grad(*args)

@@ -1,0 +1,292 @@
+"""Persistent versions of grouped_gemm.py's plain-epilogue GEMMs (CuTe DSL), with the same
+operands, outputs and bits: the gathering weight gradients (grouped_gemm.weight_grad with
+gather_index: dW1 = X_e^T dH_e with X's rows gathered, dW2^T = dO_e^T A'_e with dO's) and the
+varlen-M store GEMM (grouped_gemm.grouped_matmul: down_proj and dx_tilde where their tiles are
+256 wide). grouped_gemm launches one CTA per output tile, and each tile's pipeline fill and
+its epilogue (BLOCK_M x block_n fp32 to bf16, stored by TMA) run with the tensor cores idle:
+8-10% of a weight-gradient tile at 30B-n256 (32 k steps a tile; benchmarks/NOTES.md, "The
+weight gradients' 9%"). Here each CTA loops over tiles and its producer runs on into the next
+tile's stages while the MMA warpgroups run the epilogue.
+
+Schedule:
+  grid      : min(tiles, num_ctas) CTAs (num_ctas: the GPU's SMs); CTA c takes tiles c,
+              c + grid, ...; kind "wgrad": tile t is expert t // (m_tiles n_tiles), then M
+              tile, then column tile (an expert's tiles together: its rows from L2); kind
+              "store": M tile t // n_tiles, column tile t % n_tiles (an M tile's column tiles
+              on neighbouring CTAs: its lhs rows from L2)
+  producer  : warpgroup 0 (grouped_gemm's PRODUCER_REGISTERS), its ring state running on
+              across tiles: "wgrad", as grouped_gemm's gathering producer (gather_stage: each
+              k step's BLOCK_K rows gathered, the tile's BLOCK_M columns of them; an expert
+              without rows loads nothing); "store", its warp 0 TMA-loading the lhs and rhs
+              tiles of every k step (a tile past the last group loads nothing)
+  MMA       : warpgroups 1 and 2 (BLOCK_M / 2 rows of a tile each), per tile: zero the
+              accumulators, the mainloop, release the tile's last stage, the epilogue through
+              SMEM buffers of its own (EPI_STAGES x EPI_TILE, not over the stages, which the
+              producer is refilling) and TMA stores (grouped_gemm._tma_store_epilogue; M-major
+              for a transposed weight gradient); a tile without k steps stores zeros
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from ffi import grouped_gemm as gg
+from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE, THREADS
+
+NUM_SMS = 132     # H100 / H200 SXM: the default grid (fewer SMs only queue CTAs)
+MAX_STAGES = 8
+
+
+def epilogue_bytes(itemsize: int) -> int:
+  """SMEM of the epilogue's own TMA-store buffers."""
+  return gg.EPI_STAGES * EPI_TILE[0] * EPI_TILE[1] * itemsize
+
+
+def stages_that_fit(block_n: int, itemsize: int) -> int:
+  """The ring's deepest beside the epilogue's buffers (at most MAX_STAGES)."""
+  return min(MAX_STAGES, gg._stages_that_fit(block_n, 1, itemsize,
+                                             reserved=epilogue_bytes(itemsize)))
+
+
+def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_steps: int,
+              num_experts):
+  """Tile t's (M tile, column tile, first k step, k steps, rhs's and out's third coordinate).
+  "wgrad": tile_info is group_offsets (expert e's rows, its k range), out's third coordinate
+  the expert. "store": tile_info is tile_expert (the M tile's expert, E or more past the last
+  group: no k steps), rhs's third coordinate the expert."""
+  if kind == "wgrad":
+    per_expert = num_m_tiles * num_n_tiles
+    expert, rest = t // per_expert, t % per_expert
+    k_begin = tile_info[expert] // BLOCK_K
+    return (rest // num_n_tiles, rest % num_n_tiles, k_begin,
+            tile_info[expert + 1] // BLOCK_K - k_begin, 0, expert)
+  m_tile = t // num_n_tiles
+  owner = tile_info[m_tile]
+  # k_steps where owner < E, else 0 (in arithmetic: no branch)
+  num_k = cutlass.min(k_steps, cutlass.max(num_experts - owner, 0) * k_steps)
+  return m_tile, t % num_n_tiles, 0, num_k, cutlass.min(owner, num_experts - 1), 0
+
+
+@cute.kernel
+def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: cute.Tensor,
+            tma_out: cute.CopyAtom, m_out_tma: cute.Tensor, tile_info: cute.Tensor,
+            gather_index: cute.Tensor, tiled_mma: cute.TiledMma,
+            a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
+            c_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
+            shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
+            stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
+            num_m_tiles: cutlass.Constexpr, num_n_tiles: cutlass.Constexpr,
+            k_steps: cutlass.Constexpr, num_tiles: cutlass.Constexpr,
+            out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr):
+  """kind "wgrad": m_a X (T, M, 1) the gathered rows' source, m_b the rhs (N, P, 1) N-major,
+  the output (M, N, E), tile_info group_offsets (E + 1,), gather_index (P,). kind "store":
+  m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
+  tile_info tile_expert (P / BLOCK_M,), gather_index unused."""
+  gather = kind == "wgrad"
+  tidx, _, _ = cute.arch.thread_idx()
+  cta, _, _ = cute.arch.block_idx()
+  num_ctas = cute.arch.grid_dim()[0]
+  warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+  if warp == 0:
+    if cutlass.const_expr(not gather):
+      cpasync.prefetch_descriptor(tma_a)
+    cpasync.prefetch_descriptor(tma_b)
+  tile_mnk = (BLOCK_M, block_n, BLOCK_K)
+  work = lambda t: tile_work(kind, t, tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts)
+
+  smem = cutlass.memory.SmemAllocator()
+  storage = smem.allocate(shared_storage)
+  s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+  s_b = storage.s_b.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+  loads = pipeline.PipelineTmaAsync.create(   # (initialises the barriers, then syncs the CTA)
+      barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
+      # gathering, a full barrier completes on every producer thread's copies too
+      producer_group=pipeline.CooperativeGroup(
+          pipeline.Agent.Thread, gg.PRODUCER_ARRIVALS if gather else 1),
+      consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
+      tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+
+  if warp < 4:   # the producer warpgroup
+    cute.arch.setmaxregister_decrease(gg.PRODUCER_REGISTERS)
+    produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
+      m_tile, n_tile, k_begin, num_k, rhs_l, _ = work(t)
+      operands = [gg.tma_operand(tma_b, s_b, cute.local_tile(
+          m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)))]
+      if cutlass.const_expr(gather):
+        for step in cutlass.range(num_k, unroll=1):
+          k = k_begin + step
+          tokens = gg._k_step_tokens(cute.local_tile(gather_index, (BLOCK_K,), (k,)), tidx)
+          gg.gather_stage(loads, produce, m_a, tokens, s_a, operands, k, tidx,
+                          m_tile * BLOCK_M, kind)
+          produce.advance()
+      elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
+        lhs_and_rhs = [gg.tma_operand(tma_a, s_a, cute.local_tile(
+            m_a, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, None, 1)))] + operands
+        for step in cutlass.range(num_k, unroll=1):
+          gg.load_stage(loads, produce, lhs_and_rhs, k_begin + step)
+          produce.advance()
+  else:   # the MMA warpgroups
+    cute.arch.setmaxregister_increase(gg.MMA_REGISTERS)
+    mma_tidx = tidx - 128
+    leader = warp == 4
+    thr_mma = tiled_mma.get_slice(mma_tidx)
+    frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+    frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+    acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((BLOCK_M, block_n)), cutlass.Float32)
+    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+    s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
+    consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+    release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+    for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
+      m_tile, n_tile, _, num_k, _, out_l = work(t)
+      acc.fill(0.0)
+      for kk in cutlass.range(num_k, unroll=1):
+        loads.consumer_wait(consume)
+        if cutlass.const_expr(gather):   # the gathered rows are generic-proxy writes
+          cute.arch.fence_proxy("async.shared", space="cta")
+        gg.issue_k_step(tiled_mma, [acc], frag_a, [frag_b], consume.index)
+        consume.advance()
+        warpgroup.wait_group(1)   # step kk - 1's wgmmas are done, so its stage is free
+        if kk > 0:
+          loads.consumer_release(release)
+          release.advance()
+      warpgroup.wait_group(0)
+      if num_k > 0:   # the tile's last stage (the producer is already filling the others)
+        loads.consumer_release(release)
+        release.advance()
+      # the previous tile's stores have read the buffers (its leader waited) before any
+      # thread writes them again
+      cute.arch.barrier(barrier_id=gg.EPILOGUE_BARRIER, number_of_threads=THREADS)
+      out_tile = cute.local_tile(m_out_tma, tile_mnk, (m_tile, n_tile, None, out_l),
+                                 proj=(1, 1, None))
+      gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx, leader,
+                             False, m_major=out_m_major)
+
+
+@cute.jit
+def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
+            gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
+            stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr, kind: cutlass.Constexpr):
+  """The persistent grid and the kernel's static configuration (_kernel's operands; the
+  output's modes (rows, columns, experts or 1))."""
+  dtype = lhs.element_type
+  gather = kind == "wgrad"
+  # the weight gradient's A tiles (M, rows) are M-major (filled by the gathers)
+  a_major = LayoutEnum.COL_MAJOR if gather else LayoutEnum.from_tensor(lhs)
+  b_major = LayoutEnum.from_tensor(rhs)
+  tile_mnk = (BLOCK_M, block_n, BLOCK_K)
+  tiled_mma = sm90_utils.make_trivial_tiled_mma(
+      dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+      cutlass.Float32, (gg.WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
+  a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
+  b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
+  tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
+                                           cute.slice_(b_smem_staged, (None, None, 0)),
+                                           (block_n, BLOCK_K))
+  stage_bytes = cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+  if cutlass.const_expr(gather):   # no TMA for A (the kernel takes an atom: B's, unused)
+    tma_a, m_a = tma_b, lhs
+  else:
+    tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), lhs,
+                                             cute.slice_(a_smem_staged, (None, None, 0)),
+                                             (BLOCK_M, BLOCK_K))
+    stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
+  out_layout = LayoutEnum.from_tensor(out)
+  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, EPI_TILE, gg.EPI_STAGES)
+  tma_out, m_out_tma = cpasync.make_tiled_tma_atom(
+      cpasync.CopyBulkTensorTileS2GOp(), out, cute.slice_(c_smem_staged, (None, None, 0)),
+      EPI_TILE)
+  storage = gg.shared_storage(dtype, stages * 2, cute.cosize(a_smem_staged),
+                              cute.cosize(b_smem_staged), 1, cute.cosize(c_smem_staged))
+  num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
+  num_n_tiles = cute.size(out, mode=[1]) // block_n
+  num_tiles = num_m_tiles * num_n_tiles * cute.size(out, mode=[2])
+  k_steps = cute.size(lhs, mode=[1]) // BLOCK_K   # (store: the contraction)
+  _kernel.set_name_prefix(gg.kernel_label(kind, gather, "persistent"), remove_cutlass_symbol=True)
+  _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index, tiled_mma,
+          a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage,
+          block_n, stages, stage_bytes, num_m_tiles, num_n_tiles, k_steps, num_tiles,
+          out_layout.is_m_major_c(), kind).launch(
+              grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
+              stream=stream)
+
+
+@cute.jit
+def _weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.Tensor,
+                 gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
+                 stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS):
+  """x (T, M, 1) the source rows, rhs (N, P, 1) N-major, group_offsets (E + 1,), gather_index
+  (P,), out (M, N, E) N- or M-major: the operands of grouped_gemm._gathered_weight_grad."""
+  _launch(stream, x, rhs, group_offsets, gather_index, out, block_n, stages, num_ctas, "wgrad")
+
+
+@cute.jit
+def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
+            out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+            first_col: cutlass.Constexpr = 0, num_ctas: cutlass.Constexpr = NUM_SMS):
+  """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, W, 1): the operands of
+  grouped_gemm._matmul (first_col as its)."""
+  _launch(stream, lhs, gg.rhs_window(rhs, out, first_col), tile_expert, tile_expert, out,
+          block_n, stages, num_ctas, "store")
+
+
+def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int:
+  """`stages`, or as many as fit beside the epilogue's buffers (at most the k steps, at
+  least 2); ValueError naming the limit."""
+  fit = stages_that_fit(block_n, itemsize)
+  if stages is None:
+    return max(2, min(fit, k_steps))
+  if not 2 <= stages <= fit:
+    raise ValueError(f"cute persistent {name}: stages={stages} must be between 2 and {fit} "
+                     f"(what fits in SMEM beside the epilogue's buffers at block_n={block_n})")
+  return stages
+
+
+def _grid_config(num_ctas, name: str) -> dict:
+  """The launch option of num_ctas ({} for the default grid, which the FFI targets leave out)."""
+  if num_ctas is None:
+    return {}
+  if not isinstance(num_ctas, int) or isinstance(num_ctas, bool) or num_ctas < 1:
+    raise ValueError(f"cute persistent {name}: num_ctas must be a positive int; got {num_ctas!r}")
+  return dict(num_ctas=num_ctas)
+
+
+def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: int = 128,
+                stages: int | None = None, transpose_out: bool = False,
+                num_ctas: int | None = None):
+  """grouped_gemm.weight_grad with gather_index on persistent CTAs (module docstring): x
+  [T, M] (slot r reads X[gather_index[r]], zeros where it is T or more), rhs [P, N] rows in
+  slot order, expert e's rows group_offsets[e] .. group_offsets[e + 1] (multiples of BLOCK_M);
+  returns out [E, M, N], out[e] = X_e^T rhs_e, or with transpose_out [E, N, M]. stages: the
+  ring's depth (default: as many as fit beside the epilogue's buffers, at most the k steps of
+  all rows). num_ctas: the grid's most CTAs (default NUM_SMS)."""
+  slots = gg.rows_read(x, gather_index)
+  reason = gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
+  if reason:
+    raise ValueError(f"cute persistent weight_grad: {reason}")
+  stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
+  return gg.weight_grad_call((None, _weight_grad), x, rhs, group_offsets, num_experts,
+                             gather_index, transpose_out, block_n=block_n, stages=stages,
+                             **_grid_config(num_ctas, "weight_grad"))
+
+
+def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
+                   stages: int | None = None, cols=None, num_ctas: int | None = None):
+  """grouped_gemm.grouped_matmul on persistent CTAs (module docstring): out [P, N] = lhs_e
+  rhs_e per M tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major; tile_expert
+  [P / BLOCK_M] (E or more past the last group: zeros); cols=(lo, hi): out's columns lo ..
+  hi - 1 only. stages: as weight_grad's (at most the contraction's k steps). num_ctas: the
+  grid's most CTAs (default NUM_SMS)."""
+  reason = gg.unsupported(lhs, gg.rhs_as_ekn(rhs, transpose_rhs), block_n, cols)
+  if reason:
+    raise ValueError(f"cute persistent grouped_matmul: {reason}")
+  stages = _stages(stages, block_n, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K,
+                   "grouped_matmul")
+  return gg.matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, cols, block_n=block_n,
+                        stages=stages, **_grid_config(num_ctas, "grouped_matmul"))
