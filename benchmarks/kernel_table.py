@@ -1,8 +1,9 @@
 """Per-kernel side by side from a bench.py JSON: for each config, every impl's GPU kernels of a
-forward+backward step (their profilers' per-step times, longest first), in columns.
+forward+backward step (their profilers' per-step times, longest first), in columns; or with
+--by-op their sums per op of the layer (op_of).
 
   python -m benchmarks.kernel_table benchmarks/results/<run>/bench.json [--top 12] [--fwd] [--order]
-      [--min-ms 0.05]
+      [--min-ms 0.05] [--by-op]
 """
 from __future__ import annotations
 
@@ -44,6 +45,50 @@ def in_launch_order(record, key: str):
   return [(name, ms[name]) for name in order if name in ms]
 
 
+# the layer's ops: "other GEMMs" are down_proj, dX~, dW1 and dW2
+OPS = ("up-projection", "dH", "other GEMMs", "aggregations", "other")
+
+
+def op_of(name: str, after_store: bool) -> str:
+  """The layer's op a kernel belongs to (OPS), by its name: our CuTe kernels by their label
+  (grouped_gemm.kernel_label), the PyTorch SonicMoE's quack GEMMs by their epilogue
+  (actGemmGated: the up-projection, dactGemm: dH, GemmDefault: down_proj, dX~, dW1, dW2).
+  Aggregations: gather-sum kernels, the PyTorch SonicMoE's elementwise kernels, and an XLA
+  fusion launched right after one of our store GEMMs (after_store: it sums that GEMM's output
+  per token)."""
+  if "up_proj" in name or "actGemmGated" in name and "dact" not in name:
+    return OPS[0]
+  if "_dh" in name or "dactGemm" in name:
+    return OPS[1]
+  if "matmul" in name or "weight_grad" in name or "GemmDefault" in name:
+    return OPS[2]
+  if "gather_sum" in name or "elementwise" in name or (after_store and "fusion" in name):
+    return OPS[3]
+  return OPS[4]
+
+
+def by_op(record, key: str = "kernels_fwd_bwd") -> dict:
+  """{op: ms} of a record's kernels (OPS order), from its launches (in_launch_order)."""
+  sums = dict.fromkeys(OPS, 0.0)
+  after_store = False
+  for name, ms in in_launch_order(record, key):
+    sums[op_of(name, after_store)] += ms
+    after_store = name.startswith("sonicmoe_") and "matmul" in name
+  return sums
+
+
+def op_table(records, key: str = "kernels_fwd_bwd") -> str:
+  """Text table: per config and impl, its kernels' ms per op (by_op) and their total."""
+  lines = [f"{'config':12s} {'impl':15s} " + " ".join(f"{op:>13s}" for op in OPS)
+           + f" {'total':>8s}"]
+  for r in records:
+    if r.get(key):
+      sums = by_op(r, key)
+      lines.append(f"{r['config']:12s} {r['impl']:15s} "
+                   + " ".join(f"{sums[op]:13.3f}" for op in OPS) + f" {sum(sums.values()):8.3f}")
+  return "\n".join(lines)
+
+
 def table(records, top: int = 12, key: str = "kernels_fwd_bwd", launch_order: bool = False,
           min_ms: float = 0.0) -> str:
   """Text table: per config, one column pair (kernel, ms) per impl that has `key` (longest
@@ -76,10 +121,12 @@ def main(argv=None):
                  help="in the order one step launches them (every launch from session 18's runs on; "
                       "sessions 16-17: each kernel once, at its first launch)")
   p.add_argument("--min-ms", type=float, default=0.0, help="leave out kernels shorter than this")
+  p.add_argument("--by-op", action="store_true", help="each impl's kernels summed per op (op_of)")
   a = p.parse_args(argv)
   with open(a.bench_json) as f:
     records = json.load(f)
-  text = table(records, a.top, "kernels_fwd" if a.fwd else "kernels_fwd_bwd", a.order, a.min_ms)
+  key = "kernels_fwd" if a.fwd else "kernels_fwd_bwd"
+  text = op_table(records, key) if a.by_op else table(records, a.top, key, a.order, a.min_ms)
   print(text)
   return text
 

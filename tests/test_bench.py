@@ -1,6 +1,8 @@
 """The benchmark harness runs end to end at a tiny size on CPU and writes its records."""
 import json
 
+import pytest
+
 from benchmarks import bench
 
 KEYS = {"impl", "config", "T", "d", "n", "E", "K", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops",
@@ -166,6 +168,31 @@ def test_device_kernel_times_off_the_gpu_are_none():
   import jax.numpy as jnp
   from benchmarks import device_kernels
   assert device_kernels.kernel_times(jax.jit(jnp.tanh), (jnp.ones(8),), steps=1) is None
+
+
+def test_kernel_table_sums_kernels_per_op(tmp_path):
+  """--by-op: our CuTe kernels by their labels, the quack GEMMs by their epilogues, and an XLA
+  fusion right after one of our store GEMMs as its aggregation (elsewhere: other)."""
+  from benchmarks import kernel_table
+  ours = dict(config="7B", impl="auto", kernels_fwd_bwd=[["x", 0]], kernel_launches_fwd_bwd=[
+      ["loop_reduce_fusion_2", 0.01], ["sonicmoe_up_proj_gather_kernel__k", 1.0],
+      ["sonicmoe_pingpong_matmul_kernel__k", 0.5], ["loop_reduce_fusion", 0.2],
+      ["sonicmoe_dh_gather_kernel__k", 0.7], ["sonicmoe_persistent_weight_grad_gather_kernel__k", 0.9],
+      ["input_reduce_fusion", 0.05]])
+  theirs = dict(config="7B", impl="torch_sonicmoe", kernels_fwd_bwd=[["x", 0]], kernel_launches_fwd_bwd=[
+      ["kernel_cutlass_kernel_quackgemm_actGemmGatedSm90_object_at__x", 0.8],
+      ["kernel_cutlass_kernel_quackgemm_dactGemmDGatedSm90_object_at__x", 0.6],
+      ["kernel_cutlass_kernel_quackgemm_default_epiGemmDefaultSm90_object_at__x", 0.4],
+      ["token_gather_sum_kernel", 0.3], ["void at::native::vectorized_elementwise_kernel", 0.1],
+      ["nvjet_sm90_tst_64x256", 0.02]])
+  assert kernel_table.by_op(ours) == {"up-projection": 1.0, "dH": 0.7, "other GEMMs": 1.4,
+                                      "aggregations": 0.2, "other": 0.01 + 0.05}
+  assert kernel_table.by_op(theirs) == pytest.approx(
+      {"up-projection": 0.8, "dH": 0.6, "other GEMMs": 0.4, "aggregations": 0.4, "other": 0.02})
+  path = tmp_path / "bench.json"
+  path.write_text(json.dumps([ours, theirs]))
+  lines = kernel_table.main([str(path), "--by-op"]).splitlines()
+  assert lines[1].split()[:2] == ["7B", "auto"] and lines[1].split()[-1] == "3.360"
 
 
 def test_kernel_table_puts_impls_side_by_side(tmp_path):
