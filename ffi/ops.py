@@ -123,6 +123,14 @@ WGRAD_KERNEL = "persistent"
 WGRAD_KERNELS = ("grouped", "persistent")
 
 
+def _setting(name: str, value, choices):
+  """A kernel setting of this module (`name`), checked against its choices: ValueError naming
+  it otherwise."""
+  if value not in choices:
+    raise ValueError(f"ffi.ops.{name} must be one of {choices}; got {value!r}")
+  return value
+
+
 def unsupported(dtype, d: int, n: int):
   """Why these kernels cannot run a layer of this input dtype and widths (a sentence naming the
   limit), or None. (dw2 needs n a multiple of 128 too; its kernel says so when asked.)"""
@@ -162,9 +170,7 @@ def aggregate(y, scores, plan):
 def up_proj(x, w1, plan):
   """H = X_e W1_e and A = SwiGLU(H) per expert group, X's rows gathered in the kernel (or by XLA
   first: UP_PROJ_GATHER_IN_KERNEL = False) by the UP_PROJ_KERNEL variant."""
-  if UP_PROJ_KERNEL not in UP_PROJ_KERNELS:
-    raise ValueError(f"ffi.ops.UP_PROJ_KERNEL must be one of {UP_PROJ_KERNELS}; got "
-                     f"{UP_PROJ_KERNEL!r}")
+  _setting("UP_PROJ_KERNEL", UP_PROJ_KERNEL, UP_PROJ_KERNELS)
   if UP_PROJ_GATHER_IN_KERNEL and UP_PROJ_KERNEL == "pingpong":
     return pingpong.up_proj(x, w1, _tiles(plan), plan.token_index)
   if UP_PROJ_GATHER_IN_KERNEL:
@@ -215,14 +221,11 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   persistent.py's, STORE_WIDE_KERNEL). n_out: the
   product's columns (they pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the
   kernels read rhs from column lo: no copy), their tile's width halved until it divides them."""
-  if STORE_KERNEL not in STORE_KERNELS:
-    raise ValueError(f"ffi.ops.STORE_KERNEL must be one of {STORE_KERNELS}; got {STORE_KERNEL!r}")
+  _setting("STORE_KERNEL", STORE_KERNEL, STORE_KERNELS)
   width = n_out if cols is None else cols[1] - cols[0]
-  if STORE_WIDE_KERNEL not in STORE_WIDE_KERNELS:
-    raise ValueError(f"ffi.ops.STORE_WIDE_KERNEL must be one of {STORE_WIDE_KERNELS}; got "
-                     f"{STORE_WIDE_KERNEL!r}")
+  wide_kernel = _setting("STORE_WIDE_KERNEL", STORE_WIDE_KERNEL, STORE_WIDE_KERNELS)
   if lhs.shape[1] >= STORE_WIDE_MIN_K and n_out >= STORE_WIDE_MIN_N:
-    if STORE_WIDE_KERNEL == "persistent":
+    if wide_kernel == "persistent":
       return persistent.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                        block_n=_wide_tile(width, 256), cols=cols)
     return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
@@ -247,9 +250,7 @@ def down_proj(a, w2, plan, cols=None):
 
 def _dh_kernel(d: int) -> str:
   """dH's kernel variant for model width d: DH_KERNEL, "auto" resolved (DH_PINGPONG_MAX_D)."""
-  if DH_KERNEL not in DH_KERNELS:
-    raise ValueError(f"ffi.ops.DH_KERNEL must be one of {DH_KERNELS}; got {DH_KERNEL!r}")
-  if DH_KERNEL == "auto":
+  if _setting("DH_KERNEL", DH_KERNEL, DH_KERNELS) == "auto":
     return "pingpong_tma" if d <= DH_PINGPONG_MAX_D else "tma_store"
   return DH_KERNEL
 
@@ -302,9 +303,8 @@ def dx_tilde(dh, w1, plan, cols=None):
 
 def _gathered_weight_grad(x, rhs, plan, block_n: int, transpose_out: bool = False):
   """weight_grad with x's rows gathered by the plan's token_index, on WGRAD_KERNEL."""
-  if WGRAD_KERNEL not in WGRAD_KERNELS:
-    raise ValueError(f"ffi.ops.WGRAD_KERNEL must be one of {WGRAD_KERNELS}; got {WGRAD_KERNEL!r}")
-  kernel = persistent if WGRAD_KERNEL == "persistent" else grouped_gemm
+  persistent_ctas = _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "persistent"
+  kernel = persistent if persistent_ctas else grouped_gemm
   return kernel.weight_grad(x, rhs, plan.group_offsets, plan.num_experts, block_n=block_n,
                             gather_index=plan.token_index, transpose_out=transpose_out)
 

@@ -47,8 +47,7 @@ def up_proj(x, w1, plan):
 def down_proj(a, w2, plan, cols=None):
   """Y = A_e W2_e per expert; cols=(lo, hi): Y's columns lo .. hi - 1 (W2's columns copied)."""
   config.check_operands("down_proj", a=a, w2=w2)
-  if cols is not None:
-    w2 = w2[:, :, cols[0]:cols[1]]
+  w2 = xla_ops.output_window(w2, cols, 2)
   config.check_dims(w2.shape[2], w2.shape[1])
   return grouped_gemm.matmul(a, w2, tiles(plan), transpose_rhs=False)
 
@@ -64,8 +63,7 @@ def dh(dout, w2, h, scores, plan):
 def dx_tilde(dh_, w1, plan, cols=None):
   """dX~ = dH_e W1_e^T per expert; cols as down_proj's (W1's rows copied)."""
   config.check_operands("dx_tilde", dh=dh_, w1=w1)
-  if cols is not None:
-    w1 = w1[:, cols[0]:cols[1], :]
+  w1 = xla_ops.output_window(w1, cols, 1)
   config.check_dims(w1.shape[1], w1.shape[2] // 2)
   return grouped_gemm.matmul(dh_, w1, tiles(plan), transpose_rhs=True)
 

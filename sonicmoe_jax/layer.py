@@ -35,6 +35,12 @@ def expert_mlp(ops: backends.Ops, x, scores, w1, w2, plan: RoutingPlan, windows:
 WINDOW_COLUMN_ALIGN = 128
 
 
+def max_column_windows(num_cols: int) -> int:
+  """The most column windows num_cols columns split into (one where they are not a multiple
+  of WINDOW_COLUMN_ALIGN)."""
+  return num_cols // WINDOW_COLUMN_ALIGN if num_cols % WINDOW_COLUMN_ALIGN == 0 else 1
+
+
 def column_windows(num_cols: int, windows: int) -> list[tuple[int, int]]:
   """`windows` consecutive column ranges [lo, hi) covering 0 .. num_cols - 1, their bounds
   multiples of WINDOW_COLUMN_ALIGN (widths within one multiple of each other).
@@ -45,7 +51,7 @@ def column_windows(num_cols: int, windows: int) -> list[tuple[int, int]]:
     raise TypeError(f"windows must be a Python int; got {type(windows).__name__}")
   if windows == 1:
     return [(0, num_cols)]
-  tiles = num_cols // WINDOW_COLUMN_ALIGN if num_cols % WINDOW_COLUMN_ALIGN == 0 else 1
+  tiles = max_column_windows(num_cols)
   if not 1 <= windows <= tiles:
     raise ValueError(f"windows must be between 1 and {tiles}: d={num_cols} splits into windows "
                      f"whose widths are multiples of {WINDOW_COLUMN_ALIGN} columns; got {windows}")
@@ -170,8 +176,6 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
                               top_k=ops.top_k)
   plan_arrays = dataclasses.replace(plan, scores=jax.lax.stop_gradient(plan.scores))
   if windows is None:
-    d = x.shape[1]
-    fits = d % WINDOW_COLUMN_ALIGN == 0 and d >= ops.windows * WINDOW_COLUMN_ALIGN
-    windows = ops.windows if fits else 1
+    windows = ops.windows if ops.windows <= max_column_windows(x.shape[1]) else 1
   out = expert_mlp(ops, x, plan.scores, w1, w2, plan_arrays, windows)
   return MoEOutput(out=out, plan=plan, stats=stats)

@@ -30,6 +30,14 @@ def gather_rows(x, index):
   return jax.lax.bitcast_convert_type(out, x.dtype).reshape(index.shape[0], width)
 
 
+def output_window(w, cols, axis: int):
+  """Weights w cut to the output columns cols=(lo, hi) of the product they make (their
+  `axis`), or w itself (cols None): down_proj and dx_tilde's column windows."""
+  if cols is None:
+    return w
+  return jax.lax.slice_in_dim(w, cols[0], cols[1], axis=axis)
+
+
 def _grouped_matmul(lhs, rhs, plan: RoutingPlan):
   """Varlen-M grouped GEMM: slot rows of expert e times rhs[e], fp32 result."""
   return jax.lax.ragged_dot(lhs, rhs, plan.padded_group_sizes, preferred_element_type=_F32)
@@ -58,9 +66,7 @@ def up_proj(x, w1, plan: RoutingPlan):
 def down_proj(a, w2, plan: RoutingPlan, cols=None):
   """Y = A_e W2_e per expert, contiguous in slot order; with cols=(lo, hi) Y's columns
   lo .. hi - 1 only (W2's columns sliced)."""
-  if cols is not None:
-    w2 = w2[:, :, cols[0]:cols[1]]
-  return _grouped_matmul(a, w2, plan).astype(a.dtype)
+  return _grouped_matmul(a, output_window(w2, cols, 2), plan).astype(a.dtype)
 
 
 def aggregate(y, scores, plan: RoutingPlan):
@@ -117,9 +123,8 @@ def dh(dout, w2, h, scores, plan: RoutingPlan):
 def dx_tilde(dh_, w1, plan: RoutingPlan, cols=None):
   """dX~ = dH_e W1_e^T per expert, contiguous in slot order; cols as down_proj's (W1's rows
   sliced)."""
-  if cols is not None:
-    w1 = w1[:, cols[0]:cols[1], :]
-  return _grouped_matmul(dh_, jnp.swapaxes(w1, 1, 2), plan).astype(dh_.dtype)
+  return _grouped_matmul(dh_, jnp.swapaxes(output_window(w1, cols, 1), 1, 2),
+                         plan).astype(dh_.dtype)
 
 
 def dw1(x, dh_, plan: RoutingPlan):
