@@ -117,8 +117,9 @@ STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
 # CTAs looping over tiles, the producer filling the next tile's stages under the epilogue;
 # bitwise the same on the H200). H200 session 21's sweep (block_n 256, stages as fit), ms,
 # grouped vs persistent: dW1 30B-n256 3.729 vs 3.546, olmoe 3.353 vs 3.319, 7B-n256 0.596 vs
-# 0.557; dW2 1.992 vs 1.915, 1.758 vs 1.726, 0.323 vs 0.311 (120B-n1024 and 7B-n1024 and the
-# layer's step with it not yet timed).
+# 0.557; dW2 1.992 vs 1.915, 1.758 vs 1.726, 0.323 vs 0.311; session 22: dW1 120B-n1024
+# 7.438 vs 7.258, 7B-n1024 0.588 vs 0.570; dW2 3.614 vs 3.438, 0.321 vs 0.322. The layer with
+# it matches the grouped kernel's on the H200 (session 22, call 3).
 WGRAD_KERNEL = "persistent"
 WGRAD_KERNELS = ("grouped", "persistent")
 
@@ -208,18 +209,19 @@ STORE_WIDE_MIN_N = 2048
 STORE_WIDE_WS_MIN_N = 4096
 # Those wide tiles' kernel: "grouped" (grouped_gemm.grouped_matmul, one CTA per tile) or
 # "persistent" (persistent.py: CTAs looping over tiles, each tile's epilogue under the next
-# tile's loads; bitwise the same, written in session 21 after the persistent weight gradients
-# were 1-7% faster than grouped_gemm's; not yet run on a GPU).
-STORE_WIDE_KERNEL = "grouped"
+# tile's loads; bitwise the same). Session 22 (results/2026-12-01-h200-session22, calls 3-4),
+# alone: olmoe down_proj 1.692 -> 1.580 ms, dx_tilde 3.030 -> 2.950; 120B-n1024 down_proj
+# 3.358 (warp-specialized) -> 3.353, dx_tilde 6.959 -> 6.928; the step's kernels olmoe 16.503
+# -> 16.167, 120B-n1024 33.183 -> 32.552 (it takes the place of the warp-specialized kernel).
+STORE_WIDE_KERNEL = "persistent"
 STORE_WIDE_KERNELS = ("grouped", "persistent")
 
 
 def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   """out = lhs_e rhs_e (rhs_e^T with transpose_rhs) per expert group on the STORE_KERNEL, or
-  where contraction and output are long (STORE_WIDE_MIN_K, STORE_WIDE_MIN_N) on grouped_gemm's
-  256-wide tiles (their TMA loads by a producer warp from STORE_WIDE_WS_MIN_N; or on
-  persistent.py's, STORE_WIDE_KERNEL). n_out: the
-  product's columns (they pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the
+  where contraction and output are long (STORE_WIDE_MIN_K, STORE_WIDE_MIN_N) on 256-wide tiles:
+  persistent.py's (STORE_WIDE_KERNEL "persistent", the default) or grouped_gemm's ("grouped":
+  their TMA loads by a producer warp from STORE_WIDE_WS_MIN_N). n_out: the product's columns (they pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the
   kernels read rhs from column lo: no copy), their tile's width halved until it divides them."""
   _setting("STORE_KERNEL", STORE_KERNEL, STORE_KERNELS)
   width = n_out if cols is None else cols[1] - cols[0]
