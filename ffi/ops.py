@@ -1,5 +1,6 @@
 """Backend "cute": the ops written as CuTe DSL kernels: the router's top-K (topk.py),
-aggregation (gather_sum.py) and the grouped GEMMs (grouped_gemm.py) up_proj
+aggregation (gather_sum.py) and the grouped GEMMs (grouped_gemm.py; pingpong.py's and
+persistent.py's schedules of them where the settings below pick those) up_proj
 (SwiGLU epilogue; X's rows gathered in the kernel, UP_PROJ_GATHER_IN_KERNEL), down_proj, dh (the
 dSwiGLU epilogue), dx_tilde and the varlen-K weight gradients dw1 (X's rows gathered in the
 kernel up to DW1_GATHER_MAX_COLUMN_TILES column tiles) and dw2 (dO's rows for dh and dw2
