@@ -46,7 +46,7 @@
 #           gradients' sweep rows at 120B-n1024 and 7B-n1024, the wide store GEMMs' at olmoe and
 #           120B-n1024 beside grouped_gemm's, the step with either store kernel      (~9 min)
 #   persistent_dh: the persistent dH (ffi/persistent.py, block_n 128): bitwise GPU tests (kernel,
-#           layer; 90 s cap: a hang), its sweep rows beside the default dH at 30B-n256, olmoe
+#           layer; 150 s cap: a hang), its sweep rows beside the default dH at 30B-n256, olmoe
 #           and 120B-n1024, the step with DH_KERNEL persistent vs the default           (~8 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
@@ -201,7 +201,7 @@ PY
           --cute-store-wide $store --iters 5 --reps 3 --out "$OUT/bench_store_wide_$store" 2>&1 | tail -5
       done ;;
     persistent_dh)  # after `cute` staging
-      timeout 90 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
+      timeout 150 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
         -k "persistent_dh" > "$OUT/pytest_persistent_dh.log" 2>&1
       rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_persistent_dh.log" | tail -10
       [ $rc -ne 0 ] && { echo "persistent dh tests: rc $rc (124: a hang)"; continue; }
