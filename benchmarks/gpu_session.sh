@@ -209,7 +209,7 @@ PY
         --stages 0 --block-n 128,256 --kernels dh_gather_tma_hsmem,dh_gather_persistent \
         --out "$OUT/sweep_dh_persistent.json" 2>&1 | grep -v '^{' | grep -v "^config"
       for dh_kernel in auto persistent; do
-        timeout 130 python3 -m benchmarks.bench --configs 30B-n256,olmoe,120B-n1024 --impls auto \
+        timeout 120 python3 -m benchmarks.bench --configs 30B-n256,olmoe,120B-n1024 --impls auto \
           --cute-dh $dh_kernel --iters 5 --reps 3 --out "$OUT/bench_dh_$dh_kernel" 2>&1 | tail -7
       done ;;
     ncu_dh)  # after `cute` staging: Nsight Compute on the dH kernels at 7B-n256 (grouped_gemm's
