@@ -128,6 +128,30 @@ def epi_tma_views(atom, s_epi, tile):
                                cute.zipped_divide(tile, EPI_TILE))
 
 
+@cute.jit
+def load_pipeline(storage, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
+                  gather: cutlass.Constexpr, consumer_threads: cutlass.Constexpr, tidx,
+                  extra_barriers: cutlass.Constexpr = 0):
+  """The kernels' load ring: a PipelineTmaAsync over storage's first 2 x stages mbarriers (it
+  initialises them, fences and syncs the CTA). A full barrier completes on the stage's TMA
+  bytes and, gathering, every producer thread's copies (PRODUCER_ARRIVALS); an empty one on
+  each of the consumer_threads' warps. Thread tidx 0 first initialises extra_barriers more
+  (one arrival each: an epilogue's H loads) after them. Returns (the pipeline, the first extra
+  barrier's pointer)."""
+  extra = storage.barriers.data_ptr() + 2 * stages
+  if cutlass.const_expr(extra_barriers):
+    if tidx == 0:
+      for i in cutlass.range_constexpr(extra_barriers):
+        cute.arch.mbarrier_init(extra + i, 1)
+  loads = pipeline.PipelineTmaAsync.create(
+      barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
+      producer_group=pipeline.CooperativeGroup(
+          pipeline.Agent.Thread, PRODUCER_ARRIVALS if gather else 1),
+      consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads // 32),
+      tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+  return loads, extra
+
+
 def tma_operand(atom, smem, gmem):
   """(atom, gmem tiles by k step, smem stages) of a TMA-loaded operand: load_stage's operand."""
   s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
@@ -563,18 +587,9 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
   s_bs = [buf.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
           for buf in ([storage.s_b, storage.s_b2] if cutlass.const_expr(swiglu) else [storage.s_b])]
-  h_bar = storage.barriers.data_ptr() + 2 * stages   # (h_smem) H's tile landed
-  if cutlass.const_expr(h_smem):
-    if tidx == 0:
-      cute.arch.mbarrier_init(h_bar, 1)
-  loads = pipeline.PipelineTmaAsync.create(   # (fences the barriers' init, then syncs the CTA)
-      barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
-      # a full barrier completes on the TMA bytes and, gathering, every producer thread's
-      # copies (PRODUCER_ARRIVALS)
-      producer_group=pipeline.CooperativeGroup(
-          pipeline.Agent.Thread, PRODUCER_ARRIVALS if gather else 1),
-      consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
-      tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+  # (h_smem: h_bar, H's tile landed)
+  loads, h_bar = load_pipeline(storage, stages, stage_bytes, gather, THREADS, tidx,
+                               1 if h_smem else 0)
 
   operands = [tma_operand(tma_b, sb, gb) for sb, gb in zip(s_bs, g_bs)]
   if cutlass.const_expr(not gather):   # else A's stages are filled by the gathers

@@ -224,8 +224,9 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   """out = lhs_e rhs_e (rhs_e^T with transpose_rhs) per expert group on the STORE_KERNEL, or
   where contraction and output are long (STORE_WIDE_MIN_K, STORE_WIDE_MIN_N) on 256-wide tiles:
   persistent.py's (STORE_WIDE_KERNEL "persistent", the default) or grouped_gemm's ("grouped":
-  their TMA loads by a producer warp from STORE_WIDE_WS_MIN_N). n_out: the product's columns (they pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the
-  kernels read rhs from column lo: no copy), their tile's width halved until it divides them."""
+  their TMA loads by a producer warp from STORE_WIDE_WS_MIN_N). n_out: the product's columns
+  (they pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the kernels read rhs
+  from column lo: no copy), their tile's width halved until it divides them."""
   _setting("STORE_KERNEL", STORE_KERNEL, STORE_KERNELS)
   width = n_out if cols is None else cols[1] - cols[0]
   wide_kernel = _setting("STORE_WIDE_KERNEL", STORE_WIDE_KERNEL, STORE_WIDE_KERNELS)

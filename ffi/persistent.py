@@ -73,8 +73,8 @@ def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_ste
               num_experts):
   """Tile t's (M tile, column tile, first k step, k steps, rhs's and out's third coordinate).
   "wgrad": tile_info is group_offsets (expert e's rows, its k range), out's third coordinate
-  the expert. "store" and "dh": tile_info is tile_expert (the M tile's expert, E or more past the last
-  group: no k steps), rhs's third coordinate the expert."""
+  the expert. "store" and "dh": tile_info is tile_expert (the M tile's expert, E or more past
+  the last group: no k steps), rhs's third coordinate the expert."""
   if kind == "wgrad":
     per_expert = num_m_tiles * num_n_tiles
     expert, rest = t // per_expert, t % per_expert
@@ -128,17 +128,9 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   storage = smem.allocate(shared_storage)
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
   s_b = storage.s_b.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-  h_bar = storage.barriers.data_ptr() + 2 * stages   # (dh) the tile's H landed
-  if cutlass.const_expr(dh):
-    if tidx == 0:
-      cute.arch.mbarrier_init(h_bar, 1)
-  loads = pipeline.PipelineTmaAsync.create(   # (initialises the barriers, then syncs the CTA)
-      barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
-      # gathering, a full barrier completes on every producer thread's copies too
-      producer_group=pipeline.CooperativeGroup(
-          pipeline.Agent.Thread, gg.PRODUCER_ARRIVALS if gather else 1),
-      consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
-      tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+  # (dh: h_bar, the tile's H landed)
+  loads, h_bar = gg.load_pipeline(storage, stages, stage_bytes, gather, THREADS, tidx,
+                                  1 if dh else 0)
 
   if warp < 4:   # the producer warpgroup
     cute.arch.setmaxregister_decrease(gg.PRODUCER_REGISTERS)

@@ -229,18 +229,9 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   s_c = None
   if cutlass.const_expr(tma_store):   # consumer c's epilogue buffers: c * their number onwards
     s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
-  h_bars = storage.barriers.data_ptr() + 2 * stages   # (dh_smem_epilogue) each consumer's H
-  if cutlass.const_expr(dh_smem_epilogue):
-    if tidx == 0:
-      for consumer in cutlass.range_constexpr(2):
-        cute.arch.mbarrier_init(h_bars + consumer, 1)
-  loads = pipeline.PipelineTmaAsync.create(   # (initialises the barriers, then syncs the CTA)
-      barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
-      # a full barrier completes on the TMA bytes and, gathering, every producer thread's copies
-      producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                               grouped_gemm.PRODUCER_ARRIVALS if gather else 1),
-      consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 // 32),
-      tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+  # (dh_smem_epilogue: h_bars, each consumer's H landed; a consumer warpgroup releases a stage)
+  loads, h_bars = grouped_gemm.load_pipeline(storage, stages, tx_bytes, gather, 128, tidx,
+                                             2 if dh_smem_epilogue else 0)
 
   if role == 0:
     cute.arch.setmaxregister_decrease(producer_regs)
