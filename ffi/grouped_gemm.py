@@ -129,6 +129,15 @@ def epi_tma_views(atom, s_epi, tile):
 
 
 @cute.jit
+def prefetch_descriptors(warp, tma_a, tma_b, gather: cutlass.Constexpr):
+  """Warp 0: the operands' TMA descriptors into the cache (A's only where it is not gathered)."""
+  if warp == 0:
+    if cutlass.const_expr(not gather):
+      cpasync.prefetch_descriptor(tma_a)
+    cpasync.prefetch_descriptor(tma_b)
+
+
+@cute.jit
 def load_pipeline(storage, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
                   gather: cutlass.Constexpr, consumer_threads: cutlass.Constexpr, tidx,
                   extra_barriers: cutlass.Constexpr = 0):
@@ -554,10 +563,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   n_tile, m_tile, z_tile = cute.arch.block_idx()
   num_n_tiles = cute.arch.grid_dim()[0]
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-  if warp == 0:
-    if cutlass.const_expr(not gather):
-      cpasync.prefetch_descriptor(tma_a)
-    cpasync.prefetch_descriptor(tma_b)
+  prefetch_descriptors(warp, tma_a, tma_b, gather)
 
   num_k = cutlass.Int32(0)   # k steps: none for a tile past the last group or an empty expert
   k_begin = cutlass.Int32(0)

@@ -117,10 +117,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   cta, _, _ = cute.arch.block_idx()
   num_ctas = cute.arch.grid_dim()[0]
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-  if warp == 0:
-    if cutlass.const_expr(not gather):
-      cpasync.prefetch_descriptor(tma_a)
-    cpasync.prefetch_descriptor(tma_b)
+  gg.prefetch_descriptors(warp, tma_a, tma_b, gather)
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   work = lambda t: tile_work(kind, t, tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts)
 
