@@ -346,8 +346,7 @@ def main(argv=None):
   p.add_argument("--cute-dout-gather", choices=("xla", "kernel"),
                  help="cute dh and dw2: gather dO's rows by XLA or inside both kernels (default: "
                       "ffi/ops.py's rule, DOUT_GATHER_MAX_COLUMN_TILES)")
-  p.add_argument("--cute-dh", choices=("auto", "registers", "tma_store", "pingpong", "pingpong_tma",
-                                       "persistent"),
+  p.add_argument("--cute-dh", choices=("auto", "registers", "tma_store", "pingpong", "pingpong_tma"),
                  help="cute dh's kernel variant (default: ffi/ops.py DH_KERNEL)")
   p.add_argument("--cute-dh-block-n", type=int, choices=(64, 128, 256),
                  help="cute dh's widest column tile (default: ffi/ops.py DH_BLOCK_N)")

@@ -45,9 +45,6 @@
 #   persistent: the persistent kernels: bitwise GPU tests (kernels, layer), the weight
 #           gradients' sweep rows at 120B-n1024 and 7B-n1024, the wide store GEMMs' at olmoe and
 #           120B-n1024 beside grouped_gemm's, the step with either store kernel      (~9 min)
-#   persistent_dh: the persistent dH (ffi/persistent.py, block_n 128): bitwise GPU tests (kernel,
-#           layer; 150 s cap: a hang), its sweep rows beside the default dH at 30B-n256, olmoe
-#           and 120B-n1024, the step with DH_KERNEL persistent vs the default           (~8 min)
 #   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
@@ -199,18 +196,6 @@ PY
       for store in grouped persistent; do
         timeout 150 python3 -m benchmarks.bench --configs olmoe,120B-n1024 --impls auto \
           --cute-store-wide $store --iters 5 --reps 3 --out "$OUT/bench_store_wide_$store" 2>&1 | tail -5
-      done ;;
-    persistent_dh)  # after `cute` staging
-      timeout 150 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "persistent_dh" > "$OUT/pytest_persistent_dh.log" 2>&1
-      rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_persistent_dh.log" | tail -10
-      [ $rc -ne 0 ] && { echo "persistent dh tests: rc $rc (124: a hang)"; continue; }
-      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,olmoe,120B-n1024 \
-        --stages 0 --block-n 128,256 --kernels dh_gather_tma_hsmem,dh_gather_persistent \
-        --out "$OUT/sweep_dh_persistent.json" 2>&1 | grep -v '^{' | grep -v "^config"
-      for dh_kernel in auto persistent; do
-        timeout 120 python3 -m benchmarks.bench --configs 30B-n256,olmoe,120B-n1024 --impls auto \
-          --cute-dh $dh_kernel --iters 5 --reps 3 --out "$OUT/bench_dh_$dh_kernel" 2>&1 | tail -7
       done ;;
     ncu_dh)  # after `cute` staging: Nsight Compute on the dH kernels at 7B-n256 (grouped_gemm's
              # at block_n 128 and 256, the ping-pong one at 128; every launch of the sweep) (~3 min)

@@ -56,8 +56,6 @@ VARIANTS = [
     ("wgrad persistent gather bn128 fit", "wgrad_persistent_gather", 128, 0),
     ("wgrad persistent gather bn256 fit", "wgrad_persistent_gather", 256, 0),
     ("store persistent bn256 fit", "matmul_persistent", 256, 0),
-    ("dh persistent bn128 fit", "dh_persistent", 128, 0),
-    ("dh persistent gather bn128 fit", "dh_persistent_gather", 128, 0),
 ]
 
 _COMPILE = """
@@ -112,11 +110,6 @@ fn, args = {
                           (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "wgrad_persistent_gather": (lambda a, b, o, i: pw.weight_grad(a, b, o, E, i, **kw),
                                 (sds(300, K), sds(P, N), sds(E + 1, dt=jnp.int32), sds(P, dt=jnp.int32))),
-    "dh_persistent": (lambda a, w, h, s, t: pw.dh(a, w, h, s, t, **kw),
-                      (sds(P, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32), sds(P // 128, dt=jnp.int32))),
-    "dh_persistent_gather": (lambda a, w, h, s, t, i: pw.dh(a, w, h, s, t, gather_index=i, **kw),
-                             (sds(300, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32),
-                              sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
 }[kernel]
 jax.jit(fn).trace(*args)
 """
@@ -169,9 +162,6 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
   from ffi import grouped_gemm as g, persistent as pw, pingpong as pp
   num_rhs = 2 if kernel.startswith("up_proj") else 1
   if "persistent" in kernel:   # the ring beside the epilogue's own buffers
-    if kernel.startswith("dh"):
-      depth = stages or min(pw.stages_that_fit(block_n, 2, "dh"), K_STEPS)
-      return g.smem_bytes(block_n, 1, 2, depth) + pw.dh_epilogue_bytes(block_n, 2)
     depth = stages or min(pw.stages_that_fit(block_n, 2), K_STEPS)
     return g.smem_bytes(block_n, 1, 2, depth) + pw.epilogue_bytes(2)
   if "pingpong" in kernel:

@@ -90,9 +90,9 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   and dh_pingpong_gather: dh gathering dO's rows in the kernel (dh_pingpong_gather_tma: with
   its SMEM epilogue), dw1, dw1_gather: dW1 gathering X's
   rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows (dw1_gather_persistent,
-  dw2_gather_persistent, down_proj_persistent, dx_tilde_persistent, dh_persistent,
-  dh_gather_persistent: the same on persistent CTAs, dh as dh_tma_hsmem); up_proj, down_proj,
-  dx_tilde, dh, dw1 and dw2 again as *_ws, a producer warpgroup issuing their TMA loads;
+  dw2_gather_persistent, down_proj_persistent, dx_tilde_persistent: the same on persistent
+  CTAs); up_proj, down_proj, dx_tilde, dh, dw1 and dw2 again as *_ws, a producer warpgroup
+  issuing their TMA loads;
   dh_hsmem, dh_tma_hsmem, dh_gather_hsmem, dh_gather_tma_hsmem: dh's epilogue reading H from
   SMEM (_tma: and storing its outputs through it); dh_gemm: dh's GEMM without its epilogue
   math; cfg a CuteTile)."""
@@ -176,11 +176,6 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
         lambda c, lhs, rhs, t, tr=transpose_rhs: persistent.grouped_matmul(
             lhs, rhs, t, transpose_rhs=tr, **dataclasses.asdict(c)), static_argnums=0),
         mm_args, mm_flops, mm_n)
-  for name, gather in [("dh_persistent", False), ("dh_gather_persistent", True)]:
-    args = (dout, *dh_args[1:], plan.token_index) if gather else dh_args
-    rows[name] = (jax.jit(lambda c, g, w2, h, s, t, *i: persistent.dh(
-        g, w2, h, s, t, gather_index=i[0] if i else None, over_h=False,
-        **dataclasses.asdict(c)), static_argnums=0), args, dh_flops, dh_n)
   # the kernels that do not gather again as *_ws: a producer warpgroup issuing their TMA loads
   ws = lambda c: dict(warp_specialized=True, **dataclasses.asdict(c))
   ws_fns = {

@@ -81,11 +81,11 @@ DOUT_GATHER_MAX_COLUMN_TILES = 8
 # dH with its SMEM epilogue (pingpong.dh's tma_store: each consumer's epilogue, one 64-column
 # chunk at a time through buffers of its own, under the other's mainloop; written in session
 # 16). "auto": "pingpong_tma" where d (dH's contraction) is at most DH_PINGPONG_MAX_D, else
-# "tma_store". "persistent": persistent.dh (CTAs looping over tiles, each tile's H loaded
-# under its mainloop and the next tile's stages under its epilogue; block_n at most 128;
-# bitwise tma_store's; written in session 22 on the CPU, not yet run on a GPU).
+# "tma_store". (Persistent CTAs with H's tiles loaded under the mainloop into epilogue buffers
+# of their own, bitwise equal, were 10-18% slower in H200 session 23 at block_n 128, their
+# widest: 30B-n256 2.766 vs 2.347 ms, olmoe 2.986 vs 2.702; removed.)
 DH_KERNEL = "auto"
-DH_KERNELS = ("auto", "registers", "tma_store", "pingpong", "pingpong_tma", "persistent")
+DH_KERNELS = ("auto", "registers", "tma_store", "pingpong", "pingpong_tma")
 # A short mainloop (d / 64 k steps per tile) leaves the epilogue a larger share of each tile,
 # which the ping-pong kernel hides under the other consumer's mainloop. H200 session 17, the
 # layer's dH kernel, ms, tma_store vs pingpong_tma: 7B-n256 (d 1536) 0.467 vs 0.437 (kernels
@@ -262,14 +262,8 @@ def _dh_kernel(d: int) -> str:
 
 
 def _dh_block_n(n: int, d: int) -> int:
-  """dH's column tile: DH_BLOCK_N (at most 128 on the ping-pong and persistent kernels),
-  halved to divide n."""
-  kernel = _dh_kernel(d)
-  widest = DH_BLOCK_N
-  if kernel.startswith("pingpong"):
-    widest = pingpong.widest_block_n(1)
-  elif kernel == "persistent":
-    widest = persistent.DH_MAX_BLOCK_N
+  """dH's column tile: DH_BLOCK_N (at most 128 on the ping-pong kernel), halved to divide n."""
+  widest = pingpong.widest_block_n(1) if _dh_kernel(d).startswith("pingpong") else DH_BLOCK_N
   return _wide_tile(n, min(DH_BLOCK_N, widest))
 
 
@@ -300,9 +294,6 @@ def dh(dout, w2, h, scores, plan):
     dh_, a_scaled, ds_parts = pingpong.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
                                           over_h=DH_OVER_H, tma_store=kernel == "pingpong_tma",
                                           **gather)
-  elif kernel == "persistent":
-    dh_, a_scaled, ds_parts = persistent.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
-                                            over_h=DH_OVER_H, **gather)
   else:
     dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
                                               tma_store=kernel == "tma_store",

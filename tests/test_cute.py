@@ -290,17 +290,15 @@ def test_cute_top_k_matches_lax_on_gpu(T, E, k):
 @needs_cute
 @pytest.mark.parametrize("dout_gather_max_column_tiles,dh_kernel,dh_block_n", [
     (0, "registers", 128), (2, "registers", 128), (0, "pingpong", 128), (2, "pingpong", 128),
-    (1, "registers", 256), (1, "tma_store", 256), (1, "pingpong_tma", 128), (2, "auto", 256),
-    (2, "persistent", 256)])
+    (1, "registers", 256), (1, "tma_store", 256), (1, "pingpong_tma", 128), (2, "auto", 256)])
 def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_kernel,
                                                dh_block_n, monkeypatch):
   """The layer's forward and gradients with the CuTe grouped GEMMs: the kernels compile for
   sm_90a here and the program exports for CUDA with them as FFI calls (forward: up_proj,
   down_proj and aggregate; backward adds dh, dx_tilde, aggregate, dw1 and dw2), with dO's rows
   gathered by XLA or by dh and dw2, with dH's register or TMA stores (H read from SMEM: the
-  default DH_H_SMEM), with the ping-pong kernels (dH with register stores or its SMEM
-  epilogue, which "auto" picks at this d; up_proj and the store GEMMs) and with the
-  persistent dH (128-wide column tiles at most)."""
+  default DH_H_SMEM) and with the ping-pong kernels (dH with register stores or its SMEM
+  epilogue, which "auto" picks at this d; up_proj and the store GEMMs)."""
   cute_ops = importlib.import_module("ffi.ops")
   monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", dout_gather_max_column_tiles)
   monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
@@ -310,10 +308,7 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_
   monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong" if pingpong else "grouped")
   monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong" if pingpong else "grouped")
   dh_block_ns = []   # the dH kernel's column tile, as ffi.ops calls it
-  narrow = pingpong or dh_kernel == "persistent"   # (at most 128 wide)
-  kernel_module = importlib.import_module(
-      "ffi.pingpong" if pingpong else "ffi.persistent" if dh_kernel == "persistent"
-      else "ffi.grouped_gemm")
+  kernel_module = importlib.import_module("ffi.pingpong" if pingpong else "ffi.grouped_gemm")
   real_dh = kernel_module.dh
   monkeypatch.setattr(kernel_module, "dh", lambda *a, block_n, **k: (
       dh_block_ns.append(block_n), real_dh(*a, block_n=block_n, **k))[1])
@@ -324,7 +319,7 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_
 
   text = _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
   assert text.count(FFI_TARGET) >= 8
-  assert set(dh_block_ns) == {min(dh_block_n, 128) if narrow else dh_block_n}
+  assert set(dh_block_ns) == {min(dh_block_n, 128) if pingpong else dh_block_n}
   # dH written over H: dh's FFI call aliases its output 0 to H (operand 3, after dOg, W2,
   # tile_expert and, when it gathers, the gather index); no other call aliases
   h_operand = 4 if dout_gather_max_column_tiles else 3
@@ -780,9 +775,6 @@ def test_cute_dh_kernel_auto_follows_the_model_width(monkeypatch):
   assert cute_ops._dout_gathered_in_kernel(1024, limit + 512)
   monkeypatch.setattr(cute_ops, "DH_KERNEL", "registers")
   assert cute_ops._dh_kernel(limit) == "registers"
-  monkeypatch.setattr(cute_ops, "DH_KERNEL", "persistent")
-  assert cute_ops._dh_block_n(1024, limit + 512) == 128
-  assert cute_ops._dout_gathered_in_kernel(1024, limit + 512)
 
 
 @needs_cute
@@ -908,23 +900,6 @@ def test_cute_dh_h_smem_needs_its_stages():
                    *shapes)
 
 
-def _dh_operands(seed: int, d: int, gather: bool):
-  """dH kernels' operands for 4 experts (n 256) over M tiles of experts 0, 0, 1, 3, 3 and one
-  past the last group: dO [1000, d] (gather) or dOg [P, d], W2 [4, 256, d], H [P, 512], scores
-  [P], tile_expert and (gather) the slots' source rows (every 7th a padding slot: 1000)."""
-  from ffi import grouped_gemm
-  T, n, E = 1000, 256, 4
-  tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
-  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
-  keys = jax.random.split(jax.random.key(seed), 5)
-  dout = jax.random.normal(keys[0], (T if gather else P, d)).astype(jnp.bfloat16)
-  w2 = (jax.random.normal(keys[1], (E, n, d)) / 16).astype(jnp.bfloat16)
-  h = jax.random.normal(keys[2], (P, 2 * n)).astype(jnp.bfloat16)
-  scores = jax.random.uniform(keys[3], (P,))
-  index = jax.random.randint(keys[4], (P,), 0, T).at[::7].set(T) if gather else None
-  return dout, w2, h, scores, tile_expert, index
-
-
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("block_n,gather,tma_store,d", [
@@ -936,7 +911,15 @@ def test_cute_dh_h_smem_keeps_outputs_on_gpu(block_n, gather, tma_store, d):
   fewer k steps than stages at d 128, a tile past the last group) gives the bitwise same dH,
   A' and dS parts as reading it from global memory."""
   from ffi import grouped_gemm
-  dout, w2, h, scores, tile_expert, index = _dh_operands(81, d, gather)
+  T, n, E = 1000, 256, 4
+  tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
+  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
+  keys = jax.random.split(jax.random.key(81), 5)
+  dout = jax.random.normal(keys[0], (T if gather else P, d)).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(keys[1], (E, n, d)) / 16).astype(jnp.bfloat16)
+  h = jax.random.normal(keys[2], (P, 2 * n)).astype(jnp.bfloat16)
+  scores = jax.random.uniform(keys[3], (P,))
+  index = jax.random.randint(keys[4], (P,), 0, T).at[::7].set(T) if gather else None
   run = jax.jit(lambda h_smem: grouped_gemm.dh(
       dout, w2, h, scores, tile_expert, block_n=block_n, gather_index=index, over_h=False,
       tma_store=tma_store, h_smem=h_smem), static_argnums=0)
@@ -1057,34 +1040,6 @@ def test_cute_persistent_matmul_compiles_for_cuda(block_n, stages, transpose_rhs
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,gather", [(128, None, True), (64, 2, False)])
-def test_cute_persistent_dh_compiles_for_cuda(block_n, stages, gather):
-  """The persistent dH (its epilogue buffers beside the ring, H loaded ahead) compiles for
-  sm_90a reading dOg or gathering dO's rows; it refuses tiles whose buffers do not fit."""
-  from ffi import persistent
-  P, d, n, E, T = 1024, 256, 256, 4, 300
-  shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [
-      ((T if gather else P, d), jnp.bfloat16), ((E, n, d), jnp.bfloat16),
-      ((P, 2 * n), jnp.bfloat16), ((P,), jnp.float32), ((P // 128,), jnp.int32),
-      ((P,), jnp.int32)]]
-  if gather:
-    fn = lambda o, w, h, s, t, i: persistent.dh(o, w, h, s, t, block_n=block_n, stages=stages,
-                                                gather_index=i)
-  else:
-    fn = lambda o, w, h, s, t: persistent.dh(o, w, h, s, t, block_n=block_n, stages=stages)
-    shapes = shapes[:-1]
-  assert FFI_TARGET in _cuda_module(fn, *shapes)
-  if gather:
-    return
-  with pytest.raises(ValueError, match="cute persistent dh: block_n=256 is wider than 128"):
-    jax.eval_shape(lambda *a: persistent.dh(*a[:5], block_n=256), *shapes[:5])
-  fit = persistent.stages_that_fit(128, 2, "dh")
-  assert fit == 4   # 96 KiB of epilogue buffers and 4 stages of 32 KiB in 227 KiB
-  with pytest.raises(ValueError, match=f"cute persistent dh: stages={fit + 1} must be between"):
-    jax.eval_shape(lambda *a: persistent.dh(*a[:5], stages=fit + 1), *shapes[:5])
-
-
-@needs_cute
 def test_persistent_tiles_cover_each_output_tile_once_with_its_k_range():
   """The persistent CTAs' tile loop (tile_work, run here on plain integers): every output tile
   once; weight gradients expert by expert over the expert's rows (none for an empty expert);
@@ -1183,62 +1138,21 @@ def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, s
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,gather,stages,num_ctas", [
-    (128, True, None, None), (128, False, None, 3), (64, True, 2, 5), (128, True, 3, 1),
-    (64, False, None, None)])
-def test_cute_persistent_dh_matches_grouped_on_gpu(block_n, gather, stages, num_ctas):
-  """The persistent dH gives grouped_gemm.dh's bits (tma_store, h_smem): dH, A' and dS parts,
-  experts of 0 to 10 k steps and a tile past the last group; num_ctas 1, 3 and 5 make each
-  CTA loop over many tiles, loading each tile's H while the previous is stored."""
-  from ffi import grouped_gemm, persistent
-  dout, w2, h, scores, tile_expert, index = _dh_operands(91, 640, gather)
-  kw = dict(block_n=block_n, gather_index=index, over_h=False)
-  got = jax.jit(lambda: persistent.dh(dout, w2, h, scores, tile_expert, stages=stages,
-                                      num_ctas=num_ctas, **kw))()
-  want = jax.jit(lambda: grouped_gemm.dh(dout, w2, h, scores, tile_expert, tma_store=True,
-                                         h_smem=True, **kw))()
-  for g, w in zip(got, want):
-    assert g.shape == w.shape and np.any(np.asarray(w, np.float32) != 0)
-    np.testing.assert_array_equal(g, w)
-
-
-def _assert_layer_keeps_its_bits(monkeypatch, args, k: int, setting: str, reference, variant):
-  """The cute layer's output and gradients (cotangent ones) with ffi.ops.<setting> = variant are
-  bitwise those with `reference`."""
-  cute_ops = importlib.import_module("ffi.ops")
-  def run(*a):
-    out, pullback = jax.vjp(lambda *b: sm.moe(*b, k=k, backend="cute").out, *a)
-    return out, pullback(jnp.ones_like(out))
-  monkeypatch.setattr(cute_ops, setting, reference)
-  want = jax.jit(run)(*args)
-  monkeypatch.setattr(cute_ops, setting, variant)
-  got = jax.jit(lambda *a: run(*a))(*args)   # (a new function: traced again)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(g, w)
-
-
-@pytest.mark.gpu
-@needs_cute
 def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypatch):
   """The layer's output and gradients with STORE_WIDE_KERNEL "persistent" (down_proj and
   dx_tilde on it where their tiles are wide: d 2048, n 1024; in the default two column
   windows) are bitwise the grouped kernel's."""
-  _assert_layer_keeps_its_bits(monkeypatch, make_inputs(75, 600, 2048, 1024, 8, jnp.bfloat16),
-                               2, "STORE_WIDE_KERNEL", "grouped", "persistent")
-
-
-@pytest.mark.gpu
-@needs_cute
-@pytest.mark.parametrize("n", [256, 1024])
-def test_cute_layer_with_persistent_dh_matches_tma_store_on_gpu(monkeypatch, n):
-  """The layer's output and gradients with DH_KERNEL "persistent" are bitwise those with
-  "tma_store" at the same column tile (DH_BLOCK_N 128), dO's rows gathered in the kernel (n
-  256: 2 column tiles) and by XLA first (n 1024: 8, past DOUT_GATHER_MAX_COLUMN_TILES = 2)."""
   cute_ops = importlib.import_module("ffi.ops")
-  monkeypatch.setattr(cute_ops, "DH_BLOCK_N", 128)
-  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", 2)
-  _assert_layer_keeps_its_bits(monkeypatch, make_inputs(76, 1000, 512, n, 16, jnp.bfloat16), 4,
-                               "DH_KERNEL", "tma_store", "persistent")
+  args = make_inputs(75, 600, 2048, 1024, 8, jnp.bfloat16)
+  def run(*a):
+    out, pullback = jax.vjp(lambda *b: sm.moe(*b, k=2, backend="cute").out, *a)
+    return out, pullback(jnp.ones_like(out))
+  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "grouped")
+  want = jax.jit(run)(*args)
+  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "persistent")
+  got = jax.jit(lambda *a: run(*a))(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.gpu
