@@ -45,7 +45,7 @@
 #   persistent: the persistent kernels: bitwise GPU tests (kernels, layer), the weight
 #           gradients' sweep rows at 120B-n1024 and 7B-n1024, the wide store GEMMs' at olmoe and
 #           120B-n1024 beside grouped_gemm's, the step with either store kernel      (~9 min)
-#   ncu_dh: Nsight Compute's sections on the dH kernels at 7B-n256                   (~3 min)
+#   ncu_dh: Nsight Compute on the default dH at 7B-n256, sections and per-SASS stalls (~3 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
@@ -135,7 +135,7 @@ for mode in "$@"; do
         --configs 7B-n256,olmoe,30B-n256,120B-n1024 --stages 0 --block-n 256 \
         --kernels dh_gather,dh_gather_hsmem,dh_gather_tma_hsmem,dh,dh_hsmem,dh_tma,dh_tma_hsmem,dh_gemm \
         --out "$OUT/sweep_dh_hsmem.json" 2>&1 | grep -v '^{' | grep -v "^config"
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k regex:cutlass \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k regex:sonicmoe_dh_gather \
         --launch-count 4 --section SpeedOfLight --section WarpStateStats --section SourceCounters \
         python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256 --stages 0 --block-n 256 \
         --kernels dh_gather_tma_hsmem --iters 1 --reps 1 > "$OUT/ncu_dh_hsmem.txt" 2>&1
@@ -197,16 +197,25 @@ PY
         timeout 150 python3 -m benchmarks.bench --configs olmoe,120B-n1024 --impls auto \
           --cute-store-wide $store --iters 5 --reps 3 --out "$OUT/bench_store_wide_$store" 2>&1 | tail -5
       done ;;
-    ncu_dh)  # after `cute` staging: Nsight Compute on the dH kernels at 7B-n256 (grouped_gemm's
-             # at block_n 128 and 256, the ping-pong one at 128; every launch of the sweep) (~3 min)
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 ncu --clock-control none -k regex:cutlass \
-        --launch-count 16 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section WarpStateStats --section SchedulerStats --section Occupancy \
-        --section LaunchStats python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256 \
-        --stages 3 --block-n 128,256 --kernels dh_gather,dh_pingpong_gather --iters 1 --reps 1 \
-        > "$OUT/ncu_dh_7b.txt" 2>&1; echo "ncu: rc $?"
-      grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|L2 Cache Throughput|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occupancy|Stall" \
-        "$OUT/ncu_dh_7b.txt" | cut -c1-150 | head -90 ;;
+    ncu_dh)  # after `cute` staging: Nsight Compute on the default dH at 7B-n256 (the ping-pong
+             # kernel gathering dO, SMEM epilogue, block_n 128): sections and stall ratios, then
+             # the warp-state samples per SASS instruction (its report's source page)  (~3 min)
+      sweep=(python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256 --stages 0
+             --block-n 128 --kernels dh_pingpong_gather_tma --iters 1 --reps 1)
+      # (-k names the kernel: the sweep's first launch is the up-projection making H)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k regex:pingpong_dh \
+        --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section SchedulerStats --section WarpStateStats \
+        --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
+        "${sweep[@]}" > "$OUT/ncu_dh_7b.txt" 2>&1; echo "ncu sections: rc $?"
+      grep -E "Duration|DRAM Throughput|Compute \(SM\)|stalled_.*(long_sc|wait|barrier|dispatch|short)" \
+        "$OUT/ncu_dh_7b.txt" | cut -c1-110
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k regex:pingpong_dh \
+        --launch-count 1 --section SourceCounters -f -o "$OUT/ncu_dh_7b_source" "${sweep[@]}" \
+        > "$OUT/ncu_dh_7b_source.log" 2>&1; echo "ncu source counters: rc $?"
+      ncu --import "$OUT/ncu_dh_7b_source.ncu-rep" --page source --print-source sass --csv \
+        > "$OUT/ncu_dh_7b_sass.csv" 2> "$OUT/ncu_dh_7b_sass.err"; echo "source page: rc $?"
+      head -c 600 "$OUT/ncu_dh_7b_sass.csv"; echo ;;
     step_memory)  # after `cute` staging: the step's peak memory and XLA's memory-usage report
                   # (its largest buffers) at MEM_CONFIGS (default 30B-n256 7B-n256)   (~2 min)
       for cfg in ${MEM_CONFIGS:-30B-n256 7B-n256}; do
