@@ -50,6 +50,7 @@ VARIANTS = [
     ("dh pingpong bn128 fit", "dh_pingpong", 128, 0), ("dh pingpong bn64 fit", "dh_pingpong", 64, 0),
     ("dh pingpong gather bn128 fit", "dh_pingpong_gather", 128, 0),
     ("dh pingpong gather tma bn128 fit", "dh_pingpong_gather_tma", 128, 0),   # d <= 1536
+    ("dh pingpong gather tma shared bn128 fit", "dh_pingpong_gather_tma_shared", 128, 0),
     ("up_proj pingpong bn64 fit", "up_proj_pingpong", 64, 0),
     ("store ws bn256 fit", "matmul_ws", 256, 0), ("up_proj ws bn128 fit", "up_proj_ws", 128, 0),
     ("dh ws bn256 fit", "dh_ws", 256, 0), ("wgrad ws bn256 fit", "wgrad_ws", 256, 0),
@@ -101,6 +102,11 @@ fn, args = {
                                                               tma_store=True, **kw),
                                (sds(300, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32),
                                 sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
+    "dh_pingpong_gather_tma_shared": (
+        lambda a, w, h, s, t, i: pp.dh(a, w, h, s, t, gather_index=i, tma_store=True,
+                                       shared_buffers=True, **kw),
+        (sds(300, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32),
+         sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
     "up_proj_pingpong": (lambda a, b, t, i: pp.up_proj(a, b, t, i, **kw),
                          (sds(300, K), sds(E, K, N), sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
     "wgrad": (lambda a, b, o: g.weight_grad(a, b, o, E, **kw), (sds(P, K), sds(P, N), sds(E + 1, dt=jnp.int32))),
@@ -165,11 +171,12 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
     depth = stages or min(pw.stages_that_fit(block_n, 2), K_STEPS)
     return g.smem_bytes(block_n, 1, 2, depth) + pw.epilogue_bytes(2)
   if "pingpong" in kernel:
-    tma_store = kernel.endswith("_tma")
+    shared = kernel.endswith("_shared")   # (dh's epilogue buffers, one set for both consumers)
+    tma_store = kernel.endswith(("_tma", "_tma_shared"))
     kind = "dh" if kernel.startswith("dh") else "store"
-    depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store, kind)
+    depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store, kind, shared)
     return (g.smem_bytes(block_n, num_rhs, 2, depth, rows=pp.TILE_M)
-            + (pp.epilogue_bytes(2, kind) if tma_store else 0))
+            + (pp.epilogue_bytes(2, kind, shared) if tma_store else 0))
   depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None)
   return g.smem_bytes(block_n, num_rhs, 2, depth)
 

@@ -88,7 +88,7 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   epilogue, up_proj_pingpong, dh_pingpong, down_proj_pingpong and dx_tilde_pingpong (_tma: with
   the TMA-store epilogue): the ping-pong kernels (ffi/pingpong.py), dh_gather
   and dh_pingpong_gather: dh gathering dO's rows in the kernel (dh_pingpong_gather_tma: with
-  its SMEM epilogue), dw1, dw1_gather: dW1 gathering X's
+  its SMEM epilogue; _shared: the consumers' epilogue buffers shared), dw1, dw1_gather: dW1 gathering X's
   rows in the kernel, dw2, dw2_gather: dW2 transposed gathering dO's rows (dw1_gather_persistent,
   dw2_gather_persistent, down_proj_persistent, dx_tilde_persistent: the same on persistent
   CTAs); up_proj, down_proj, dx_tilde, dh, dw1 and dw2 again as *_ws, a producer warpgroup
@@ -133,9 +133,12 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dh_pingpong_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: pingpong.dh(
       g, w2, h, s, t, gather_index=i, over_h=False, **dataclasses.asdict(c)), static_argnums=0),
       (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
-  rows["dh_pingpong_gather_tma"] = (jax.jit(lambda c, g, w2, h, s, t, i: pingpong.dh(
-      g, w2, h, s, t, gather_index=i, over_h=False, tma_store=True, **dataclasses.asdict(c)),
-      static_argnums=0), (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
+  for suffix, shared in [("", False), ("_shared", True)]:   # (_shared: shared_buffers)
+    rows[f"dh_pingpong_gather_tma{suffix}"] = (jax.jit(
+        lambda c, g, w2, h, s, t, i, shared=shared: pingpong.dh(
+            g, w2, h, s, t, gather_index=i, over_h=False, tma_store=True, shared_buffers=shared,
+            **dataclasses.asdict(c)), static_argnums=0),
+        (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
   # dh's GEMM alone (dA' = dOg W2_e^T, stored as it is: no dSwiGLU epilogue), to tell its
   # mainloop from its epilogue
   rows["dh_gemm"] = (jax.jit(lambda c, dg, w2, h, s, t: cute_gemm.grouped_matmul(

@@ -71,6 +71,9 @@ REGISTERS = {False: (40, 232),
 SMEM_EPILOGUE_GATHER_REGISTERS = (40, 232)
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
 EPILOGUE_BARRIER = 6        # named barriers 6 and 7: consumer 0's and 1's TMA-store epilogue
+# named barriers 8 and 9: consumer 0's and 1's turn at dh's epilogue buffers where the two
+# share one set (shared_buffers)
+BUFFER_TURN_BARRIER = 8
 MAX_STAGES = 8
 # dh's SMEM epilogue (tma_store): each consumer's EPI_TILE buffers, one column chunk at a time:
 # H's gate and up chunks (TMA-loaded; dH's written over them) and A''s chunk
@@ -83,18 +86,21 @@ def epilogue_buffers(kind: str) -> int:
   return OUTPUT_BUFFERS if kind == "dh" else grouped_gemm.EPI_STAGES
 
 
-def epilogue_bytes(itemsize: int, kind: str = "store") -> int:
-  """SMEM of the TMA-store epilogue: epilogue_buffers(kind) EPI_TILE buffers per consumer."""
-  return 2 * epilogue_buffers(kind) * EPI_TILE[0] * EPI_TILE[1] * itemsize
+def epilogue_bytes(itemsize: int, kind: str = "store", shared_buffers: bool = False) -> int:
+  """SMEM of the TMA-store epilogue: epilogue_buffers(kind) EPI_TILE buffers per consumer, or
+  one set for both (shared_buffers)."""
+  sets = 1 if shared_buffers else 2
+  return sets * epilogue_buffers(kind) * EPI_TILE[0] * EPI_TILE[1] * itemsize
 
 
 def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1, tma_store: bool = False,
-                    kind: str = "store") -> int:
+                    kind: str = "store", shared_buffers: bool = False) -> int:
   """The ring's deepest: stages of a [TILE_M, BLOCK_K] lhs tile and num_rhs [block_n,
   BLOCK_K] rhs tiles that fit in SMEM (beside the epilogue's buffers with tma_store), at most
   MAX_STAGES."""
-  return min(MAX_STAGES, grouped_gemm._stages_that_fit(
-      block_n, num_rhs, itemsize, TILE_M, epilogue_bytes(itemsize, kind) if tma_store else 0))
+  reserved = epilogue_bytes(itemsize, kind, shared_buffers) if tma_store else 0
+  return min(MAX_STAGES, grouped_gemm._stages_that_fit(block_n, num_rhs, itemsize, TILE_M,
+                                                       reserved))
 
 
 def widest_block_n(num_rhs: int) -> int:
@@ -194,7 +200,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             c_smem_staged: cute.ComposedLayout, smem_epilogue, num_experts: cutlass.Int32,
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, tx_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr):
+            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr,
+            shared_buffers: cutlass.Constexpr):
   """kind "dh": m_a dOg (P, d, 1) by TMA, or with gather dO (T, d, 1) gathered by
   gather_index; m_b W2 (n, d, E), m_out dH, m_out2 A', m_h H, m_scores, m_ds dS parts. kind
   "swiglu" (gather always): m_a X (T, d, 1) gathered by gather_index, m_b W1 (2n, d, E) (its
@@ -203,8 +210,11 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   by the TMA-store epilogue (tma_out, m_out_tma: out's TMA atom and tensor; c_smem_staged: both
   consumers' epilogue buffers). kind "dh" with tma_store: its SMEM epilogue
   (_dh_smem_epilogue; tma_out, m_out_tma dH's), smem_epilogue = (A''s TMA atom and tensor,
-  H's TMA atom and tensor, the wgmma on EPI_TILE's columns); () otherwise. (Unused operands:
-  m_h, m_scores, m_ds outside dh; tma_out, m_out_tma, c_smem_staged without tma_store.)"""
+  H's TMA atom and tensor, the wgmma on EPI_TILE's columns); () otherwise. shared_buffers (dh
+  with tma_store): the consumers' epilogues take turns at one set of buffers (consumer c's
+  turn: BUFFER_TURN_BARRIER + c, handed over once its stores have read them), which leaves
+  SMEM to one more stage. (Unused operands: m_h, m_scores, m_ds outside dh; tma_out,
+  m_out_tma, c_smem_staged without tma_store.)"""
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -327,14 +337,24 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             _register_outputs(accs, outs, thr_mma, m_out.element_type, block_n, True)
           elif cutlass.const_expr(dh_smem_epilogue):
             tma_out2, m_out2_tma, tma_h, m_h_tma, chunk_mma = smem_epilogue
+            if cutlass.const_expr(shared_buffers):
+              if i > 0:   # the other consumer's stores of tile i - 1 have read the buffers
+                cute.arch.barrier(barrier_id=BUFFER_TURN_BARRIER + me, number_of_threads=256)
             # this consumer's tiles so far: i // 2, each using its H barrier once per chunk
             _dh_smem_epilogue(
                 accs[0], [tile_of(m_h_tma, c) for c in halves],
                 [tile_of(m_out_tma, halves[0]), tile_of(m_out_tma, halves[1]),
                  tile_of(m_out2_tma, cols)], [tma_h, tma_out, tma_out, tma_out2], s_c,
-                me * OUTPUT_BUFFERS, chunk_mma, thr_mma, tile_of(scores, 0), m_ds, wg_tidx,
-                warp % 4 == 0, h_bars + me, i // 2 * (block_n // EPI_TILE[1]), rows * TILE_M,
-                cols, block_n, EPILOGUE_BARRIER + me)
+                (0 if shared_buffers else me) * OUTPUT_BUFFERS, chunk_mma, thr_mma,
+                tile_of(scores, 0), m_ds, wg_tidx, warp % 4 == 0, h_bars + me,
+                i // 2 * (block_n // EPI_TILE[1]), rows * TILE_M, cols, block_n,
+                EPILOGUE_BARRIER + me)
+            if cutlass.const_expr(shared_buffers):
+              if i + 1 < my_tiles:   # the buffers to the other consumer, once read
+                if warp % 4 == 0:
+                  cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier_arrive(barrier_id=BUFFER_TURN_BARRIER + 1 - me,
+                                         number_of_threads=256)
           else:
             grouped_gemm._dh_outputs(
                 accs[0], grouped_gemm.acc_chunks([tile_of(m_h, c) for c in halves], thr_mma),
@@ -351,7 +371,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr = False):
+            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr = False,
+            shared_buffers: cutlass.Constexpr = False):
   """The persistent grid and the kernel's static configuration (see _kernel's operands)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
@@ -374,9 +395,11 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
                                              (TILE_M, BLOCK_K))
   a_elems, b_elems = cute.cosize(a_smem_staged), cute.cosize(b_smem_staged)
   # the TMA-store epilogue (kind "store" or "dh" with tma_store): epilogue_buffers(kind) per
-  # consumer and out's TMA atom (made for every kind: the kernel takes them, unused elsewhere)
+  # consumer (or for both: shared_buffers) and out's TMA atom (made for every kind: the kernel
+  # takes them, unused elsewhere)
   c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, EPI_TILE,
-                                                  2 * epilogue_buffers(kind))
+                                                  (1 if shared_buffers else 2) *
+                                                  epilogue_buffers(kind))
   c_tile = cute.slice_(c_smem_staged, (None, None, 0))
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out, c_tile,
                                                    EPI_TILE)
@@ -408,7 +431,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   _kernel(tma_a, m_a, tma_b, m_b, out, out2, m_h, m_scores, m_ds, tile_expert, gather_index,
           tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma, c_smem_staged, smem_epilogue,
           cute.size(rhs, mode=[2]), storage, block_n, stages, tx_bytes, kind, gather,
-          tma_store).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
+          tma_store, shared_buffers).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
                        stream=stream, min_blocks_per_mp=1)
 
 
@@ -416,11 +439,11 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
 def _dh_pingpong(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor,
                  h: cute.Tensor, scores: cute.Tensor, dh: cute.Tensor, a_scaled: cute.Tensor,
                  ds_parts: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                 tma_store: cutlass.Constexpr = False):
+                 tma_store: cutlass.Constexpr = False, shared_buffers: cutlass.Constexpr = False):
   """dOg (P, d, 1), w2 (n, d, E) K-major, H (P, 2n, 1), scores (P,), dH (P, 2n, 1), A' (P, n, 1),
   dS parts (n / block_n, P): the operands of grouped_gemm._dh."""
   _launch(stream, dout_g, w2, tile_expert, tile_expert, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", False, tma_store)
+          block_n, stages, "dh", False, tma_store, shared_buffers)
 
 
 @cute.jit
@@ -428,11 +451,12 @@ def _gathered_dh_pingpong(stream, dout: cute.Tensor, w2: cute.Tensor, tile_exper
                           gather_index: cute.Tensor, h: cute.Tensor, scores: cute.Tensor,
                           dh: cute.Tensor, a_scaled: cute.Tensor, ds_parts: cute.Tensor,
                           block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                          tma_store: cutlass.Constexpr = False):
+                          tma_store: cutlass.Constexpr = False,
+                          shared_buffers: cutlass.Constexpr = False):
   """_dh_pingpong with dO (T, d, 1) the source rows, slot r reading dO[gather_index[r]]: the
   operands of grouped_gemm._gathered_dh."""
   _launch(stream, dout, w2, tile_expert, gather_index, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", True, tma_store)
+          block_n, stages, "dh", True, tma_store, shared_buffers)
 
 
 @cute.jit
@@ -455,7 +479,7 @@ def _up_proj_pingpong(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute
 
 
 def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str,
-                tma_store: bool = False, kind: str = "store") -> int:
+                tma_store: bool = False, kind: str = "store", shared_buffers: bool = False) -> int:
   """block_n within the accumulators' registers (widest_block_n) and the ring's depth:
   `stages`, or as many as fit (beside the TMA-store epilogue's buffers with tma_store);
   ValueError naming the limit."""
@@ -464,7 +488,7 @@ def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str,
     raise ValueError(f"cute ping-pong {name}: block_n={block_n} is wider than {widest} (its "
                      f"{num_rhs} accumulator(s) of {TILE_M} x block_n fp32 in "
                      f"{MAX_ACCUMULATOR_REGISTERS} registers per consumer thread)")
-  fit = stages_that_fit(block_n, itemsize, num_rhs, tma_store, kind)
+  fit = stages_that_fit(block_n, itemsize, num_rhs, tma_store, kind, shared_buffers)
   if stages is None:
     return fit
   if not 2 <= stages <= fit:
@@ -504,15 +528,19 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None,
-       gather_index=None, over_h: bool = True, tma_store: bool = False):
+       gather_index=None, over_h: bool = True, tma_store: bool = False,
+       shared_buffers: bool = False):
   """grouped_gemm.dh (register stores) on the ping-pong schedule: the same operands and
   outputs; with gather_index [P], dout_g is dO [T, d] and the producer warpgroup gathers slot
   r's row dO[gather_index[r]] by cp.async (zeros where it is T or more), as up_proj gathers X.
   tma_store: each consumer's epilogue goes through SMEM buffers of its own one 64-column chunk
   at a time (_dh_smem_epilogue: H's chunks TMA-loaded, dH and A' stored by TMA; fewer ring
   stages fit; grouped_gemm.dh's bits on an H200, session 17: 0.437 ms in the layer at
-  7B-n256 against grouped_gemm.dh's 0.467, 2.558 against 2.505 at olmoe).
-  block_n: at most widest_block_n(1) (128); stages: the ring's depth (default: as many as fit,
+  7B-n256 against grouped_gemm.dh's 0.467, 2.558 against 2.505 at olmoe). shared_buffers
+  (with tma_store): the two consumers take turns at one set of epilogue buffers, so one more
+  ring stage fits (5 at block_n 128, not 4: at 7B-n256 session 23's Nsight Compute found the
+  consumers waiting on full stages while the producer waited on empty ones; not yet run on a
+  GPU). block_n: at most widest_block_n(1) (128); stages: the ring's depth (default: as many as fit,
   at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL "pingpong",
   "pingpong_tma" or "auto" (where d <= ffi.ops.DH_PINGPONG_MAX_D). On an H200
   it gives grouped_gemm.dh's bits; at 30B-n256, block_n 128, 3 stages it took 2.76 ms (dOg's
@@ -521,10 +549,16 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
   over_h: dH written over H's buffer (grouped_gemm.dh_call)."""
   reason = grouped_gemm.dh_unsupported(grouped_gemm.rows_read(dout_g, gather_index), w2, h,
                                        scores, block_n)
+  if not reason and shared_buffers and not tma_store:
+    reason = "shared_buffers=True needs tma_store=True (the SMEM epilogue's buffers)"
   if reason:
     raise ValueError(f"cute ping-pong dh: {reason}")
-  stages = _check_tile(block_n, dout_g.dtype.itemsize, 1, stages, "dh", tma_store, "dh")
-  option = dict(tma_store=True) if tma_store else {}   # (off: the targets leave it out)
+  stages = _check_tile(block_n, dout_g.dtype.itemsize, 1, stages, "dh", tma_store, "dh",
+                       shared_buffers)
+  # (options off: the targets leave them out)
+  option = dict(tma_store=True) if tma_store else {}
+  if shared_buffers:
+    option["shared_buffers"] = True
   return grouped_gemm.dh_call((_dh_pingpong, _gathered_dh_pingpong), dout_g, w2, h, scores,
                               tile_expert, gather_index, over_h, block_n=block_n, stages=stages,
                               **option)

@@ -587,16 +587,22 @@ def test_cute_pingpong_dh_compiles_for_cuda(block_n, stages):
   fn = lambda g, w, h, s, t, i: pingpong.dh(g, w, h, s, t, block_n=block_n, stages=stages,
                                             gather_index=i)
   assert FFI_TARGET in _cuda_module(fn, *gathered)
-  # its SMEM epilogue (tma_store): buffers of each consumer's own, fewer stages fit
+  # its SMEM epilogue (tma_store): buffers of each consumer's own, fewer stages fit; one more
+  # where the consumers share one set (shared_buffers: compiled here; each consumer's own in
+  # the layer's compile test, DH_KERNEL "pingpong_tma")
   fit_tma = pingpong.stages_that_fit(block_n, 2, 1, True, "dh")
-  assert 2 <= fit_tma < fit
+  fit_shared = pingpong.stages_that_fit(block_n, 2, 1, True, "dh", shared_buffers=True)
+  assert 2 <= fit_tma < fit_shared <= fit
   if block_n == 128:
+    assert (fit_tma, fit_shared) == (4, 5)
     fn = lambda g, w, h, s, t, i: pingpong.dh(g, w, h, s, t, block_n=block_n, gather_index=i,
-                                              tma_store=True)
+                                              tma_store=True, shared_buffers=True)
     assert FFI_TARGET in _cuda_module(fn, *gathered)
   with pytest.raises(ValueError, match=f"stages={fit_tma + 1} must be between 2 and {fit_tma}"):
     jax.eval_shape(lambda *a: pingpong.dh(*a, block_n=block_n, stages=fit_tma + 1,
                                           tma_store=True), *shapes)
+  with pytest.raises(ValueError, match="shared_buffers=True needs tma_store=True"):
+    jax.eval_shape(lambda *a: pingpong.dh(*a, shared_buffers=True), *shapes)
 
 
 @needs_cute
@@ -809,16 +815,20 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("num_tiles,block_n,gather,tma_store", [
-    (4, 128, False, False), (80, 128, False, False), (81, 64, False, False),
-    (81, 128, True, False), (4, 64, True, False), (80, 128, False, True), (81, 128, True, True),
-    (4, 64, True, True), (300, 128, True, True)])
-def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n, gather, tma_store):
+@pytest.mark.parametrize("num_tiles,block_n,gather,tma_store,shared_buffers", [
+    (4, 128, False, False, False), (80, 128, False, False, False), (81, 64, False, False, False),
+    (81, 128, True, False, False), (4, 64, True, False, False), (80, 128, False, True, False),
+    (81, 128, True, True, False), (4, 64, True, True, False), (300, 128, True, True, False),
+    (80, 128, False, True, True), (81, 128, True, True, True), (4, 64, True, True, True),
+    (300, 128, True, True, True)])
+def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n, gather, tma_store,
+                                            shared_buffers):
   """The ping-pong schedule gives grouped_gemm.dh's bits, reading dOg or gathering dO's rows
-  (padding slots among them), with register stores or (tma_store) the SMEM epilogue: M tiles
-  of experts with and without rows and past the last group; fewer work tiles than CTAs (one
-  consumer busy), and several per CTA (both consumers, an odd count: the turn handed over to
-  no one at the end; 300 tiles: each consumer's H barrier through many phases)."""
+  (padding slots among them), with register stores or (tma_store) the SMEM epilogue, the
+  consumers' own buffers or one set they take turns at (shared_buffers): M tiles of experts
+  with and without rows and past the last group; fewer work tiles than CTAs (one consumer
+  busy), and several per CTA (both consumers, an odd count: the turns handed over to no one at
+  the end; 300 tiles: each consumer's H barrier through many phases)."""
   from ffi import grouped_gemm, pingpong
   T, E, d, n = 1000, 5, 384, 256
   tile_expert = jnp.sort(jax.random.randint(jax.random.key(61), (num_tiles,), 0, E + 1))
@@ -833,7 +843,8 @@ def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n, gather, tma_stor
   index = {}
   if gather:
     index = dict(gather_index=jax.random.randint(keys[4], (P,), 0, T).at[::7].set(T))
-  got = jax.jit(lambda *a: pingpong.dh(*a, block_n=block_n, tma_store=tma_store, **index))(
+  got = jax.jit(lambda *a: pingpong.dh(*a, block_n=block_n, tma_store=tma_store,
+                                        shared_buffers=shared_buffers, **index))(
       dout, w2, h, scores, tile_expert)
   want = jax.jit(lambda *a: grouped_gemm.dh(*a, block_n=block_n, **index))(
       dout, w2, h, scores, tile_expert)
