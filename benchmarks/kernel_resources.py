@@ -47,6 +47,7 @@ VARIANTS = [
     ("wgrad gather bn256 fit", "wgrad_gather", 256, 0),
     ("store pingpong bn128 fit", "matmul_pingpong", 128, 0),
     ("store pingpong tma bn128 fit", "matmul_pingpong_tma", 128, 0),
+    ("store pingpong tma shared bn128 fit", "matmul_pingpong_tma_shared", 128, 0),
     ("dh pingpong bn128 fit", "dh_pingpong", 128, 0), ("dh pingpong bn64 fit", "dh_pingpong", 64, 0),
     ("dh pingpong gather bn128 fit", "dh_pingpong_gather", 128, 0),
     ("dh pingpong gather tma bn128 fit", "dh_pingpong_gather_tma", 128, 0),   # d <= 1536
@@ -93,6 +94,9 @@ fn, args = {
                         (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "matmul_pingpong_tma": (lambda a, b, t: pp.grouped_matmul(a, b, t, tma_store=True, **kw),
                             (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
+    "matmul_pingpong_tma_shared": (
+        lambda a, b, t: pp.grouped_matmul(a, b, t, tma_store=True, shared_buffers=True, **kw),
+        (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "dh_pingpong": (lambda a, w, h, s, t: pp.dh(a, w, h, s, t, **kw),
                     (sds(P, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32), sds(P // 128, dt=jnp.int32))),
     "dh_pingpong_gather": (lambda a, w, h, s, t, i: pp.dh(a, w, h, s, t, gather_index=i, **kw),

@@ -3,7 +3,8 @@ grouped_gemm.py's kernels with the same operands, outputs and epilogue math: dh 
 epilogue, grouped_gemm._dh_outputs; dO's rows read in slot order or gathered), up_proj
 gathering X's rows (the SwiGLU epilogue) and grouped_matmul (out = lhs_e rhs_e: down_proj,
 dx_tilde), storing their outputs from registers or (dh and grouped_matmul) through SMEM by TMA
-stores (tma_store: each consumer's own buffers).
+stores (tma_store: each consumer's own buffers, or one set the two take turns at:
+shared_buffers).
 grouped_gemm's kernel runs its epilogue after its mainloop with the tensor cores idle, and its
 MMA warpgroups issue the gather's copies between their wgmmas; here one consumer warpgroup's
 epilogue runs while the other's mainloop does, and a producer warpgroup does all the loading.
@@ -210,10 +211,10 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   by the TMA-store epilogue (tma_out, m_out_tma: out's TMA atom and tensor; c_smem_staged: both
   consumers' epilogue buffers). kind "dh" with tma_store: its SMEM epilogue
   (_dh_smem_epilogue; tma_out, m_out_tma dH's), smem_epilogue = (A''s TMA atom and tensor,
-  H's TMA atom and tensor, the wgmma on EPI_TILE's columns); () otherwise. shared_buffers (dh
-  with tma_store): the consumers' epilogues take turns at one set of buffers (consumer c's
-  turn: BUFFER_TURN_BARRIER + c, handed over once its stores have read them), which leaves
-  SMEM to one more stage. (Unused operands: m_h, m_scores, m_ds outside dh; tma_out,
+  H's TMA atom and tensor, the wgmma on EPI_TILE's columns); () otherwise. shared_buffers (with
+  tma_store): the consumers' epilogues take turns at one set of buffers (consumer c's turn:
+  BUFFER_TURN_BARRIER + c, handed over once its stores have read them), which leaves SMEM to
+  one more stage. (Unused operands: m_h, m_scores, m_ds outside dh; tma_out,
   m_out_tma, c_smem_staged without tma_store.)"""
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
@@ -323,10 +324,13 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
           loads.consumer_release(release)
           release.advance()
         tile_of = lambda m, c: cute.local_tile(m, tile_mnk, (rows, c, None, 0), proj=(1, 1, None))
+        buffer_set = 0 if shared_buffers else me   # (with tma_store) its epilogue buffers
+        if cutlass.const_expr(tma_store and shared_buffers):
+          _await_buffers(me, i)
         if cutlass.const_expr(kind == "store" and tma_store):
           grouped_gemm._tma_store_epilogue(
               accs, [(tma_out, tile_of(m_out_tma, cols))], s_c, tiled_mma, wg_tidx, warp % 4 == 0,
-              False, EPILOGUE_BARRIER + me, 128, me * grouped_gemm.EPI_STAGES)
+              False, EPILOGUE_BARRIER + me, 128, buffer_set * grouped_gemm.EPI_STAGES)
         elif cutlass.const_expr(kind == "store"):
           _register_outputs(accs, [tile_of(m_out, cols)], thr_mma, m_out.element_type, block_n,
                             False)
@@ -337,34 +341,44 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             _register_outputs(accs, outs, thr_mma, m_out.element_type, block_n, True)
           elif cutlass.const_expr(dh_smem_epilogue):
             tma_out2, m_out2_tma, tma_h, m_h_tma, chunk_mma = smem_epilogue
-            if cutlass.const_expr(shared_buffers):
-              if i > 0:   # the other consumer's stores of tile i - 1 have read the buffers
-                cute.arch.barrier(barrier_id=BUFFER_TURN_BARRIER + me, number_of_threads=256)
             # this consumer's tiles so far: i // 2, each using its H barrier once per chunk
             _dh_smem_epilogue(
                 accs[0], [tile_of(m_h_tma, c) for c in halves],
                 [tile_of(m_out_tma, halves[0]), tile_of(m_out_tma, halves[1]),
                  tile_of(m_out2_tma, cols)], [tma_h, tma_out, tma_out, tma_out2], s_c,
-                (0 if shared_buffers else me) * OUTPUT_BUFFERS, chunk_mma, thr_mma,
-                tile_of(scores, 0), m_ds, wg_tidx, warp % 4 == 0, h_bars + me,
-                i // 2 * (block_n // EPI_TILE[1]), rows * TILE_M, cols, block_n,
-                EPILOGUE_BARRIER + me)
-            if cutlass.const_expr(shared_buffers):
-              if i + 1 < my_tiles:   # the buffers to the other consumer, once read
-                if warp % 4 == 0:
-                  cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier_arrive(barrier_id=BUFFER_TURN_BARRIER + 1 - me,
-                                         number_of_threads=256)
+                buffer_set * OUTPUT_BUFFERS, chunk_mma, thr_mma, tile_of(scores, 0), m_ds,
+                wg_tidx, warp % 4 == 0, h_bars + me, i // 2 * (block_n // EPI_TILE[1]),
+                rows * TILE_M, cols, block_n, EPILOGUE_BARRIER + me)
           else:
             grouped_gemm._dh_outputs(
                 accs[0], grouped_gemm.acc_chunks([tile_of(m_h, c) for c in halves], thr_mma),
                 tile_of(scores, 0), m_ds, thr_mma,
                 wg_tidx, rows * TILE_M, cols, m_out.element_type,
                 grouped_gemm.acc_chunks(outs, thr_mma), block_n, TILE_M)
+        if cutlass.const_expr(tma_store and shared_buffers):
+          _hand_over_buffers(me, i, my_tiles, warp % 4 == 0)
       i += 1
     if cutlass.const_expr(dh_smem_epilogue):   # the last stores have read SMEM before exit
       if warp % 4 == 0:
         cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def _await_buffers(me, i):
+  """shared_buffers: consumer me's turn at the epilogue buffers, from its second tile on (the
+  other consumer's stores of tile i - 1 have read them)."""
+  if i > 0:
+    cute.arch.barrier(barrier_id=BUFFER_TURN_BARRIER + me, number_of_threads=256)
+
+
+@cute.jit
+def _hand_over_buffers(me, i, my_tiles, leader):
+  """shared_buffers: the epilogue buffers to the other consumer (if the CTA has a tile after
+  tile i) once this consumer's stores, issued by its leader warp, have read them."""
+  if i + 1 < my_tiles:
+    if leader:
+      cute.arch.cp_async_bulk_wait_group(0, read=True)
+    cute.arch.barrier_arrive(barrier_id=BUFFER_TURN_BARRIER + 1 - me, number_of_threads=256)
 
 
 @cute.jit
@@ -431,8 +445,9 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   _kernel(tma_a, m_a, tma_b, m_b, out, out2, m_h, m_scores, m_ds, tile_expert, gather_index,
           tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma, c_smem_staged, smem_epilogue,
           cute.size(rhs, mode=[2]), storage, block_n, stages, tx_bytes, kind, gather,
-          tma_store, shared_buffers).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
-                       stream=stream, min_blocks_per_mp=1)
+          tma_store, shared_buffers).launch(grid=(min(num_tiles, NUM_SMS), 1, 1),
+                                            block=(THREADS, 1, 1), stream=stream,
+                                            min_blocks_per_mp=1)
 
 
 @cute.jit
@@ -462,11 +477,12 @@ def _gathered_dh_pingpong(stream, dout: cute.Tensor, w2: cute.Tensor, tile_exper
 @cute.jit
 def _matmul_pingpong(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
                      out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                     tma_store: cutlass.Constexpr, first_col: cutlass.Constexpr = 0):
+                     tma_store: cutlass.Constexpr, first_col: cutlass.Constexpr = 0,
+                     shared_buffers: cutlass.Constexpr = False):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, W, 1): the operands of
   grouped_gemm._matmul (first_col as its)."""
   _launch(stream, lhs, grouped_gemm.rhs_window(rhs, out, first_col), tile_expert, tile_expert,
-          out, out, None, block_n, stages, "store", False, tma_store)
+          out, out, None, block_n, stages, "store", False, tma_store, shared_buffers)
 
 
 @cute.jit
@@ -483,6 +499,9 @@ def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str,
   """block_n within the accumulators' registers (widest_block_n) and the ring's depth:
   `stages`, or as many as fit (beside the TMA-store epilogue's buffers with tma_store);
   ValueError naming the limit."""
+  if shared_buffers and not tma_store:
+    raise ValueError(f"cute ping-pong {name}: shared_buffers=True needs tma_store=True (the "
+                     f"TMA-store epilogue's buffers)")
   widest = widest_block_n(num_rhs)
   if block_n > widest:
     raise ValueError(f"cute ping-pong {name}: block_n={block_n} is wider than {widest} (its "
@@ -503,7 +522,8 @@ def register_stores_fit(num_rows: int, num_cols: int) -> bool:
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
-                   stages: int | None = None, tma_store: bool = False, cols=None):
+                   stages: int | None = None, tma_store: bool = False, cols=None,
+                   shared_buffers: bool = False):
   """grouped_gemm.grouped_matmul on the ping-pong schedule: out [P, N] = lhs_e rhs_e per M
   tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major. out is stored from
   registers, or with tma_store through SMEM buffers of each consumer's own and TMA stores
@@ -512,7 +532,9 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   down_proj and dx_tilde on it with STORE_KERNEL = "pingpong" / "pingpong_tma". On an H200
   both give grouped_matmul's bits (sessions 10, 11); the TMA stores are the default, 20-25%
   faster than grouped_matmul (session 11). The register stores' 32-bit offsets cannot address
-  an out past 2^31 elements (refused). cols: a window of the product, as grouped_matmul's."""
+  an out past 2^31 elements (refused). cols: a window of the product, as grouped_matmul's.
+  shared_buffers (with tma_store): the two consumers take turns at one set of epilogue buffers,
+  so one more ring stage fits (6 at block_n 128, not 5; not yet run on a GPU)."""
   rhs_ekn = grouped_gemm.rhs_as_ekn(rhs, transpose_rhs)
   reason = grouped_gemm.unsupported(lhs, rhs_ekn, block_n, cols)
   out_cols = rhs_ekn.shape[2] if cols is None else cols[1] - cols[0]
@@ -522,9 +544,11 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
               f"offsets: use tma_store=True")
   if reason:
     raise ValueError(f"cute ping-pong grouped_matmul: {reason}")
-  stages = _check_tile(block_n, lhs.dtype.itemsize, 1, stages, "grouped_matmul", tma_store)
+  stages = _check_tile(block_n, lhs.dtype.itemsize, 1, stages, "grouped_matmul", tma_store,
+                       shared_buffers=shared_buffers)
+  option = dict(shared_buffers=True) if shared_buffers else {}   # (off: the targets leave it out)
   return grouped_gemm.matmul_call(_matmul_pingpong, lhs, rhs, tile_expert, transpose_rhs, cols,
-                                  block_n=block_n, stages=stages, tma_store=tma_store)
+                                  block_n=block_n, stages=stages, tma_store=tma_store, **option)
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None,
@@ -549,8 +573,6 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
   over_h: dH written over H's buffer (grouped_gemm.dh_call)."""
   reason = grouped_gemm.dh_unsupported(grouped_gemm.rows_read(dout_g, gather_index), w2, h,
                                        scores, block_n)
-  if not reason and shared_buffers and not tma_store:
-    reason = "shared_buffers=True needs tma_store=True (the SMEM epilogue's buffers)"
   if reason:
     raise ValueError(f"cute ping-pong dh: {reason}")
   stages = _check_tile(block_n, dout_g.dtype.itemsize, 1, stages, "dh", tma_store, "dh",

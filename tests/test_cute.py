@@ -628,25 +628,31 @@ def test_tma_store_epilogue_reads_each_accumulator_element_once(row_blocks, bloc
 
 
 @needs_cute
-@pytest.mark.parametrize("transpose_rhs,tma_store", [(False, False), (True, True)])
-def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs, tma_store):
+@pytest.mark.parametrize("transpose_rhs,tma_store,shared_buffers", [
+    (False, False, False), (True, True, False), (False, True, True)])
+def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs, tma_store, shared_buffers):
   """The ping-pong grouped_matmul (down_proj, and dx_tilde with W1 read K-major; register or
-  TMA stores) compiles for sm_90a and lowers as an FFI call; a tile wider than its
-  accumulator's registers, or a ring deeper than SMEM beside the epilogue's buffers, is
-  refused."""
+  TMA stores, the consumers' own epilogue buffers or one shared set) compiles for sm_90a and
+  lowers as an FFI call; a tile wider than its accumulator's registers, or a ring deeper than
+  SMEM beside the epilogue's buffers, is refused."""
   from ffi import pingpong
   P, K, N, E = 1024, 256, 512, 4
   rhs = jax.ShapeDtypeStruct((E, N, K) if transpose_rhs else (E, K, N), jnp.bfloat16)
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), rhs,
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
-  fn = lambda a, b, t: pingpong.grouped_matmul(a, b, t, transpose_rhs=transpose_rhs,
-                                               tma_store=tma_store)
+  options = dict(transpose_rhs=transpose_rhs, tma_store=tma_store, shared_buffers=shared_buffers)
+  fn = lambda a, b, t: pingpong.grouped_matmul(a, b, t, **options)
   assert FFI_TARGET in _cuda_module(fn, *shapes)
-  fit = pingpong.stages_that_fit(128, 2, 1, tma_store)
-  assert fit == (5 if tma_store else 7)   # 32 KiB stages; 64 KiB of epilogue buffers
+  fit = pingpong.stages_that_fit(128, 2, 1, tma_store, shared_buffers=shared_buffers)
+  # 32 KiB stages; 64 KiB of epilogue buffers, 32 shared
+  assert fit == {(False, False): 7, (True, False): 5, (True, True): 6}[tma_store, shared_buffers]
   with pytest.raises(ValueError, match=f"stages={fit + 1} must be between 2 and {fit}"):
-    jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(
-        a, b, t, transpose_rhs=transpose_rhs, tma_store=tma_store, stages=fit + 1), *shapes)
+    jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(a, b, t, stages=fit + 1, **options),
+                   *shapes)
+  if shared_buffers:
+    with pytest.raises(ValueError, match="shared_buffers=True needs tma_store=True"):
+      jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(a, b, t, shared_buffers=True),
+                     *shapes)
   with pytest.raises(ValueError, match="grouped_matmul: block_n=256 is wider than 128"):
     jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(
         a, b, t, transpose_rhs=transpose_rhs, block_n=256), *shapes)
@@ -684,14 +690,16 @@ def test_cute_pingpong_up_proj_compiles_for_cuda(block_n, stages):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("num_tiles,transpose_rhs,tma_store", [
-    (1, False, False), (4, True, False), (81, False, False), (81, True, False),
-    (1, True, True), (4, False, True), (81, True, True)])
+@pytest.mark.parametrize("num_tiles,transpose_rhs,tma_store,shared_buffers", [
+    (1, False, False, False), (4, True, False, False), (81, False, False, False),
+    (81, True, False, False), (1, True, True, False), (4, False, True, False),
+    (81, True, True, False), (1, True, True, True), (4, False, True, True),
+    (81, True, True, True), (300, False, True, True)])
 def test_cute_pingpong_matmul_matches_grouped_matmul_on_gpu(num_tiles, transpose_rhs,
-                                                            tma_store):
-  """The ping-pong grouped_matmul, storing from registers or by TMA, gives
-  grouped_gemm.grouped_matmul's bits (experts without rows, tiles past the last group: zeros;
-  one tile, and several per CTA)."""
+                                                            tma_store, shared_buffers):
+  """The ping-pong grouped_matmul, storing from registers or by TMA (the consumers' own
+  epilogue buffers or one set they take turns at), gives grouped_gemm.grouped_matmul's bits
+  (experts without rows, tiles past the last group: zeros; one tile, and several per CTA)."""
   from ffi import grouped_gemm, pingpong
   E, K, N = 5, 384, 512
   tile_expert = jnp.sort(jax.random.randint(jax.random.key(81), (num_tiles,), 0, E + 1))
@@ -700,8 +708,9 @@ def test_cute_pingpong_matmul_matches_grouped_matmul_on_gpu(num_tiles, transpose
   lhs = jax.random.normal(jax.random.key(82), (P, K)).astype(jnp.bfloat16)
   rhs = (jax.random.normal(jax.random.key(83), (E, N, K) if transpose_rhs else (E, K, N))
          / 8).astype(jnp.bfloat16)
-  got = jax.jit(lambda *a: pingpong.grouped_matmul(*a, transpose_rhs=transpose_rhs,
-                                                   tma_store=tma_store))(lhs, rhs, tile_expert)
+  got = jax.jit(lambda *a: pingpong.grouped_matmul(
+      *a, transpose_rhs=transpose_rhs, tma_store=tma_store, shared_buffers=shared_buffers))(
+          lhs, rhs, tile_expert)
   want = jax.jit(lambda *a: grouped_gemm.grouped_matmul(*a, transpose_rhs=transpose_rhs))(
       lhs, rhs, tile_expert)
   np.testing.assert_array_equal(got, want)
