@@ -212,7 +212,12 @@ PY
         --out "$OUT/sweep_dh_shared.json" 2>&1 | grep -v '^{' | grep -v "^config"
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256,7B-n1024,30B-n256 \
         --stages 0 --block-n 128 --kernels down_proj_pingpong_tma,down_proj_pingpong_tma_shared,dx_tilde_pingpong_tma,dx_tilde_pingpong_tma_shared \
-        --out "$OUT/sweep_store_shared.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
+        --out "$OUT/sweep_store_shared.json" 2>&1 | grep -v '^{' | grep -v "^config"
+      # and the up-projection at the 7B configs, where ours trails by 6-7%: grouped_gemm's
+      # (the default) against the ping-pong one (register stores, 64-wide tiles)
+      timeout 150 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256,7B-n1024 \
+        --stages 0 --block-n 64,128 --kernels up_proj_gather,up_proj_pingpong \
+        --out "$OUT/sweep_up_proj_7b.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
     ncu_dh)  # after `cute` staging: Nsight Compute on the default dH at 7B-n256 (the ping-pong
              # kernel gathering dO, SMEM epilogue, block_n 128): sections and stall ratios, then
              # the warp-state samples per SASS instruction (its report's source page)  (~3 min)
