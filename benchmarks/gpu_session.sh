@@ -47,7 +47,7 @@
 #           120B-n1024 beside grouped_gemm's, the step with either store kernel      (~9 min)
 #   shared_buffers: the ping-pong dH and store GEMMs with their consumers' epilogue buffers
 #           shared (one more stage): bitwise GPU tests, sweep rows                     (~7 min)
-#   ncu_dh: Nsight Compute on the default dH at 7B-n256, sections and per-SASS stalls (~3 min)
+#   ncu_dh: Nsight Compute on one dH kernel (NCU_DH; default: 7B-n256's), per-SASS stalls (~3 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
@@ -218,25 +218,29 @@ PY
       timeout 150 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256,7B-n1024 \
         --stages 0 --block-n 64,128 --kernels up_proj_gather,up_proj_pingpong \
         --out "$OUT/sweep_up_proj_7b.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
-    ncu_dh)  # after `cute` staging: Nsight Compute on the default dH at 7B-n256 (the ping-pong
-             # kernel gathering dO, SMEM epilogue, block_n 128): sections and stall ratios, then
-             # the warp-state samples per SASS instruction (its report's source page)  (~3 min)
-      sweep=(python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256 --stages 0
-             --block-n 128 --kernels dh_pingpong_gather_tma --iters 1 --reps 1)
+    ncu_dh)  # after `cute` staging: Nsight Compute on one dH kernel alone, by default the
+             # default dH at 7B-n256 (the ping-pong kernel gathering dO, SMEM epilogue, block_n
+             # 128; NCU_DH="<config> <sweep kernel> <block_n> <kernel-name regex>" for another,
+             # e.g. "olmoe dh_gather_tma_hsmem 256 sonicmoe_dh_gather"): sections and stall
+             # ratios, then the warp-state samples per SASS instruction (its report's source
+             # page)                                                                  (~3 min)
+      read -r cfg kernel block_n regex <<< "${NCU_DH:-7B-n256 dh_pingpong_gather_tma 128 pingpong_dh}"
+      sweep=(python3 -m benchmarks.tile_sweep --impl cute --configs "$cfg" --stages 0
+             --block-n "$block_n" --kernels "$kernel" --iters 1 --reps 1)
       # (-k names the kernel: the sweep's first launch is the up-projection making H)
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k regex:pingpong_dh \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k "regex:$regex" \
         --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section SchedulerStats --section WarpStateStats \
         --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
-        "${sweep[@]}" > "$OUT/ncu_dh_7b.txt" 2>&1; echo "ncu sections: rc $?"
+        "${sweep[@]}" > "$OUT/ncu_dh_$cfg.txt" 2>&1; echo "ncu sections: rc $?"
       grep -E "Duration|DRAM Throughput|Compute \(SM\)|stalled_.*(long_sc|wait|barrier|dispatch|short)" \
-        "$OUT/ncu_dh_7b.txt" | cut -c1-110
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k regex:pingpong_dh \
-        --launch-count 1 --section SourceCounters -f -o "$OUT/ncu_dh_7b_source" "${sweep[@]}" \
-        > "$OUT/ncu_dh_7b_source.log" 2>&1; echo "ncu source counters: rc $?"
-      ncu --import "$OUT/ncu_dh_7b_source.ncu-rep" --page source --print-source sass --csv \
-        > "$OUT/ncu_dh_7b_sass.csv" 2> "$OUT/ncu_dh_7b_sass.err"; echo "source page: rc $?"
-      head -c 600 "$OUT/ncu_dh_7b_sass.csv"; echo ;;
+        "$OUT/ncu_dh_$cfg.txt" | cut -c1-110
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k "regex:$regex" \
+        --launch-count 1 --section SourceCounters -f -o "$OUT/ncu_dh_${cfg}_source" "${sweep[@]}" \
+        > "$OUT/ncu_dh_${cfg}_source.log" 2>&1; echo "ncu source counters: rc $?"
+      ncu --import "$OUT/ncu_dh_${cfg}_source.ncu-rep" --page source --print-source sass --csv \
+        > "$OUT/ncu_dh_${cfg}_sass.csv" 2> "$OUT/ncu_dh_${cfg}_sass.err"; echo "source page: rc $?"
+      python3 -m benchmarks.ncu_sass_top "$OUT/ncu_dh_${cfg}_sass.csv" --top 8 --context 3 ;;
     step_memory)  # after `cute` staging: the step's peak memory and XLA's memory-usage report
                   # (its largest buffers) at MEM_CONFIGS (default 30B-n256 7B-n256)   (~2 min)
       for cfg in ${MEM_CONFIGS:-30B-n256 7B-n256}; do

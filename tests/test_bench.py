@@ -266,3 +266,28 @@ def test_ncu_step_runs_one_step_of_a_small_layer(capsys):
   from benchmarks import ncu_step
   ncu_step.main(["--config", "64,32,16,4,2", "--impl", "xla", "--no-profiler"])
   assert "T64-d32-n16-E4-K2 xla: one step profiled" in capsys.readouterr().out
+
+
+def test_ncu_sass_top_orders_instructions_by_samples_with_their_context(tmp_path):
+  """benchmarks.ncu_sass_top: the most sampled instructions first, each after the ones before
+  it, with its share of all samples; a csv that is not a source page is refused."""
+  from benchmarks import ncu_sass_top
+  header = ["Address", "Source", ncu_sass_top.ALL_SAMPLES, "stall_long_sb", "stall_wait",
+            "Instructions Executed"]
+  body = [["0x10", "TRYWAIT P0", "5", "0", "5", "100"],
+          ["0x20", "@!P0 BRA 0x40", "60", "58", "0", "100"],
+          ["0x30", "HGMMA", "10", "0", "2", "400"],
+          ["0x40", "NANOSLEEP", "25", "0", "0", "7"]]
+  path = tmp_path / "sass.csv"
+  path.write_text("\n".join(",".join(f'"{v}"' for v in row)
+                            for row in [["Kernel Name", "k"], header, *body]) + "\n")
+  lines = ncu_sass_top.top_lines(str(path), top=2, context=1)
+  assert lines[0].startswith("# 100 samples")
+  assert lines[1] == "--- 60.0% of samples"
+  assert "TRYWAIT P0" in lines[2] and "@!P0 BRA 0x40" in lines[3] and " 58 " in lines[3]
+  assert lines[4] == "--- 25.0% of samples" and "HGMMA" in lines[5] and "NANOSLEEP" in lines[6]
+  assert len(lines) == 7
+  other = tmp_path / "other.csv"
+  other.write_text('"a","b"\n"c","d"\n"e","f"\n')
+  with pytest.raises(ValueError, match="not an ncu source page"):
+    ncu_sass_top.top_lines(str(other))
