@@ -72,8 +72,8 @@ REGISTERS = {False: (40, 232),
 SMEM_EPILOGUE_GATHER_REGISTERS = (40, 232)
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
 EPILOGUE_BARRIER = 6        # named barriers 6 and 7: consumer 0's and 1's TMA-store epilogue
-# named barriers 8 and 9: consumer 0's and 1's turn at dh's epilogue buffers where the two
-# share one set (shared_buffers)
+# named barriers 8 and 9: consumer 0's and 1's turn at the TMA-store epilogue's buffers where
+# the two share one set (shared_buffers)
 BUFFER_TURN_BARRIER = 8
 MAX_STAGES = 8
 # dh's SMEM epilogue (tma_store): each consumer's EPI_TILE buffers, one column chunk at a time:
