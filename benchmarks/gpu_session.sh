@@ -204,7 +204,8 @@ PY
                      # GPU tests beside the others (150 s cap: a hang would be a turn barrier),
                      # then sweep rows beside the defaults                           (~7 min)
       timeout 150 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "pingpong_dh_matches or pingpong_matmul_matches" > "$OUT/pytest_shared_buffers.log" 2>&1
+        -k "pingpong_dh_matches or pingpong_matmul_matches or shared_epilogue_buffers" \
+        > "$OUT/pytest_shared_buffers.log" 2>&1
       rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_shared_buffers.log" | tail -26
       [ $rc -ne 0 ] && { echo "shared_buffers tests: rc $rc (124: a hang)"; continue; }
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256,7B-n1024,olmoe,30B-n256 \

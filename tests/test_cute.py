@@ -794,8 +794,9 @@ def test_cute_dh_kernel_auto_follows_the_model_width(monkeypatch):
 
 @needs_cute
 def test_cute_kernel_settings_are_checked(monkeypatch):
-  """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL, STORE_KERNEL, STORE_WIDE_KERNEL or WGRAD_KERNEL
-  outside its list is refused by name (runs on CPU: the error comes before any kernel)."""
+  """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL, STORE_KERNEL, STORE_WIDE_KERNEL, WGRAD_KERNEL or
+  PINGPONG_SHARED_BUFFERS outside its list is refused by name (runs on CPU: the error comes
+  before any kernel)."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(6, 256, 128, 64, 4, jnp.bfloat16)
   grad = lambda: jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={
@@ -813,6 +814,10 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
   with pytest.raises(ValueError, match=r"STORE_KERNEL must be one of .*'fast'"):
     sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
   monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong_tma")
+  monkeypatch.setattr(cute_ops, "PINGPONG_SHARED_BUFFERS", "yes")
+  with pytest.raises(ValueError, match=r"PINGPONG_SHARED_BUFFERS must be True or False; got 'yes'"):
+    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
+  monkeypatch.setattr(cute_ops, "PINGPONG_SHARED_BUFFERS", False)
   monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"STORE_WIDE_KERNEL must be one of .*'fast'"):
     sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
@@ -1154,6 +1159,25 @@ def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, s
   assert got.shape == want.shape == (P, N if cols is None else cols[1] - cols[0])
   assert np.all(np.asarray(want[-128:], np.float32) == 0) and np.any(np.asarray(want, np.float32) != 0)
   np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_cute_layer_with_shared_epilogue_buffers_matches_own_on_gpu(monkeypatch):
+  """The layer's output and gradients with PINGPONG_SHARED_BUFFERS (the ping-pong dH's and
+  store GEMMs' consumers taking turns at one set of epilogue buffers: d 512 <= 1536, short
+  contractions) are bitwise those with a set per consumer."""
+  cute_ops = importlib.import_module("ffi.ops")
+  args = make_inputs(77, 1000, 512, 256, 16, jnp.bfloat16)
+  def run(*a):
+    out, pullback = jax.vjp(lambda *b: sm.moe(*b, k=4, backend="cute").out, *a)
+    return out, pullback(jnp.ones_like(out))
+  monkeypatch.setattr(cute_ops, "PINGPONG_SHARED_BUFFERS", False)
+  want = jax.jit(run)(*args)
+  monkeypatch.setattr(cute_ops, "PINGPONG_SHARED_BUFFERS", True)
+  got = jax.jit(lambda *a: run(*a))(*args)   # (a new function: traced again)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.gpu
