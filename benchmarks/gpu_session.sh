@@ -208,8 +208,9 @@ PY
         > "$OUT/pytest_shared_buffers.log" 2>&1
       rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_shared_buffers.log" | tail -26
       [ $rc -ne 0 ] && { echo "shared_buffers tests: rc $rc (124: a hang)"; continue; }
+      # (block_n 256: grouped_gemm.dh's default where d > 1536; the ping-pong rows refuse it)
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256,7B-n1024,olmoe,30B-n256 \
-        --stages 0 --block-n 128 --kernels dh_pingpong_gather_tma,dh_pingpong_gather_tma_shared,dh_gather_tma_hsmem \
+        --stages 0 --block-n 128,256 --kernels dh_pingpong_gather_tma,dh_pingpong_gather_tma_shared,dh_gather_tma_hsmem \
         --out "$OUT/sweep_dh_shared.json" 2>&1 | grep -v '^{' | grep -v "^config"
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256,7B-n1024,30B-n256 \
         --stages 0 --block-n 128 --kernels down_proj_pingpong_tma,down_proj_pingpong_tma_shared,dx_tilde_pingpong_tma,dx_tilde_pingpong_tma_shared \
