@@ -74,6 +74,8 @@ if kernel.endswith("_h_smem"):   # dh's epilogue reading H from SMEM
   kernel, kw["h_smem"] = kernel.removesuffix("_h_smem"), True
 if kernel.endswith("_ws"):   # a kernel that does not gather, warp-specialized
   kernel, kw["warp_specialized"] = kernel.removesuffix("_ws"), True
+if kernel.endswith("_shared"):   # a ping-pong TMA-store epilogue's buffers, one set for both
+  kernel, kw["shared_buffers"] = kernel.removesuffix("_shared"), True
 fn, args = {
     "matmul": (lambda a, b, t: g.grouped_matmul(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "up_proj": (lambda a, b, t: g.up_proj(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
@@ -94,9 +96,6 @@ fn, args = {
                         (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "matmul_pingpong_tma": (lambda a, b, t: pp.grouped_matmul(a, b, t, tma_store=True, **kw),
                             (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
-    "matmul_pingpong_tma_shared": (
-        lambda a, b, t: pp.grouped_matmul(a, b, t, tma_store=True, shared_buffers=True, **kw),
-        (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "dh_pingpong": (lambda a, w, h, s, t: pp.dh(a, w, h, s, t, **kw),
                     (sds(P, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32), sds(P // 128, dt=jnp.int32))),
     "dh_pingpong_gather": (lambda a, w, h, s, t, i: pp.dh(a, w, h, s, t, gather_index=i, **kw),
@@ -106,11 +105,6 @@ fn, args = {
                                                               tma_store=True, **kw),
                                (sds(300, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32),
                                 sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
-    "dh_pingpong_gather_tma_shared": (
-        lambda a, w, h, s, t, i: pp.dh(a, w, h, s, t, gather_index=i, tma_store=True,
-                                       shared_buffers=True, **kw),
-        (sds(300, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32),
-         sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
     "up_proj_pingpong": (lambda a, b, t, i: pp.up_proj(a, b, t, i, **kw),
                          (sds(300, K), sds(E, K, N), sds(P // 128, dt=jnp.int32), sds(P, dt=jnp.int32))),
     "wgrad": (lambda a, b, o: g.weight_grad(a, b, o, E, **kw), (sds(P, K), sds(P, N), sds(E + 1, dt=jnp.int32))),

@@ -247,10 +247,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   if role == 0:
     cute.arch.setmaxregister_decrease(producer_regs)
     if warp < (4 if gather else 1):   # gathering, the whole warpgroup; else warp 0
-      if warp == 0:
-        cpasync.prefetch_descriptor(tma_b)
-        if cutlass.const_expr(not gather):
-          cpasync.prefetch_descriptor(tma_a)
+      grouped_gemm.prefetch_descriptors(warp, tma_a, tma_b, gather)
       produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
       for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
         rows, cols = t // num_n_tiles, t % num_n_tiles
