@@ -47,7 +47,6 @@
 #           120B-n1024 beside grouped_gemm's, the step with either store kernel      (~9 min)
 #   shared_buffers: the ping-pong dH and store GEMMs with their consumers' epilogue buffers
 #           shared (one more stage): bitwise GPU tests, sweep rows                     (~7 min)
-#   approx_sigmoid: the SwiGLU epilogues' sigmoid by ex2/rcp.approx: tests, anchors, sweep (~9 min)
 #   ncu_dh: Nsight Compute on one dH kernel (NCU_DH; default: 7B-n256's), per-SASS stalls (~3 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
@@ -221,26 +220,6 @@ PY
       timeout 150 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256,7B-n1024 \
         --stages 0 --block-n 64,128 --kernels up_proj_gather,up_proj_pingpong \
         --out "$OUT/sweep_up_proj_7b.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
-    approx_sigmoid)  # after `cute` staging: the SwiGLU epilogues' sigmoid by ex2.approx and
-                     # rcp.approx (benchmarks/approx_sigmoid.py rewrites this copy's
-                     # ffi/grouped_gemm.py; the next call gets a fresh copy): the sweep rows of
-                     # up_proj and dH before, then after it the cute kernels' float32 and bitwise
-                     # GPU tests of those ops, check_anchors at 7B-n256 and olmoe (the layer
-                     # against float32), the same rows again                              (~9 min)
-      rows=(--impl cute --configs 7B-n256,7B-n1024,olmoe --stages 0 --block-n 128,256
-            --kernels up_proj_gather,dh_pingpong_gather_tma,dh_gather_tma_hsmem)
-      timeout 150 python3 -m benchmarks.tile_sweep "${rows[@]}" --out "$OUT/sweep_precise.json" \
-        2>&1 | grep -v '^{' | grep -v "^config"
-      python3 -m benchmarks.approx_sigmoid || continue
-      timeout 200 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py -k \
-        "up_proj_against_float32 or dh_against_float32 or pingpong_dh_matches or pingpong_up_proj_matches or dh_h_smem_keeps" \
-        > "$OUT/pytest_approx_sigmoid.log" 2>&1
-      rc=$?; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_approx_sigmoid.log" | tail -8
-      [ $rc -ne 0 ] && { echo "approx_sigmoid tests: rc $rc"; continue; }
-      timeout 150 python3 -m benchmarks.check_anchors --backend auto --configs 7B-n256,olmoe \
-        --out "$OUT/check_approx_sigmoid.json" 2>&1 | tail -4
-      timeout 150 python3 -m benchmarks.tile_sweep "${rows[@]}" --out "$OUT/sweep_approx.json" \
-        2>&1 | grep -v '^{' | grep -v "^config" ;;
     ncu_dh)  # after `cute` staging: Nsight Compute on one dH kernel alone, by default the
              # default dH at 7B-n256 (the ping-pong kernel gathering dO, SMEM epilogue, block_n
              # 128; NCU_DH="<config> <sweep kernel> <block_n> <kernel-name regex>" for another,

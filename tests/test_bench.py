@@ -291,17 +291,3 @@ def test_ncu_sass_top_orders_instructions_by_samples_with_their_context(tmp_path
   other.write_text('"a","b"\n"c","d"\n"e","f"\n')
   with pytest.raises(ValueError, match="not an ncu source page"):
     ncu_sass_top.top_lines(str(other))
-
-
-def test_approx_sigmoid_experiment_still_applies():
-  """benchmarks.approx_sigmoid (a device-session experiment) rewrites today's
-  ffi/grouped_gemm.py into valid Python with both sigmoids approximate, and refuses a source it
-  was already applied to."""
-  import ast
-  from benchmarks import approx_sigmoid
-  source = approx_sigmoid.TARGET.read_text()
-  new = approx_sigmoid.rewrite(source)
-  ast.parse(new)
-  assert "cute.math.exp(" not in new and new.count("sigmoid(gate)") == 2
-  with pytest.raises(ValueError, match="occurs 0 times"):
-    approx_sigmoid.rewrite(new)
