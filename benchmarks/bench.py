@@ -357,9 +357,6 @@ def main(argv=None):
                  help="cute up_proj's kernel variant (default: ffi/ops.py UP_PROJ_KERNEL)")
   p.add_argument("--cute-store", choices=("grouped", "pingpong", "pingpong_tma"),
                  help="cute down_proj's and dx_tilde's kernel (default: ffi/ops.py STORE_KERNEL)")
-  p.add_argument("--cute-shared-buffers", choices=("on", "off"),
-                 help="the ping-pong kernels' TMA-store epilogues with one set of buffers for "
-                      "both consumers (default: ffi/ops.py PINGPONG_SHARED_BUFFERS)")
   p.add_argument("--cute-store-wide-min-k", type=int,
                  help="the contraction from which down_proj and dx_tilde take the wide grouped "
                       "kernel instead (default: ffi/ops.py STORE_WIDE_MIN_K)")
@@ -381,8 +378,6 @@ def main(argv=None):
                        STORE_WIDE_KERNEL=a.cute_store_wide)
   if a.cute_dh_h_smem:
     cute_settings["DH_H_SMEM"] = a.cute_dh_h_smem == "on"
-  if a.cute_shared_buffers:
-    cute_settings["PINGPONG_SHARED_BUFFERS"] = a.cute_shared_buffers == "on"
   if a.cute_dout_gather:
     cute_settings["DOUT_GATHER_MAX_COLUMN_TILES"] = 0 if a.cute_dout_gather == "xla" else 1 << 30
   cute_settings = {k: v for k, v in cute_settings.items() if v is not None}

@@ -45,8 +45,6 @@
 #   persistent: the persistent kernels: bitwise GPU tests (kernels, layer), the weight
 #           gradients' sweep rows at 120B-n1024 and 7B-n1024, the wide store GEMMs' at olmoe and
 #           120B-n1024 beside grouped_gemm's, the step with either store kernel      (~9 min)
-#   shared_buffers: the ping-pong dH and store GEMMs with their consumers' epilogue buffers
-#           shared (one more stage): bitwise GPU tests, sweep rows                     (~7 min)
 #   ncu_dh: Nsight Compute on one dH kernel (NCU_DH; default: 7B-n256's), per-SASS stalls (~3 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
@@ -199,27 +197,6 @@ PY
         timeout 150 python3 -m benchmarks.bench --configs olmoe,120B-n1024 --impls auto \
           --cute-store-wide $store --iters 5 --reps 3 --out "$OUT/bench_store_wide_$store" 2>&1 | tail -5
       done ;;
-    shared_buffers)  # after `cute` staging: the ping-pong dH and store GEMMs with the two
-                     # consumers' epilogue buffers one set (one more ring stage): their bitwise
-                     # GPU tests beside the others (150 s cap: a hang would be a turn barrier),
-                     # then sweep rows beside the defaults                           (~7 min)
-      timeout 150 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "pingpong_dh_matches or pingpong_matmul_matches or shared_epilogue_buffers" \
-        > "$OUT/pytest_shared_buffers.log" 2>&1
-      rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_shared_buffers.log" | tail -26
-      [ $rc -ne 0 ] && { echo "shared_buffers tests: rc $rc (124: a hang)"; continue; }
-      # (block_n 256: grouped_gemm.dh's default where d > 1536; the ping-pong rows refuse it)
-      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256,7B-n1024,olmoe,30B-n256 \
-        --stages 0 --block-n 128,256 --kernels dh_pingpong_gather_tma,dh_pingpong_gather_tma_shared,dh_gather_tma_hsmem \
-        --out "$OUT/sweep_dh_shared.json" 2>&1 | grep -v '^{' | grep -v "^config"
-      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256,7B-n1024,30B-n256 \
-        --stages 0 --block-n 128 --kernels down_proj_pingpong_tma,down_proj_pingpong_tma_shared,dx_tilde_pingpong_tma,dx_tilde_pingpong_tma_shared \
-        --out "$OUT/sweep_store_shared.json" 2>&1 | grep -v '^{' | grep -v "^config"
-      # and the up-projection at the 7B configs, where ours trails by 6-7%: grouped_gemm's
-      # (the default) against the ping-pong one (register stores, 64-wide tiles)
-      timeout 150 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256,7B-n1024 \
-        --stages 0 --block-n 64,128 --kernels up_proj_gather,up_proj_pingpong \
-        --out "$OUT/sweep_up_proj_7b.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
     ncu_dh)  # after `cute` staging: Nsight Compute on one dH kernel alone, by default the
              # default dH at 7B-n256 (the ping-pong kernel gathering dO, SMEM epilogue, block_n
              # 128; NCU_DH="<config> <sweep kernel> <block_n> <kernel-name regex>" for another,

@@ -47,11 +47,9 @@ VARIANTS = [
     ("wgrad gather bn256 fit", "wgrad_gather", 256, 0),
     ("store pingpong bn128 fit", "matmul_pingpong", 128, 0),
     ("store pingpong tma bn128 fit", "matmul_pingpong_tma", 128, 0),
-    ("store pingpong tma shared bn128 fit", "matmul_pingpong_tma_shared", 128, 0),
     ("dh pingpong bn128 fit", "dh_pingpong", 128, 0), ("dh pingpong bn64 fit", "dh_pingpong", 64, 0),
     ("dh pingpong gather bn128 fit", "dh_pingpong_gather", 128, 0),
     ("dh pingpong gather tma bn128 fit", "dh_pingpong_gather_tma", 128, 0),   # d <= 1536
-    ("dh pingpong gather tma shared bn128 fit", "dh_pingpong_gather_tma_shared", 128, 0),
     ("up_proj pingpong bn64 fit", "up_proj_pingpong", 64, 0),
     ("store ws bn256 fit", "matmul_ws", 256, 0), ("up_proj ws bn128 fit", "up_proj_ws", 128, 0),
     ("dh ws bn256 fit", "dh_ws", 256, 0), ("wgrad ws bn256 fit", "wgrad_ws", 256, 0),
@@ -74,8 +72,6 @@ if kernel.endswith("_h_smem"):   # dh's epilogue reading H from SMEM
   kernel, kw["h_smem"] = kernel.removesuffix("_h_smem"), True
 if kernel.endswith("_ws"):   # a kernel that does not gather, warp-specialized
   kernel, kw["warp_specialized"] = kernel.removesuffix("_ws"), True
-if kernel.endswith("_shared"):   # a ping-pong TMA-store epilogue's buffers, one set for both
-  kernel, kw["shared_buffers"] = kernel.removesuffix("_shared"), True
 fn, args = {
     "matmul": (lambda a, b, t: g.grouped_matmul(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "up_proj": (lambda a, b, t: g.up_proj(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
@@ -169,12 +165,11 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
     depth = stages or min(pw.stages_that_fit(block_n, 2), K_STEPS)
     return g.smem_bytes(block_n, 1, 2, depth) + pw.epilogue_bytes(2)
   if "pingpong" in kernel:
-    shared = kernel.endswith("_shared")   # (dh's epilogue buffers, one set for both consumers)
-    tma_store = kernel.endswith(("_tma", "_tma_shared"))
+    tma_store = kernel.endswith("_tma")
     kind = "dh" if kernel.startswith("dh") else "store"
-    depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store, kind, shared)
+    depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store, kind)
     return (g.smem_bytes(block_n, num_rhs, 2, depth, rows=pp.TILE_M)
-            + (pp.epilogue_bytes(2, kind, shared) if tma_store else 0))
+            + (pp.epilogue_bytes(2, kind) if tma_store else 0))
   depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None)
   return g.smem_bytes(block_n, num_rhs, 2, depth)
 

@@ -85,14 +85,13 @@ def _with_backward_rows(rows, dh, dw, x, w2, dout, plan, tiles, pairs):
 
 def cute_kernels(x, w1, w2, dout, plan, pairs):
   """The CuTe DSL kernels' rows (cfg a CuteTile):
-  - up_proj, up_proj_gather, down_proj, dx_tilde (_gemm_rows); dh; dh_tma: dh storing through the TMA-store epilogue; dh_gather: dh gathering
-    dO's rows in the kernel; dh_hsmem, dh_tma_hsmem, dh_gather_hsmem, dh_gather_tma_hsmem: dh's
+  - up_proj, up_proj_gather, down_proj, dx_tilde (_gemm_rows); dh; dh_tma: dh storing through
+    the TMA-store epilogue; dh_gather: dh gathering dO's rows in the kernel; dh_hsmem, dh_tma_hsmem, dh_gather_hsmem, dh_gather_tma_hsmem: dh's
     epilogue reading H from SMEM (_tma: and storing its outputs through it); dh_gemm: dh's
     GEMM without its epilogue math;
   - the ping-pong kernels (ffi/pingpong.py): up_proj_pingpong, dh_pingpong,
     dh_pingpong_gather (gathering dO), dh_pingpong_gather_tma (with its SMEM epilogue),
-    down_proj_pingpong and dx_tilde_pingpong (_tma: with the TMA-store epilogue); _shared: the
-    two consumers' epilogue buffers one set (shared_buffers);
+    down_proj_pingpong and dx_tilde_pingpong (_tma: with the TMA-store epilogue);
   - dw1, dw1_gather: dW1 gathering X's rows in the kernel; dw2, dw2_gather: dW2 transposed
     gathering dO's rows; dw1_gather_persistent, dw2_gather_persistent, down_proj_persistent,
     dx_tilde_persistent: the same on persistent CTAs (ffi/persistent.py);
@@ -126,23 +125,18 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
       dh_args, dh_flops, dh_n)
   for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands
     _, mm_args, mm_flops, mm_n = rows[name]
-    for suffix, tma_store, shared in [("", False, False), ("_tma", True, False),
-                                      ("_tma_shared", True, True)]:
+    for suffix, tma_store in [("", False), ("_tma", True)]:
       rows[f"{name}_pingpong{suffix}"] = (jax.jit(
-          lambda c, lhs, rhs, t, tr=transpose_rhs, tma=tma_store, sh=shared:
-          pingpong.grouped_matmul(lhs, rhs, t, transpose_rhs=tr, tma_store=tma,
-                                  shared_buffers=sh, **dataclasses.asdict(c)),
+          lambda c, lhs, rhs, t, tr=transpose_rhs, tma=tma_store: pingpong.grouped_matmul(
+              lhs, rhs, t, transpose_rhs=tr, tma_store=tma, **dataclasses.asdict(c)),
           static_argnums=0), mm_args, mm_flops, mm_n)
   # dO's rows gathered too
   rows["dh_pingpong_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: pingpong.dh(
       g, w2, h, s, t, gather_index=i, over_h=False, **dataclasses.asdict(c)), static_argnums=0),
       (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
-  for suffix, shared in [("", False), ("_shared", True)]:   # (_shared: shared_buffers)
-    rows[f"dh_pingpong_gather_tma{suffix}"] = (jax.jit(
-        lambda c, g, w2, h, s, t, i, shared=shared: pingpong.dh(
-            g, w2, h, s, t, gather_index=i, over_h=False, tma_store=True, shared_buffers=shared,
-            **dataclasses.asdict(c)), static_argnums=0),
-        (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
+  rows["dh_pingpong_gather_tma"] = (jax.jit(lambda c, g, w2, h, s, t, i: pingpong.dh(
+      g, w2, h, s, t, gather_index=i, over_h=False, tma_store=True, **dataclasses.asdict(c)),
+      static_argnums=0), (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
   # dh's GEMM alone (dA' = dOg W2_e^T, stored as it is: no dSwiGLU epilogue), to tell its
   # mainloop from its epilogue
   rows["dh_gemm"] = (jax.jit(lambda c, dg, w2, h, s, t: cute_gemm.grouped_matmul(

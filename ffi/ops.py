@@ -115,12 +115,6 @@ DH_OVER_H = True
 # (such outs take the TMA stores).
 STORE_KERNEL = "pingpong_tma"
 STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
-# The ping-pong kernels' TMA-store epilogues (dH's "pingpong_tma" and the store GEMMs'): one set
-# of SMEM buffers the two consumers take turns at instead of a set each, so one more ring stage
-# fits (dH 5, not 4; the store GEMMs 6, not 5). Written in session 23 after Nsight Compute found
-# the 7B-n256 dH's consumers waiting on full stages while its producer waited on empty ones;
-# off until measured on the GPU (gpu_session.sh shared_buffers).
-PINGPONG_SHARED_BUFFERS = False
 # The weight gradients' kernel where they gather rows (dw1's X, dw2's dO): "grouped"
 # (grouped_gemm.weight_grad, one CTA per output tile) or "persistent" (persistent.py:
 # CTAs looping over tiles, the producer filling the next tile's stages under the epilogue;
@@ -139,14 +133,6 @@ def _setting(name: str, value, choices):
   if value not in choices:
     raise ValueError(f"ffi.ops.{name} must be one of {choices}; got {value!r}")
   return value
-
-
-def _shared_buffers() -> bool:
-  """PINGPONG_SHARED_BUFFERS, checked: ValueError naming it unless a bool."""
-  if not isinstance(PINGPONG_SHARED_BUFFERS, bool):
-    raise ValueError(f"ffi.ops.PINGPONG_SHARED_BUFFERS must be True or False; got "
-                     f"{PINGPONG_SHARED_BUFFERS!r}")
-  return PINGPONG_SHARED_BUFFERS
 
 
 def unsupported(dtype, d: int, n: int):
@@ -257,8 +243,7 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
     tma_store = (STORE_KERNEL == "pingpong_tma"
                  or not pingpong.register_stores_fit(lhs.shape[0], width))
     return pingpong.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                   block_n=block_n, tma_store=tma_store, cols=cols,
-                                   shared_buffers=tma_store and _shared_buffers())
+                                   block_n=block_n, tma_store=tma_store, cols=cols)
   return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                      block_n=block_n, stages=STORE_STAGES, cols=cols)
 
@@ -306,10 +291,8 @@ def dh(dout, w2, h, scores, plan):
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
   if kernel.startswith("pingpong"):
-    tma_store = kernel == "pingpong_tma"
     dh_, a_scaled, ds_parts = pingpong.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
-                                          over_h=DH_OVER_H, tma_store=tma_store,
-                                          shared_buffers=tma_store and _shared_buffers(),
+                                          over_h=DH_OVER_H, tma_store=kernel == "pingpong_tma",
                                           **gather)
   else:
     dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,

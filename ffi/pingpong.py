@@ -3,8 +3,7 @@ grouped_gemm.py's kernels with the same operands, outputs and epilogue math: dh 
 epilogue, grouped_gemm._dh_outputs; dO's rows read in slot order or gathered), up_proj
 gathering X's rows (the SwiGLU epilogue) and grouped_matmul (out = lhs_e rhs_e: down_proj,
 dx_tilde), storing their outputs from registers or (dh and grouped_matmul) through SMEM by TMA
-stores (tma_store: each consumer's own buffers, or one set the two take turns at:
-shared_buffers).
+stores (tma_store: each consumer's own buffers).
 grouped_gemm's kernel runs its epilogue after its mainloop with the tensor cores idle, and its
 MMA warpgroups issue the gather's copies between their wgmmas; here one consumer warpgroup's
 epilogue runs while the other's mainloop does, and a producer warpgroup does all the loading.
@@ -72,9 +71,6 @@ REGISTERS = {False: (40, 232),
 SMEM_EPILOGUE_GATHER_REGISTERS = (40, 232)
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
 EPILOGUE_BARRIER = 6        # named barriers 6 and 7: consumer 0's and 1's TMA-store epilogue
-# named barriers 8 and 9: consumer 0's and 1's turn at the TMA-store epilogue's buffers where
-# the two share one set (shared_buffers)
-BUFFER_TURN_BARRIER = 8
 MAX_STAGES = 8
 # dh's SMEM epilogue (tma_store): each consumer's EPI_TILE buffers, one column chunk at a time:
 # H's gate and up chunks (TMA-loaded; dH's written over them) and A''s chunk
@@ -87,21 +83,18 @@ def epilogue_buffers(kind: str) -> int:
   return OUTPUT_BUFFERS if kind == "dh" else grouped_gemm.EPI_STAGES
 
 
-def epilogue_bytes(itemsize: int, kind: str = "store", shared_buffers: bool = False) -> int:
-  """SMEM of the TMA-store epilogue: epilogue_buffers(kind) EPI_TILE buffers per consumer, or
-  one set for both (shared_buffers)."""
-  sets = 1 if shared_buffers else 2
-  return sets * epilogue_buffers(kind) * EPI_TILE[0] * EPI_TILE[1] * itemsize
+def epilogue_bytes(itemsize: int, kind: str = "store") -> int:
+  """SMEM of the TMA-store epilogue: epilogue_buffers(kind) EPI_TILE buffers per consumer."""
+  return 2 * epilogue_buffers(kind) * EPI_TILE[0] * EPI_TILE[1] * itemsize
 
 
 def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1, tma_store: bool = False,
-                    kind: str = "store", shared_buffers: bool = False) -> int:
+                    kind: str = "store") -> int:
   """The ring's deepest: stages of a [TILE_M, BLOCK_K] lhs tile and num_rhs [block_n,
   BLOCK_K] rhs tiles that fit in SMEM (beside the epilogue's buffers with tma_store), at most
   MAX_STAGES."""
-  reserved = epilogue_bytes(itemsize, kind, shared_buffers) if tma_store else 0
-  return min(MAX_STAGES, grouped_gemm._stages_that_fit(block_n, num_rhs, itemsize, TILE_M,
-                                                       reserved))
+  return min(MAX_STAGES, grouped_gemm._stages_that_fit(
+      block_n, num_rhs, itemsize, TILE_M, epilogue_bytes(itemsize, kind) if tma_store else 0))
 
 
 def widest_block_n(num_rhs: int) -> int:
@@ -201,8 +194,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             c_smem_staged: cute.ComposedLayout, smem_epilogue, num_experts: cutlass.Int32,
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, tx_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr,
-            shared_buffers: cutlass.Constexpr):
+            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr):
   """kind "dh": m_a dOg (P, d, 1) by TMA, or with gather dO (T, d, 1) gathered by
   gather_index; m_b W2 (n, d, E), m_out dH, m_out2 A', m_h H, m_scores, m_ds dS parts. kind
   "swiglu" (gather always): m_a X (T, d, 1) gathered by gather_index, m_b W1 (2n, d, E) (its
@@ -211,11 +203,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   by the TMA-store epilogue (tma_out, m_out_tma: out's TMA atom and tensor; c_smem_staged: both
   consumers' epilogue buffers). kind "dh" with tma_store: its SMEM epilogue
   (_dh_smem_epilogue; tma_out, m_out_tma dH's), smem_epilogue = (A''s TMA atom and tensor,
-  H's TMA atom and tensor, the wgmma on EPI_TILE's columns); () otherwise. shared_buffers (with
-  tma_store): the consumers' epilogues take turns at one set of buffers (consumer c's turn:
-  BUFFER_TURN_BARRIER + c, handed over once its stores have read them), which leaves SMEM to
-  one more stage. (Unused operands: m_h, m_scores, m_ds outside dh; tma_out,
-  m_out_tma, c_smem_staged without tma_store.)"""
+  H's TMA atom and tensor, the wgmma on EPI_TILE's columns); () otherwise. (Unused operands:
+  m_h, m_scores, m_ds outside dh; tma_out, m_out_tma, c_smem_staged without tma_store.)"""
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -321,13 +310,10 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
           loads.consumer_release(release)
           release.advance()
         tile_of = lambda m, c: cute.local_tile(m, tile_mnk, (rows, c, None, 0), proj=(1, 1, None))
-        buffer_set = 0 if shared_buffers else me   # (with tma_store) its epilogue buffers
-        if cutlass.const_expr(tma_store and shared_buffers):
-          _await_buffers(me, i)
         if cutlass.const_expr(kind == "store" and tma_store):
           grouped_gemm._tma_store_epilogue(
               accs, [(tma_out, tile_of(m_out_tma, cols))], s_c, tiled_mma, wg_tidx, warp % 4 == 0,
-              False, EPILOGUE_BARRIER + me, 128, buffer_set * grouped_gemm.EPI_STAGES)
+              False, EPILOGUE_BARRIER + me, 128, me * grouped_gemm.EPI_STAGES)
         elif cutlass.const_expr(kind == "store"):
           _register_outputs(accs, [tile_of(m_out, cols)], thr_mma, m_out.element_type, block_n,
                             False)
@@ -343,17 +329,15 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
                 accs[0], [tile_of(m_h_tma, c) for c in halves],
                 [tile_of(m_out_tma, halves[0]), tile_of(m_out_tma, halves[1]),
                  tile_of(m_out2_tma, cols)], [tma_h, tma_out, tma_out, tma_out2], s_c,
-                buffer_set * OUTPUT_BUFFERS, chunk_mma, thr_mma, tile_of(scores, 0), m_ds,
-                wg_tidx, warp % 4 == 0, h_bars + me, i // 2 * (block_n // EPI_TILE[1]),
-                rows * TILE_M, cols, block_n, EPILOGUE_BARRIER + me)
+                me * OUTPUT_BUFFERS, chunk_mma, thr_mma, tile_of(scores, 0), m_ds, wg_tidx,
+                warp % 4 == 0, h_bars + me, i // 2 * (block_n // EPI_TILE[1]), rows * TILE_M,
+                cols, block_n, EPILOGUE_BARRIER + me)
           else:
             grouped_gemm._dh_outputs(
                 accs[0], grouped_gemm.acc_chunks([tile_of(m_h, c) for c in halves], thr_mma),
                 tile_of(scores, 0), m_ds, thr_mma,
                 wg_tidx, rows * TILE_M, cols, m_out.element_type,
                 grouped_gemm.acc_chunks(outs, thr_mma), block_n, TILE_M)
-        if cutlass.const_expr(tma_store and shared_buffers):
-          _hand_over_buffers(me, i, my_tiles, warp % 4 == 0)
       i += 1
     if cutlass.const_expr(dh_smem_epilogue):   # the last stores have read SMEM before exit
       if warp % 4 == 0:
@@ -361,29 +345,10 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
 
 
 @cute.jit
-def _await_buffers(me, i):
-  """shared_buffers: consumer me's turn at the epilogue buffers, from its second tile on (the
-  other consumer's stores of tile i - 1 have read them)."""
-  if i > 0:
-    cute.arch.barrier(barrier_id=BUFFER_TURN_BARRIER + me, number_of_threads=256)
-
-
-@cute.jit
-def _hand_over_buffers(me, i, my_tiles, leader):
-  """shared_buffers: the epilogue buffers to the other consumer (if the CTA has a tile after
-  tile i) once this consumer's stores, issued by its leader warp, have read them."""
-  if i + 1 < my_tiles:
-    if leader:
-      cute.arch.cp_async_bulk_wait_group(0, read=True)
-    cute.arch.barrier_arrive(barrier_id=BUFFER_TURN_BARRIER + 1 - me, number_of_threads=256)
-
-
-@cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr = False,
-            shared_buffers: cutlass.Constexpr = False):
+            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr = False):
   """The persistent grid and the kernel's static configuration (see _kernel's operands)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
@@ -406,11 +371,9 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
                                              (TILE_M, BLOCK_K))
   a_elems, b_elems = cute.cosize(a_smem_staged), cute.cosize(b_smem_staged)
   # the TMA-store epilogue (kind "store" or "dh" with tma_store): epilogue_buffers(kind) per
-  # consumer (or for both: shared_buffers) and out's TMA atom (made for every kind: the kernel
-  # takes them, unused elsewhere)
+  # consumer and out's TMA atom (made for every kind: the kernel takes them, unused elsewhere)
   c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, EPI_TILE,
-                                                  (1 if shared_buffers else 2) *
-                                                  epilogue_buffers(kind))
+                                                  2 * epilogue_buffers(kind))
   c_tile = cute.slice_(c_smem_staged, (None, None, 0))
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out, c_tile,
                                                    EPI_TILE)
@@ -442,20 +405,19 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   _kernel(tma_a, m_a, tma_b, m_b, out, out2, m_h, m_scores, m_ds, tile_expert, gather_index,
           tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma, c_smem_staged, smem_epilogue,
           cute.size(rhs, mode=[2]), storage, block_n, stages, tx_bytes, kind, gather,
-          tma_store, shared_buffers).launch(grid=(min(num_tiles, NUM_SMS), 1, 1),
-                                            block=(THREADS, 1, 1), stream=stream,
-                                            min_blocks_per_mp=1)
+          tma_store).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
+                       stream=stream, min_blocks_per_mp=1)
 
 
 @cute.jit
 def _dh_pingpong(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor,
                  h: cute.Tensor, scores: cute.Tensor, dh: cute.Tensor, a_scaled: cute.Tensor,
                  ds_parts: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                 tma_store: cutlass.Constexpr = False, shared_buffers: cutlass.Constexpr = False):
+                 tma_store: cutlass.Constexpr = False):
   """dOg (P, d, 1), w2 (n, d, E) K-major, H (P, 2n, 1), scores (P,), dH (P, 2n, 1), A' (P, n, 1),
   dS parts (n / block_n, P): the operands of grouped_gemm._dh."""
   _launch(stream, dout_g, w2, tile_expert, tile_expert, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", False, tma_store, shared_buffers)
+          block_n, stages, "dh", False, tma_store)
 
 
 @cute.jit
@@ -463,23 +425,21 @@ def _gathered_dh_pingpong(stream, dout: cute.Tensor, w2: cute.Tensor, tile_exper
                           gather_index: cute.Tensor, h: cute.Tensor, scores: cute.Tensor,
                           dh: cute.Tensor, a_scaled: cute.Tensor, ds_parts: cute.Tensor,
                           block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                          tma_store: cutlass.Constexpr = False,
-                          shared_buffers: cutlass.Constexpr = False):
+                          tma_store: cutlass.Constexpr = False):
   """_dh_pingpong with dO (T, d, 1) the source rows, slot r reading dO[gather_index[r]]: the
   operands of grouped_gemm._gathered_dh."""
   _launch(stream, dout, w2, tile_expert, gather_index, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", True, tma_store, shared_buffers)
+          block_n, stages, "dh", True, tma_store)
 
 
 @cute.jit
 def _matmul_pingpong(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
                      out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                     tma_store: cutlass.Constexpr, first_col: cutlass.Constexpr = 0,
-                     shared_buffers: cutlass.Constexpr = False):
+                     tma_store: cutlass.Constexpr, first_col: cutlass.Constexpr = 0):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, W, 1): the operands of
   grouped_gemm._matmul (first_col as its)."""
   _launch(stream, lhs, grouped_gemm.rhs_window(rhs, out, first_col), tile_expert, tile_expert,
-          out, out, None, block_n, stages, "store", False, tma_store, shared_buffers)
+          out, out, None, block_n, stages, "store", False, tma_store)
 
 
 @cute.jit
@@ -492,19 +452,16 @@ def _up_proj_pingpong(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute
 
 
 def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str,
-                tma_store: bool = False, kind: str = "store", shared_buffers: bool = False) -> int:
+                tma_store: bool = False, kind: str = "store") -> int:
   """block_n within the accumulators' registers (widest_block_n) and the ring's depth:
   `stages`, or as many as fit (beside the TMA-store epilogue's buffers with tma_store);
   ValueError naming the limit."""
-  if shared_buffers and not tma_store:
-    raise ValueError(f"cute ping-pong {name}: shared_buffers=True needs tma_store=True (the "
-                     f"TMA-store epilogue's buffers)")
   widest = widest_block_n(num_rhs)
   if block_n > widest:
     raise ValueError(f"cute ping-pong {name}: block_n={block_n} is wider than {widest} (its "
                      f"{num_rhs} accumulator(s) of {TILE_M} x block_n fp32 in "
                      f"{MAX_ACCUMULATOR_REGISTERS} registers per consumer thread)")
-  fit = stages_that_fit(block_n, itemsize, num_rhs, tma_store, kind, shared_buffers)
+  fit = stages_that_fit(block_n, itemsize, num_rhs, tma_store, kind)
   if stages is None:
     return fit
   if not 2 <= stages <= fit:
@@ -519,8 +476,7 @@ def register_stores_fit(num_rows: int, num_cols: int) -> bool:
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
-                   stages: int | None = None, tma_store: bool = False, cols=None,
-                   shared_buffers: bool = False):
+                   stages: int | None = None, tma_store: bool = False, cols=None):
   """grouped_gemm.grouped_matmul on the ping-pong schedule: out [P, N] = lhs_e rhs_e per M
   tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major. out is stored from
   registers, or with tma_store through SMEM buffers of each consumer's own and TMA stores
@@ -529,9 +485,7 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   down_proj and dx_tilde on it with STORE_KERNEL = "pingpong" / "pingpong_tma". On an H200
   both give grouped_matmul's bits (sessions 10, 11); the TMA stores are the default, 20-25%
   faster than grouped_matmul (session 11). The register stores' 32-bit offsets cannot address
-  an out past 2^31 elements (refused). cols: a window of the product, as grouped_matmul's.
-  shared_buffers (with tma_store): the two consumers take turns at one set of epilogue buffers,
-  so one more ring stage fits (6 at block_n 128, not 5; not yet run on a GPU)."""
+  an out past 2^31 elements (refused). cols: a window of the product, as grouped_matmul's."""
   rhs_ekn = grouped_gemm.rhs_as_ekn(rhs, transpose_rhs)
   reason = grouped_gemm.unsupported(lhs, rhs_ekn, block_n, cols)
   out_cols = rhs_ekn.shape[2] if cols is None else cols[1] - cols[0]
@@ -541,27 +495,21 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
               f"offsets: use tma_store=True")
   if reason:
     raise ValueError(f"cute ping-pong grouped_matmul: {reason}")
-  stages = _check_tile(block_n, lhs.dtype.itemsize, 1, stages, "grouped_matmul", tma_store,
-                       shared_buffers=shared_buffers)
-  option = dict(shared_buffers=True) if shared_buffers else {}   # (off: the targets leave it out)
+  stages = _check_tile(block_n, lhs.dtype.itemsize, 1, stages, "grouped_matmul", tma_store)
   return grouped_gemm.matmul_call(_matmul_pingpong, lhs, rhs, tile_expert, transpose_rhs, cols,
-                                  block_n=block_n, stages=stages, tma_store=tma_store, **option)
+                                  block_n=block_n, stages=stages, tma_store=tma_store)
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None,
-       gather_index=None, over_h: bool = True, tma_store: bool = False,
-       shared_buffers: bool = False):
+       gather_index=None, over_h: bool = True, tma_store: bool = False):
   """grouped_gemm.dh (register stores) on the ping-pong schedule: the same operands and
   outputs; with gather_index [P], dout_g is dO [T, d] and the producer warpgroup gathers slot
   r's row dO[gather_index[r]] by cp.async (zeros where it is T or more), as up_proj gathers X.
   tma_store: each consumer's epilogue goes through SMEM buffers of its own one 64-column chunk
   at a time (_dh_smem_epilogue: H's chunks TMA-loaded, dH and A' stored by TMA; fewer ring
   stages fit; grouped_gemm.dh's bits on an H200, session 17: 0.437 ms in the layer at
-  7B-n256 against grouped_gemm.dh's 0.467, 2.558 against 2.505 at olmoe). shared_buffers
-  (with tma_store): the two consumers take turns at one set of epilogue buffers, so one more
-  ring stage fits (5 at block_n 128, not 4: at 7B-n256 session 23's Nsight Compute found the
-  consumers waiting on full stages while the producer waited on empty ones; not yet run on a
-  GPU). block_n: at most widest_block_n(1) (128); stages: the ring's depth (default: as many as fit,
+  7B-n256 against grouped_gemm.dh's 0.467, 2.558 against 2.505 at olmoe).
+  block_n: at most widest_block_n(1) (128); stages: the ring's depth (default: as many as fit,
   at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL "pingpong",
   "pingpong_tma" or "auto" (where d <= ffi.ops.DH_PINGPONG_MAX_D). On an H200
   it gives grouped_gemm.dh's bits; at 30B-n256, block_n 128, 3 stages it took 2.76 ms (dOg's
@@ -572,12 +520,8 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
                                        scores, block_n)
   if reason:
     raise ValueError(f"cute ping-pong dh: {reason}")
-  stages = _check_tile(block_n, dout_g.dtype.itemsize, 1, stages, "dh", tma_store, "dh",
-                       shared_buffers)
-  # (options off: the targets leave them out)
-  option = dict(tma_store=True) if tma_store else {}
-  if shared_buffers:
-    option["shared_buffers"] = True
+  stages = _check_tile(block_n, dout_g.dtype.itemsize, 1, stages, "dh", tma_store, "dh")
+  option = dict(tma_store=True) if tma_store else {}   # (off: the targets leave it out)
   return grouped_gemm.dh_call((_dh_pingpong, _gathered_dh_pingpong), dout_g, w2, h, scores,
                               tile_expert, gather_index, over_h, block_n=block_n, stages=stages,
                               **option)

@@ -587,22 +587,16 @@ def test_cute_pingpong_dh_compiles_for_cuda(block_n, stages):
   fn = lambda g, w, h, s, t, i: pingpong.dh(g, w, h, s, t, block_n=block_n, stages=stages,
                                             gather_index=i)
   assert FFI_TARGET in _cuda_module(fn, *gathered)
-  # its SMEM epilogue (tma_store): buffers of each consumer's own, fewer stages fit; one more
-  # where the consumers share one set (shared_buffers: compiled here; each consumer's own in
-  # the layer's compile test, DH_KERNEL "pingpong_tma")
+  # its SMEM epilogue (tma_store): buffers of each consumer's own, fewer stages fit
   fit_tma = pingpong.stages_that_fit(block_n, 2, 1, True, "dh")
-  fit_shared = pingpong.stages_that_fit(block_n, 2, 1, True, "dh", shared_buffers=True)
-  assert 2 <= fit_tma < fit_shared <= fit
+  assert 2 <= fit_tma < fit
   if block_n == 128:
-    assert (fit_tma, fit_shared) == (4, 5)
     fn = lambda g, w, h, s, t, i: pingpong.dh(g, w, h, s, t, block_n=block_n, gather_index=i,
-                                              tma_store=True, shared_buffers=True)
+                                              tma_store=True)
     assert FFI_TARGET in _cuda_module(fn, *gathered)
   with pytest.raises(ValueError, match=f"stages={fit_tma + 1} must be between 2 and {fit_tma}"):
     jax.eval_shape(lambda *a: pingpong.dh(*a, block_n=block_n, stages=fit_tma + 1,
                                           tma_store=True), *shapes)
-  with pytest.raises(ValueError, match="shared_buffers=True needs tma_store=True"):
-    jax.eval_shape(lambda *a: pingpong.dh(*a, shared_buffers=True), *shapes)
 
 
 @needs_cute
@@ -628,31 +622,25 @@ def test_tma_store_epilogue_reads_each_accumulator_element_once(row_blocks, bloc
 
 
 @needs_cute
-@pytest.mark.parametrize("transpose_rhs,tma_store,shared_buffers", [
-    (False, False, False), (True, True, False), (False, True, True)])
-def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs, tma_store, shared_buffers):
+@pytest.mark.parametrize("transpose_rhs,tma_store", [(False, False), (True, True)])
+def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs, tma_store):
   """The ping-pong grouped_matmul (down_proj, and dx_tilde with W1 read K-major; register or
-  TMA stores, the consumers' own epilogue buffers or one shared set) compiles for sm_90a and
-  lowers as an FFI call; a tile wider than its accumulator's registers, or a ring deeper than
-  SMEM beside the epilogue's buffers, is refused."""
+  TMA stores) compiles for sm_90a and lowers as an FFI call; a tile wider than its
+  accumulator's registers, or a ring deeper than SMEM beside the epilogue's buffers, is
+  refused."""
   from ffi import pingpong
   P, K, N, E = 1024, 256, 512, 4
   rhs = jax.ShapeDtypeStruct((E, N, K) if transpose_rhs else (E, K, N), jnp.bfloat16)
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), rhs,
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
-  options = dict(transpose_rhs=transpose_rhs, tma_store=tma_store, shared_buffers=shared_buffers)
-  fn = lambda a, b, t: pingpong.grouped_matmul(a, b, t, **options)
+  fn = lambda a, b, t: pingpong.grouped_matmul(a, b, t, transpose_rhs=transpose_rhs,
+                                               tma_store=tma_store)
   assert FFI_TARGET in _cuda_module(fn, *shapes)
-  fit = pingpong.stages_that_fit(128, 2, 1, tma_store, shared_buffers=shared_buffers)
-  # 32 KiB stages; 64 KiB of epilogue buffers, 32 shared
-  assert fit == {(False, False): 7, (True, False): 5, (True, True): 6}[tma_store, shared_buffers]
+  fit = pingpong.stages_that_fit(128, 2, 1, tma_store)
+  assert fit == (5 if tma_store else 7)   # 32 KiB stages; 64 KiB of epilogue buffers
   with pytest.raises(ValueError, match=f"stages={fit + 1} must be between 2 and {fit}"):
-    jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(a, b, t, stages=fit + 1, **options),
-                   *shapes)
-  if shared_buffers:
-    with pytest.raises(ValueError, match="shared_buffers=True needs tma_store=True"):
-      jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(a, b, t, shared_buffers=True),
-                     *shapes)
+    jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(
+        a, b, t, transpose_rhs=transpose_rhs, tma_store=tma_store, stages=fit + 1), *shapes)
   with pytest.raises(ValueError, match="grouped_matmul: block_n=256 is wider than 128"):
     jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(
         a, b, t, transpose_rhs=transpose_rhs, block_n=256), *shapes)
@@ -690,16 +678,14 @@ def test_cute_pingpong_up_proj_compiles_for_cuda(block_n, stages):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("num_tiles,transpose_rhs,tma_store,shared_buffers", [
-    (1, False, False, False), (4, True, False, False), (81, False, False, False),
-    (81, True, False, False), (1, True, True, False), (4, False, True, False),
-    (81, True, True, False), (1, True, True, True), (4, False, True, True),
-    (81, True, True, True), (300, False, True, True)])
+@pytest.mark.parametrize("num_tiles,transpose_rhs,tma_store", [
+    (1, False, False), (4, True, False), (81, False, False), (81, True, False),
+    (1, True, True), (4, False, True), (81, True, True)])
 def test_cute_pingpong_matmul_matches_grouped_matmul_on_gpu(num_tiles, transpose_rhs,
-                                                            tma_store, shared_buffers):
-  """The ping-pong grouped_matmul, storing from registers or by TMA (the consumers' own
-  epilogue buffers or one set they take turns at), gives grouped_gemm.grouped_matmul's bits
-  (experts without rows, tiles past the last group: zeros; one tile, and several per CTA)."""
+                                                            tma_store):
+  """The ping-pong grouped_matmul, storing from registers or by TMA, gives
+  grouped_gemm.grouped_matmul's bits (experts without rows, tiles past the last group: zeros;
+  one tile, and several per CTA)."""
   from ffi import grouped_gemm, pingpong
   E, K, N = 5, 384, 512
   tile_expert = jnp.sort(jax.random.randint(jax.random.key(81), (num_tiles,), 0, E + 1))
@@ -708,9 +694,8 @@ def test_cute_pingpong_matmul_matches_grouped_matmul_on_gpu(num_tiles, transpose
   lhs = jax.random.normal(jax.random.key(82), (P, K)).astype(jnp.bfloat16)
   rhs = (jax.random.normal(jax.random.key(83), (E, N, K) if transpose_rhs else (E, K, N))
          / 8).astype(jnp.bfloat16)
-  got = jax.jit(lambda *a: pingpong.grouped_matmul(
-      *a, transpose_rhs=transpose_rhs, tma_store=tma_store, shared_buffers=shared_buffers))(
-          lhs, rhs, tile_expert)
+  got = jax.jit(lambda *a: pingpong.grouped_matmul(*a, transpose_rhs=transpose_rhs,
+                                                   tma_store=tma_store))(lhs, rhs, tile_expert)
   want = jax.jit(lambda *a: grouped_gemm.grouped_matmul(*a, transpose_rhs=transpose_rhs))(
       lhs, rhs, tile_expert)
   np.testing.assert_array_equal(got, want)
@@ -794,9 +779,8 @@ def test_cute_dh_kernel_auto_follows_the_model_width(monkeypatch):
 
 @needs_cute
 def test_cute_kernel_settings_are_checked(monkeypatch):
-  """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL, STORE_KERNEL, STORE_WIDE_KERNEL, WGRAD_KERNEL or
-  PINGPONG_SHARED_BUFFERS outside its list is refused by name (runs on CPU: the error comes
-  before any kernel)."""
+  """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL, STORE_KERNEL, STORE_WIDE_KERNEL or WGRAD_KERNEL
+  outside its list is refused by name (runs on CPU: the error comes before any kernel)."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(6, 256, 128, 64, 4, jnp.bfloat16)
   grad = lambda: jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={
@@ -814,10 +798,6 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
   with pytest.raises(ValueError, match=r"STORE_KERNEL must be one of .*'fast'"):
     sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
   monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong_tma")
-  monkeypatch.setattr(cute_ops, "PINGPONG_SHARED_BUFFERS", "yes")
-  with pytest.raises(ValueError, match=r"PINGPONG_SHARED_BUFFERS must be True or False; got 'yes'"):
-    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
-  monkeypatch.setattr(cute_ops, "PINGPONG_SHARED_BUFFERS", False)
   monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"STORE_WIDE_KERNEL must be one of .*'fast'"):
     sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
@@ -829,20 +809,16 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("num_tiles,block_n,gather,tma_store,shared_buffers", [
-    (4, 128, False, False, False), (80, 128, False, False, False), (81, 64, False, False, False),
-    (81, 128, True, False, False), (4, 64, True, False, False), (80, 128, False, True, False),
-    (81, 128, True, True, False), (4, 64, True, True, False), (300, 128, True, True, False),
-    (80, 128, False, True, True), (81, 128, True, True, True), (4, 64, True, True, True),
-    (300, 128, True, True, True)])
-def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n, gather, tma_store,
-                                            shared_buffers):
+@pytest.mark.parametrize("num_tiles,block_n,gather,tma_store", [
+    (4, 128, False, False), (80, 128, False, False), (81, 64, False, False),
+    (81, 128, True, False), (4, 64, True, False), (80, 128, False, True), (81, 128, True, True),
+    (4, 64, True, True), (300, 128, True, True)])
+def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n, gather, tma_store):
   """The ping-pong schedule gives grouped_gemm.dh's bits, reading dOg or gathering dO's rows
-  (padding slots among them), with register stores or (tma_store) the SMEM epilogue, the
-  consumers' own buffers or one set they take turns at (shared_buffers): M tiles of experts
-  with and without rows and past the last group; fewer work tiles than CTAs (one consumer
-  busy), and several per CTA (both consumers, an odd count: the turns handed over to no one at
-  the end; 300 tiles: each consumer's H barrier through many phases)."""
+  (padding slots among them), with register stores or (tma_store) the SMEM epilogue: M tiles
+  of experts with and without rows and past the last group; fewer work tiles than CTAs (one
+  consumer busy), and several per CTA (both consumers, an odd count: the turn handed over to
+  no one at the end; 300 tiles: each consumer's H barrier through many phases)."""
   from ffi import grouped_gemm, pingpong
   T, E, d, n = 1000, 5, 384, 256
   tile_expert = jnp.sort(jax.random.randint(jax.random.key(61), (num_tiles,), 0, E + 1))
@@ -857,8 +833,7 @@ def test_cute_pingpong_dh_matches_dh_on_gpu(num_tiles, block_n, gather, tma_stor
   index = {}
   if gather:
     index = dict(gather_index=jax.random.randint(keys[4], (P,), 0, T).at[::7].set(T))
-  got = jax.jit(lambda *a: pingpong.dh(*a, block_n=block_n, tma_store=tma_store,
-                                        shared_buffers=shared_buffers, **index))(
+  got = jax.jit(lambda *a: pingpong.dh(*a, block_n=block_n, tma_store=tma_store, **index))(
       dout, w2, h, scores, tile_expert)
   want = jax.jit(lambda *a: grouped_gemm.dh(*a, block_n=block_n, **index))(
       dout, w2, h, scores, tile_expert)
@@ -1159,25 +1134,6 @@ def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, s
   assert got.shape == want.shape == (P, N if cols is None else cols[1] - cols[0])
   assert np.all(np.asarray(want[-128:], np.float32) == 0) and np.any(np.asarray(want, np.float32) != 0)
   np.testing.assert_array_equal(got, want)
-
-
-@pytest.mark.gpu
-@needs_cute
-def test_cute_layer_with_shared_epilogue_buffers_matches_own_on_gpu(monkeypatch):
-  """The layer's output and gradients with PINGPONG_SHARED_BUFFERS (the ping-pong dH's and
-  store GEMMs' consumers taking turns at one set of epilogue buffers: d 512 <= 1536, short
-  contractions) are bitwise those with a set per consumer."""
-  cute_ops = importlib.import_module("ffi.ops")
-  args = make_inputs(77, 1000, 512, 256, 16, jnp.bfloat16)
-  def run(*a):
-    out, pullback = jax.vjp(lambda *b: sm.moe(*b, k=4, backend="cute").out, *a)
-    return out, pullback(jnp.ones_like(out))
-  monkeypatch.setattr(cute_ops, "PINGPONG_SHARED_BUFFERS", False)
-  want = jax.jit(run)(*args)
-  monkeypatch.setattr(cute_ops, "PINGPONG_SHARED_BUFFERS", True)
-  got = jax.jit(lambda *a: run(*a))(*args)   # (a new function: traced again)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.gpu
