@@ -45,7 +45,8 @@
 #   persistent: the persistent kernels: bitwise GPU tests (kernels, layer), the weight
 #           gradients' sweep rows at 120B-n1024 and 7B-n1024, the wide store GEMMs' at olmoe and
 #           120B-n1024 beside grouped_gemm's, the step with either store kernel      (~9 min)
-#   ncu_dh: Nsight Compute on one dH kernel (NCU_DH; default: 7B-n256's), per-SASS stalls (~3 min)
+#   ncu_kernel: Nsight Compute on one sweep kernel (NCU_KERNEL; default: 7B-n256's dH), per-SASS
+#           stalls                                                                 (~3 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
@@ -197,29 +198,30 @@ PY
         timeout 150 python3 -m benchmarks.bench --configs olmoe,120B-n1024 --impls auto \
           --cute-store-wide $store --iters 5 --reps 3 --out "$OUT/bench_store_wide_$store" 2>&1 | tail -5
       done ;;
-    ncu_dh)  # after `cute` staging: Nsight Compute on one dH kernel alone, by default the
-             # default dH at 7B-n256 (the ping-pong kernel gathering dO, SMEM epilogue, block_n
-             # 128; NCU_DH="<config> <sweep kernel> <block_n> <kernel-name regex>" for another,
-             # e.g. "olmoe dh_gather_tma_hsmem 256 sonicmoe_dh_gather"): sections and stall
-             # ratios, then the warp-state samples per SASS instruction (its report's source
-             # page)                                                                  (~3 min)
-      read -r cfg kernel block_n regex <<< "${NCU_DH:-7B-n256 dh_pingpong_gather_tma 128 pingpong_dh}"
+    ncu_kernel)  # after `cute` staging: Nsight Compute on one tile_sweep kernel alone,
+                 # NCU_KERNEL="<config> <sweep kernel> <block_n> <kernel-name regex>" (default:
+                 # the default dH at 7B-n256, the ping-pong kernel gathering dO; e.g. "olmoe
+                 # dw1_gather_persistent 256 sonicmoe_persistent_weight_grad"): sections and
+                 # stall ratios, then the warp-state samples per SASS instruction (its report's
+                 # source page)                                                         (~3 min)
+      read -r cfg kernel block_n regex <<< "${NCU_KERNEL:-7B-n256 dh_pingpong_gather_tma 128 pingpong_dh}"
       sweep=(python3 -m benchmarks.tile_sweep --impl cute --configs "$cfg" --stages 0
              --block-n "$block_n" --kernels "$kernel" --iters 1 --reps 1)
-      # (-k names the kernel: the sweep's first launch is the up-projection making H)
+      name="ncu_${kernel}_$cfg"
+      # (-k names the kernel: a sweep's first launch may be another, e.g. dH's up-projection)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k "regex:$regex" \
         --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section SchedulerStats --section WarpStateStats \
         --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
-        "${sweep[@]}" > "$OUT/ncu_dh_$cfg.txt" 2>&1; echo "ncu sections: rc $?"
+        "${sweep[@]}" > "$OUT/$name.txt" 2>&1; echo "ncu sections: rc $?"
       grep -E "Duration|DRAM Throughput|Compute \(SM\)|stalled_.*(long_sc|wait|barrier|dispatch|short)" \
-        "$OUT/ncu_dh_$cfg.txt" | cut -c1-110
+        "$OUT/$name.txt" | cut -c1-110
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k "regex:$regex" \
-        --launch-count 1 --section SourceCounters -f -o "$OUT/ncu_dh_${cfg}_source" "${sweep[@]}" \
-        > "$OUT/ncu_dh_${cfg}_source.log" 2>&1; echo "ncu source counters: rc $?"
-      ncu --import "$OUT/ncu_dh_${cfg}_source.ncu-rep" --page source --print-source sass --csv \
-        > "$OUT/ncu_dh_${cfg}_sass.csv" 2> "$OUT/ncu_dh_${cfg}_sass.err"; echo "source page: rc $?"
-      python3 -m benchmarks.ncu_sass_top "$OUT/ncu_dh_${cfg}_sass.csv" --top 8 --context 3 ;;
+        --launch-count 1 --section SourceCounters -f -o "$OUT/${name}_source" "${sweep[@]}" \
+        > "$OUT/${name}_source.log" 2>&1; echo "ncu source counters: rc $?"
+      ncu --import "$OUT/${name}_source.ncu-rep" --page source --print-source sass --csv \
+        > "$OUT/${name}_sass.csv" 2> "$OUT/${name}_sass.err"; echo "source page: rc $?"
+      python3 -m benchmarks.ncu_sass_top "$OUT/${name}_sass.csv" --top 8 --context 3 ;;
     step_memory)  # after `cute` staging: the step's peak memory and XLA's memory-usage report
                   # (its largest buffers) at MEM_CONFIGS (default 30B-n256 7B-n256)   (~2 min)
       for cfg in ${MEM_CONFIGS:-30B-n256 7B-n256}; do
