@@ -110,12 +110,8 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
       operands = [gg.tma_operand(tma_b, s_b, cute.local_tile(
           m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)))]
       if cutlass.const_expr(gather):
-        for step in cutlass.range(num_k, unroll=1):
-          k = k_begin + step
-          tokens = gg._k_step_tokens(cute.local_tile(gather_index, (BLOCK_K,), (k,)), tidx)
-          gg.gather_stage(loads, produce, m_a, tokens, s_a, operands, k, tidx,
-                          m_tile * BLOCK_M, kind)
-          produce.advance()
+        produce = gg.produce_wgrad_steps(loads, produce, m_a, gather_index, s_a, operands,
+                                         k_begin, num_k, tidx, m_tile * BLOCK_M)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
         lhs_and_rhs = [gg.tma_operand(tma_a, s_a, cute.local_tile(
             m_a, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, None, 1)))] + operands
