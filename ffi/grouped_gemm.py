@@ -447,13 +447,20 @@ def _gather_row(tidx, j: int):
 
 
 @cute.jit
-def _gather_tokens(gather_index, m_tile, tidx):
-  """The source rows (x's row indices) of this thread's GATHER_ROWS_PER_THREAD rows of the M
-  tile, read once per tile into registers: every k step copies the same rows' next columns."""
-  tokens = cute.make_rmem_tensor((GATHER_ROWS_PER_THREAD,), cutlass.Int32)
-  for j in cutlass.range_constexpr(GATHER_ROWS_PER_THREAD):
-    tokens[j] = gather_index[m_tile * BLOCK_M + _gather_row(tidx, j)]
-  return tokens
+def read_tile_tokens(tokens, gather_index, m_tile, ptid):
+  """tokens = the source rows (x's row indices) of producer thread ptid's rows of M tile
+  m_tile: a list of one register tensor per MMA warpgroup's row block (new_tile_tokens), each
+  of GATHER_ROWS_PER_THREAD; read once per tile, as every k step copies the same rows' next
+  columns."""
+  for wg in cutlass.range_constexpr(WARPGROUPS):
+    for j in cutlass.range_constexpr(GATHER_ROWS_PER_THREAD):
+      tokens[wg][j] = gather_index[m_tile * BLOCK_M + _gather_row(ptid + 128 * wg, j)]
+
+
+def new_tile_tokens():
+  """Registers for read_tile_tokens: one Int32 tensor per MMA warpgroup's row block."""
+  return [cute.make_rmem_tensor((GATHER_ROWS_PER_THREAD,), cutlass.Int32)
+          for _ in range(WARPGROUPS)]
 
 
 @cute.jit
@@ -461,7 +468,7 @@ def _gather_step(x, tokens, a_stage, k0, tidx):
   """Thread tidx's share of its warpgroup's BLOCK_M / WARPGROUPS rows of one k step (a
   producer thread acts as each MMA warpgroup's thread in turn):
   a_stage[r, k0 : k0 + BLOCK_K] = x[token of row r, ...] in 16-byte cp.async chunks
-  (GATHER_CHUNKS per row, one per thread of a group of them; tokens from _gather_tokens); rows
+  (GATHER_CHUNKS per row, one per thread of a group of them; tokens from read_tile_tokens); rows
   of indices outside x (padding slots) are written as zeros."""
   chunk = tidx % 128 % GATHER_CHUNKS
   for j in cutlass.range_constexpr(GATHER_ROWS_PER_THREAD):
@@ -543,8 +550,7 @@ def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_be
   _read_k_step_tokens(ahead, gather_index, cutlass.min(k_begin, last), ptid)
   for step in cutlass.range(num_k, unroll=1):
     k = k_begin + step
-    for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
-      tokens[j] = ahead[j]
+    tokens.store(ahead.load())
     _read_k_step_tokens(ahead, gather_index, cutlass.min(k + 1, last), ptid)
     gather_stage(loads, produce, x, tokens, s_a, rhs_operands, k, ptid, col0, "wgrad")
     produce.advance()
@@ -562,8 +568,8 @@ def _produce_gathered(loads, rhs_operands, x, gather_index, s_a, num_k, m_tile, 
     produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k, ptid,
                         m_tile * BLOCK_M)
   else:   # rows of the M tile: the same for every k step
-    tile_tokens = [_gather_tokens(gather_index, m_tile, ptid + 128 * wg)
-                   for wg in range(WARPGROUPS)]
+    tile_tokens = new_tile_tokens()
+    read_tile_tokens(tile_tokens, gather_index, m_tile, ptid)
     for step in cutlass.range(num_k, unroll=1):
       gather_stage(loads, produce, x, tile_tokens, s_a, rhs_operands, k_begin + step, ptid, 0,
                    kind)
