@@ -484,12 +484,19 @@ def _gather_k_slot(tidx, j: int):
 
 
 @cute.jit
-def _read_k_step_tokens(tokens, gather_index, k, tidx):
-  """tokens (K_GATHERS_PER_THREAD registers) = the source rows of thread tidx's copies of k
-  step k: gather_index[k * BLOCK_K + r] for each copy's row r of the step."""
-  rows = cute.local_tile(gather_index, (BLOCK_K,), (k,))
+def read_k_step_tokens(tokens, gather_index, k, ptid):
+  """tokens (new_k_step_tokens) = the source rows of producer thread ptid's copies of k step k:
+  gather_index[k * BLOCK_K + r] for each copy's row r of the step; k clamped to gather_index's
+  last step (a read ahead past it is never used)."""
+  last = cute.size(gather_index) // BLOCK_K - 1
+  rows = cute.local_tile(gather_index, (BLOCK_K,), (cutlass.min(k, last),))
   for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
-    tokens[j] = rows[_gather_k_slot(tidx, j)[0]]
+    tokens[j] = rows[_gather_k_slot(ptid, j)[0]]
+
+
+def new_k_step_tokens():
+  """Registers for read_k_step_tokens: K_GATHERS_PER_THREAD Int32."""
+  return cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
 
 
 @cute.jit
@@ -497,7 +504,7 @@ def _gather_k_step(x, tokens, a_stage, col0, tidx):
   """The weight gradient's A stage (M-major: BLOCK_M columns of X by BLOCK_K gathered rows, the
   rows being the contraction): a_stage[c, r] = x[row r's token, col0 + c], each warpgroup
   filling the BLOCK_M / WARPGROUPS columns its wgmmas read, in 16-byte cp.async chunks of 8
-  columns (tokens: _read_k_step_tokens); rows of indices outside x are zeros."""
+  columns (tokens: read_k_step_tokens); rows of indices outside x are zeros."""
   for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
     r, chunk = _gather_k_slot(tidx, j)
     _copy_row_chunk(x, tokens[j], col0 // 8 + chunk,
@@ -514,7 +521,7 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
   cp.async-copies its share of A's gathered rows for both MMA warpgroups, as if it were each
   of their threads in turn (rows of the M tile, _gather_step, tokens a list of each
   warpgroup's rows' tokens; or kind "wgrad", the weight gradient's BLOCK_K rows of the k step
-  at columns col0.., _gather_k_step, tokens from _read_k_step_tokens; padding rows it writes as
+  at columns col0.., _gather_k_step, tokens from read_k_step_tokens; padding rows it writes as
   zeros by plain stores), then arrives on the full barrier twice: once its copies land
   (cp.async's noinc arrive) and once at once (a release arrive publishing its plain stores).
   The barrier counts PRODUCER_ARRIVALS."""
@@ -535,24 +542,34 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
 
 
 @cute.jit
-def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k, ptid,
-                        col0):
+def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k,
+                        next_k, ptid, col0, tokens):
   """The weight gradient's gathering producer (thread ptid of 128) over one output tile's k
-  steps k_begin .. k_begin + num_k - 1 (gather_stage; A's columns col0..): each step's tokens
+  steps k_begin .. k_begin + num_k - 1 (gather_stage; A's columns col0..). Each step's tokens
   are read from gather_index one step ahead, so that their load's latency passes under the
-  previous step's copies instead of stalling the cp.asyncs that need them (session 24's ncu
-  of dW1 at olmoe: 41% of the producer's samples waited on that load, the MMA warpgroups
-  on full stages; reading ahead, dW1 6.5% and dW2 4.9% faster there). The reads ahead are clamped to gather_index's last k step (a tile of an
-  expert without rows has no steps). Returns the advanced pipeline state."""
-  last = cute.size(gather_index) // BLOCK_K - 1
-  tokens = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
-  ahead = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
-  _read_k_step_tokens(ahead, gather_index, cutlass.min(k_begin, last), ptid)
+  previous step instead of stalling the cp.asyncs that need them (session 24's ncu of dW1 at
+  olmoe: 41% of the producer's samples waited on that load, the MMA warpgroups on full
+  stages). tokens: two new_k_step_tokens, taken in turn by the ring's running count (no
+  register copy, which would wait for the load in the step that issued it); tokens[count % 2]
+  holds the next step's on entry, and on return step next_k's (the first of the CTA's next
+  tile, read during this tile's last step; a tile of an expert without rows has no steps).
+  Returns the advanced pipeline state."""
+  if num_k == 0:
+    if produce.count % 2 == 0:
+      read_k_step_tokens(tokens[0], gather_index, next_k, ptid)
+    else:
+      read_k_step_tokens(tokens[1], gather_index, next_k, ptid)
   for step in cutlass.range(num_k, unroll=1):
     k = k_begin + step
-    tokens.store(ahead.load())
-    _read_k_step_tokens(ahead, gather_index, cutlass.min(k + 1, last), ptid)
-    gather_stage(loads, produce, x, tokens, s_a, rhs_operands, k, ptid, col0, "wgrad")
+    k_ahead = next_k
+    if step + 1 < num_k:
+      k_ahead = k + 1
+    if produce.count % 2 == 0:
+      read_k_step_tokens(tokens[1], gather_index, k_ahead, ptid)
+      gather_stage(loads, produce, x, tokens[0], s_a, rhs_operands, k, ptid, col0, "wgrad")
+    else:
+      read_k_step_tokens(tokens[0], gather_index, k_ahead, ptid)
+      gather_stage(loads, produce, x, tokens[1], s_a, rhs_operands, k, ptid, col0, "wgrad")
     produce.advance()
   return produce
 
@@ -564,9 +581,11 @@ def _produce_gathered(loads, rhs_operands, x, gather_index, s_a, num_k, m_tile, 
   ring with every k step's tiles (gather_stage), the M tile's rows' tokens read once per
   tile; or the weight gradient's (produce_wgrad_steps)."""
   produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-  if cutlass.const_expr(kind == "wgrad"):
-    produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k, ptid,
-                        m_tile * BLOCK_M)
+  if cutlass.const_expr(kind == "wgrad"):   # (one tile: no next one to read ahead for)
+    tokens = [new_k_step_tokens(), new_k_step_tokens()]
+    read_k_step_tokens(tokens[0], gather_index, k_begin, ptid)
+    produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k,
+                        k_begin, ptid, m_tile * BLOCK_M, tokens)
   else:   # rows of the M tile: the same for every k step
     tile_tokens = new_tile_tokens()
     read_tile_tokens(tile_tokens, gather_index, m_tile, ptid)

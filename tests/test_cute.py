@@ -1041,24 +1041,33 @@ def test_cute_persistent_matmul_compiles_for_cuda(block_n, stages, transpose_rhs
 
 @needs_cute
 def test_persistent_tiles_cover_each_output_tile_once_with_its_k_range():
-  """The persistent CTAs' tile loop (tile_work, run here on plain integers): every output tile
-  once; weight gradients expert by expert over the expert's rows (none for an empty expert);
-  store tiles M tile by M tile, their column tiles adjacent, the contraction's k steps where
-  the M tile has an expert and none past the last group."""
+  """The persistent CTAs' tile loop (tile_info_of and tile_work, run here on plain integers):
+  every output tile once; weight gradients expert by expert over the expert's rows (none for
+  an empty expert); store tiles M tile by M tile, their column tiles adjacent, the
+  contraction's k steps where the M tile has an expert and none past the last group; a read
+  ahead past the last tile gives the last tile's values."""
   from ffi import persistent
+
+  def work(kind, t, tile_info, m_tiles, n_tiles, k_steps):
+    info = persistent.tile_info_of(kind, t, tile_info, m_tiles, n_tiles, m_tiles * n_tiles * (
+        len(tile_info) - 1 if kind == "wgrad" else 1))
+    return persistent.tile_work(kind, t, info, m_tiles, n_tiles, k_steps, 4)
+
   offsets = np.array([0, 256, 256, 896, 1024])   # experts of 2, 0, 5 and 1 k steps (4 experts)
-  seen = [persistent.tile_work("wgrad", t, offsets, 3, 2, 0, 4) for t in range(3 * 2 * 4)]
+  seen = [work("wgrad", t, offsets, 3, 2, 0) for t in range(3 * 2 * 4)]
   assert [(e, m, n) for m, n, _, _, _, e in seen] == [
       (e, m, n) for e in range(4) for m in range(3) for n in range(2)]
   for m, n, k_begin, num_k, rhs_l, e in seen:
     assert (k_begin, num_k, rhs_l) == (offsets[e] // 64, (offsets[e + 1] - offsets[e]) // 64, 0)
   tile_expert = np.array([0, 0, 1, 3, 3, 4])   # E = 4: the last M tile is past the groups
-  seen = [persistent.tile_work("store", t, tile_expert, 6, 2, 10, 4) for t in range(12)]
+  seen = [work("store", t, tile_expert, 6, 2, 10) for t in range(12)]
   assert [(m, n) for m, n, *_ in seen] == [(m, n) for m in range(6) for n in range(2)]
   for m, n, k_begin, num_k, rhs_l, out_l in seen:
     has_expert = tile_expert[m] < 4
     assert (k_begin, num_k, out_l) == (0, 10 if has_expert else 0, 0)
     assert rhs_l == min(tile_expert[m], 3)
+  assert persistent.tile_info_of("wgrad", 24 + 5, offsets, 3, 2, 24) == (896, 1024)
+  assert persistent.tile_info_of("store", 12 + 3, tile_expert, 6, 2, 12) == (4, 4)
 
 
 @needs_cute
