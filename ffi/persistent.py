@@ -119,20 +119,24 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   if warp < 4:   # the producer warpgroup
     cute.arch.setmaxregister_decrease(gg.PRODUCER_REGISTERS)
     produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    info_lo, info_hi = info_of(cta)   # each tile's, read one tile ahead (tile_info_of)
+    # tile_info read two tiles ahead: the next tile's is known during this one (its first
+    # k step's tokens are read in this tile's last; tile_info_of)
+    now_lo, now_hi = info_of(cta)
+    next_lo, next_hi = info_of(cta + num_ctas)
     tokens = None
     if cutlass.const_expr(gather):   # each k step's rows' tokens, read one step ahead
       tokens = [gg.new_k_step_tokens(), gg.new_k_step_tokens()]
-      gg.read_k_step_tokens(tokens[0], gather_index, info_lo // BLOCK_K, tidx)
+      gg.read_k_step_tokens(tokens[0], gather_index, now_lo // BLOCK_K, tidx)
     for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
-      info = (info_lo, info_hi)
-      info_lo, info_hi = info_of(t + num_ctas)
+      info = (now_lo, now_hi)
+      now_lo, now_hi = next_lo, next_hi
+      next_lo, next_hi = info_of(t + 2 * num_ctas)
       m_tile, n_tile, k_begin, num_k, rhs_l, _ = work(t, info)
       operands = [gg.tma_operand(tma_b, s_b, cute.local_tile(
           m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)))]
       if cutlass.const_expr(gather):   # (the next tile's first k step: its expert's first row)
         produce = gg.produce_wgrad_steps(loads, produce, m_a, gather_index, s_a, operands,
-                                         k_begin, num_k, info_lo // BLOCK_K, tidx,
+                                         k_begin, num_k, now_lo // BLOCK_K, tidx,
                                          m_tile * BLOCK_M, tokens)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
         lhs_and_rhs = [gg.tma_operand(tma_a, s_a, cute.local_tile(
