@@ -47,6 +47,9 @@
 #           120B-n1024 beside grouped_gemm's, the step with either store kernel      (~9 min)
 #   ncu_kernel: Nsight Compute on one sweep kernel (NCU_KERNEL; default: 7B-n256's dH), per-SASS
 #           stalls                                                                 (~3 min)
+#   ab_sweep: one tile_sweep (AB_SWEEP: its arguments) on this tree, then again with the
+#           files under .ab/before/ (carried; benchmarks/ab_before.sh writes them from a
+#           commit) copied over it: a kernel change before and after in one call   (~2-5 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
@@ -222,6 +225,17 @@ PY
       ncu --import "$OUT/${name}_source.ncu-rep" --page source --print-source sass --csv \
         > "$OUT/${name}_sass.csv" 2> "$OUT/${name}_sass.err"; echo "source page: rc $?"
       python3 -m benchmarks.ncu_sass_top "$OUT/${name}_sass.csv" --top 8 --context 3 ;;
+    ab_sweep)  # after `cute` staging: AB_SWEEP="<tile_sweep arguments>" after (this tree),
+               # then before (.ab/before/ copied over the tree: carry [".ab"]; the next call
+               # gets a fresh copy of the tree)
+      [ -d .ab/before ] || { echo "ab_sweep: no .ab/before (benchmarks/ab_before.sh)"; continue; }
+      read -r -a ab_args <<< "${AB_SWEEP:?AB_SWEEP: the tile_sweep arguments}"
+      for side in after before; do
+        [ "$side" = before ] && cp -r .ab/before/. .
+        echo "== $side"
+        timeout 280 python3 -m benchmarks.tile_sweep "${ab_args[@]}" --out "$OUT/sweep_$side.json" \
+          2>&1 | grep -v '^{'
+      done ;;
     step_memory)  # after `cute` staging: the step's peak memory and XLA's memory-usage report
                   # (its largest buffers) at MEM_CONFIGS (default 30B-n256 7B-n256)   (~2 min)
       for cfg in ${MEM_CONFIGS:-30B-n256 7B-n256}; do
