@@ -39,8 +39,9 @@ column tiles run next to each other, so its lhs rows are read from HBM once and 
              column groups ahead of their math, and writes dS's parts), then stores them from
              registers (register_store), or (dh(tma_store=True): bitwise the same) the same TMA
              way. dh(h_smem=True) reads H from SMEM instead, its tile TMA-loaded over the rhs
-             stages once the mainloop is done, and with tma_store writes dH over it and A'
-             over the lhs stages, stored by TMA from there.
+             stages (with a producer warpgroup, by it as the MMA warpgroups release them in
+             the last k steps: _prefetch_h_tile; else once the mainloop is done), and with
+             tma_store writes dH over it and A' over the lhs stages, stored by TMA from there.
 """
 from __future__ import annotations
 
@@ -349,6 +350,39 @@ def _load_h_tile(tma_h, h_tiles, s_h, bar, nbytes: cutlass.Constexpr):
       cute.copy(tma_h, g_part[None, (0, j)], s_part[None, half * chunks + j], tma_bar_ptr=bar)
 
 
+def h_buffer_turn(b: int, num_k, stages: int, buffer_bytes: int, stage_bytes: int):
+  """Which of the ring's next `stages` states (after num_k k steps) frees the last of the rhs
+  stages that H's buffer b (buffer_bytes, the buffers laid end to end from the first stage)
+  spans: stage s is the ((s - num_k) mod stages)-th to be released (_prefetch_h_tile)."""
+  first, last = b * buffer_bytes // stage_bytes, ((b + 1) * buffer_bytes - 1) // stage_bytes
+  return cutlass.max((first - num_k % stages + stages) % stages,
+                     (last - num_k % stages + stages) % stages)
+
+
+@cute.jit
+def _prefetch_h_tile(loads, produce, tma_h, h_tiles, s_h, bar, nbytes: cutlass.Constexpr,
+                     num_k, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr):
+  """The producer's warp, after its mainloop loads: H's gate and up tiles (as _load_h_tile)
+  into the rhs stages as the MMA warpgroups release them, so that the loads run under the
+  mainloop's last k steps instead of after it (session 24's ncu of olmoe's dH: the MMA warps
+  waited for H's tile in 6% of samples). It takes the ring's next `stages` states in order:
+  the j-th is released after k step num_k - stages + j (at once if that is before step 0).
+  H's buffer b (EPI_TILE, s_h's b-th: gate chunks first) spans rhs stages first..last
+  (stage_bytes each); it is loaded once the later released of them is free."""
+  with cute.arch.elect_one():
+    cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
+  chunks = cute.size(h_tiles[0], mode=[1]) // EPI_TILE[1]
+  buffer_bytes = EPI_TILE[0] * EPI_TILE[1] * s_h.element_type.width // 8
+  views = [epi_tma_views(tma_h, s_h, h_tiles[half]) for half in range(2)]
+  for j in cutlass.range_constexpr(stages):
+    loads.sync_object_empty.wait(produce.index, produce.phase)
+    for b in cutlass.range_constexpr(2 * chunks):
+      if h_buffer_turn(b, num_k, stages, buffer_bytes, stage_bytes) == j:
+        s_part, g_part = views[b // chunks]
+        cute.copy(tma_h, g_part[None, (0, b % chunks)], s_part[None, b], tma_bar_ptr=bar)
+    produce.advance()
+
+
 @cute.jit
 def _store_tiles_tma(stores, chunks: cutlass.Constexpr):
   """The leader warp: each (TMA atom, SMEM EPI_TILE buffers, first buffer, the output's tile of
@@ -579,13 +613,13 @@ def _produce_gathered(loads, rhs_operands, x, gather_index, s_a, num_k, m_tile, 
                       stages: cutlass.Constexpr, kind: cutlass.Constexpr):
   """The gathering kernels' producer warpgroup (thread ptid of 128): fills the `stages`-deep
   ring with every k step's tiles (gather_stage), the M tile's rows' tokens read once per
-  tile; or the weight gradient's (produce_wgrad_steps)."""
+  tile; or the weight gradient's (produce_wgrad_steps). Returns the advanced ring state."""
   produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
   if cutlass.const_expr(kind == "wgrad"):   # (one tile: no next one to read ahead for)
     tokens = [new_k_step_tokens(), new_k_step_tokens()]
     read_k_step_tokens(tokens[0], gather_index, k_begin, ptid)
-    produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k,
-                        k_begin, ptid, m_tile * BLOCK_M, tokens)
+    produce = produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin,
+                                  num_k, k_begin, ptid, m_tile * BLOCK_M, tokens)
   else:   # rows of the M tile: the same for every k step
     tile_tokens = new_tile_tokens()
     read_tile_tokens(tile_tokens, gather_index, m_tile, ptid)
@@ -593,6 +627,7 @@ def _produce_gathered(loads, rhs_operands, x, gather_index, s_a, num_k, m_tile, 
       gather_stage(loads, produce, x, tile_tokens, s_a, rhs_operands, k_begin + step, ptid, 0,
                    kind)
       produce.advance()
+  return produce
 
 
 @cute.kernel
@@ -656,17 +691,30 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     operands = [tma_operand(tma_a, s_a, g_a)] + operands
   cute.arch.sync_threads()   # barriers initialised before anyone waits on them
 
+  # (dh with h_smem) H's gate and up tiles as EPI_TILE buffers over rhs's stages; with a
+  # producer, it loads them as the stages are released (_prefetch_h_tile), else the MMA
+  # warpgroups' leader once all are
+  s_h = cute.make_tensor(cute.recast_ptr(s_bs[0].iterator, h_smem_staged.inner,
+                                         dtype=m_h.element_type), h_smem_staged.outer)
+  h_tma_tiles = [tile_of(m_h_tma, c, 0, (1, 1, None)) for c in half_cols]
+  h_bytes = 2 * BLOCK_M * block_n * m_h.element_type.width // 8
+  prefetch_h = kind == "dh" and h_smem and producer
+
   if warp < first_mma_warp:   # the producer warpgroup (none without `producer`)
     if cutlass.const_expr(producer):
       cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+      produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
       if cutlass.const_expr(gather):
-        _produce_gathered(loads, operands, m_a, gather_index, s_a, num_k, m_tile, k_begin, tidx,
-                          stages, kind)
+        produce = _produce_gathered(loads, operands, m_a, gather_index, s_a, num_k, m_tile,
+                                    k_begin, tidx, stages, kind)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
-        produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
         for _ in cutlass.range(num_k, unroll=1):
           load_stage(loads, produce, operands, k_begin + produce.count)
           produce.advance()
+      if cutlass.const_expr(prefetch_h):
+        if warp == 0:
+          _prefetch_h_tile(loads, produce, tma_h, h_tma_tiles, s_h, h_bar, h_bytes, num_k,
+                           stages, block_n * BLOCK_K * s_bs[0].element_type.width // 8)
   else:   # the MMA warpgroups: mainloop, then the epilogue (in this branch: ptxas gives them
           # the registers setmaxnreg raised)
     if cutlass.const_expr(producer):
@@ -708,6 +756,9 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             load_stage(loads, produce, operands, k_begin + produce.count)
             produce.advance()
     warpgroup.wait_group(0)
+    if cutlass.const_expr(prefetch_h):   # the last stage too: H's buffers go there
+      if num_k > 0:
+        loads.consumer_release(release)
 
     # out's tile (or H's, or dH's, gate and up tiles, then A's or A''s): (TMA atom, its TMA
     # tensor, the output, column tile)
@@ -726,13 +777,13 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
         out_dsts = acc_chunks([tile_of(t, c, out_l, (1, 1, None)) for _, _, t, c in outputs],
                               thr_mma)
       chunks = block_n // EPI_TILE[1]
-      if cutlass.const_expr(h_smem):   # H's tile by TMA over rhs's stages, once all are read
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
-        s_h = cute.make_tensor(cute.recast_ptr(s_bs[0].iterator, h_smem_staged.inner,
-                                               dtype=m_h.element_type), h_smem_staged.outer)
-        if leader:
-          _load_h_tile(tma_h, [tile_of(m_h_tma, c, 0, (1, 1, None)) for c in half_cols], s_h,
-                       h_bar, 2 * BLOCK_M * block_n * m_h.element_type.width // 8)
+      if cutlass.const_expr(h_smem):   # H's tile by TMA over rhs's stages
+        if cutlass.const_expr(not prefetch_h):   # (else the producer's, as stages free up)
+          cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
+          if leader:
+            _load_h_tile(tma_h, h_tma_tiles, s_h, h_bar, h_bytes)
+        # (H landed: with the prefetch, after both warpgroups released every stage, so their
+        # wgmmas are done with A's stages too, which A' is written over below)
         cute.arch.mbarrier_wait(h_bar, 0)
         h_srcs = smem_chunks(s_h, chunk_mma, mma_tidx, [0, chunks], chunks)
         if cutlass.const_expr(not register_store):
@@ -891,7 +942,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   (dh only): each thread stores its fragments from registers instead of the TMA-store
   epilogue. warp_specialized: a producer warpgroup issues the TMA loads of a kernel that does
   not gather too (the MMA warpgroups' first warp otherwise). h_smem (dh): the epilogue reads
-  H's tile from SMEM, TMA-loaded over rhs's stages once the mainloop is done (dh's h_smem)."""
+  H's tile from SMEM, TMA-loaded over rhs's stages (dh's h_smem)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
   num_rhs = 2 if swiglu else 1
@@ -1101,8 +1152,9 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
   by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call).
   warp_specialized (without gather_index): as grouped_matmul's. h_smem: the epilogue reads H
-  from SMEM, its tile TMA-loaded over the rhs stages once the mainloop is done (coalesced,
-  where the per-thread global loads read 16 of each 32-byte sector); with tma_store too, dH
+  from SMEM, its tile TMA-loaded over the rhs stages (coalesced, where the per-thread global
+  loads read 16 of each 32-byte sector) as the last k steps free them when a producer
+  warpgroup loads (gathering, or warp_specialized), else once the mainloop is done; with tma_store too, dH
   is written over H's tile there and A' over the lhs stages, all three then stored by TMA
   (no register tiles of the outputs). Needs stages >= H_SMEM_MIN_STAGES (the rhs stages hold
   H's 2 x BLOCK_M x block_n tile, the lhs stages A''s BLOCK_M x block_n). Bitwise the same

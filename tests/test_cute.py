@@ -900,16 +900,38 @@ def test_cute_dh_h_smem_needs_its_stages():
                    *shapes)
 
 
+@needs_cute
+@pytest.mark.parametrize("block_n", [64, 128, 256])
+def test_cute_dh_h_buffers_load_once_their_stages_are_free(block_n):
+  """The producer's H prefetch (grouped_gemm.h_buffer_turn, on plain integers): after num_k k
+  steps the ring's next `stages` states free the rhs stages in the order num_k, num_k + 1, ...
+  (mod stages); each of H's EPI_TILE buffers is loaded at the turn that frees the last stage
+  it spans, never before, and all of H lies within the ring."""
+  from ffi import grouped_gemm
+  stage_bytes = block_n * grouped_gemm.BLOCK_K * 2
+  buffer_bytes = grouped_gemm.EPI_TILE[0] * grouped_gemm.EPI_TILE[1] * 2
+  buffers = 2 * block_n // grouped_gemm.EPI_TILE[1]
+  for stages in range(grouped_gemm.H_SMEM_MIN_STAGES, 9):
+    assert buffers * buffer_bytes <= stages * stage_bytes
+    for num_k in range(0, 3 * stages):
+      order = [(num_k + j) % stages for j in range(stages)]
+      for b in range(buffers):
+        spanned = range(b * buffer_bytes // stage_bytes, ((b + 1) * buffer_bytes - 1) // stage_bytes + 1)
+        assert grouped_gemm.h_buffer_turn(b, num_k, stages, buffer_bytes, stage_bytes) == max(
+            order.index(st) for st in spanned)
+
+
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("block_n,gather,tma_store,d", [
     (256, True, False, 640), (128, False, False, 640), (256, False, True, 640),
-    (128, True, True, 128), (256, True, False, 128)])
+    (128, True, True, 128), (256, True, False, 128), (64, True, True, 192)])
 def test_cute_dh_h_smem_keeps_outputs_on_gpu(block_n, gather, tma_store, d):
-  """dH's epilogue reading H from SMEM (TMA-loaded over the rhs stages after the mainloop;
-  with tma_store its outputs written there and stored by TMA; experts of 0 to 10 k steps,
-  fewer k steps than stages at d 128, a tile past the last group) gives the bitwise same dH,
-  A' and dS parts as reading it from global memory."""
+  """dH's epilogue reading H from SMEM (TMA-loaded over the rhs stages: gathering, by the
+  producer as the last k steps free them, a buffer spanning two stages at block_n 64; else
+  after the mainloop; with tma_store its outputs written there and stored by TMA; 2, 3 or 10
+  k steps, fewer than the stages at d 128 and 192, a tile past the last group) gives the
+  bitwise same dH, A' and dS parts as reading it from global memory."""
   from ffi import grouped_gemm
   T, n, E = 1000, 256, 4
   tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
