@@ -39,9 +39,10 @@ column tiles run next to each other, so its lhs rows are read from HBM once and 
              column groups ahead of their math, and writes dS's parts), then stores them from
              registers (register_store), or (dh(tma_store=True): bitwise the same) the same TMA
              way. dh(h_smem=True) reads H from SMEM instead, its tile TMA-loaded over the rhs
-             stages (with a producer warpgroup, by it as the MMA warpgroups release them in
-             the last k steps: _prefetch_h_tile; else once the mainloop is done), and with
-             tma_store writes dH over it and A' over the lhs stages, stored by TMA from there.
+             stages (gathering dO, by the producer warpgroup as the MMA warpgroups release
+             them in the last k steps: _prefetch_h_tile; else once the mainloop is done), and
+             with tma_store writes dH over it and A' over the lhs stages, stored by TMA from
+             there.
 """
 from __future__ import annotations
 
@@ -691,14 +692,14 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     operands = [tma_operand(tma_a, s_a, g_a)] + operands
   cute.arch.sync_threads()   # barriers initialised before anyone waits on them
 
-  # (dh with h_smem) H's gate and up tiles as EPI_TILE buffers over rhs's stages; with a
-  # producer, it loads them as the stages are released (_prefetch_h_tile), else the MMA
+  # (dh with h_smem) H's gate and up tiles as EPI_TILE buffers over rhs's stages; gathering,
+  # the producer loads them as the stages are released (_prefetch_h_tile), else the MMA
   # warpgroups' leader once all are
   s_h = cute.make_tensor(cute.recast_ptr(s_bs[0].iterator, h_smem_staged.inner,
                                          dtype=m_h.element_type), h_smem_staged.outer)
   h_tma_tiles = [tile_of(m_h_tma, c, 0, (1, 1, None)) for c in half_cols]
   h_bytes = 2 * BLOCK_M * block_n * m_h.element_type.width // 8
-  prefetch_h = kind == "dh" and h_smem and producer
+  prefetch_h = kind == "dh" and h_smem and gather
 
   if warp < first_mma_warp:   # the producer warpgroup (none without `producer`)
     if cutlass.const_expr(producer):
@@ -1153,8 +1154,8 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call).
   warp_specialized (without gather_index): as grouped_matmul's. h_smem: the epilogue reads H
   from SMEM, its tile TMA-loaded over the rhs stages (coalesced, where the per-thread global
-  loads read 16 of each 32-byte sector) as the last k steps free them when a producer
-  warpgroup loads (gathering, or warp_specialized), else once the mainloop is done; with tma_store too, dH
+  loads read 16 of each 32-byte sector) as the last k steps free them when gathering (by the
+  producer warpgroup), else once the mainloop is done; with tma_store too, dH
   is written over H's tile there and A' over the lhs stages, all three then stored by TMA
   (no register tiles of the outputs). Needs stages >= H_SMEM_MIN_STAGES (the rhs stages hold
   H's 2 x BLOCK_M x block_n tile, the lhs stages A''s BLOCK_M x block_n). Bitwise the same

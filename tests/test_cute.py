@@ -916,7 +916,8 @@ def test_cute_dh_h_buffers_load_once_their_stages_are_free(block_n):
     for num_k in range(0, 3 * stages):
       order = [(num_k + j) % stages for j in range(stages)]
       for b in range(buffers):
-        spanned = range(b * buffer_bytes // stage_bytes, ((b + 1) * buffer_bytes - 1) // stage_bytes + 1)
+        spanned = range(b * buffer_bytes // stage_bytes,
+                        ((b + 1) * buffer_bytes - 1) // stage_bytes + 1)
         assert grouped_gemm.h_buffer_turn(b, num_k, stages, buffer_bytes, stage_bytes) == max(
             order.index(st) for st in spanned)
 
