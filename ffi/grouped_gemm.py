@@ -82,6 +82,9 @@ DH_LOAD_AHEAD_WIDE, DH_LOAD_AHEAD_NARROW = 8, 2
 # block_n x BLOCK_K) need this many
 H_SMEM_MIN_STAGES = 2 * BLOCK_M // BLOCK_K
 WGMMA_MAX_N = 256           # the widest N of one Hopper wgmma: dH's widest column tile
+# up_proj's widest column tile: its two accumulators (gate and up) of a 256-wide tile need 256
+# fp32 registers a thread and spill (session 24: a 2040-byte stack, 20x slower)
+UP_PROJ_MAX_BLOCK_N = 128
 GATHER_CHUNKS = BLOCK_K * 2 // 16                      # 16-byte cp.async chunks per bf16 row
 GATHER_ROWS_PER_THREAD = (BLOCK_M // WARPGROUPS) * GATHER_CHUNKS // 128
 # the weight gradient's gather (rows along K): a warpgroup's 8-column chunks of a row, and each
@@ -1101,6 +1104,9 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
   n = w1.shape[2] // 2
   reason = unsupported(rows_read(xg, gather_index),
                        jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n)
+  if block_n > UP_PROJ_MAX_BLOCK_N:
+    reason = (f"block_n={block_n} is wider than {UP_PROJ_MAX_BLOCK_N} (its gate and up "
+              f"accumulators would not fit in registers)")
   if reason:
     raise ValueError(f"cute up_proj: {reason}")
   stages = _pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)

@@ -417,6 +417,9 @@ def test_cute_gemm_rejects_unsupported_operands():
     grouped_gemm.grouped_matmul(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 96), jnp.bfloat16), tiles)
   with pytest.raises(ValueError, match=r"cute up_proj: output columns N=64 must be a multiple of block_n=128"):
     grouped_gemm.up_proj(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 128), jnp.bfloat16), tiles)
+  with pytest.raises(ValueError, match=r"cute up_proj: block_n=256 is wider than 128 \(its gate"):
+    grouped_gemm.up_proj(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 512), jnp.bfloat16),
+                         tiles, block_n=256)
   ok = (jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 128), jnp.bfloat16), tiles)
   with pytest.raises(ValueError, match=r"stages=9 must be between 2 and \d+"):
     grouped_gemm.grouped_matmul(*ok, stages=9)
