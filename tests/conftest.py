@@ -25,7 +25,13 @@ def pytest_configure(config):
   config.addinivalue_line("markers", "multidevice: needs 8 (virtual) devices; run in its own process")
 
 
+# The longest test (its own 8-device process, ~90-160 s on the 2-core CI machine) starts first,
+# so that under pytest-xdist it runs beside the others instead of ending the run alone.
+LONGEST_FIRST = ("test_sharding.py::test_multidevice_suite",)
+
+
 def pytest_collection_modifyitems(config, items):
+  items.sort(key=lambda item: not item.nodeid.endswith(LONGEST_FIRST))   # (a stable sort)
   if has_gpu():
     return
   skip = pytest.mark.skip(reason="needs a GPU")
