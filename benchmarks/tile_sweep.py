@@ -86,9 +86,9 @@ def _with_backward_rows(rows, dh, dw, x, w2, dout, plan, tiles, pairs):
 def cute_kernels(x, w1, w2, dout, plan, pairs):
   """The CuTe DSL kernels' rows (cfg a CuteTile):
   - up_proj, up_proj_gather, down_proj, dx_tilde (_gemm_rows); dh; dh_tma: dh storing through
-    the TMA-store epilogue; dh_gather: dh gathering dO's rows in the kernel; dh_hsmem, dh_tma_hsmem, dh_gather_hsmem, dh_gather_tma_hsmem: dh's
-    epilogue reading H from SMEM (_tma: and storing its outputs through it); dh_gemm: dh's
-    GEMM without its epilogue math;
+    the TMA-store epilogue; dh_gather: dh gathering dO's rows in the kernel; dh_hsmem,
+    dh_tma_hsmem, dh_gather_hsmem, dh_gather_tma_hsmem: dh's epilogue reading H from SMEM
+    (_tma: and storing its outputs through it); dh_gemm: dh's GEMM without its epilogue math;
   - the ping-pong kernels (ffi/pingpong.py): up_proj_pingpong, dh_pingpong,
     dh_pingpong_gather (gathering dO), dh_pingpong_gather_tma (with its SMEM epilogue),
     down_proj_pingpong and dx_tilde_pingpong (_tma: with the TMA-store epilogue);

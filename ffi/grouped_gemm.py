@@ -341,17 +341,24 @@ def store_ds_part(row_sums, thr_mma, m_ds, tidx, row0, n_tile, block_n: cutlass.
         m_ds[n_tile, row0 + rows[(0, j, 0), m, 0][0]] = total
 
 
+def _h_buffer_copies(tma_h, h_tiles, s_h, bar):
+  """H's gate and up tiles (h_tiles, of H's TMA tensor) as s_h's EPI_TILE buffers, gate chunks
+  first: one function per buffer b that TMA-loads it, completing on mbarrier `bar`."""
+  chunks = cute.size(h_tiles[0], mode=[1]) // EPI_TILE[1]
+  views = [epi_tma_views(tma_h, s_h, tile) for tile in h_tiles]
+  return [lambda b=b: cute.copy(tma_h, views[b // chunks][1][None, (0, b % chunks)],
+                                views[b // chunks][0][None, b], tma_bar_ptr=bar)
+          for b in range(2 * chunks)]
+
+
 @cute.jit
 def _load_h_tile(tma_h, h_tiles, s_h, bar, nbytes: cutlass.Constexpr):
-  """The leader warp: H's gate and up tiles (h_tiles, of H's TMA tensor) into s_h's EPI_TILE
-  buffers (gate chunks first) by TMA, completing on mbarrier `bar` (nbytes in all)."""
+  """The leader warp: H's gate and up tiles into s_h's buffers by TMA (_h_buffer_copies),
+  completing on mbarrier `bar` (nbytes in all)."""
   with cute.arch.elect_one():
     cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
-  chunks = cute.size(h_tiles[0], mode=[1]) // EPI_TILE[1]
-  for half in cutlass.range_constexpr(2):
-    s_part, g_part = epi_tma_views(tma_h, s_h, h_tiles[half])
-    for j in cutlass.range_constexpr(chunks):
-      cute.copy(tma_h, g_part[None, (0, j)], s_part[None, half * chunks + j], tma_bar_ptr=bar)
+  for copy in _h_buffer_copies(tma_h, h_tiles, s_h, bar):
+    copy()
 
 
 def h_buffer_turn(b: int, num_k, stages: int, buffer_bytes: int, stage_bytes: int):
@@ -375,15 +382,13 @@ def _prefetch_h_tile(loads, produce, tma_h, h_tiles, s_h, bar, nbytes: cutlass.C
   (stage_bytes each); it is loaded once the later released of them is free."""
   with cute.arch.elect_one():
     cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
-  chunks = cute.size(h_tiles[0], mode=[1]) // EPI_TILE[1]
   buffer_bytes = EPI_TILE[0] * EPI_TILE[1] * s_h.element_type.width // 8
-  views = [epi_tma_views(tma_h, s_h, h_tiles[half]) for half in range(2)]
+  copies = _h_buffer_copies(tma_h, h_tiles, s_h, bar)
   for j in cutlass.range_constexpr(stages):
     loads.sync_object_empty.wait(produce.index, produce.phase)
-    for b in cutlass.range_constexpr(2 * chunks):
+    for b in cutlass.range_constexpr(len(copies)):
       if h_buffer_turn(b, num_k, stages, buffer_bytes, stage_bytes) == j:
-        s_part, g_part = views[b // chunks]
-        cute.copy(tma_h, g_part[None, (0, b % chunks)], s_part[None, b], tma_bar_ptr=bar)
+        copies[b]()
     produce.advance()
 
 
@@ -523,7 +528,8 @@ def _gather_k_slot(tidx, j: int):
 
 @cute.jit
 def read_k_step_tokens(tokens, gather_index, k, ptid):
-  """tokens (new_k_step_tokens) = the source rows of producer thread ptid's copies of k step k:
+  """tokens (K_GATHERS_PER_THREAD registers) = the source rows of producer thread ptid's copies
+  of k step k:
   gather_index[k * BLOCK_K + r] for each copy's row r of the step; k clamped to gather_index's
   last step (a read ahead past it is never used)."""
   last = cute.size(gather_index) // BLOCK_K - 1
@@ -532,9 +538,13 @@ def read_k_step_tokens(tokens, gather_index, k, ptid):
     tokens[j] = rows[_gather_k_slot(ptid, j)[0]]
 
 
-def new_k_step_tokens():
-  """Registers for read_k_step_tokens: K_GATHERS_PER_THREAD Int32."""
-  return cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
+@cute.jit
+def wgrad_tokens(gather_index, k_first, ptid):
+  """produce_wgrad_steps' two register sets of K_GATHERS_PER_THREAD Int32, the first holding
+  k step k_first's tokens (read_k_step_tokens)."""
+  tokens = [cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32) for _ in range(2)]
+  read_k_step_tokens(tokens[0], gather_index, k_first, ptid)
+  return tokens
 
 
 @cute.jit
@@ -587,7 +597,7 @@ def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_be
   are read from gather_index one step ahead, so that their load's latency passes under the
   previous step instead of stalling the cp.asyncs that need them (session 24's ncu of dW1 at
   olmoe: 41% of the producer's samples waited on that load, the MMA warpgroups on full
-  stages). tokens: two new_k_step_tokens, taken in turn by the ring's running count (no
+  stages). tokens: wgrad_tokens' two register sets, taken in turn by the ring's count (no
   register copy, which would wait for the load in the step that issued it); tokens[count % 2]
   holds the next step's on entry, and on return step next_k's (the first of the CTA's next
   tile, read during this tile's last step; a tile of an expert without rows has no steps).
@@ -613,17 +623,15 @@ def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_be
 
 
 @cute.jit
-def _produce_gathered(loads, rhs_operands, x, gather_index, s_a, num_k, m_tile, k_begin, ptid,
-                      stages: cutlass.Constexpr, kind: cutlass.Constexpr):
-  """The gathering kernels' producer warpgroup (thread ptid of 128): fills the `stages`-deep
-  ring with every k step's tiles (gather_stage), the M tile's rows' tokens read once per
+def _produce_gathered(loads, produce, rhs_operands, x, gather_index, s_a, num_k, m_tile,
+                      k_begin, ptid, kind: cutlass.Constexpr):
+  """The gathering kernels' producer warpgroup (thread ptid of 128): fills the ring (state
+  produce) with every k step's tiles (gather_stage), the M tile's rows' tokens read once per
   tile; or the weight gradient's (produce_wgrad_steps). Returns the advanced ring state."""
-  produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
   if cutlass.const_expr(kind == "wgrad"):   # (one tile: no next one to read ahead for)
-    tokens = [new_k_step_tokens(), new_k_step_tokens()]
-    read_k_step_tokens(tokens[0], gather_index, k_begin, ptid)
     produce = produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin,
-                                  num_k, k_begin, ptid, m_tile * BLOCK_M, tokens)
+                                  num_k, k_begin, ptid, m_tile * BLOCK_M,
+                                  wgrad_tokens(gather_index, k_begin, ptid))
   else:   # rows of the M tile: the same for every k step
     tile_tokens = new_tile_tokens()
     read_tile_tokens(tile_tokens, gather_index, m_tile, ptid)
@@ -709,8 +717,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
       produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
       if cutlass.const_expr(gather):
-        produce = _produce_gathered(loads, operands, m_a, gather_index, s_a, num_k, m_tile,
-                                    k_begin, tidx, stages, kind)
+        produce = _produce_gathered(loads, produce, operands, m_a, gather_index, s_a, num_k,
+                                    m_tile, k_begin, tidx, kind)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
         for _ in cutlass.range(num_k, unroll=1):
           load_stage(loads, produce, operands, k_begin + produce.count)

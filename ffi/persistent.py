@@ -125,8 +125,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     next_lo, next_hi = info_of(cta + num_ctas)
     tokens = None
     if cutlass.const_expr(gather):   # each k step's rows' tokens, read one step ahead
-      tokens = [gg.new_k_step_tokens(), gg.new_k_step_tokens()]
-      gg.read_k_step_tokens(tokens[0], gather_index, now_lo // BLOCK_K, tidx)
+      tokens = gg.wgrad_tokens(gather_index, now_lo // BLOCK_K, tidx)
     for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
       info = (now_lo, now_hi)
       now_lo, now_hi = next_lo, next_hi

@@ -242,12 +242,12 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       # loads' latency passing under the previous tile's copies (the reads clamped to the
       # last tile)
       last_rows = (num_tiles - 1) // num_n_tiles
-      owner_ahead = tile_expert[cutlass.min(cta // num_n_tiles, last_rows)]
+      first_rows = cutlass.min(cta // num_n_tiles, last_rows)
+      owner_ahead = tile_expert[first_rows]
       tokens, tokens_ahead = None, None   # (TILE_M = BLOCK_M: grouped_gemm's rows)
       if cutlass.const_expr(gather):
         tokens, tokens_ahead = grouped_gemm.new_tile_tokens(), grouped_gemm.new_tile_tokens()
-        grouped_gemm.read_tile_tokens(tokens_ahead, gather_index,
-                                      cutlass.min(cta // num_n_tiles, last_rows), tidx)
+        grouped_gemm.read_tile_tokens(tokens_ahead, gather_index, first_rows, tidx)
       for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
         rows, cols = t // num_n_tiles, t % num_n_tiles
         rows_ahead = cutlass.min((t + num_ctas) // num_n_tiles, last_rows)
