@@ -39,10 +39,8 @@ column tiles run next to each other, so its lhs rows are read from HBM once and 
              column groups ahead of their math, and writes dS's parts), then stores them from
              registers (register_store), or (dh(tma_store=True): bitwise the same) the same TMA
              way. dh(h_smem=True) reads H from SMEM instead, its tile TMA-loaded over the rhs
-             stages (gathering dO, by the producer warpgroup as the MMA warpgroups release
-             them in the last k steps: _prefetch_h_tile; else once the mainloop is done), and
-             with tma_store writes dH over it and A' over the lhs stages, stored by TMA from
-             there.
+             stages once the mainloop is done, and with tma_store writes dH over it and A'
+             over the lhs stages, stored by TMA from there.
 """
 from __future__ import annotations
 
@@ -341,55 +339,17 @@ def store_ds_part(row_sums, thr_mma, m_ds, tidx, row0, n_tile, block_n: cutlass.
         m_ds[n_tile, row0 + rows[(0, j, 0), m, 0][0]] = total
 
 
-def _h_buffer_copies(tma_h, h_tiles, s_h, bar):
-  """H's gate and up tiles (h_tiles, of H's TMA tensor) as s_h's EPI_TILE buffers, gate chunks
-  first: one function per buffer b that TMA-loads it, completing on mbarrier `bar`."""
-  chunks = cute.size(h_tiles[0], mode=[1]) // EPI_TILE[1]
-  views = [epi_tma_views(tma_h, s_h, tile) for tile in h_tiles]
-  return [lambda b=b: cute.copy(tma_h, views[b // chunks][1][None, (0, b % chunks)],
-                                views[b // chunks][0][None, b], tma_bar_ptr=bar)
-          for b in range(2 * chunks)]
-
-
 @cute.jit
 def _load_h_tile(tma_h, h_tiles, s_h, bar, nbytes: cutlass.Constexpr):
-  """The leader warp: H's gate and up tiles into s_h's buffers by TMA (_h_buffer_copies),
-  completing on mbarrier `bar` (nbytes in all)."""
+  """The leader warp: H's gate and up tiles (h_tiles, of H's TMA tensor) into s_h's EPI_TILE
+  buffers (gate chunks first) by TMA, completing on mbarrier `bar` (nbytes in all)."""
   with cute.arch.elect_one():
     cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
-  for copy in _h_buffer_copies(tma_h, h_tiles, s_h, bar):
-    copy()
-
-
-def h_buffer_turn(b: int, num_k, stages: int, buffer_bytes: int, stage_bytes: int):
-  """Which of the ring's next `stages` states (after num_k k steps) frees the last of the rhs
-  stages that H's buffer b (buffer_bytes, the buffers laid end to end from the first stage)
-  spans: stage s is the ((s - num_k) mod stages)-th to be released (_prefetch_h_tile)."""
-  first, last = b * buffer_bytes // stage_bytes, ((b + 1) * buffer_bytes - 1) // stage_bytes
-  return cutlass.max((first - num_k % stages + stages) % stages,
-                     (last - num_k % stages + stages) % stages)
-
-
-@cute.jit
-def _prefetch_h_tile(loads, produce, tma_h, h_tiles, s_h, bar, nbytes: cutlass.Constexpr,
-                     num_k, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr):
-  """The producer's warp, after its mainloop loads: H's gate and up tiles (as _load_h_tile)
-  into the rhs stages as the MMA warpgroups release them, so that the loads run under the
-  mainloop's last k steps instead of after it (session 24's ncu of olmoe's dH: the MMA warps
-  waited for H's tile in 6% of samples). It takes the ring's next `stages` states in order:
-  the j-th is released after k step num_k - stages + j (at once if that is before step 0).
-  H's buffer b (EPI_TILE, s_h's b-th: gate chunks first) spans rhs stages first..last
-  (stage_bytes each); it is loaded once the later released of them is free."""
-  with cute.arch.elect_one():
-    cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
-  buffer_bytes = EPI_TILE[0] * EPI_TILE[1] * s_h.element_type.width // 8
-  copies = _h_buffer_copies(tma_h, h_tiles, s_h, bar)
-  for j in cutlass.range_constexpr(stages):
-    loads.sync_object_empty.wait(produce.index, produce.phase)
-    for b in cutlass.range_constexpr(len(copies)):
-      if h_buffer_turn(b, num_k, stages, buffer_bytes, stage_bytes) == j:
-        copies[b]()
-    produce.advance()
+  chunks = cute.size(h_tiles[0], mode=[1]) // EPI_TILE[1]
+  for half in cutlass.range_constexpr(2):
+    s_part, g_part = epi_tma_views(tma_h, s_h, h_tiles[half])
+    for j in cutlass.range_constexpr(chunks):
+      cute.copy(tma_h, g_part[None, (0, j)], s_part[None, half * chunks + j], tma_bar_ptr=bar)
 
 
 @cute.jit
@@ -490,20 +450,13 @@ def _gather_row(tidx, j: int):
 
 
 @cute.jit
-def read_tile_tokens(tokens, gather_index, m_tile, ptid):
-  """tokens = the source rows (x's row indices) of producer thread ptid's rows of M tile
-  m_tile: a list of one register tensor per MMA warpgroup's row block (new_tile_tokens), each
-  of GATHER_ROWS_PER_THREAD; read once per tile, as every k step copies the same rows' next
-  columns."""
-  for wg in cutlass.range_constexpr(WARPGROUPS):
-    for j in cutlass.range_constexpr(GATHER_ROWS_PER_THREAD):
-      tokens[wg][j] = gather_index[m_tile * BLOCK_M + _gather_row(ptid + 128 * wg, j)]
-
-
-def new_tile_tokens():
-  """Registers for read_tile_tokens: one Int32 tensor per MMA warpgroup's row block."""
-  return [cute.make_rmem_tensor((GATHER_ROWS_PER_THREAD,), cutlass.Int32)
-          for _ in range(WARPGROUPS)]
+def _gather_tokens(gather_index, m_tile, tidx):
+  """The source rows (x's row indices) of this thread's GATHER_ROWS_PER_THREAD rows of the M
+  tile, read once per tile into registers: every k step copies the same rows' next columns."""
+  tokens = cute.make_rmem_tensor((GATHER_ROWS_PER_THREAD,), cutlass.Int32)
+  for j in cutlass.range_constexpr(GATHER_ROWS_PER_THREAD):
+    tokens[j] = gather_index[m_tile * BLOCK_M + _gather_row(tidx, j)]
+  return tokens
 
 
 @cute.jit
@@ -511,7 +464,7 @@ def _gather_step(x, tokens, a_stage, k0, tidx):
   """Thread tidx's share of its warpgroup's BLOCK_M / WARPGROUPS rows of one k step (a
   producer thread acts as each MMA warpgroup's thread in turn):
   a_stage[r, k0 : k0 + BLOCK_K] = x[token of row r, ...] in 16-byte cp.async chunks
-  (GATHER_CHUNKS per row, one per thread of a group of them; tokens from read_tile_tokens); rows
+  (GATHER_CHUNKS per row, one per thread of a group of them; tokens from _gather_tokens); rows
   of indices outside x (padding slots) are written as zeros."""
   chunk = tidx % 128 % GATHER_CHUNKS
   for j in cutlass.range_constexpr(GATHER_ROWS_PER_THREAD):
@@ -527,24 +480,12 @@ def _gather_k_slot(tidx, j: int):
 
 
 @cute.jit
-def read_k_step_tokens(tokens, gather_index, k, ptid):
-  """tokens (K_GATHERS_PER_THREAD registers) = the source rows of producer thread ptid's copies
-  of k step k:
-  gather_index[k * BLOCK_K + r] for each copy's row r of the step; k clamped to gather_index's
-  last step (a read ahead past it is never used)."""
-  last = cute.size(gather_index) // BLOCK_K - 1
-  rows = cute.local_tile(gather_index, (BLOCK_K,), (cutlass.min(k, last),))
+def _read_k_step_tokens(tokens, gather_index, k, tidx):
+  """tokens (K_GATHERS_PER_THREAD registers) = the source rows of thread tidx's copies of k
+  step k: gather_index[k * BLOCK_K + r] for each copy's row r of the step."""
+  rows = cute.local_tile(gather_index, (BLOCK_K,), (k,))
   for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
-    tokens[j] = rows[_gather_k_slot(ptid, j)[0]]
-
-
-@cute.jit
-def wgrad_tokens(gather_index, k_first, ptid):
-  """produce_wgrad_steps' two register sets of K_GATHERS_PER_THREAD Int32, the first holding
-  k step k_first's tokens (read_k_step_tokens)."""
-  tokens = [cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32) for _ in range(2)]
-  read_k_step_tokens(tokens[0], gather_index, k_first, ptid)
-  return tokens
+    tokens[j] = rows[_gather_k_slot(tidx, j)[0]]
 
 
 @cute.jit
@@ -552,7 +493,7 @@ def _gather_k_step(x, tokens, a_stage, col0, tidx):
   """The weight gradient's A stage (M-major: BLOCK_M columns of X by BLOCK_K gathered rows, the
   rows being the contraction): a_stage[c, r] = x[row r's token, col0 + c], each warpgroup
   filling the BLOCK_M / WARPGROUPS columns its wgmmas read, in 16-byte cp.async chunks of 8
-  columns (tokens: read_k_step_tokens); rows of indices outside x are zeros."""
+  columns (tokens: _read_k_step_tokens); rows of indices outside x are zeros."""
   for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
     r, chunk = _gather_k_slot(tidx, j)
     _copy_row_chunk(x, tokens[j], col0 // 8 + chunk,
@@ -569,7 +510,7 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
   cp.async-copies its share of A's gathered rows for both MMA warpgroups, as if it were each
   of their threads in turn (rows of the M tile, _gather_step, tokens a list of each
   warpgroup's rows' tokens; or kind "wgrad", the weight gradient's BLOCK_K rows of the k step
-  at columns col0.., _gather_k_step, tokens from read_k_step_tokens; padding rows it writes as
+  at columns col0.., _gather_k_step, tokens from _read_k_step_tokens; padding rows it writes as
   zeros by plain stores), then arrives on the full barrier twice: once its copies land
   (cp.async's noinc arrive) and once at once (a release arrive publishing its plain stores).
   The barrier counts PRODUCER_ARRIVALS."""
@@ -590,56 +531,46 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
 
 
 @cute.jit
-def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k,
-                        next_k, ptid, col0, tokens):
+def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k, ptid,
+                        col0):
   """The weight gradient's gathering producer (thread ptid of 128) over one output tile's k
-  steps k_begin .. k_begin + num_k - 1 (gather_stage; A's columns col0..). Each step's tokens
+  steps k_begin .. k_begin + num_k - 1 (gather_stage; A's columns col0..): each step's tokens
   are read from gather_index one step ahead, so that their load's latency passes under the
-  previous step instead of stalling the cp.asyncs that need them (session 24's ncu of dW1 at
-  olmoe: 41% of the producer's samples waited on that load, the MMA warpgroups on full
-  stages). tokens: wgrad_tokens' two register sets, taken in turn by the ring's count (no
-  register copy, which would wait for the load in the step that issued it); tokens[count % 2]
-  holds the next step's on entry, and on return step next_k's (the first of the CTA's next
-  tile, read during this tile's last step; a tile of an expert without rows has no steps).
-  Returns the advanced pipeline state."""
-  if num_k == 0:
-    if produce.count % 2 == 0:
-      read_k_step_tokens(tokens[0], gather_index, next_k, ptid)
-    else:
-      read_k_step_tokens(tokens[1], gather_index, next_k, ptid)
+  previous step's copies instead of stalling the cp.asyncs that need them (session 24's ncu
+  of dW1 at olmoe: 41% of the producer's samples waited on that load, the MMA warpgroups
+  on full stages; reading ahead, dW1 6.5% and dW2 4.9% faster there). The reads ahead are clamped to gather_index's last k step (a tile of an
+  expert without rows has no steps). Returns the advanced pipeline state."""
+  last = cute.size(gather_index) // BLOCK_K - 1
+  tokens = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
+  ahead = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
+  _read_k_step_tokens(ahead, gather_index, cutlass.min(k_begin, last), ptid)
   for step in cutlass.range(num_k, unroll=1):
     k = k_begin + step
-    k_ahead = next_k
-    if step + 1 < num_k:
-      k_ahead = k + 1
-    if produce.count % 2 == 0:
-      read_k_step_tokens(tokens[1], gather_index, k_ahead, ptid)
-      gather_stage(loads, produce, x, tokens[0], s_a, rhs_operands, k, ptid, col0, "wgrad")
-    else:
-      read_k_step_tokens(tokens[0], gather_index, k_ahead, ptid)
-      gather_stage(loads, produce, x, tokens[1], s_a, rhs_operands, k, ptid, col0, "wgrad")
+    for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
+      tokens[j] = ahead[j]
+    _read_k_step_tokens(ahead, gather_index, cutlass.min(k + 1, last), ptid)
+    gather_stage(loads, produce, x, tokens, s_a, rhs_operands, k, ptid, col0, "wgrad")
     produce.advance()
   return produce
 
 
 @cute.jit
-def _produce_gathered(loads, produce, rhs_operands, x, gather_index, s_a, num_k, m_tile,
-                      k_begin, ptid, kind: cutlass.Constexpr):
-  """The gathering kernels' producer warpgroup (thread ptid of 128): fills the ring (state
-  produce) with every k step's tiles (gather_stage), the M tile's rows' tokens read once per
-  tile; or the weight gradient's (produce_wgrad_steps). Returns the advanced ring state."""
-  if cutlass.const_expr(kind == "wgrad"):   # (one tile: no next one to read ahead for)
-    produce = produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin,
-                                  num_k, k_begin, ptid, m_tile * BLOCK_M,
-                                  wgrad_tokens(gather_index, k_begin, ptid))
+def _produce_gathered(loads, rhs_operands, x, gather_index, s_a, num_k, m_tile, k_begin, ptid,
+                      stages: cutlass.Constexpr, kind: cutlass.Constexpr):
+  """The gathering kernels' producer warpgroup (thread ptid of 128): fills the `stages`-deep
+  ring with every k step's tiles (gather_stage), the M tile's rows' tokens read once per
+  tile; or the weight gradient's (produce_wgrad_steps)."""
+  produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+  if cutlass.const_expr(kind == "wgrad"):
+    produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k, ptid,
+                        m_tile * BLOCK_M)
   else:   # rows of the M tile: the same for every k step
-    tile_tokens = new_tile_tokens()
-    read_tile_tokens(tile_tokens, gather_index, m_tile, ptid)
+    tile_tokens = [_gather_tokens(gather_index, m_tile, ptid + 128 * wg)
+                   for wg in range(WARPGROUPS)]
     for step in cutlass.range(num_k, unroll=1):
       gather_stage(loads, produce, x, tile_tokens, s_a, rhs_operands, k_begin + step, ptid, 0,
                    kind)
       produce.advance()
-  return produce
 
 
 @cute.kernel
@@ -703,30 +634,17 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     operands = [tma_operand(tma_a, s_a, g_a)] + operands
   cute.arch.sync_threads()   # barriers initialised before anyone waits on them
 
-  # (dh with h_smem) H's gate and up tiles as EPI_TILE buffers over rhs's stages; gathering,
-  # the producer loads them as the stages are released (_prefetch_h_tile), else the MMA
-  # warpgroups' leader once all are
-  s_h = cute.make_tensor(cute.recast_ptr(s_bs[0].iterator, h_smem_staged.inner,
-                                         dtype=m_h.element_type), h_smem_staged.outer)
-  h_tma_tiles = [tile_of(m_h_tma, c, 0, (1, 1, None)) for c in half_cols]
-  h_bytes = 2 * BLOCK_M * block_n * m_h.element_type.width // 8
-  prefetch_h = kind == "dh" and h_smem and gather
-
   if warp < first_mma_warp:   # the producer warpgroup (none without `producer`)
     if cutlass.const_expr(producer):
       cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
-      produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
       if cutlass.const_expr(gather):
-        produce = _produce_gathered(loads, produce, operands, m_a, gather_index, s_a, num_k,
-                                    m_tile, k_begin, tidx, kind)
+        _produce_gathered(loads, operands, m_a, gather_index, s_a, num_k, m_tile, k_begin, tidx,
+                          stages, kind)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
+        produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
         for _ in cutlass.range(num_k, unroll=1):
           load_stage(loads, produce, operands, k_begin + produce.count)
           produce.advance()
-      if cutlass.const_expr(prefetch_h):
-        if warp == 0:
-          _prefetch_h_tile(loads, produce, tma_h, h_tma_tiles, s_h, h_bar, h_bytes, num_k,
-                           stages, block_n * BLOCK_K * s_bs[0].element_type.width // 8)
   else:   # the MMA warpgroups: mainloop, then the epilogue (in this branch: ptxas gives them
           # the registers setmaxnreg raised)
     if cutlass.const_expr(producer):
@@ -768,9 +686,6 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             load_stage(loads, produce, operands, k_begin + produce.count)
             produce.advance()
     warpgroup.wait_group(0)
-    if cutlass.const_expr(prefetch_h):   # the last stage too: H's buffers go there
-      if num_k > 0:
-        loads.consumer_release(release)
 
     # out's tile (or H's, or dH's, gate and up tiles, then A's or A''s): (TMA atom, its TMA
     # tensor, the output, column tile)
@@ -789,13 +704,13 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
         out_dsts = acc_chunks([tile_of(t, c, out_l, (1, 1, None)) for _, _, t, c in outputs],
                               thr_mma)
       chunks = block_n // EPI_TILE[1]
-      if cutlass.const_expr(h_smem):   # H's tile by TMA over rhs's stages
-        if cutlass.const_expr(not prefetch_h):   # (else the producer's, as stages free up)
-          cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
-          if leader:
-            _load_h_tile(tma_h, h_tma_tiles, s_h, h_bar, h_bytes)
-        # (H landed: with the prefetch, after both warpgroups released every stage, so their
-        # wgmmas are done with A's stages too, which A' is written over below)
+      if cutlass.const_expr(h_smem):   # H's tile by TMA over rhs's stages, once all are read
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
+        s_h = cute.make_tensor(cute.recast_ptr(s_bs[0].iterator, h_smem_staged.inner,
+                                               dtype=m_h.element_type), h_smem_staged.outer)
+        if leader:
+          _load_h_tile(tma_h, [tile_of(m_h_tma, c, 0, (1, 1, None)) for c in half_cols], s_h,
+                       h_bar, 2 * BLOCK_M * block_n * m_h.element_type.width // 8)
         cute.arch.mbarrier_wait(h_bar, 0)
         h_srcs = smem_chunks(s_h, chunk_mma, mma_tidx, [0, chunks], chunks)
         if cutlass.const_expr(not register_store):
@@ -954,7 +869,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   (dh only): each thread stores its fragments from registers instead of the TMA-store
   epilogue. warp_specialized: a producer warpgroup issues the TMA loads of a kernel that does
   not gather too (the MMA warpgroups' first warp otherwise). h_smem (dh): the epilogue reads
-  H's tile from SMEM, TMA-loaded over rhs's stages (dh's h_smem)."""
+  H's tile from SMEM, TMA-loaded over rhs's stages once the mainloop is done (dh's h_smem)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
   num_rhs = 2 if swiglu else 1
@@ -1167,9 +1082,8 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
   by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call).
   warp_specialized (without gather_index): as grouped_matmul's. h_smem: the epilogue reads H
-  from SMEM, its tile TMA-loaded over the rhs stages (coalesced, where the per-thread global
-  loads read 16 of each 32-byte sector) as the last k steps free them when gathering (by the
-  producer warpgroup), else once the mainloop is done; with tma_store too, dH
+  from SMEM, its tile TMA-loaded over the rhs stages once the mainloop is done (coalesced,
+  where the per-thread global loads read 16 of each 32-byte sector); with tma_store too, dH
   is written over H's tile there and A' over the lhs stages, all three then stored by TMA
   (no register tiles of the outputs). Needs stages >= H_SMEM_MIN_STAGES (the rhs stages hold
   H's 2 x BLOCK_M x block_n tile, the lhs stages A''s BLOCK_M x block_n). Bitwise the same

@@ -53,35 +53,23 @@ def stages_that_fit(block_n: int, itemsize: int) -> int:
                                              reserved=epilogue_bytes(itemsize)))
 
 
-def tile_info_of(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, num_tiles: int):
-  """The two values of tile_info that tile t's work depends on (tile_work), t clamped to the
-  last tile (a read one tile ahead past it is never used): "wgrad", group_offsets at the
-  tile's expert and the next one (its rows); "store", tile_expert at the tile's M tile (and
-  the same again). Read a tile ahead, their loads' latency passes under the current tile."""
-  t = cutlass.min(t, num_tiles - 1)
-  if kind == "wgrad":
-    expert = t // (num_m_tiles * num_n_tiles)
-    return tile_info[expert], tile_info[expert + 1]
-  owner = tile_info[t // num_n_tiles]
-  return owner, owner
-
-
-def tile_work(kind: str, t, info, num_m_tiles: int, num_n_tiles: int, k_steps: int,
+def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_steps: int,
               num_experts):
-  """Tile t's (M tile, column tile, first k step, k steps, rhs's and out's third coordinate)
-  from info = tile_info_of(t). "wgrad": info the expert's first and end rows (its k range),
-  out's third coordinate the expert. "store": info the M tile's expert (E or more past the
-  last group: no k steps), rhs's third coordinate the expert."""
+  """Tile t's (M tile, column tile, first k step, k steps, rhs's and out's third coordinate).
+  "wgrad": tile_info is group_offsets (expert e's rows, its k range), out's third coordinate
+  the expert. "store": tile_info is tile_expert (the M tile's expert, E or more past the last
+  group: no k steps), rhs's third coordinate the expert."""
   if kind == "wgrad":
     per_expert = num_m_tiles * num_n_tiles
-    rest = t % per_expert
-    k_begin = info[0] // BLOCK_K
-    return (rest // num_n_tiles, rest % num_n_tiles, k_begin, info[1] // BLOCK_K - k_begin, 0,
-            t // per_expert)
-  owner = info[0]
+    expert, rest = t // per_expert, t % per_expert
+    k_begin = tile_info[expert] // BLOCK_K
+    return (rest // num_n_tiles, rest % num_n_tiles, k_begin,
+            tile_info[expert + 1] // BLOCK_K - k_begin, 0, expert)
+  m_tile = t // num_n_tiles
+  owner = tile_info[m_tile]
   # k_steps where owner < E, else 0 (in arithmetic: no branch)
   num_k = cutlass.min(k_steps, cutlass.max(num_experts - owner, 0) * k_steps)
-  return t // num_n_tiles, t % num_n_tiles, 0, num_k, cutlass.min(owner, num_experts - 1), 0
+  return m_tile, t % num_n_tiles, 0, num_k, cutlass.min(owner, num_experts - 1), 0
 
 
 @cute.kernel
@@ -106,9 +94,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
   gg.prefetch_descriptors(warp, tma_a, tma_b, gather)
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
-  info_of = lambda t: tile_info_of(kind, t, tile_info, num_m_tiles, num_n_tiles, num_tiles)
-  work = lambda t, info: tile_work(kind, t, info, num_m_tiles, num_n_tiles, k_steps,
-                                   num_experts)
+  work = lambda t: tile_work(kind, t, tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts)
 
   smem = cutlass.memory.SmemAllocator()
   storage = smem.allocate(shared_storage)
@@ -119,24 +105,13 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   if warp < 4:   # the producer warpgroup
     cute.arch.setmaxregister_decrease(gg.PRODUCER_REGISTERS)
     produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    # tile_info read two tiles ahead: the next tile's is known during this one (its first
-    # k step's tokens are read in this tile's last; tile_info_of)
-    now_lo, now_hi = info_of(cta)
-    next_lo, next_hi = info_of(cta + num_ctas)
-    tokens = None
-    if cutlass.const_expr(gather):   # each k step's rows' tokens, read one step ahead
-      tokens = gg.wgrad_tokens(gather_index, now_lo // BLOCK_K, tidx)
     for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
-      info = (now_lo, now_hi)
-      now_lo, now_hi = next_lo, next_hi
-      next_lo, next_hi = info_of(t + 2 * num_ctas)
-      m_tile, n_tile, k_begin, num_k, rhs_l, _ = work(t, info)
+      m_tile, n_tile, k_begin, num_k, rhs_l, _ = work(t)
       operands = [gg.tma_operand(tma_b, s_b, cute.local_tile(
           m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)))]
-      if cutlass.const_expr(gather):   # (the next tile's first k step: its expert's first row)
+      if cutlass.const_expr(gather):
         produce = gg.produce_wgrad_steps(loads, produce, m_a, gather_index, s_a, operands,
-                                         k_begin, num_k, now_lo // BLOCK_K, tidx,
-                                         m_tile * BLOCK_M, tokens)
+                                         k_begin, num_k, tidx, m_tile * BLOCK_M)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
         lhs_and_rhs = [gg.tma_operand(tma_a, s_a, cute.local_tile(
             m_a, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, None, 1)))] + operands
@@ -155,11 +130,8 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
     consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    info_lo, info_hi = info_of(cta)   # each tile's, read one tile ahead (tile_info_of)
     for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
-      info = (info_lo, info_hi)
-      info_lo, info_hi = info_of(t + num_ctas)
-      m_tile, n_tile, _, num_k, _, out_l = work(t, info)
+      m_tile, n_tile, _, num_k, _, out_l = work(t)
       acc.fill(0.0)
       for kk in cutlass.range(num_k, unroll=1):
         loads.consumer_wait(consume)

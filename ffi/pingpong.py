@@ -238,31 +238,19 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     if warp < (4 if gather else 1):   # gathering, the whole warpgroup; else warp 0
       grouped_gemm.prefetch_descriptors(warp, tma_a, tma_b, gather)
       produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-      # each tile's expert and (gathering) its rows' tokens are read one tile ahead, their
-      # loads' latency passing under the previous tile's copies (the reads clamped to the
-      # last tile)
-      last_rows = (num_tiles - 1) // num_n_tiles
-      first_rows = cutlass.min(cta // num_n_tiles, last_rows)
-      owner_ahead = tile_expert[first_rows]
-      tokens, tokens_ahead = None, None   # (TILE_M = BLOCK_M: grouped_gemm's rows)
-      if cutlass.const_expr(gather):
-        tokens, tokens_ahead = grouped_gemm.new_tile_tokens(), grouped_gemm.new_tile_tokens()
-        grouped_gemm.read_tile_tokens(tokens_ahead, gather_index, first_rows, tidx)
       for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
         rows, cols = t // num_n_tiles, t % num_n_tiles
-        rows_ahead = cutlass.min((t + num_ctas) // num_n_tiles, last_rows)
-        owner = owner_ahead
-        owner_ahead = tile_expert[rows_ahead]
-        if cutlass.const_expr(gather):
-          for block in cutlass.range_constexpr(grouped_gemm.WARPGROUPS):
-            tokens[block].store(tokens_ahead[block].load())
-          grouped_gemm.read_tile_tokens(tokens_ahead, gather_index, rows_ahead, tidx)
+        owner = tile_expert[rows]
         if owner < num_experts:
           rhs_cols = [cols, cols + num_n_tiles] if cutlass.const_expr(swiglu) else [cols]
           operands = [grouped_gemm.tma_operand(tma_b, sb, cute.local_tile(
               m_b, tile_mnk, (rows, c, None, owner), proj=(None, 1, 1)))
               for sb, c in zip(s_bs, rhs_cols)]
           if cutlass.const_expr(gather):
+            # this thread's rows' tokens in each of grouped_gemm's warpgroups' row blocks of
+            # the M tile (TILE_M = BLOCK_M: the same rows)
+            tokens = [grouped_gemm._gather_tokens(gather_index, rows, tidx + 128 * block)
+                      for block in range(grouped_gemm.WARPGROUPS)]
             for k in cutlass.range(k_steps, unroll=1):
               grouped_gemm.gather_stage(loads, produce, m_a, tokens, s_a, operands, k, tidx, 0,
                                         kind)

@@ -903,39 +903,16 @@ def test_cute_dh_h_smem_needs_its_stages():
                    *shapes)
 
 
-@needs_cute
-@pytest.mark.parametrize("block_n", [64, 128, 256])
-def test_cute_dh_h_buffers_load_once_their_stages_are_free(block_n):
-  """The producer's H prefetch (grouped_gemm.h_buffer_turn, on plain integers): after num_k k
-  steps the ring's next `stages` states free the rhs stages in the order num_k, num_k + 1, ...
-  (mod stages); each of H's EPI_TILE buffers is loaded at the turn that frees the last stage
-  it spans, never before, and all of H lies within the ring."""
-  from ffi import grouped_gemm
-  stage_bytes = block_n * grouped_gemm.BLOCK_K * 2
-  buffer_bytes = grouped_gemm.EPI_TILE[0] * grouped_gemm.EPI_TILE[1] * 2
-  buffers = 2 * block_n // grouped_gemm.EPI_TILE[1]
-  for stages in range(grouped_gemm.H_SMEM_MIN_STAGES, 9):
-    assert buffers * buffer_bytes <= stages * stage_bytes
-    for num_k in range(0, 3 * stages):
-      order = [(num_k + j) % stages for j in range(stages)]
-      for b in range(buffers):
-        spanned = range(b * buffer_bytes // stage_bytes,
-                        ((b + 1) * buffer_bytes - 1) // stage_bytes + 1)
-        assert grouped_gemm.h_buffer_turn(b, num_k, stages, buffer_bytes, stage_bytes) == max(
-            order.index(st) for st in spanned)
-
-
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("block_n,gather,tma_store,d", [
     (256, True, False, 640), (128, False, False, 640), (256, False, True, 640),
-    (128, True, True, 128), (256, True, False, 128), (64, True, True, 192)])
+    (128, True, True, 128), (256, True, False, 128)])
 def test_cute_dh_h_smem_keeps_outputs_on_gpu(block_n, gather, tma_store, d):
-  """dH's epilogue reading H from SMEM (TMA-loaded over the rhs stages: gathering, by the
-  producer as the last k steps free them, a buffer spanning two stages at block_n 64; else
-  after the mainloop; with tma_store its outputs written there and stored by TMA; 2, 3 or 10
-  k steps, fewer than the stages at d 128 and 192, a tile past the last group) gives the
-  bitwise same dH, A' and dS parts as reading it from global memory."""
+  """dH's epilogue reading H from SMEM (TMA-loaded over the rhs stages after the mainloop;
+  with tma_store its outputs written there and stored by TMA; experts of 0 to 10 k steps,
+  fewer k steps than stages at d 128, a tile past the last group) gives the bitwise same dH,
+  A' and dS parts as reading it from global memory."""
   from ffi import grouped_gemm
   T, n, E = 1000, 256, 4
   tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
@@ -1067,33 +1044,24 @@ def test_cute_persistent_matmul_compiles_for_cuda(block_n, stages, transpose_rhs
 
 @needs_cute
 def test_persistent_tiles_cover_each_output_tile_once_with_its_k_range():
-  """The persistent CTAs' tile loop (tile_info_of and tile_work, run here on plain integers):
-  every output tile once; weight gradients expert by expert over the expert's rows (none for
-  an empty expert); store tiles M tile by M tile, their column tiles adjacent, the
-  contraction's k steps where the M tile has an expert and none past the last group; a read
-  ahead past the last tile gives the last tile's values."""
+  """The persistent CTAs' tile loop (tile_work, run here on plain integers): every output tile
+  once; weight gradients expert by expert over the expert's rows (none for an empty expert);
+  store tiles M tile by M tile, their column tiles adjacent, the contraction's k steps where
+  the M tile has an expert and none past the last group."""
   from ffi import persistent
-
-  def work(kind, t, tile_info, m_tiles, n_tiles, k_steps):
-    info = persistent.tile_info_of(kind, t, tile_info, m_tiles, n_tiles, m_tiles * n_tiles * (
-        len(tile_info) - 1 if kind == "wgrad" else 1))
-    return persistent.tile_work(kind, t, info, m_tiles, n_tiles, k_steps, 4)
-
   offsets = np.array([0, 256, 256, 896, 1024])   # experts of 2, 0, 5 and 1 k steps (4 experts)
-  seen = [work("wgrad", t, offsets, 3, 2, 0) for t in range(3 * 2 * 4)]
+  seen = [persistent.tile_work("wgrad", t, offsets, 3, 2, 0, 4) for t in range(3 * 2 * 4)]
   assert [(e, m, n) for m, n, _, _, _, e in seen] == [
       (e, m, n) for e in range(4) for m in range(3) for n in range(2)]
   for m, n, k_begin, num_k, rhs_l, e in seen:
     assert (k_begin, num_k, rhs_l) == (offsets[e] // 64, (offsets[e + 1] - offsets[e]) // 64, 0)
   tile_expert = np.array([0, 0, 1, 3, 3, 4])   # E = 4: the last M tile is past the groups
-  seen = [work("store", t, tile_expert, 6, 2, 10) for t in range(12)]
+  seen = [persistent.tile_work("store", t, tile_expert, 6, 2, 10, 4) for t in range(12)]
   assert [(m, n) for m, n, *_ in seen] == [(m, n) for m in range(6) for n in range(2)]
   for m, n, k_begin, num_k, rhs_l, out_l in seen:
     has_expert = tile_expert[m] < 4
     assert (k_begin, num_k, out_l) == (0, 10 if has_expert else 0, 0)
     assert rhs_l == min(tile_expert[m], 3)
-  assert persistent.tile_info_of("wgrad", 24 + 5, offsets, 3, 2, 24) == (896, 1024)
-  assert persistent.tile_info_of("store", 12 + 3, tile_expert, 6, 2, 12) == (4, 4)
 
 
 @needs_cute
