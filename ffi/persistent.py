@@ -18,8 +18,7 @@ Schedule:
               across tiles: "wgrad", as grouped_gemm's gathering producer (gather_stage: each
               k step's WGRAD_BLOCK_K rows gathered, the tile's BLOCK_M columns of them; an expert
               without rows loads nothing); "store", its warp 0 TMA-loading the lhs and rhs
-              tiles of every k step (STORE_BLOCK_K deep; a tile past the last group loads
-              nothing)
+              tiles of every k step (a tile past the last group loads nothing)
   MMA       : warpgroups 1 and 2 (BLOCK_M / 2 rows of a tile each), per tile: zero the
               accumulators, the mainloop, release the tile's last stage, the epilogue through
               SMEM buffers of its own (EPI_STAGES x EPI_TILE, not over the stages, which the
@@ -37,23 +36,22 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ffi import grouped_gemm as gg
-from ffi.grouped_gemm import BLOCK_M, EPI_TILE, THREADS
+from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE, THREADS
 
 NUM_SMS = 132     # H100 / H200 SXM: the default grid (fewer SMs only queue CTAs)
 MAX_STAGES = 8
-# the k step (the contraction's depth per stage) of the weight gradients and the store GEMM:
-# half of grouped_gemm's BLOCK_K, so that twice the stages fit and the two that the MMA
-# warpgroups hold (the one computing, the one whose wgmmas are retiring) leave more of the
-# ring to loads in flight (session 25's ncu of dW1 at 120B-n1024: 4 stages of 64 rows, the
-# producer waiting for empty stages and the MMA warpgroups for full ones at once); the
-# wgmmas' k16 order, and so the bits, are the same
+# the weight gradients' k step (rows of the contraction per stage): half of BLOCK_K, so that
+# twice the stages fit and the MMA warpgroups' two stages in use (the one computing, the one
+# whose wgmmas are retiring) leave more of the ring to the gathered rows in flight (session
+# 25's ncu of dW1 at 120B-n1024: 4 stages of 64 rows, the producer waiting for empty stages
+# and the MMA warpgroups for full ones at once); the wgmmas' k order, and so the bits, are
+# the same
 WGRAD_BLOCK_K = 32
-STORE_BLOCK_K = 32
 
 
 def k_block(kind: str) -> int:
-  """The contraction's depth per k step of kind "wgrad" or "store"."""
-  return WGRAD_BLOCK_K if kind == "wgrad" else STORE_BLOCK_K
+  """Rows of the contraction per k step: WGRAD_BLOCK_K for "wgrad", else BLOCK_K."""
+  return WGRAD_BLOCK_K if kind == "wgrad" else BLOCK_K
 
 
 def epilogue_bytes(itemsize: int) -> int:
@@ -198,7 +196,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   else:
     tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), lhs,
                                              cute.slice_(a_smem_staged, (None, None, 0)),
-                                             (BLOCK_M, k_block(kind)))
+                                             (BLOCK_M, BLOCK_K))
     stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   out_layout = LayoutEnum.from_tensor(out)
   c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, EPI_TILE, gg.EPI_STAGES)
@@ -210,7 +208,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
   num_n_tiles = cute.size(out, mode=[1]) // block_n
   num_tiles = num_m_tiles * num_n_tiles * cute.size(out, mode=[2])
-  k_steps = cute.size(lhs, mode=[1]) // k_block(kind)   # (store: the contraction)
+  k_steps = cute.size(lhs, mode=[1]) // BLOCK_K   # (store: the contraction)
   _kernel.set_name_prefix(gg.kernel_label(kind, gather, "persistent"), remove_cutlass_symbol=True)
   _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index, tiled_mma,
           a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage,
@@ -291,7 +289,7 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   reason = gg.unsupported(lhs, gg.rhs_as_ekn(rhs, transpose_rhs), block_n, cols)
   if reason:
     raise ValueError(f"cute persistent grouped_matmul: {reason}")
-  stages = _stages(stages, block_n, lhs.dtype.itemsize, lhs.shape[1] // STORE_BLOCK_K,
+  stages = _stages(stages, block_n, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K,
                    "grouped_matmul")
   return gg.matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, cols, block_n=block_n,
                         stages=stages, **_grid_config(num_ctas, "grouped_matmul"))
