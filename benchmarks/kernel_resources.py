@@ -162,10 +162,8 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
   from ffi import grouped_gemm as g, persistent as pw, pingpong as pp
   num_rhs = 2 if kernel.startswith("up_proj") else 1
   if "persistent" in kernel:   # the ring beside the epilogue's own buffers
-    kind = "wgrad" if kernel.startswith("wgrad") else "store"
-    k_block = pw.k_block(kind)
-    depth = stages or min(pw.stages_that_fit(block_n, 2, kind), K_STEPS * g.BLOCK_K // k_block)
-    return g.smem_bytes(block_n, 1, 2, depth, k_block=k_block) + pw.epilogue_bytes(2)
+    depth = stages or min(pw.stages_that_fit(block_n, 2), K_STEPS)
+    return g.smem_bytes(block_n, 1, 2, depth) + pw.epilogue_bytes(2)
   if "pingpong" in kernel:
     tma_store = kernel.endswith("_tma")
     kind = "dh" if kernel.startswith("dh") else "store"

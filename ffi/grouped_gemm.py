@@ -85,8 +85,10 @@ WGMMA_MAX_N = 256           # the widest N of one Hopper wgmma: dH's widest colu
 UP_PROJ_MAX_BLOCK_N = 128
 GATHER_CHUNKS = BLOCK_K * 2 // 16                      # 16-byte cp.async chunks per bf16 row
 GATHER_ROWS_PER_THREAD = (BLOCK_M // WARPGROUPS) * GATHER_CHUNKS // 128
-# the weight gradient's gather (rows along K): a warpgroup's 8-column chunks of a row
+# the weight gradient's gather (rows along K): a warpgroup's 8-column chunks of a row, and each
+# thread's (row, chunk) copies per k step
 K_CHUNKS_PER_WG = BLOCK_M // WARPGROUPS // 8
+K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128
 # gathering, a third warpgroup (warpgroup 0) loads every stage; a stage's full barrier
 # completes on the TMA bytes and PRODUCER_ARRIVALS arrivals (the TMA warp's, then two per
 # producer thread: its cp.async copies landed, its padding rows' plain stores released)
@@ -96,18 +98,17 @@ PRODUCER_ARRIVALS = 1 + 2 * 128   # (ffi/pingpong.py's gathering producer too)
 PRODUCER_REGISTERS, MMA_REGISTERS = 56, 224
 
 
-def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int = BLOCK_M,
-               k_block: int = BLOCK_K) -> int:
-  """A CTA's SMEM: `stages` pipeline stages (a `rows`-row lhs tile and num_rhs rhs tiles each,
-  k_block deep) and 1 KiB for the barriers (the epilogue's buffers reuse the lhs stages)."""
-  per_stage = (rows + num_rhs * block_n) * k_block * itemsize
+def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int = BLOCK_M) -> int:
+  """A CTA's SMEM: `stages` pipeline stages (a `rows`-row lhs tile and num_rhs rhs tiles each)
+  and 1 KiB for the barriers (the epilogue's buffers reuse the lhs stages)."""
+  per_stage = (rows + num_rhs * block_n) * BLOCK_K * itemsize
   return stages * per_stage + BARRIER_BYTES
 
 
 def _stages_that_fit(block_n: int, num_rhs: int, itemsize: int, rows: int = BLOCK_M,
-                     reserved: int = 0, k_block: int = BLOCK_K) -> int:
+                     reserved: int = 0) -> int:
   """How many pipeline stages fit in SMEM (smem_bytes) beside `reserved` other bytes."""
-  per_stage = smem_bytes(block_n, num_rhs, itemsize, 1, rows, k_block) - BARRIER_BYTES
+  per_stage = smem_bytes(block_n, num_rhs, itemsize, 1, rows) - BARRIER_BYTES
   return (SMEM_BYTES - BARRIER_BYTES - reserved) // per_stage
 
 
@@ -478,28 +479,22 @@ def _gather_k_slot(tidx, j: int):
   return i // K_CHUNKS_PER_WG, wg * K_CHUNKS_PER_WG + i % K_CHUNKS_PER_WG
 
 
-def k_gathers_per_thread(k_block: int) -> int:
-  """A thread's (row, chunk) copies per warpgroup in the weight gradient's k step of k_block
-  rows."""
-  return k_block * K_CHUNKS_PER_WG // 128
-
-
 @cute.jit
-def _read_k_step_tokens(tokens, gather_index, k, tidx, k_block: cutlass.Constexpr):
-  """tokens (k_gathers_per_thread registers) = the source rows of thread tidx's copies of k
-  step k: gather_index[k * k_block + r] for each copy's row r of the step."""
-  rows = cute.local_tile(gather_index, (k_block,), (k,))
-  for j in cutlass.range_constexpr(k_gathers_per_thread(k_block)):
+def _read_k_step_tokens(tokens, gather_index, k, tidx):
+  """tokens (K_GATHERS_PER_THREAD registers) = the source rows of thread tidx's copies of k
+  step k: gather_index[k * BLOCK_K + r] for each copy's row r of the step."""
+  rows = cute.local_tile(gather_index, (BLOCK_K,), (k,))
+  for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
     tokens[j] = rows[_gather_k_slot(tidx, j)[0]]
 
 
 @cute.jit
-def _gather_k_step(x, tokens, a_stage, col0, tidx, k_block: cutlass.Constexpr):
-  """The weight gradient's A stage (M-major: BLOCK_M columns of X by k_block gathered rows,
-  the rows being the contraction): a_stage[c, r] = x[row r's token, col0 + c], each warpgroup
+def _gather_k_step(x, tokens, a_stage, col0, tidx):
+  """The weight gradient's A stage (M-major: BLOCK_M columns of X by BLOCK_K gathered rows, the
+  rows being the contraction): a_stage[c, r] = x[row r's token, col0 + c], each warpgroup
   filling the BLOCK_M / WARPGROUPS columns its wgmmas read, in 16-byte cp.async chunks of 8
   columns (tokens: _read_k_step_tokens); rows of indices outside x are zeros."""
-  for j in cutlass.range_constexpr(k_gathers_per_thread(k_block)):
+  for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
     r, chunk = _gather_k_slot(tidx, j)
     _copy_row_chunk(x, tokens[j], col0 // 8 + chunk,
                     cute.local_tile(a_stage[None, r], (8,), (chunk,)))
@@ -507,14 +502,14 @@ def _gather_k_step(x, tokens, a_stage, col0, tidx, k_block: cutlass.Constexpr):
 
 @cute.jit
 def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
-                 kind: cutlass.Constexpr, k_block: cutlass.Constexpr = BLOCK_K):
+                 kind: cutlass.Constexpr):
   """A gathering producer warpgroup's k step k into stage state.index, by all 128 of its
   threads (ptid): wait until the MMA warpgroups released the stage; warp 0 sets the full
   barrier's expected TMA bytes and TMA-loads the rhs tiles (the whole warp: the arrive and the
   copies elect one lane with elect.sync, which one lane alone must not reach); every thread
   cp.async-copies its share of A's gathered rows for both MMA warpgroups, as if it were each
   of their threads in turn (rows of the M tile, _gather_step, tokens a list of each
-  warpgroup's rows' tokens; or kind "wgrad", the weight gradient's k_block rows of the k step
+  warpgroup's rows' tokens; or kind "wgrad", the weight gradient's BLOCK_K rows of the k step
   at columns col0.., _gather_k_step, tokens from _read_k_step_tokens; padding rows it writes as
   zeros by plain stores), then arrives on the full barrier twice: once its copies land
   (cp.async's noinc arrive) and once at once (a release arrive publishing its plain stores).
@@ -528,7 +523,7 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
   stage = s_a[None, None, state.index]
   for wg in cutlass.range_constexpr(WARPGROUPS):
     if cutlass.const_expr(kind == "wgrad"):
-      _gather_k_step(x, tokens, stage, col0, ptid + 128 * wg, k_block)
+      _gather_k_step(x, tokens, stage, col0, ptid + 128 * wg)
     else:
       _gather_step(x, tokens[wg], stage, k * BLOCK_K, ptid + 128 * wg)
   cute.arch.cp_async_mbarrier_arrive_noinc(bar)
@@ -537,26 +532,24 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
 
 @cute.jit
 def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k, ptid,
-                        col0, k_block: cutlass.Constexpr = BLOCK_K):
+                        col0):
   """The weight gradient's gathering producer (thread ptid of 128) over one output tile's k
-  steps k_begin .. k_begin + num_k - 1 of k_block rows (gather_stage; A's columns col0..):
-  each step's tokens are read from gather_index one step ahead, so that their load's latency
-  passes under the previous step's copies instead of stalling the cp.asyncs that need them
-  (session 24's ncu of dW1 at olmoe: 41% of the producer's samples waited on that load, the
-  MMA warpgroups on full stages; reading ahead, dW1 6.5% and dW2 4.9% faster there). The
-  reads ahead are clamped to gather_index's last k step (a tile of an expert without rows has
-  no steps). Returns the advanced pipeline state."""
-  last = cute.size(gather_index) // k_block - 1
-  copies = k_gathers_per_thread(k_block)
-  tokens = cute.make_rmem_tensor((copies,), cutlass.Int32)
-  ahead = cute.make_rmem_tensor((copies,), cutlass.Int32)
-  _read_k_step_tokens(ahead, gather_index, cutlass.min(k_begin, last), ptid, k_block)
+  steps k_begin .. k_begin + num_k - 1 (gather_stage; A's columns col0..): each step's tokens
+  are read from gather_index one step ahead, so that their load's latency passes under the
+  previous step's copies instead of stalling the cp.asyncs that need them (session 24's ncu
+  of dW1 at olmoe: 41% of the producer's samples waited on that load, the MMA warpgroups
+  on full stages; reading ahead, dW1 6.5% and dW2 4.9% faster there). The reads ahead are clamped to gather_index's last k step (a tile of an
+  expert without rows has no steps). Returns the advanced pipeline state."""
+  last = cute.size(gather_index) // BLOCK_K - 1
+  tokens = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
+  ahead = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
+  _read_k_step_tokens(ahead, gather_index, cutlass.min(k_begin, last), ptid)
   for step in cutlass.range(num_k, unroll=1):
     k = k_begin + step
-    for j in cutlass.range_constexpr(copies):
+    for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
       tokens[j] = ahead[j]
-    _read_k_step_tokens(ahead, gather_index, cutlass.min(k + 1, last), ptid, k_block)
-    gather_stage(loads, produce, x, tokens, s_a, rhs_operands, k, ptid, col0, "wgrad", k_block)
+    _read_k_step_tokens(ahead, gather_index, cutlass.min(k + 1, last), ptid)
+    gather_stage(loads, produce, x, tokens, s_a, rhs_operands, k, ptid, col0, "wgrad")
     produce.advance()
   return produce
 

@@ -16,7 +16,7 @@ Schedule:
               on neighbouring CTAs: its lhs rows from L2)
   producer  : warpgroup 0 (grouped_gemm's PRODUCER_REGISTERS), its ring state running on
               across tiles: "wgrad", as grouped_gemm's gathering producer (gather_stage: each
-              k step's WGRAD_BLOCK_K rows gathered, the tile's BLOCK_M columns of them; an expert
+              k step's BLOCK_K rows gathered, the tile's BLOCK_M columns of them; an expert
               without rows loads nothing); "store", its warp 0 TMA-loading the lhs and rhs
               tiles of every k step (a tile past the last group loads nothing)
   MMA       : warpgroups 1 and 2 (BLOCK_M / 2 rows of a tile each), per tile: zero the
@@ -40,18 +40,6 @@ from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE, THREADS
 
 NUM_SMS = 132     # H100 / H200 SXM: the default grid (fewer SMs only queue CTAs)
 MAX_STAGES = 8
-# the weight gradients' k step (rows of the contraction per stage): half of BLOCK_K, so that
-# twice the stages fit and the MMA warpgroups' two stages in use (the one computing, the one
-# whose wgmmas are retiring) leave more of the ring to the gathered rows in flight (session
-# 25's ncu of dW1 at 120B-n1024: 4 stages of 64 rows, the producer waiting for empty stages
-# and the MMA warpgroups for full ones at once); the wgmmas' k order, and so the bits, are
-# the same
-WGRAD_BLOCK_K = 32
-
-
-def k_block(kind: str) -> int:
-  """Rows of the contraction per k step: WGRAD_BLOCK_K for "wgrad", else BLOCK_K."""
-  return WGRAD_BLOCK_K if kind == "wgrad" else BLOCK_K
 
 
 def epilogue_bytes(itemsize: int) -> int:
@@ -59,26 +47,24 @@ def epilogue_bytes(itemsize: int) -> int:
   return gg.EPI_STAGES * EPI_TILE[0] * EPI_TILE[1] * itemsize
 
 
-def stages_that_fit(block_n: int, itemsize: int, kind: str = "store") -> int:
-  """The ring's deepest beside the epilogue's buffers (at most MAX_STAGES), stages of
-  k_block(kind) rows."""
+def stages_that_fit(block_n: int, itemsize: int) -> int:
+  """The ring's deepest beside the epilogue's buffers (at most MAX_STAGES)."""
   return min(MAX_STAGES, gg._stages_that_fit(block_n, 1, itemsize,
-                                             reserved=epilogue_bytes(itemsize),
-                                             k_block=k_block(kind)))
+                                             reserved=epilogue_bytes(itemsize)))
 
 
 def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_steps: int,
               num_experts):
   """Tile t's (M tile, column tile, first k step, k steps, rhs's and out's third coordinate).
   "wgrad": tile_info is group_offsets (expert e's rows, its k range), out's third coordinate
-  the expert, its k steps WGRAD_BLOCK_K rows. "store": tile_info is tile_expert (the M tile's
-  expert, E or more past the last group: no k steps), rhs's third coordinate the expert."""
+  the expert. "store": tile_info is tile_expert (the M tile's expert, E or more past the last
+  group: no k steps), rhs's third coordinate the expert."""
   if kind == "wgrad":
     per_expert = num_m_tiles * num_n_tiles
     expert, rest = t // per_expert, t % per_expert
-    k_begin = tile_info[expert] // WGRAD_BLOCK_K
+    k_begin = tile_info[expert] // BLOCK_K
     return (rest // num_n_tiles, rest % num_n_tiles, k_begin,
-            tile_info[expert + 1] // WGRAD_BLOCK_K - k_begin, 0, expert)
+            tile_info[expert + 1] // BLOCK_K - k_begin, 0, expert)
   m_tile = t // num_n_tiles
   owner = tile_info[m_tile]
   # k_steps where owner < E, else 0 (in arithmetic: no branch)
@@ -107,7 +93,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   num_ctas = cute.arch.grid_dim()[0]
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
   gg.prefetch_descriptors(warp, tma_a, tma_b, gather)
-  tile_mnk = (BLOCK_M, block_n, k_block(kind))
+  tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   work = lambda t: tile_work(kind, t, tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts)
 
   smem = cutlass.memory.SmemAllocator()
@@ -125,7 +111,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
           m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)))]
       if cutlass.const_expr(gather):
         produce = gg.produce_wgrad_steps(loads, produce, m_a, gather_index, s_a, operands,
-                                         k_begin, num_k, tidx, m_tile * BLOCK_M, WGRAD_BLOCK_K)
+                                         k_begin, num_k, tidx, m_tile * BLOCK_M)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
         lhs_and_rhs = [gg.tma_operand(tma_a, s_a, cute.local_tile(
             m_a, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, None, 1)))] + operands
@@ -181,7 +167,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   # the weight gradient's A tiles (M, rows) are M-major (filled by the gathers)
   a_major = LayoutEnum.COL_MAJOR if gather else LayoutEnum.from_tensor(lhs)
   b_major = LayoutEnum.from_tensor(rhs)
-  tile_mnk = (BLOCK_M, block_n, k_block(kind))
+  tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   tiled_mma = sm90_utils.make_trivial_tiled_mma(
       dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
       cutlass.Float32, (gg.WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
@@ -189,7 +175,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
   tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
                                            cute.slice_(b_smem_staged, (None, None, 0)),
-                                           (block_n, k_block(kind)))
+                                           (block_n, BLOCK_K))
   stage_bytes = cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
   if cutlass.const_expr(gather):   # no TMA for A (the kernel takes an atom: B's, unused)
     tma_a, m_a = tma_b, lhs
@@ -237,11 +223,10 @@ def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
           block_n, stages, num_ctas, "store")
 
 
-def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str,
-            kind: str = "store") -> int:
+def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int:
   """`stages`, or as many as fit beside the epilogue's buffers (at most the k steps, at
   least 2); ValueError naming the limit."""
-  fit = stages_that_fit(block_n, itemsize, kind)
+  fit = stages_that_fit(block_n, itemsize)
   if stages is None:
     return max(2, min(fit, k_steps))
   if not 2 <= stages <= fit:
@@ -272,8 +257,7 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   reason = gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
-  stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // WGRAD_BLOCK_K,
-                   "weight_grad", "wgrad")
+  stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
   return gg.weight_grad_call((None, _weight_grad), x, rhs, group_offsets, num_experts,
                              gather_index, transpose_out, block_n=block_n, stages=stages,
                              **_grid_config(num_ctas, "weight_grad"))

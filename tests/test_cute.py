@@ -1049,13 +1049,12 @@ def test_persistent_tiles_cover_each_output_tile_once_with_its_k_range():
   store tiles M tile by M tile, their column tiles adjacent, the contraction's k steps where
   the M tile has an expert and none past the last group."""
   from ffi import persistent
-  offsets = np.array([0, 256, 256, 896, 1024])   # experts of 8, 0, 20 and 4 k steps of 32 rows
-  assert persistent.k_block("wgrad") == persistent.WGRAD_BLOCK_K == 32
+  offsets = np.array([0, 256, 256, 896, 1024])   # experts of 2, 0, 5 and 1 k steps (4 experts)
   seen = [persistent.tile_work("wgrad", t, offsets, 3, 2, 0, 4) for t in range(3 * 2 * 4)]
   assert [(e, m, n) for m, n, _, _, _, e in seen] == [
       (e, m, n) for e in range(4) for m in range(3) for n in range(2)]
   for m, n, k_begin, num_k, rhs_l, e in seen:
-    assert (k_begin, num_k, rhs_l) == (offsets[e] // 32, (offsets[e + 1] - offsets[e]) // 32, 0)
+    assert (k_begin, num_k, rhs_l) == (offsets[e] // 64, (offsets[e + 1] - offsets[e]) // 64, 0)
   tile_expert = np.array([0, 0, 1, 3, 3, 4])   # E = 4: the last M tile is past the groups
   seen = [persistent.tile_work("store", t, tile_expert, 6, 2, 10, 4) for t in range(12)]
   assert [(m, n) for m, n, *_ in seen] == [(m, n) for m in range(6) for n in range(2)]
@@ -1093,8 +1092,7 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
                                                             num_ctas):
   """The persistent kernel gives grouped_gemm.weight_grad's bits, gathering X's rows (padding
   slots: index T): experts of 256, 0 (zeros), 640, 128 and 1152 rows, so that a CTA's tiles run
-  8, 0, 20, 4 and 36 k steps (WGRAD_BLOCK_K rows each: the same k16 wgmmas in the same order
-  as grouped_gemm's 64-row steps) and its ring of `stages` wraps within and across tiles; num_ctas
+  2, 0, 10, 2 and 18 k steps and its ring of `stages` wraps within and across tiles; num_ctas
   3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each)."""
   from ffi import grouped_gemm, persistent
   sizes = [256, 0, 640, 128, 1152]
