@@ -122,9 +122,12 @@ STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
 # grouped vs persistent: dW1 30B-n256 3.729 vs 3.546, olmoe 3.353 vs 3.319, 7B-n256 0.596 vs
 # 0.557; dW2 1.992 vs 1.915, 1.758 vs 1.726, 0.323 vs 0.311; session 22: dW1 120B-n1024
 # 7.438 vs 7.258, 7B-n1024 0.588 vs 0.570; dW2 3.614 vs 3.438, 0.321 vs 0.322. The layer with
-# it matches the grouped kernel's on the H200 (session 22, call 3).
+# it matches the grouped kernel's on the H200 (session 22, call 3). "persistent_cluster": the
+# persistent kernel in clusters of 2 CTAs along M sharing each rhs tile by TMA multicast where
+# M (d for dw1, n for dw2) is a multiple of 256 (persistent.weight_grad's cluster_m; not yet
+# run on a GPU).
 WGRAD_KERNEL = "persistent"
-WGRAD_KERNELS = ("grouped", "persistent")
+WGRAD_KERNELS = ("grouped", "persistent", "persistent_cluster")
 
 
 def _setting(name: str, value, choices):
@@ -309,10 +312,14 @@ def dx_tilde(dh, w1, plan, cols=None):
 
 def _gathered_weight_grad(x, rhs, plan, block_n: int, transpose_out: bool = False):
   """weight_grad with x's rows gathered by the plan's token_index, on WGRAD_KERNEL."""
-  persistent_ctas = _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "persistent"
-  kernel = persistent if persistent_ctas else grouped_gemm
+  choice = _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS)
+  if choice == "grouped":
+    kernel, cluster = grouped_gemm, {}
+  else:
+    clustered = choice == "persistent_cluster" and x.shape[1] % (2 * grouped_gemm.BLOCK_M) == 0
+    kernel, cluster = persistent, (dict(cluster_m=2) if clustered else {})
   return kernel.weight_grad(x, rhs, plan.group_offsets, plan.num_experts, block_n=block_n,
-                            gather_index=plan.token_index, transpose_out=transpose_out)
+                            gather_index=plan.token_index, transpose_out=transpose_out, **cluster)
 
 
 def dw1(x, dh_, plan):

@@ -14,6 +14,10 @@ Schedule:
               tile, then column tile (an expert's tiles together: its rows from L2); kind
               "store": M tile t // n_tiles, column tile t % n_tiles (an M tile's column tiles
               on neighbouring CTAs: its lhs rows from L2)
+  clusters  : "wgrad" with cluster_m 2: clusters of 2 CTAs take cluster tiles as a CTA takes
+              tiles, the two CTAs neighbouring M tiles of one expert and column tile
+              (cluster_tile); each TMA-loads half of every rhs stage into both CTAs
+              (multicast), and a stage is free once both CTAs' MMA warpgroups released it
   producer  : warpgroup 0 (grouped_gemm's PRODUCER_REGISTERS), its ring state running on
               across tiles: "wgrad", as grouped_gemm's gathering producer (gather_stage: each
               k step's BLOCK_K rows gathered, the tile's BLOCK_M columns of them; an expert
@@ -40,6 +44,10 @@ from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE, THREADS
 
 NUM_SMS = 132     # H100 / H200 SXM: the default grid (fewer SMs only queue CTAs)
 MAX_STAGES = 8
+# the weight gradients' clusters: 1 (none) or 2 CTAs along M sharing each rhs tile, which
+# each loads half of and multicasts to both (the PyTorch SonicMoE's GEMMs all run clusters of
+# 2: session 18's ncu of them)
+CLUSTER_SIZES = (1, 2)
 
 
 def epilogue_bytes(itemsize: int) -> int:
@@ -51,6 +59,19 @@ def stages_that_fit(block_n: int, itemsize: int) -> int:
   """The ring's deepest beside the epilogue's buffers (at most MAX_STAGES)."""
   return min(MAX_STAGES, gg._stages_that_fit(block_n, 1, itemsize,
                                              reserved=epilogue_bytes(itemsize)))
+
+
+def cluster_tile(u, rank, num_m_tiles: int, num_n_tiles: int, cluster_m: int):
+  """The weight-gradient tile (tile_work's t) of CTA `rank` of a cluster of cluster_m along M
+  at cluster tile u: the cluster's CTAs take cluster_m neighbouring M tiles of one expert and
+  one column tile (the rhs tile they share), cluster tiles ordered as tile_work orders tiles
+  (expert, then M tile group, then column tile). cluster_m 1: t = u."""
+  if cluster_m == 1:
+    return u
+  per_expert = num_m_tiles // cluster_m * num_n_tiles
+  expert, rest = u // per_expert, u % per_expert
+  m_tile = rest // num_n_tiles * cluster_m + rank
+  return (expert * num_m_tiles + m_tile) * num_n_tiles + rest % num_n_tiles
 
 
 def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_steps: int,
@@ -82,11 +103,14 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
             num_m_tiles: cutlass.Constexpr, num_n_tiles: cutlass.Constexpr,
             k_steps: cutlass.Constexpr, num_tiles: cutlass.Constexpr,
-            out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr):
+            out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr,
+            cluster_m: cutlass.Constexpr):
   """kind "wgrad": m_a X (T, M, 1) the gathered rows' source, m_b the rhs (N, P, 1) N-major,
   the output (M, N, E), tile_info group_offsets (E + 1,), gather_index (P,). kind "store":
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
-  tile_info tile_expert (P / BLOCK_M,), gather_index unused."""
+  tile_info tile_expert (P / BLOCK_M,), gather_index unused. cluster_m > 1 ("wgrad"): the
+  grid's clusters of cluster_m CTAs loop over cluster tiles (cluster_tile), the rhs tiles
+  multicast (tma_b made for it)."""
   gather = kind == "wgrad"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -94,21 +118,29 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
   gg.prefetch_descriptors(warp, tma_a, tma_b, gather)
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
-  work = lambda t: tile_work(kind, t, tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts)
+  rank = 0   # this CTA's place in its cluster
+  if cutlass.const_expr(cluster_m > 1):
+    rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+  work = lambda u: tile_work(kind, cluster_tile(u, rank, num_m_tiles, num_n_tiles, cluster_m),
+                             tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts)
+  first, stride, count = cta, num_ctas, num_tiles   # the tiles' loop: this CTA's of the grid's
+  if cutlass.const_expr(cluster_m > 1):   # or its cluster's of the clusters'
+    first, stride, count = cta // cluster_m, num_ctas // cluster_m, num_tiles // cluster_m
 
   smem = cutlass.memory.SmemAllocator()
   storage = smem.allocate(shared_storage)
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
   s_b = storage.s_b.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-  loads, _ = gg.load_pipeline(storage, stages, stage_bytes, gather, THREADS, tidx)
+  loads, _ = gg.load_pipeline(storage, stages, stage_bytes, gather, THREADS, tidx,
+                              cluster_m=cluster_m)
 
   if warp < 4:   # the producer warpgroup
     cute.arch.setmaxregister_decrease(gg.PRODUCER_REGISTERS)
     produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
-      m_tile, n_tile, k_begin, num_k, rhs_l, _ = work(t)
+    for u in cutlass.range(first, count, stride, unroll=1):
+      m_tile, n_tile, k_begin, num_k, rhs_l, _ = work(u)
       operands = [gg.tma_operand(tma_b, s_b, cute.local_tile(
-          m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)))]
+          m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)), rank, cluster_m)]
       if cutlass.const_expr(gather):
         produce = gg.produce_wgrad_steps(loads, produce, m_a, gather_index, s_a, operands,
                                          k_begin, num_k, tidx, m_tile * BLOCK_M)
@@ -130,8 +162,8 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
     consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
-      m_tile, n_tile, _, num_k, _, out_l = work(t)
+    for u in cutlass.range(first, count, stride, unroll=1):
+      m_tile, n_tile, _, num_k, _, out_l = work(u)
       acc.fill(0.0)
       for kk in cutlass.range(num_k, unroll=1):
         loads.consumer_wait(consume)
@@ -154,14 +186,20 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
                                  proj=(1, 1, None))
       gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx, leader,
                              False, m_major=out_m_major)
+  if cutlass.const_expr(cluster_m > 1):
+    # no CTA exits while the other may still multicast into its SMEM or arrive on its barriers
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
 
 
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-            stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr, kind: cutlass.Constexpr):
+            stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr, kind: cutlass.Constexpr,
+            cluster_m: cutlass.Constexpr = 1):
   """The persistent grid and the kernel's static configuration (_kernel's operands; the
-  output's modes (rows, columns, experts or 1))."""
+  output's modes (rows, columns, experts or 1)); cluster_m > 1: clusters of that many CTAs
+  along M, the grid a multiple of it, B's TMA atom multicasting."""
   dtype = lhs.element_type
   gather = kind == "wgrad"
   # the weight gradient's A tiles (M, rows) are M-major (filled by the gathers)
@@ -173,10 +211,14 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
       cutlass.Float32, (gg.WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
   a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
   b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
-  tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
-                                           cute.slice_(b_smem_staged, (None, None, 0)),
-                                           (block_n, BLOCK_K))
-  stage_bytes = cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+  b_stage = cute.slice_(b_smem_staged, (None, None, 0))
+  if cutlass.const_expr(cluster_m > 1):
+    tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), rhs,
+                                             b_stage, (block_n, BLOCK_K), num_multicast=cluster_m)
+  else:
+    tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs, b_stage,
+                                             (block_n, BLOCK_K))
+  stage_bytes = cute.size_in_bytes(dtype, b_stage)
   if cutlass.const_expr(gather):   # no TMA for A (the kernel takes an atom: B's, unused)
     tma_a, m_a = tma_b, lhs
   else:
@@ -196,21 +238,28 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   num_tiles = num_m_tiles * num_n_tiles * cute.size(out, mode=[2])
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K   # (store: the contraction)
   _kernel.set_name_prefix(gg.kernel_label(kind, gather, "persistent"), remove_cutlass_symbol=True)
-  _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index, tiled_mma,
-          a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage,
-          block_n, stages, stage_bytes, num_m_tiles, num_n_tiles, k_steps, num_tiles,
-          out_layout.is_m_major_c(), kind).launch(
-              grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
-              stream=stream)
+  kernel = _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index, tiled_mma,
+                   a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]),
+                   storage, block_n, stages, stage_bytes, num_m_tiles, num_n_tiles, k_steps,
+                   num_tiles, out_layout.is_m_major_c(), kind, cluster_m)
+  if cutlass.const_expr(cluster_m > 1):   # whole clusters, at least one
+    grid = max(cluster_m, min(num_tiles, num_ctas) // cluster_m * cluster_m)
+    kernel.launch(grid=(grid, 1, 1), block=(THREADS + 128, 1, 1), cluster=(cluster_m, 1, 1),
+                  stream=stream)
+  else:
+    kernel.launch(grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
+                  stream=stream)
 
 
 @cute.jit
 def _weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.Tensor,
                  gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-                 stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS):
+                 stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS,
+                 cluster_m: cutlass.Constexpr = 1):
   """x (T, M, 1) the source rows, rhs (N, P, 1) N-major, group_offsets (E + 1,), gather_index
   (P,), out (M, N, E) N- or M-major: the operands of grouped_gemm._gathered_weight_grad."""
-  _launch(stream, x, rhs, group_offsets, gather_index, out, block_n, stages, num_ctas, "wgrad")
+  _launch(stream, x, rhs, group_offsets, gather_index, out, block_n, stages, num_ctas, "wgrad",
+          cluster_m)
 
 
 @cute.jit
@@ -235,6 +284,17 @@ def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int
   return stages
 
 
+def _cluster_unsupported(cluster_m, num_cols: int) -> str | None:
+  """Why the weight gradient cannot run clusters of cluster_m CTAs with M = num_cols (None if
+  it can)."""
+  if cluster_m not in CLUSTER_SIZES:
+    return f"cluster_m={cluster_m!r} must be one of {CLUSTER_SIZES}"
+  if num_cols % (cluster_m * BLOCK_M):
+    return (f"x's columns M={num_cols} must be a multiple of cluster_m x {BLOCK_M} = "
+            f"{cluster_m * BLOCK_M}")
+  return None
+
+
 def _grid_config(num_ctas, name: str) -> dict:
   """The launch option of num_ctas ({} for the default grid, which the FFI targets leave out)."""
   if num_ctas is None:
@@ -246,21 +306,25 @@ def _grid_config(num_ctas, name: str) -> dict:
 
 def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: int = 128,
                 stages: int | None = None, transpose_out: bool = False,
-                num_ctas: int | None = None):
+                num_ctas: int | None = None, cluster_m: int = 1):
   """grouped_gemm.weight_grad with gather_index on persistent CTAs (module docstring): x
   [T, M] (slot r reads X[gather_index[r]], zeros where it is T or more), rhs [P, N] rows in
   slot order, expert e's rows group_offsets[e] .. group_offsets[e + 1] (multiples of BLOCK_M);
   returns out [E, M, N], out[e] = X_e^T rhs_e, or with transpose_out [E, N, M]. stages: the
   ring's depth (default: as many as fit beside the epilogue's buffers, at most the k steps of
-  all rows). num_ctas: the grid's most CTAs (default NUM_SMS)."""
+  all rows). num_ctas: the grid's most CTAs (default NUM_SMS; with clusters rounded down to
+  whole ones). cluster_m: CTAs per cluster along M (CLUSTER_SIZES; 2: each rhs tile loaded
+  once for two M tiles, multicast; M a multiple of cluster_m x BLOCK_M)."""
   slots = gg.rows_read(x, gather_index)
   reason = gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
+  reason = reason or _cluster_unsupported(cluster_m, x.shape[1])
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
   stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
+  cluster = dict(cluster_m=cluster_m) if cluster_m > 1 else {}
   return gg.weight_grad_call((None, _weight_grad), x, rhs, group_offsets, num_experts,
                              gather_index, transpose_out, block_n=block_n, stages=stages,
-                             **_grid_config(num_ctas, "weight_grad"))
+                             **_grid_config(num_ctas, "weight_grad"), **cluster)
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,

@@ -1011,16 +1011,19 @@ def test_cute_weight_grad_stores_transposed_on_gpu(block_n, gather):
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out", [(128, None, False), (256, 2, True),
-                                                          (256, None, False)])
-def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out):
-  """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers) compiles
-  for sm_90a at the tiles and depths the layer and the sweep run."""
+@pytest.mark.parametrize("block_n,stages,transpose_out,cluster_m", [
+    (128, None, False, 1), (256, 2, True, 1), (256, None, False, 1), (256, None, False, 2),
+    (128, 3, True, 2)])
+def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out, cluster_m):
+  """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers; in
+  clusters, the rhs multicast and the remote releases) compiles for sm_90a at the tiles and
+  depths the layer and the sweep run."""
   from ffi import persistent
   P, M, N, E, T = 512, 256, 512, 4, 300
   offsets = jnp.arange(E + 1, dtype=jnp.int32) * (P // E)
   fn = lambda x, r, i: persistent.weight_grad(x, r, offsets, E, i, block_n=block_n,
-                                                    stages=stages, transpose_out=transpose_out)
+                                                    stages=stages, transpose_out=transpose_out,
+                                                    cluster_m=cluster_m)
   shapes = [jax.ShapeDtypeStruct((T, M), jnp.bfloat16), jax.ShapeDtypeStruct((P, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -1065,6 +1068,27 @@ def test_persistent_tiles_cover_each_output_tile_once_with_its_k_range():
 
 
 @needs_cute
+def test_persistent_clusters_pair_m_tiles_of_one_expert_and_column_tile():
+  """cluster_tile (on plain integers): with clusters of 2 along M, the cluster tiles and the
+  two ranks cover every weight-gradient tile once; a cluster tile's two CTAs take neighbouring
+  M tiles of the same expert and the same column tile (the rhs tile they share), and with
+  clusters of 1 the tile is the cluster tile."""
+  from ffi import persistent
+  offsets = np.array([0, 256, 256, 896, 1024])
+  m_tiles, n_tiles, experts = 4, 3, 4
+  seen = []
+  for u in range(m_tiles * n_tiles * experts // 2):
+    pair = [persistent.tile_work("wgrad", persistent.cluster_tile(u, r, m_tiles, n_tiles, 2),
+                                 offsets, m_tiles, n_tiles, 0, experts) for r in range(2)]
+    (m0, n0, k0, nk0, _, e0), (m1, n1, k1, nk1, _, e1) = pair
+    assert (e0, n0, k0, nk0) == (e1, n1, k1, nk1) and m1 == m0 + 1 and m0 % 2 == 0
+    seen += [(e, m, n) for m, n, _, _, _, e in pair]
+  assert sorted(seen) == [(e, m, n) for e in range(experts) for m in range(m_tiles)
+                          for n in range(n_tiles)]
+  assert [persistent.cluster_tile(u, 0, m_tiles, n_tiles, 1) for u in range(5)] == list(range(5))
+
+
+@needs_cute
 def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
   from ffi import persistent
   x, rhs = jnp.zeros((300, 256), jnp.bfloat16), jnp.zeros((512, 512), jnp.bfloat16)
@@ -1075,6 +1099,11 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
     persistent.weight_grad(x, rhs, offsets, 4, index, block_n=384)
   with pytest.raises(ValueError, match="num_ctas must be a positive int; got 0"):
     persistent.weight_grad(x, rhs, offsets, 4, index, num_ctas=0)
+  with pytest.raises(ValueError, match=r"cute persistent weight_grad: cluster_m=4 must be one of \(1, 2\)"):
+    persistent.weight_grad(x, rhs, offsets, 4, index, cluster_m=4)
+  with pytest.raises(ValueError, match="x's columns M=384 must be a multiple of cluster_m x 128 = 256"):
+    persistent.weight_grad(jnp.zeros((300, 384), jnp.bfloat16), rhs, offsets, 4, index,
+                           cluster_m=2)
   lhs, w, tiles = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((4, 256, 512), jnp.bfloat16), \
       jnp.zeros((4,), jnp.int32)
   with pytest.raises(ValueError, match=r"cute persistent grouped_matmul: cols=\(0, 600\) must be"):
@@ -1085,25 +1114,29 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas", [
-    (128, None, False, None), (256, None, True, None), (256, 2, False, 3), (128, 3, True, 5),
-    (256, None, True, 1)])
+@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas,cluster_m", [
+    (128, None, False, None, 1), (256, None, True, None, 1), (256, 2, False, 3, 1),
+    (128, 3, True, 5, 1), (256, None, True, 1, 1), (256, None, False, None, 2),
+    (128, None, True, None, 2), (256, 2, True, 5, 2), (128, 3, False, 1, 2)])
 def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, transpose_out,
-                                                            num_ctas):
+                                                            num_ctas, cluster_m):
   """The persistent kernel gives grouped_gemm.weight_grad's bits, gathering X's rows (padding
   slots: index T): experts of 256, 0 (zeros), 640, 128 and 1152 rows, so that a CTA's tiles run
   2, 0, 10, 2 and 18 k steps and its ring of `stages` wraps within and across tiles; num_ctas
-  3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each)."""
+  3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each);
+  in clusters of 2 (M 512: two pairs of M tiles; grids of 4 and 2 CTAs) the rhs tiles are
+  multicast and the stages released by both CTAs' MMA warpgroups."""
   from ffi import grouped_gemm, persistent
   sizes = [256, 0, 640, 128, 1152]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
-  T, P, M, N, E = 1000, sum(sizes) + 128, 384, 512, len(sizes)
+  T, P, M, N, E = 1000, sum(sizes) + 128, {1: 384, 2: 512}[cluster_m], 512, len(sizes)
   x = jax.random.normal(jax.random.key(71), (T, M)).astype(jnp.bfloat16)
   rhs = jax.random.normal(jax.random.key(72), (P, N)).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(73), (P,), 0, T).at[::5].set(T)
   kw = dict(block_n=block_n, transpose_out=transpose_out)
   got = jax.jit(lambda a, b, o, i: persistent.weight_grad(
-      a, b, o, E, i, stages=stages, num_ctas=num_ctas, **kw))(x, rhs, offsets, index)
+      a, b, o, E, i, stages=stages, num_ctas=num_ctas, cluster_m=cluster_m, **kw))(
+          x, rhs, offsets, index)
   want = jax.jit(lambda a, b, o, i: grouped_gemm.weight_grad(
       a, b, o, E, gather_index=i, **kw))(x, rhs, offsets, index)
   assert got.shape == want.shape == ((E, N, M) if transpose_out else (E, M, N))
@@ -1160,16 +1193,17 @@ def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypat
 
 @pytest.mark.gpu
 @needs_cute
-def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(monkeypatch):
-  """The layer's gradients with WGRAD_KERNEL "persistent" (dW1 and dW2 gathering their rows on
-  it) are bitwise those with "grouped"."""
+@pytest.mark.parametrize("wgrad_kernel", ["persistent", "persistent_cluster"])
+def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(monkeypatch, wgrad_kernel):
+  """The layer's gradients with WGRAD_KERNEL "persistent" or "persistent_cluster" (dW1 and dW2
+  gathering their rows on it; d 512: in clusters of 2) are bitwise those with "grouped"."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(74, 1000, 512, 256, 16, jnp.bfloat16)
   monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "grouped")
   grad = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
       jnp.float32)), argnums=(2, 3)))
   want = grad(*args)
-  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "persistent")
+  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", wgrad_kernel)
   got = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
       jnp.float32)), argnums=(2, 3)))(*args)
   for g, w in zip(got, want):
