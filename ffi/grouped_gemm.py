@@ -144,28 +144,32 @@ def prefetch_descriptors(warp, tma_a, tma_b, gather: cutlass.Constexpr):
 @cute.jit
 def load_pipeline(storage, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
                   gather: cutlass.Constexpr, consumer_threads: cutlass.Constexpr, tidx,
-                  extra_barriers: cutlass.Constexpr = 0, cluster_m: cutlass.Constexpr = 1):
+                  extra_barriers: cutlass.Constexpr = 0, cluster: cutlass.Constexpr = (1, 1)):
   """The kernels' load ring: a PipelineTmaAsync over storage's first 2 x stages mbarriers (it
   initialises them, fences and syncs the CTA, or the cluster). A full barrier completes on the
   stage's TMA bytes and, gathering, every producer thread's copies (PRODUCER_ARRIVALS); an
-  empty one on each of the consumer_threads' warps, or with cluster_m > 1 (a cluster of
-  cluster_m CTAs along M, the rhs tiles multicast to all of them: tma_operand) on each of
-  every CTA's consumer warps, lane r of a warp arriving on CTA r's barrier. Thread tidx 0
-  first initialises extra_barriers more (one arrival each: an epilogue's H loads) after them.
-  Returns (the pipeline, the first extra barrier's pointer)."""
+  empty one on each of the consumer_threads' warps; or in a cluster of (CTAs along M, along
+  N), 2 CTAs along one of them sharing one operand's tiles by multicast (tma_operand: along
+  M the rhs, along N the lhs), on each of both CTAs' consumer warps, lane r of a warp
+  arriving on CTA r's barrier. Thread tidx 0 first initialises extra_barriers more (one
+  arrival each: an epilogue's H loads) after them. Returns (the pipeline, the first extra
+  barrier's pointer)."""
   extra = storage.barriers.data_ptr() + 2 * stages
   if cutlass.const_expr(extra_barriers):
     if tidx == 0:
       for i in cutlass.range_constexpr(extra_barriers):
         cute.arch.mbarrier_init(extra + i, 1)
   producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, PRODUCER_ARRIVALS if gather else 1)
-  if cutlass.const_expr(cluster_m > 1):
+  cluster_m, cluster_n = cluster
+  if cutlass.const_expr(cluster_m * cluster_n > 1):
+    # (multicast modes: the lhs shared along N, the rhs along M)
     loads = pipeline.PipelineTmaAsync.create(
         barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
         producer_group=producers,
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads),
-        tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, cluster_m, 1, 1)),
-        tidx=tidx, mcast_mode_mn=(0, 1), enable_multicast_signaling=True)
+        tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, cluster_m, cluster_n, 1)),
+        tidx=tidx, mcast_mode_mn=(int(cluster_n > 1), int(cluster_m > 1)),
+        enable_multicast_signaling=True)
   else:
     loads = pipeline.PipelineTmaAsync.create(
         barrier_storage=storage.barriers.data_ptr(), num_stages=stages,

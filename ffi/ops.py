@@ -124,8 +124,8 @@ STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
 # 7.438 vs 7.258, 7B-n1024 0.588 vs 0.570; dW2 3.614 vs 3.438, 0.321 vs 0.322. The layer with
 # it matches the grouped kernel's on the H200 (session 22, call 3). "persistent_cluster": the
 # persistent kernel in clusters of 2 CTAs along M sharing each rhs tile by TMA multicast where
-# M (d for dw1, n for dw2) is a multiple of 256 (persistent.weight_grad's cluster_m; not yet
-# run on a GPU).
+# M (d: the gathered X's or dO's columns) is a multiple of 256 (persistent.weight_grad's
+# cluster_m; not yet run on a GPU).
 WGRAD_KERNEL = "persistent"
 WGRAD_KERNELS = ("grouped", "persistent", "persistent_cluster")
 
@@ -219,8 +219,11 @@ STORE_WIDE_WS_MIN_N = 4096
 # alone: olmoe down_proj 1.692 -> 1.580 ms, dx_tilde 3.030 -> 2.950; 120B-n1024 down_proj
 # 3.358 (warp-specialized) -> 3.353, dx_tilde 6.959 -> 6.928; the step's kernels olmoe 16.503
 # -> 16.167, 120B-n1024 33.183 -> 32.552 (it takes the place of the warp-specialized kernel).
+# "persistent_cluster": the persistent kernel in clusters of 2 CTAs along N sharing each lhs
+# tile by TMA multicast where the tiles pair up (persistent.grouped_matmul's cluster_n; not
+# yet run on a GPU).
 STORE_WIDE_KERNEL = "persistent"
-STORE_WIDE_KERNELS = ("grouped", "persistent")
+STORE_WIDE_KERNELS = ("grouped", "persistent", "persistent_cluster")
 
 
 def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
@@ -234,11 +237,14 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   width = n_out if cols is None else cols[1] - cols[0]
   wide_kernel = _setting("STORE_WIDE_KERNEL", STORE_WIDE_KERNEL, STORE_WIDE_KERNELS)
   if lhs.shape[1] >= STORE_WIDE_MIN_K and n_out >= STORE_WIDE_MIN_N:
-    if wide_kernel == "persistent":
+    block_n = _wide_tile(width, 256)
+    if wide_kernel.startswith("persistent"):
+      paired = wide_kernel == "persistent_cluster" and width % (2 * block_n) == 0
       return persistent.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                       block_n=_wide_tile(width, 256), cols=cols)
+                                       block_n=block_n, cols=cols,
+                                       **(dict(cluster_n=2) if paired else {}))
     return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                       block_n=_wide_tile(width, 256),
+                                       block_n=block_n,
                                        warp_specialized=n_out >= STORE_WIDE_WS_MIN_N, cols=cols)
   block_n = _wide_tile(width, 128)
   if STORE_KERNEL.startswith("pingpong"):

@@ -44,9 +44,10 @@ from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE, THREADS
 
 NUM_SMS = 132     # H100 / H200 SXM: the default grid (fewer SMs only queue CTAs)
 MAX_STAGES = 8
-# the weight gradients' clusters: 1 (none) or 2 CTAs along M sharing each rhs tile, which
-# each loads half of and multicasts to both (the PyTorch SonicMoE's GEMMs all run clusters of
-# 2: session 18's ncu of them)
+# CTAs per cluster: 1 (none) or 2 sharing one operand's tiles, which each loads half of and
+# multicasts to both: the weight gradients' two CTAs neighbouring M tiles sharing the rhs
+# (cluster_m), the store GEMM's neighbouring column tiles sharing the lhs (cluster_n). The
+# PyTorch SonicMoE's GEMMs all run clusters of 2 (session 18's ncu of them)
 CLUSTER_SIZES = (1, 2)
 
 
@@ -61,17 +62,25 @@ def stages_that_fit(block_n: int, itemsize: int) -> int:
                                              reserved=epilogue_bytes(itemsize)))
 
 
-def cluster_tile(u, rank, num_m_tiles: int, num_n_tiles: int, cluster_m: int):
-  """The weight-gradient tile (tile_work's t) of CTA `rank` of a cluster of cluster_m along M
-  at cluster tile u: the cluster's CTAs take cluster_m neighbouring M tiles of one expert and
-  one column tile (the rhs tile they share), cluster tiles ordered as tile_work orders tiles
-  (expert, then M tile group, then column tile). cluster_m 1: t = u."""
-  if cluster_m == 1:
+def cluster_tile(kind: str, u, rank, num_m_tiles: int, num_n_tiles: int, cluster: int):
+  """The tile (tile_work's t) of CTA `rank` of a cluster of `cluster` CTAs at cluster tile u,
+  cluster tiles ordered as tile_work orders tiles. "wgrad": the cluster's CTAs take
+  neighbouring M tiles of one expert and one column tile (the rhs tile they share); "store":
+  neighbouring column tiles of one M tile (the lhs tile they share). cluster 1: t = u."""
+  if cluster == 1:
     return u
-  per_expert = num_m_tiles // cluster_m * num_n_tiles
+  if kind == "store":
+    return u * cluster + rank
+  per_expert = num_m_tiles // cluster * num_n_tiles
   expert, rest = u // per_expert, u % per_expert
-  m_tile = rest // num_n_tiles * cluster_m + rank
+  m_tile = rest // num_n_tiles * cluster + rank
   return (expert * num_m_tiles + m_tile) * num_n_tiles + rest % num_n_tiles
+
+
+def cluster_shape(kind: str, cluster: int) -> tuple:
+  """(CTAs along M, along N) of a cluster of `cluster` CTAs: the weight gradients' along M
+  (sharing the rhs), the store GEMM's along N (sharing the lhs)."""
+  return (cluster, 1) if kind == "wgrad" else (1, cluster)
 
 
 def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_steps: int,
@@ -104,13 +113,13 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             num_m_tiles: cutlass.Constexpr, num_n_tiles: cutlass.Constexpr,
             k_steps: cutlass.Constexpr, num_tiles: cutlass.Constexpr,
             out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr,
-            cluster_m: cutlass.Constexpr):
+            cluster: cutlass.Constexpr):
   """kind "wgrad": m_a X (T, M, 1) the gathered rows' source, m_b the rhs (N, P, 1) N-major,
   the output (M, N, E), tile_info group_offsets (E + 1,), gather_index (P,). kind "store":
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
-  tile_info tile_expert (P / BLOCK_M,), gather_index unused. cluster_m > 1 ("wgrad"): the
-  grid's clusters of cluster_m CTAs loop over cluster tiles (cluster_tile), the rhs tiles
-  multicast (tma_b made for it)."""
+  tile_info tile_expert (P / BLOCK_M,), gather_index unused. cluster > 1: the grid's clusters
+  of that many CTAs loop over cluster tiles (cluster_tile), the shared operand's tiles
+  multicast (its TMA atom made for it: "wgrad" the rhs's, "store" the lhs's)."""
   gather = kind == "wgrad"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -119,20 +128,26 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   gg.prefetch_descriptors(warp, tma_a, tma_b, gather)
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   rank = 0   # this CTA's place in its cluster
-  if cutlass.const_expr(cluster_m > 1):
+  if cutlass.const_expr(cluster > 1):
     rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-  work = lambda u: tile_work(kind, cluster_tile(u, rank, num_m_tiles, num_n_tiles, cluster_m),
+  work = lambda u: tile_work(kind, cluster_tile(kind, u, rank, num_m_tiles, num_n_tiles, cluster),
                              tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts)
   first, stride, count = cta, num_ctas, num_tiles   # the tiles' loop: this CTA's of the grid's
-  if cutlass.const_expr(cluster_m > 1):   # or its cluster's of the clusters'
-    first, stride, count = cta // cluster_m, num_ctas // cluster_m, num_tiles // cluster_m
+  if cutlass.const_expr(cluster > 1):   # or its cluster's of the clusters'
+    first, stride, count = cta // cluster, num_ctas // cluster, num_tiles // cluster
+  # the shared operand's (rank, CTAs) for tma_operand (the other's are (0, 1))
+  lhs_share, rhs_share = (0, 1), (0, 1)
+  if cutlass.const_expr(cluster > 1 and gather):
+    rhs_share = (rank, cluster)
+  elif cutlass.const_expr(cluster > 1):
+    lhs_share = (rank, cluster)
 
   smem = cutlass.memory.SmemAllocator()
   storage = smem.allocate(shared_storage)
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
   s_b = storage.s_b.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
   loads, _ = gg.load_pipeline(storage, stages, stage_bytes, gather, THREADS, tidx,
-                              cluster_m=cluster_m)
+                              cluster=cluster_shape(kind, cluster))
 
   if warp < 4:   # the producer warpgroup
     cute.arch.setmaxregister_decrease(gg.PRODUCER_REGISTERS)
@@ -140,13 +155,13 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     for u in cutlass.range(first, count, stride, unroll=1):
       m_tile, n_tile, k_begin, num_k, rhs_l, _ = work(u)
       operands = [gg.tma_operand(tma_b, s_b, cute.local_tile(
-          m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)), rank, cluster_m)]
+          m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)), *rhs_share)]
       if cutlass.const_expr(gather):
         produce = gg.produce_wgrad_steps(loads, produce, m_a, gather_index, s_a, operands,
                                          k_begin, num_k, tidx, m_tile * BLOCK_M)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
         lhs_and_rhs = [gg.tma_operand(tma_a, s_a, cute.local_tile(
-            m_a, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, None, 1)))] + operands
+            m_a, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, None, 1)), *lhs_share)] + operands
         for step in cutlass.range(num_k, unroll=1):
           gg.load_stage(loads, produce, lhs_and_rhs, k_begin + step)
           produce.advance()
@@ -186,20 +201,29 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
                                  proj=(1, 1, None))
       gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx, leader,
                              False, m_major=out_m_major)
-  if cutlass.const_expr(cluster_m > 1):
+  if cutlass.const_expr(cluster > 1):
     # no CTA exits while the other may still multicast into its SMEM or arrive on its barriers
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
+
+
+def _tma_load_atom(gmem, smem_stage, tile, multicast: int):
+  """A TMA load atom and tensor for `tile`s of gmem into smem_stage's layout, multicasting to
+  `multicast` CTAs where that is over 1."""
+  if multicast > 1:
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), gmem,
+                                       smem_stage, tile, num_multicast=multicast)
+  return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), gmem, smem_stage, tile)
 
 
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr, kind: cutlass.Constexpr,
-            cluster_m: cutlass.Constexpr = 1):
+            cluster: cutlass.Constexpr = 1):
   """The persistent grid and the kernel's static configuration (_kernel's operands; the
-  output's modes (rows, columns, experts or 1)); cluster_m > 1: clusters of that many CTAs
-  along M, the grid a multiple of it, B's TMA atom multicasting."""
+  output's modes (rows, columns, experts or 1)); cluster > 1: clusters of that many CTAs (
+  cluster_shape), the grid a multiple of it, the shared operand's TMA atom multicasting."""
   dtype = lhs.element_type
   gather = kind == "wgrad"
   # the weight gradient's A tiles (M, rows) are M-major (filled by the gathers)
@@ -212,20 +236,14 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
   b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
   b_stage = cute.slice_(b_smem_staged, (None, None, 0))
-  if cutlass.const_expr(cluster_m > 1):
-    tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), rhs,
-                                             b_stage, (block_n, BLOCK_K), num_multicast=cluster_m)
-  else:
-    tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs, b_stage,
-                                             (block_n, BLOCK_K))
+  a_stage = cute.slice_(a_smem_staged, (None, None, 0))
+  tma_b, m_b = _tma_load_atom(rhs, b_stage, (block_n, BLOCK_K), cluster if gather else 1)
   stage_bytes = cute.size_in_bytes(dtype, b_stage)
   if cutlass.const_expr(gather):   # no TMA for A (the kernel takes an atom: B's, unused)
     tma_a, m_a = tma_b, lhs
   else:
-    tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), lhs,
-                                             cute.slice_(a_smem_staged, (None, None, 0)),
-                                             (BLOCK_M, BLOCK_K))
-    stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
+    tma_a, m_a = _tma_load_atom(lhs, a_stage, (BLOCK_M, BLOCK_K), cluster)
+    stage_bytes += cute.size_in_bytes(dtype, a_stage)
   out_layout = LayoutEnum.from_tensor(out)
   c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, EPI_TILE, gg.EPI_STAGES)
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(
@@ -241,10 +259,10 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   kernel = _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index, tiled_mma,
                    a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]),
                    storage, block_n, stages, stage_bytes, num_m_tiles, num_n_tiles, k_steps,
-                   num_tiles, out_layout.is_m_major_c(), kind, cluster_m)
-  if cutlass.const_expr(cluster_m > 1):   # whole clusters, at least one
-    grid = max(cluster_m, min(num_tiles, num_ctas) // cluster_m * cluster_m)
-    kernel.launch(grid=(grid, 1, 1), block=(THREADS + 128, 1, 1), cluster=(cluster_m, 1, 1),
+                   num_tiles, out_layout.is_m_major_c(), kind, cluster)
+  if cutlass.const_expr(cluster > 1):   # whole clusters, at least one
+    grid = max(cluster, min(num_tiles, num_ctas) // cluster * cluster)
+    kernel.launch(grid=(grid, 1, 1), block=(THREADS + 128, 1, 1), cluster=(cluster, 1, 1),
                   stream=stream)
   else:
     kernel.launch(grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
@@ -265,11 +283,12 @@ def _weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.T
 @cute.jit
 def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-            first_col: cutlass.Constexpr = 0, num_ctas: cutlass.Constexpr = NUM_SMS):
+            first_col: cutlass.Constexpr = 0, num_ctas: cutlass.Constexpr = NUM_SMS,
+            cluster_n: cutlass.Constexpr = 1):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, W, 1): the operands of
   grouped_gemm._matmul (first_col as its)."""
   _launch(stream, lhs, gg.rhs_window(rhs, out, first_col), tile_expert, tile_expert, out,
-          block_n, stages, num_ctas, "store")
+          block_n, stages, num_ctas, "store", cluster_n)
 
 
 def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int:
@@ -284,14 +303,13 @@ def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int
   return stages
 
 
-def _cluster_unsupported(cluster_m, num_cols: int) -> str | None:
-  """Why the weight gradient cannot run clusters of cluster_m CTAs with M = num_cols (None if
-  it can)."""
-  if cluster_m not in CLUSTER_SIZES:
-    return f"cluster_m={cluster_m!r} must be one of {CLUSTER_SIZES}"
-  if num_cols % (cluster_m * BLOCK_M):
-    return (f"x's columns M={num_cols} must be a multiple of cluster_m x {BLOCK_M} = "
-            f"{cluster_m * BLOCK_M}")
+def _cluster_unsupported(name: str, cluster, extent: int, tile: int, what: str) -> str | None:
+  """Why a kernel cannot run clusters of `cluster` (the argument `name`) CTAs along a
+  dimension of `extent` in tiles of `tile` (`what` names the extent), or None."""
+  if cluster not in CLUSTER_SIZES:
+    return f"{name}={cluster!r} must be one of {CLUSTER_SIZES}"
+  if extent % (cluster * tile):
+    return f"{what}={extent} must be a multiple of {name} x {tile} = {cluster * tile}"
   return None
 
 
@@ -317,7 +335,8 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   once for two M tiles, multicast; M a multiple of cluster_m x BLOCK_M)."""
   slots = gg.rows_read(x, gather_index)
   reason = gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
-  reason = reason or _cluster_unsupported(cluster_m, x.shape[1])
+  reason = reason or _cluster_unsupported("cluster_m", cluster_m, x.shape[1], BLOCK_M,
+                                         "x's columns M")
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
   stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
@@ -328,16 +347,24 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
-                   stages: int | None = None, cols=None, num_ctas: int | None = None):
+                   stages: int | None = None, cols=None, num_ctas: int | None = None,
+                   cluster_n: int = 1):
   """grouped_gemm.grouped_matmul on persistent CTAs (module docstring): out [P, N] = lhs_e
   rhs_e per M tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major; tile_expert
   [P / BLOCK_M] (E or more past the last group: zeros); cols=(lo, hi): out's columns lo ..
   hi - 1 only. stages: as weight_grad's (at most the contraction's k steps). num_ctas: the
-  grid's most CTAs (default NUM_SMS)."""
-  reason = gg.unsupported(lhs, gg.rhs_as_ekn(rhs, transpose_rhs), block_n, cols)
+  grid's most CTAs (default NUM_SMS; with clusters rounded down to whole ones). cluster_n:
+  CTAs per cluster along N (CLUSTER_SIZES; 2: each lhs tile loaded once for two column
+  tiles, multicast; the columns written a multiple of cluster_n x block_n)."""
+  ekn = gg.rhs_as_ekn(rhs, transpose_rhs)
+  reason = gg.unsupported(lhs, ekn, block_n, cols)
+  width = cols[1] - cols[0] if cols else ekn.shape[2]
+  reason = reason or _cluster_unsupported("cluster_n", cluster_n, width, block_n,
+                                         "the output's columns")
   if reason:
     raise ValueError(f"cute persistent grouped_matmul: {reason}")
   stages = _stages(stages, block_n, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K,
                    "grouped_matmul")
+  cluster = dict(cluster_n=cluster_n) if cluster_n > 1 else {}
   return gg.matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, cols, block_n=block_n,
-                        stages=stages, **_grid_config(num_ctas, "grouped_matmul"))
+                        stages=stages, **_grid_config(num_ctas, "grouped_matmul"), **cluster)

@@ -1030,16 +1030,18 @@ def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpos
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_rhs,cols", [
-    (256, None, False, None), (256, 2, True, None), (128, None, False, (128, 384)),
-    (256, None, True, (256, 512))])
-def test_cute_persistent_matmul_compiles_for_cuda(block_n, stages, transpose_rhs, cols):
-  """The persistent store GEMM compiles for sm_90a, both rhs layouts, whole and windowed."""
+@pytest.mark.parametrize("block_n,stages,transpose_rhs,cols,cluster_n", [
+    (256, None, False, None, 1), (256, 2, True, None, 1), (128, None, False, (128, 384), 1),
+    (256, None, True, (256, 512), 1), (256, None, False, None, 2), (128, 2, True, (128, 384), 2)])
+def test_cute_persistent_matmul_compiles_for_cuda(block_n, stages, transpose_rhs, cols,
+                                                  cluster_n):
+  """The persistent store GEMM compiles for sm_90a, both rhs layouts, whole and windowed, and
+  in clusters of 2 along N (the lhs multicast)."""
   from ffi import persistent
   P, K, N, E = 512, 256, 512, 4
   fn = lambda a, b, t: persistent.grouped_matmul(
       a, jnp.swapaxes(b, 1, 2) if transpose_rhs else b, t, transpose_rhs=transpose_rhs,
-      block_n=block_n, stages=stages, cols=cols)
+      block_n=block_n, stages=stages, cols=cols, cluster_n=cluster_n)
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -1068,24 +1070,39 @@ def test_persistent_tiles_cover_each_output_tile_once_with_its_k_range():
 
 
 @needs_cute
-def test_persistent_clusters_pair_m_tiles_of_one_expert_and_column_tile():
-  """cluster_tile (on plain integers): with clusters of 2 along M, the cluster tiles and the
-  two ranks cover every weight-gradient tile once; a cluster tile's two CTAs take neighbouring
-  M tiles of the same expert and the same column tile (the rhs tile they share), and with
-  clusters of 1 the tile is the cluster tile."""
+def test_persistent_clusters_pair_tiles_that_share_an_operand():
+  """cluster_tile (on plain integers): with clusters of 2, the cluster tiles and the two ranks
+  cover every tile once; a weight-gradient cluster tile's two CTAs take neighbouring M tiles
+  of the same expert and the same column tile (the rhs tile they share), a store cluster
+  tile's neighbouring column tiles of one M tile (the lhs tile); with clusters of 1 the tile
+  is the cluster tile."""
   from ffi import persistent
   offsets = np.array([0, 256, 256, 896, 1024])
   m_tiles, n_tiles, experts = 4, 3, 4
   seen = []
   for u in range(m_tiles * n_tiles * experts // 2):
-    pair = [persistent.tile_work("wgrad", persistent.cluster_tile(u, r, m_tiles, n_tiles, 2),
-                                 offsets, m_tiles, n_tiles, 0, experts) for r in range(2)]
+    pair = [persistent.tile_work("wgrad", persistent.cluster_tile(
+        "wgrad", u, r, m_tiles, n_tiles, 2), offsets, m_tiles, n_tiles, 0, experts)
+        for r in range(2)]
     (m0, n0, k0, nk0, _, e0), (m1, n1, k1, nk1, _, e1) = pair
     assert (e0, n0, k0, nk0) == (e1, n1, k1, nk1) and m1 == m0 + 1 and m0 % 2 == 0
     seen += [(e, m, n) for m, n, _, _, _, e in pair]
   assert sorted(seen) == [(e, m, n) for e in range(experts) for m in range(m_tiles)
                           for n in range(n_tiles)]
-  assert [persistent.cluster_tile(u, 0, m_tiles, n_tiles, 1) for u in range(5)] == list(range(5))
+  for kind in ("wgrad", "store"):
+    assert [persistent.cluster_tile(kind, u, 0, m_tiles, n_tiles, 1) for u in range(5)] == [
+        0, 1, 2, 3, 4]
+  # the store GEMM's clusters: two neighbouring column tiles of one M tile (its expert's k
+  # steps, or none past the last group, for both)
+  tile_expert, n_tiles = np.array([0, 0, 1, 3, 3, 4]), 4
+  seen = []
+  for u in range(6 * n_tiles // 2):
+    pair = [persistent.tile_work("store", persistent.cluster_tile(
+        "store", u, r, 6, n_tiles, 2), tile_expert, 6, n_tiles, 10, 4) for r in range(2)]
+    (m0, n0, *rest0), (m1, n1, *rest1) = pair
+    assert m0 == m1 and rest0 == rest1 and n1 == n0 + 1 and n0 % 2 == 0
+    seen += [(m, n) for m, n, *_ in pair]
+  assert sorted(seen) == [(m, n) for m in range(6) for n in range(n_tiles)]
 
 
 @needs_cute
@@ -1110,6 +1127,11 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
     persistent.grouped_matmul(lhs, w, tiles, cols=(0, 600))
   with pytest.raises(ValueError, match=r"cute persistent grouped_matmul: stages=1 must be"):
     persistent.grouped_matmul(lhs, w, tiles, stages=1)
+  with pytest.raises(ValueError, match=r"cute persistent grouped_matmul: cluster_n=3 must be one"):
+    persistent.grouped_matmul(lhs, w, tiles, cluster_n=3)
+  with pytest.raises(ValueError, match="the output's columns=256 must be a multiple of "
+                                       "cluster_n x 256 = 512"):
+    persistent.grouped_matmul(lhs, w, tiles, block_n=256, cols=(0, 256), cluster_n=2)
 
 
 @pytest.mark.gpu
@@ -1146,15 +1168,19 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("transpose_rhs,block_n,stages,cols,num_ctas", [
-    (False, 256, None, None, None), (True, 256, None, None, 3), (False, 128, 2, (128, 384), 5),
-    (True, 256, 3, (256, 512), 1), (True, 128, None, None, None)])
+@pytest.mark.parametrize("transpose_rhs,block_n,stages,cols,num_ctas,cluster_n", [
+    (False, 256, None, None, None, 1), (True, 256, None, None, 3, 1),
+    (False, 128, 2, (128, 384), 5, 1), (True, 256, 3, (256, 512), 1, 1),
+    (True, 128, None, None, None, 1), (False, 256, None, None, None, 2),
+    (True, 128, 2, (128, 384), 5, 2), (False, 128, 3, None, 1, 2)])
 def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, stages, cols,
-                                                       num_ctas):
+                                                       num_ctas, cluster_n):
   """The persistent store GEMM gives grouped_gemm.grouped_matmul's bits: experts 0, 1 and 3
   (2 skipped: no tiles), a tile past the last group (zeros), whole and windowed (cols), both
   rhs layouts; num_ctas 1, 3 and 5 make each CTA loop over many tiles (the default grid: one
-  tile each). The contraction's 10 k steps wrap rings of 2-4 stages within and across tiles."""
+  tile each). The contraction's 10 k steps wrap rings of 2-4 stages within and across tiles.
+  In clusters of 2 (grids of 2, 4 and 132 CTAs) the lhs tiles are multicast and the stages
+  released by both CTAs' MMA warpgroups."""
   from ffi import grouped_gemm, persistent
   E, K, N = 4, 640, 512
   tile_expert = jnp.array([0, 0, 1, 3, 3, 3, E], jnp.int32)
@@ -1164,8 +1190,8 @@ def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, s
   if transpose_rhs:
     rhs = jnp.swapaxes(rhs, 1, 2)
   kw = dict(transpose_rhs=transpose_rhs, block_n=block_n, cols=cols)
-  got = jax.jit(lambda a, b, t: persistent.grouped_matmul(a, b, t, stages=stages,
-                                                          num_ctas=num_ctas, **kw))(lhs, rhs, tile_expert)
+  got = jax.jit(lambda a, b, t: persistent.grouped_matmul(
+      a, b, t, stages=stages, num_ctas=num_ctas, cluster_n=cluster_n, **kw))(lhs, rhs, tile_expert)
   want = jax.jit(lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, **kw))(lhs, rhs, tile_expert)
   assert got.shape == want.shape == (P, N if cols is None else cols[1] - cols[0])
   assert np.all(np.asarray(want[-128:], np.float32) == 0) and np.any(np.asarray(want, np.float32) != 0)
@@ -1174,10 +1200,13 @@ def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, s
 
 @pytest.mark.gpu
 @needs_cute
-def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypatch):
-  """The layer's output and gradients with STORE_WIDE_KERNEL "persistent" (down_proj and
-  dx_tilde on it where their tiles are wide: d 2048, n 1024; in the default two column
-  windows) are bitwise the grouped kernel's."""
+@pytest.mark.parametrize("store_wide_kernel", ["persistent", "persistent_cluster"])
+def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypatch,
+                                                                       store_wide_kernel):
+  """The layer's output and gradients with STORE_WIDE_KERNEL "persistent" or
+  "persistent_cluster" (down_proj and dx_tilde on it where their tiles are wide: d 2048, n
+  1024; in the default two column windows of 1024: 4 tiles, 2 clusters) are bitwise the
+  grouped kernel's."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(75, 600, 2048, 1024, 8, jnp.bfloat16)
   def run(*a):
@@ -1185,7 +1214,7 @@ def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypat
     return out, pullback(jnp.ones_like(out))
   monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "grouped")
   want = jax.jit(run)(*args)
-  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "persistent")
+  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", store_wide_kernel)
   got = jax.jit(lambda *a: run(*a))(*args)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(g, w)
