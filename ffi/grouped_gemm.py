@@ -159,23 +159,21 @@ def load_pipeline(storage, stages: cutlass.Constexpr, stage_bytes: cutlass.Const
     if tidx == 0:
       for i in cutlass.range_constexpr(extra_barriers):
         cute.arch.mbarrier_init(extra + i, 1)
-  producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, PRODUCER_ARRIVALS if gather else 1)
   cluster_m, cluster_n = cluster
+  consumers, multicast = consumer_threads // 32, {}   # one arrival per consumer warp
   if cutlass.const_expr(cluster_m * cluster_n > 1):
-    # (multicast modes: the lhs shared along N, the rhs along M)
-    loads = pipeline.PipelineTmaAsync.create(
-        barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
-        producer_group=producers,
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads),
-        tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, cluster_m, cluster_n, 1)),
-        tidx=tidx, mcast_mode_mn=(int(cluster_n > 1), int(cluster_m > 1)),
-        enable_multicast_signaling=True)
-  else:
-    loads = pipeline.PipelineTmaAsync.create(
-        barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
-        producer_group=producers,
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads // 32),
-        tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+    # the pipeline counts each consumer warp's arrivals on every CTA sharing the stage; the
+    # multicast modes: the lhs shared along N, the rhs along M
+    consumers = consumer_threads
+    multicast = dict(tidx=tidx, mcast_mode_mn=(int(cluster_n > 1), int(cluster_m > 1)),
+                     enable_multicast_signaling=True)
+  loads = pipeline.PipelineTmaAsync.create(
+      barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
+      producer_group=pipeline.CooperativeGroup(
+          pipeline.Agent.Thread, PRODUCER_ARRIVALS if gather else 1),
+      consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
+      tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, cluster_m, cluster_n, 1)),
+      **multicast)
   return loads, extra
 
 
