@@ -810,6 +810,40 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
         "dw1": "cute"}).out.astype(jnp.float32)), argnums=2)(*args)
 
 
+@needs_cute
+@pytest.mark.parametrize("d,paired", [(512, True), (640, False)])
+def test_cute_cluster_settings_pick_clusters_where_tiles_pair(monkeypatch, d, paired):
+  """WGRAD_KERNEL "persistent_cluster" lowers (for CUDA) dW1 and dW2 to other kernels than
+  "persistent" where d (their M) is a multiple of 256, the same ones where it is not."""
+  cute_ops = importlib.import_module("ffi.ops")
+  args = make_inputs(8, 256, d, 128, 4, jnp.bfloat16)
+  targets = {}
+  for kernel in ("persistent", "persistent_cluster"):
+    monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", kernel)
+    # (a new function each time: jit would reuse the first one's trace)
+    grad = lambda *a: jax.grad(lambda *b: jnp.sum(sm.moe(*b, k=2, backend={
+        op: "xla" for op in sm.OP_NAMES} | {"dw1": "cute", "dw2": "cute"}).out.astype(
+            jnp.float32)), argnums=(2, 3))(*a)
+    targets[kernel] = set(re.findall(r"@(sonicmoe_cute_\w+)", _cuda_module(grad, *args)))
+  assert len(targets["persistent"]) == 2
+  assert (targets["persistent"] != targets["persistent_cluster"]) == paired
+
+
+@needs_cute
+def test_cute_cluster_setting_of_the_wide_store_gemm(monkeypatch):
+  """STORE_WIDE_KERNEL "persistent_cluster" lowers the wide down-projection (d 2048 in two
+  column windows of four 256-wide tiles) to other kernels than "persistent"."""
+  cute_ops = importlib.import_module("ffi.ops")
+  args = make_inputs(9, 256, 2048, 1024, 4, jnp.bfloat16)
+  targets = {}
+  for kernel in ("persistent", "persistent_cluster"):
+    monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", kernel)
+    fwd = lambda *a: sm.moe(*a, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {
+        "down_proj": "cute"}).out   # (a new function each time: jit would reuse a trace)
+    targets[kernel] = set(re.findall(r"@(sonicmoe_cute_\w+)", _cuda_module(fwd, *args)))
+  assert targets["persistent"] and targets["persistent"].isdisjoint(targets["persistent_cluster"])
+
+
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("num_tiles,block_n,gather,tma_store", [
