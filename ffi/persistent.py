@@ -306,7 +306,7 @@ def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int
 def _cluster_unsupported(name: str, cluster, extent: int, tile: int, what: str) -> str | None:
   """Why a kernel cannot run clusters of `cluster` (the argument `name`) CTAs along a
   dimension of `extent` in tiles of `tile` (`what` names the extent), or None."""
-  if cluster not in CLUSTER_SIZES:
+  if type(cluster) is not int or cluster not in CLUSTER_SIZES:   # (not a bool or a float)
     return f"{name}={cluster!r} must be one of {CLUSTER_SIZES}"
   if extent % (cluster * tile):
     return f"{what}={extent} must be a multiple of {name} x {tile} = {cluster * tile}"

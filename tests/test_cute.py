@@ -1152,6 +1152,8 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
     persistent.weight_grad(x, rhs, offsets, 4, index, num_ctas=0)
   with pytest.raises(ValueError, match=r"cute persistent weight_grad: cluster_m=4 must be one of \(1, 2\)"):
     persistent.weight_grad(x, rhs, offsets, 4, index, cluster_m=4)
+  with pytest.raises(ValueError, match=r"cluster_m=2.0 must be one of"):
+    persistent.weight_grad(x, rhs, offsets, 4, index, cluster_m=2.0)
   with pytest.raises(ValueError, match="x's columns M=384 must be a multiple of cluster_m x 128 = 256"):
     persistent.weight_grad(jnp.zeros((300, 384), jnp.bfloat16), rhs, offsets, 4, index,
                            cluster_m=2)
