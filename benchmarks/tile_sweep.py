@@ -174,12 +174,12 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dw2_gather_persistent"] = (jax.jit(lambda c, g, a, o, i: persistent.weight_grad(
       g, a, o, E, i, transpose_out=True, **dataclasses.asdict(c)),
       static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
-  # and in clusters of 2 CTAs along M multicasting the rhs tiles (where M allows)
-  if x.shape[1] % 256 == 0:
+  # and in clusters of 2 CTAs along M multicasting the rhs tiles (where M pairs up)
+  if persistent.widest_cluster(x.shape[1], cute_gemm.BLOCK_M) == 2:
     rows["dw1_gather_persistent_cluster"] = (jax.jit(lambda c, x, h, o, i: persistent.weight_grad(
         x, h, o, E, i, cluster_m=2, **dataclasses.asdict(c)), static_argnums=0),
         (x, h, offsets, plan.token_index), dw1_flops, None)
-  if dout.shape[1] % 256 == 0:
+  if persistent.widest_cluster(dout.shape[1], cute_gemm.BLOCK_M) == 2:
     rows["dw2_gather_persistent_cluster"] = (jax.jit(lambda c, g, a, o, i: persistent.weight_grad(
         g, a, o, E, i, transpose_out=True, cluster_m=2, **dataclasses.asdict(c)),
         static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)

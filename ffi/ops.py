@@ -239,10 +239,11 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   if lhs.shape[1] >= STORE_WIDE_MIN_K and n_out >= STORE_WIDE_MIN_N:
     block_n = _wide_tile(width, 256)
     if wide_kernel.startswith("persistent"):
-      paired = wide_kernel == "persistent_cluster" and width % (2 * block_n) == 0
+      cluster_n = 1
+      if wide_kernel == "persistent_cluster":
+        cluster_n = persistent.widest_cluster(width, block_n)
       return persistent.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                       block_n=block_n, cols=cols,
-                                       **(dict(cluster_n=2) if paired else {}))
+                                       block_n=block_n, cols=cols, cluster_n=cluster_n)
     return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                        block_n=block_n,
                                        warp_specialized=n_out >= STORE_WIDE_WS_MIN_N, cols=cols)
@@ -322,8 +323,9 @@ def _gathered_weight_grad(x, rhs, plan, block_n: int, transpose_out: bool = Fals
   if choice == "grouped":
     kernel, cluster = grouped_gemm, {}
   else:
-    clustered = choice == "persistent_cluster" and x.shape[1] % (2 * grouped_gemm.BLOCK_M) == 0
-    kernel, cluster = persistent, (dict(cluster_m=2) if clustered else {})
+    kernel, cluster = persistent, {}
+    if choice == "persistent_cluster":
+      cluster = dict(cluster_m=persistent.widest_cluster(x.shape[1], grouped_gemm.BLOCK_M))
   return kernel.weight_grad(x, rhs, plan.group_offsets, plan.num_experts, block_n=block_n,
                             gather_index=plan.token_index, transpose_out=transpose_out, **cluster)
 

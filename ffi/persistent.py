@@ -260,13 +260,9 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
                    a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]),
                    storage, block_n, stages, stage_bytes, num_m_tiles, num_n_tiles, k_steps,
                    num_tiles, out_layout.is_m_major_c(), kind, cluster)
-  if cutlass.const_expr(cluster > 1):   # whole clusters, at least one
-    grid = max(cluster, min(num_tiles, num_ctas) // cluster * cluster)
-    kernel.launch(grid=(grid, 1, 1), block=(THREADS + 128, 1, 1), cluster=(cluster, 1, 1),
-                  stream=stream)
-  else:
-    kernel.launch(grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
-                  stream=stream)
+  grid = max(cluster, min(num_tiles, num_ctas) // cluster * cluster)   # whole clusters, >= 1
+  clusters = dict(cluster=(cluster, 1, 1)) if cluster > 1 else {}
+  kernel.launch(grid=(grid, 1, 1), block=(THREADS + 128, 1, 1), stream=stream, **clusters)
 
 
 @cute.jit
@@ -311,6 +307,13 @@ def _cluster_unsupported(name: str, cluster, extent: int, tile: int, what: str) 
   if extent % (cluster * tile):
     return f"{what}={extent} must be a multiple of {name} x {tile} = {cluster * tile}"
   return None
+
+
+def widest_cluster(extent: int, tile: int) -> int:
+  """The most CTAs per cluster (of CLUSTER_SIZES) whose clusters cover `extent` in whole
+  tiles of `tile` along the shared dimension: cluster_m's or cluster_n's choice where it
+  pairs up."""
+  return max(c for c in CLUSTER_SIZES if extent % (c * tile) == 0)
 
 
 def _grid_config(num_ctas, name: str) -> dict:
