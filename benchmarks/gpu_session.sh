@@ -47,10 +47,6 @@
 #           120B-n1024 beside grouped_gemm's, the step with either store kernel      (~9 min)
 #   ncu_kernel: Nsight Compute on one sweep kernel (NCU_KERNEL; default: 7B-n256's dH), per-SASS
 #           stalls                                                                 (~3 min)
-#   clusters: the persistent kernels in clusters of 2 (after `cute` staging): their bitwise GPU
-#           tests (a hang ends at the timeout), then two rounds of sweep rows beside the plain
-#           persistent kernels: the weight gradients at four anchors, the wide store GEMMs at
-#           olmoe and 120B-n1024                                                    (~8 min)
 #   ab_sweep: one tile_sweep (AB_SWEEP: its arguments) on this tree, then again with the
 #           files under .ab/before/ (carried; benchmarks/ab_before.sh writes them from a
 #           commit) copied over it: a kernel change before and after in one call   (~2-5 min)
@@ -229,21 +225,6 @@ PY
       ncu --import "$OUT/${name}_source.ncu-rep" --page source --print-source sass --csv \
         > "$OUT/${name}_sass.csv" 2> "$OUT/${name}_sass.err"; echo "source page: rc $?"
       python3 -m benchmarks.ncu_sass_top "$OUT/${name}_sass.csv" --top 8 --context 3 ;;
-    clusters)  # after `cute` staging
-      timeout 240 python3 -m pytest -m gpu tests/test_cute.py -k persistent -x -p no:cacheprovider \
-        -rA > "$OUT/pytest_clusters.log" 2>&1
-      rc=$?; echo "cluster tests: rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_clusters.log" | tail -8
-      [ "$rc" = 0 ] || continue
-      for round in 1 2; do
-        timeout 150 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 256 \
-          --configs olmoe,120B-n1024,30B-n256,7B-n1024 --out "$OUT/sweep_cluster_wgrad_$round.json" \
-          --kernels dw1_gather_persistent,dw1_gather_persistent_cluster,dw2_gather_persistent,dw2_gather_persistent_cluster \
-          2>&1 | grep -v '^{' | grep -v "^config"
-        timeout 90 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 256 \
-          --configs olmoe,120B-n1024 --out "$OUT/sweep_cluster_store_$round.json" \
-          --kernels down_proj_persistent,down_proj_persistent_cluster,dx_tilde_persistent,dx_tilde_persistent_cluster \
-          2>&1 | grep -v '^{' | grep -v "^config"
-      done ;;
     ab_sweep)  # after `cute` staging: AB_SWEEP="<tile_sweep arguments>" after (this tree),
                # then before (.ab/before/ copied over the tree: carry [".ab"]; the next call
                # gets a fresh copy of the tree)

@@ -55,9 +55,7 @@ VARIANTS = [
     ("dh ws bn256 fit", "dh_ws", 256, 0), ("wgrad ws bn256 fit", "wgrad_ws", 256, 0),
     ("wgrad persistent gather bn128 fit", "wgrad_persistent_gather", 128, 0),
     ("wgrad persistent gather bn256 fit", "wgrad_persistent_gather", 256, 0),
-    ("wgrad persistent gather cluster 2 bn256 fit", "wgrad_persistent_gather_cluster", 256, 0),
     ("store persistent bn256 fit", "matmul_persistent", 256, 0),
-    ("store persistent cluster 2 bn256 fit", "matmul_persistent_cluster", 256, 0),
 ]
 
 _COMPILE = """
@@ -72,9 +70,6 @@ sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
 kw = dict(block_n=bn, stages=stages)
 if kernel.endswith("_h_smem"):   # dh's epilogue reading H from SMEM
   kernel, kw["h_smem"] = kernel.removesuffix("_h_smem"), True
-if kernel.endswith("_cluster"):   # a persistent kernel in clusters of 2 CTAs
-  kernel = kernel.removesuffix("_cluster")
-  kw["cluster_m" if kernel.startswith("wgrad") else "cluster_n"] = 2
 if kernel.endswith("_ws"):   # a kernel that does not gather, warp-specialized
   kernel, kw["warp_specialized"] = kernel.removesuffix("_ws"), True
 fn, args = {

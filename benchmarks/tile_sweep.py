@@ -95,9 +95,6 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   - dw1, dw1_gather: dW1 gathering X's rows in the kernel; dw2, dw2_gather: dW2 transposed
     gathering dO's rows; dw1_gather_persistent, dw2_gather_persistent, down_proj_persistent,
     dx_tilde_persistent: the same on persistent CTAs (ffi/persistent.py);
-    dw1_gather_persistent_cluster, dw2_gather_persistent_cluster, down_proj_persistent_cluster,
-    dx_tilde_persistent_cluster: the same in clusters of 2 CTAs multicasting the shared
-    operand's tiles (the weight gradients' rhs, the store GEMMs' lhs);
   - up_proj, down_proj, dx_tilde, dh, dw1 and dw2 again as *_ws: a producer warpgroup issuing
     their TMA loads."""
   from ffi import grouped_gemm as cute_gemm, persistent, pingpong  # optional extra
@@ -174,25 +171,12 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dw2_gather_persistent"] = (jax.jit(lambda c, g, a, o, i: persistent.weight_grad(
       g, a, o, E, i, transpose_out=True, **dataclasses.asdict(c)),
       static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
-  # and in clusters of 2 CTAs along M multicasting the rhs tiles (where M pairs up)
-  if persistent.widest_cluster(x.shape[1], cute_gemm.BLOCK_M) == 2:
-    rows["dw1_gather_persistent_cluster"] = (jax.jit(lambda c, x, h, o, i: persistent.weight_grad(
-        x, h, o, E, i, cluster_m=2, **dataclasses.asdict(c)), static_argnums=0),
-        (x, h, offsets, plan.token_index), dw1_flops, None)
-  if persistent.widest_cluster(dout.shape[1], cute_gemm.BLOCK_M) == 2:
-    rows["dw2_gather_persistent_cluster"] = (jax.jit(lambda c, g, a, o, i: persistent.weight_grad(
-        g, a, o, E, i, transpose_out=True, cluster_m=2, **dataclasses.asdict(c)),
-        static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
   for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands
     _, mm_args, mm_flops, mm_n = rows[name]
     rows[f"{name}_persistent"] = (jax.jit(
         lambda c, lhs, rhs, t, tr=transpose_rhs: persistent.grouped_matmul(
             lhs, rhs, t, transpose_rhs=tr, **dataclasses.asdict(c)), static_argnums=0),
         mm_args, mm_flops, mm_n)
-    rows[f"{name}_persistent_cluster"] = (jax.jit(   # (where the column tiles pair up)
-        lambda c, lhs, rhs, t, tr=transpose_rhs: persistent.grouped_matmul(
-            lhs, rhs, t, transpose_rhs=tr, cluster_n=2, **dataclasses.asdict(c)),
-        static_argnums=0), mm_args, mm_flops, mm_n)
   # the kernels that do not gather again as *_ws: a producer warpgroup issuing their TMA loads
   ws = lambda c: dict(warp_specialized=True, **dataclasses.asdict(c))
   ws_fns = {

@@ -144,59 +144,32 @@ def prefetch_descriptors(warp, tma_a, tma_b, gather: cutlass.Constexpr):
 @cute.jit
 def load_pipeline(storage, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
                   gather: cutlass.Constexpr, consumer_threads: cutlass.Constexpr, tidx,
-                  extra_barriers: cutlass.Constexpr = 0, cluster: cutlass.Constexpr = (1, 1)):
+                  extra_barriers: cutlass.Constexpr = 0):
   """The kernels' load ring: a PipelineTmaAsync over storage's first 2 x stages mbarriers (it
-  initialises them, fences and syncs the CTA, or the cluster). A full barrier completes on the
-  stage's TMA bytes and, gathering, every producer thread's copies (PRODUCER_ARRIVALS); an
-  empty one on each of the consumer_threads' warps; or in a cluster of (CTAs along M, along
-  N), 2 CTAs along one of them sharing one operand's tiles by multicast (tma_operand: along
-  M the rhs, along N the lhs), on each of both CTAs' consumer warps, lane r of a warp
-  arriving on CTA r's barrier. Thread tidx 0 first initialises extra_barriers more (one
-  arrival each: an epilogue's H loads) after them. Returns (the pipeline, the first extra
+  initialises them, fences and syncs the CTA). A full barrier completes on the stage's TMA
+  bytes and, gathering, every producer thread's copies (PRODUCER_ARRIVALS); an empty one on
+  each of the consumer_threads' warps. Thread tidx 0 first initialises extra_barriers more
+  (one arrival each: an epilogue's H loads) after them. Returns (the pipeline, the first extra
   barrier's pointer)."""
   extra = storage.barriers.data_ptr() + 2 * stages
   if cutlass.const_expr(extra_barriers):
     if tidx == 0:
       for i in cutlass.range_constexpr(extra_barriers):
         cute.arch.mbarrier_init(extra + i, 1)
-  cluster_m, cluster_n = cluster
-  consumers, multicast = consumer_threads // 32, {}   # one arrival per consumer warp
-  if cutlass.const_expr(cluster_m * cluster_n > 1):
-    # the pipeline counts each consumer warp's arrivals on every CTA sharing the stage; the
-    # multicast modes: the lhs shared along N, the rhs along M
-    consumers = consumer_threads
-    multicast = dict(tidx=tidx, mcast_mode_mn=(int(cluster_n > 1), int(cluster_m > 1)),
-                     enable_multicast_signaling=True)
   loads = pipeline.PipelineTmaAsync.create(
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
       producer_group=pipeline.CooperativeGroup(
           pipeline.Agent.Thread, PRODUCER_ARRIVALS if gather else 1),
-      consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
-      tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, cluster_m, cluster_n, 1)),
-      **multicast)
+      consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads // 32),
+      tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
   return loads, extra
 
 
-def tma_operand(atom, smem, gmem, cluster_rank=0, cluster_size: int = 1):
-  """(atom, gmem tiles by k step, smem stages, multicast mask) of a TMA-loaded operand:
-  load_stage's operand. With cluster_size > 1 (atom made with num_multicast=cluster_size) this
-  CTA, rank cluster_rank, loads its 1 / cluster_size of each tile into every CTA of the
-  cluster (mask: all of them); else the mask is None (a plain load)."""
-  s_part, g_part = cpasync.tma_partition(atom, cluster_rank, cute.make_layout(cluster_size),
-                                         cute.group_modes(smem, 0, 2),
+def tma_operand(atom, smem, gmem):
+  """(atom, gmem tiles by k step, smem stages) of a TMA-loaded operand: load_stage's operand."""
+  s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
                                          cute.group_modes(gmem, 0, 2))
-  mask = None if cluster_size == 1 else cutlass.Int16((1 << cluster_size) - 1)
-  return atom, g_part, s_part, mask
-
-
-def tma_load(operand, k, stage, bar):
-  """TMA-load k step k of a tma_operand into SMEM stage `stage`, completing on mbarrier bar
-  (with its multicast mask: in every CTA of the cluster, each on its own barrier)."""
-  atom, src, dst, mask = operand
-  if mask is None:
-    cute.copy(atom, src[(None, k)], dst[(None, stage)], tma_bar_ptr=bar)
-  else:
-    cute.copy(atom, src[(None, k)], dst[(None, stage)], tma_bar_ptr=bar, mcast_mask=mask)
+  return atom, g_part, s_part
 
 
 @cute.jit
@@ -211,12 +184,12 @@ def issue_k_step(tiled_mma, accs, frag_a, frag_bs, stage):
 
 
 def load_stage(loads, state, operands, k):
-  """The producer: TMA loads (tma_load) of k step k of each operand (tma_operand) into stage
-  state.index, completing on that stage's mbarrier."""
+  """The producer: TMA loads of k step k of each (atom, gmem tiles, smem stages) operand into
+  stage state.index, completing on that stage's mbarrier."""
   loads.producer_acquire(state)
   bar = loads.producer_get_barrier(state)
-  for operand in operands:
-    tma_load(operand, k, state.index, bar)
+  for atom, src, dst in operands:
+    cute.copy(atom, src[(None, k)], dst[(None, state.index)], tma_bar_ptr=bar)
   loads.producer_commit(state)
 
 
@@ -545,8 +518,8 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
   bar = loads.producer_get_barrier(state)
   if ptid < 32:
     loads.sync_object_full.arrive(state.index, loads.producer_mask)
-    for operand in rhs_operands:
-      tma_load(operand, k, state.index, bar)
+    for atom, src, dst in rhs_operands:
+      cute.copy(atom, src[(None, k)], dst[(None, state.index)], tma_bar_ptr=bar)
   stage = s_a[None, None, state.index]
   for wg in cutlass.range_constexpr(WARPGROUPS):
     if cutlass.const_expr(kind == "wgrad"):
@@ -565,9 +538,8 @@ def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_be
   are read from gather_index one step ahead, so that their load's latency passes under the
   previous step's copies instead of stalling the cp.asyncs that need them (session 24's ncu
   of dW1 at olmoe: 41% of the producer's samples waited on that load, the MMA warpgroups
-  on full stages; reading ahead, dW1 6.5% and dW2 4.9% faster there). The reads ahead are
-  clamped to gather_index's last k step (a tile of an expert without rows has no steps).
-  Returns the advanced pipeline state."""
+  on full stages; reading ahead, dW1 6.5% and dW2 4.9% faster there). The reads ahead are clamped to gather_index's last k step (a tile of an
+  expert without rows has no steps). Returns the advanced pipeline state."""
   last = cute.size(gather_index) // BLOCK_K - 1
   tokens = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
   ahead = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)

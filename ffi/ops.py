@@ -122,12 +122,9 @@ STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
 # grouped vs persistent: dW1 30B-n256 3.729 vs 3.546, olmoe 3.353 vs 3.319, 7B-n256 0.596 vs
 # 0.557; dW2 1.992 vs 1.915, 1.758 vs 1.726, 0.323 vs 0.311; session 22: dW1 120B-n1024
 # 7.438 vs 7.258, 7B-n1024 0.588 vs 0.570; dW2 3.614 vs 3.438, 0.321 vs 0.322. The layer with
-# it matches the grouped kernel's on the H200 (session 22, call 3). "persistent_cluster": the
-# persistent kernel in clusters of 2 CTAs along M sharing each rhs tile by TMA multicast where
-# M (d: the gathered X's or dO's columns) is a multiple of 256 (persistent.weight_grad's
-# cluster_m; not yet run on a GPU).
+# it matches the grouped kernel's on the H200 (session 22, call 3).
 WGRAD_KERNEL = "persistent"
-WGRAD_KERNELS = ("grouped", "persistent", "persistent_cluster")
+WGRAD_KERNELS = ("grouped", "persistent")
 
 
 def _setting(name: str, value, choices):
@@ -219,11 +216,8 @@ STORE_WIDE_WS_MIN_N = 4096
 # alone: olmoe down_proj 1.692 -> 1.580 ms, dx_tilde 3.030 -> 2.950; 120B-n1024 down_proj
 # 3.358 (warp-specialized) -> 3.353, dx_tilde 6.959 -> 6.928; the step's kernels olmoe 16.503
 # -> 16.167, 120B-n1024 33.183 -> 32.552 (it takes the place of the warp-specialized kernel).
-# "persistent_cluster": the persistent kernel in clusters of 2 CTAs along N sharing each lhs
-# tile by TMA multicast where the tiles pair up (persistent.grouped_matmul's cluster_n; not
-# yet run on a GPU).
 STORE_WIDE_KERNEL = "persistent"
-STORE_WIDE_KERNELS = ("grouped", "persistent", "persistent_cluster")
+STORE_WIDE_KERNELS = ("grouped", "persistent")
 
 
 def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
@@ -237,15 +231,11 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   width = n_out if cols is None else cols[1] - cols[0]
   wide_kernel = _setting("STORE_WIDE_KERNEL", STORE_WIDE_KERNEL, STORE_WIDE_KERNELS)
   if lhs.shape[1] >= STORE_WIDE_MIN_K and n_out >= STORE_WIDE_MIN_N:
-    block_n = _wide_tile(width, 256)
-    if wide_kernel.startswith("persistent"):
-      cluster_n = 1
-      if wide_kernel == "persistent_cluster":
-        cluster_n = persistent.widest_cluster(width, block_n)
+    if wide_kernel == "persistent":
       return persistent.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                       block_n=block_n, cols=cols, cluster_n=cluster_n)
+                                       block_n=_wide_tile(width, 256), cols=cols)
     return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                       block_n=block_n,
+                                       block_n=_wide_tile(width, 256),
                                        warp_specialized=n_out >= STORE_WIDE_WS_MIN_N, cols=cols)
   block_n = _wide_tile(width, 128)
   if STORE_KERNEL.startswith("pingpong"):
@@ -319,15 +309,10 @@ def dx_tilde(dh, w1, plan, cols=None):
 
 def _gathered_weight_grad(x, rhs, plan, block_n: int, transpose_out: bool = False):
   """weight_grad with x's rows gathered by the plan's token_index, on WGRAD_KERNEL."""
-  choice = _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS)
-  if choice == "grouped":
-    kernel, cluster = grouped_gemm, {}
-  else:
-    kernel, cluster = persistent, {}
-    if choice == "persistent_cluster":
-      cluster = dict(cluster_m=persistent.widest_cluster(x.shape[1], grouped_gemm.BLOCK_M))
+  persistent_ctas = _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "persistent"
+  kernel = persistent if persistent_ctas else grouped_gemm
   return kernel.weight_grad(x, rhs, plan.group_offsets, plan.num_experts, block_n=block_n,
-                            gather_index=plan.token_index, transpose_out=transpose_out, **cluster)
+                            gather_index=plan.token_index, transpose_out=transpose_out)
 
 
 def dw1(x, dh_, plan):

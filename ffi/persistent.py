@@ -14,10 +14,6 @@ Schedule:
               tile, then column tile (an expert's tiles together: its rows from L2); kind
               "store": M tile t // n_tiles, column tile t % n_tiles (an M tile's column tiles
               on neighbouring CTAs: its lhs rows from L2)
-  clusters  : "wgrad" with cluster_m 2: clusters of 2 CTAs take cluster tiles as a CTA takes
-              tiles, the two CTAs neighbouring M tiles of one expert and column tile
-              (cluster_tile); each TMA-loads half of every rhs stage into both CTAs
-              (multicast), and a stage is free once both CTAs' MMA warpgroups released it
   producer  : warpgroup 0 (grouped_gemm's PRODUCER_REGISTERS), its ring state running on
               across tiles: "wgrad", as grouped_gemm's gathering producer (gather_stage: each
               k step's BLOCK_K rows gathered, the tile's BLOCK_M columns of them; an expert
@@ -44,11 +40,6 @@ from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE, THREADS
 
 NUM_SMS = 132     # H100 / H200 SXM: the default grid (fewer SMs only queue CTAs)
 MAX_STAGES = 8
-# CTAs per cluster: 1 (none) or 2 sharing one operand's tiles, which each loads half of and
-# multicasts to both: the weight gradients' two CTAs neighbouring M tiles sharing the rhs
-# (cluster_m), the store GEMM's neighbouring column tiles sharing the lhs (cluster_n). The
-# PyTorch SonicMoE's GEMMs all run clusters of 2 (session 18's ncu of them)
-CLUSTER_SIZES = (1, 2)
 
 
 def epilogue_bytes(itemsize: int) -> int:
@@ -60,27 +51,6 @@ def stages_that_fit(block_n: int, itemsize: int) -> int:
   """The ring's deepest beside the epilogue's buffers (at most MAX_STAGES)."""
   return min(MAX_STAGES, gg._stages_that_fit(block_n, 1, itemsize,
                                              reserved=epilogue_bytes(itemsize)))
-
-
-def cluster_tile(kind: str, u, rank, num_m_tiles: int, num_n_tiles: int, cluster: int):
-  """The tile (tile_work's t) of CTA `rank` of a cluster of `cluster` CTAs at cluster tile u,
-  cluster tiles ordered as tile_work orders tiles. "wgrad": the cluster's CTAs take
-  neighbouring M tiles of one expert and one column tile (the rhs tile they share); "store":
-  neighbouring column tiles of one M tile (the lhs tile they share). cluster 1: t = u."""
-  if cluster == 1:
-    return u
-  if kind == "store":
-    return u * cluster + rank
-  per_expert = num_m_tiles // cluster * num_n_tiles
-  expert, rest = u // per_expert, u % per_expert
-  m_tile = rest // num_n_tiles * cluster + rank
-  return (expert * num_m_tiles + m_tile) * num_n_tiles + rest % num_n_tiles
-
-
-def cluster_shape(kind: str, cluster: int) -> tuple:
-  """(CTAs along M, along N) of a cluster of `cluster` CTAs: the weight gradients' along M
-  (sharing the rhs), the store GEMM's along N (sharing the lhs)."""
-  return (cluster, 1) if kind == "wgrad" else (1, cluster)
 
 
 def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_steps: int,
@@ -112,14 +82,11 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
             num_m_tiles: cutlass.Constexpr, num_n_tiles: cutlass.Constexpr,
             k_steps: cutlass.Constexpr, num_tiles: cutlass.Constexpr,
-            out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr,
-            cluster: cutlass.Constexpr):
+            out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr):
   """kind "wgrad": m_a X (T, M, 1) the gathered rows' source, m_b the rhs (N, P, 1) N-major,
   the output (M, N, E), tile_info group_offsets (E + 1,), gather_index (P,). kind "store":
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
-  tile_info tile_expert (P / BLOCK_M,), gather_index unused. cluster > 1: the grid's clusters
-  of that many CTAs loop over cluster tiles (cluster_tile), the shared operand's tiles
-  multicast (its TMA atom made for it: "wgrad" the rhs's, "store" the lhs's)."""
+  tile_info tile_expert (P / BLOCK_M,), gather_index unused."""
   gather = kind == "wgrad"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -127,41 +94,27 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
   gg.prefetch_descriptors(warp, tma_a, tma_b, gather)
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
-  rank = 0   # this CTA's place in its cluster
-  if cutlass.const_expr(cluster > 1):
-    rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-  work = lambda u: tile_work(kind, cluster_tile(kind, u, rank, num_m_tiles, num_n_tiles, cluster),
-                             tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts)
-  first, stride, count = cta, num_ctas, num_tiles   # the tiles' loop: this CTA's of the grid's
-  if cutlass.const_expr(cluster > 1):   # or its cluster's of the clusters'
-    first, stride, count = cta // cluster, num_ctas // cluster, num_tiles // cluster
-  # the shared operand's (rank, CTAs) for tma_operand (the other's are (0, 1))
-  lhs_share, rhs_share = (0, 1), (0, 1)
-  if cutlass.const_expr(cluster > 1 and gather):
-    rhs_share = (rank, cluster)
-  elif cutlass.const_expr(cluster > 1):
-    lhs_share = (rank, cluster)
+  work = lambda t: tile_work(kind, t, tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts)
 
   smem = cutlass.memory.SmemAllocator()
   storage = smem.allocate(shared_storage)
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
   s_b = storage.s_b.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-  loads, _ = gg.load_pipeline(storage, stages, stage_bytes, gather, THREADS, tidx,
-                              cluster=cluster_shape(kind, cluster))
+  loads, _ = gg.load_pipeline(storage, stages, stage_bytes, gather, THREADS, tidx)
 
   if warp < 4:   # the producer warpgroup
     cute.arch.setmaxregister_decrease(gg.PRODUCER_REGISTERS)
     produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    for u in cutlass.range(first, count, stride, unroll=1):
-      m_tile, n_tile, k_begin, num_k, rhs_l, _ = work(u)
+    for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
+      m_tile, n_tile, k_begin, num_k, rhs_l, _ = work(t)
       operands = [gg.tma_operand(tma_b, s_b, cute.local_tile(
-          m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)), *rhs_share)]
+          m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)))]
       if cutlass.const_expr(gather):
         produce = gg.produce_wgrad_steps(loads, produce, m_a, gather_index, s_a, operands,
                                          k_begin, num_k, tidx, m_tile * BLOCK_M)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
         lhs_and_rhs = [gg.tma_operand(tma_a, s_a, cute.local_tile(
-            m_a, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, None, 1)), *lhs_share)] + operands
+            m_a, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, None, 1)))] + operands
         for step in cutlass.range(num_k, unroll=1):
           gg.load_stage(loads, produce, lhs_and_rhs, k_begin + step)
           produce.advance()
@@ -177,8 +130,8 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
     consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    for u in cutlass.range(first, count, stride, unroll=1):
-      m_tile, n_tile, _, num_k, _, out_l = work(u)
+    for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
+      m_tile, n_tile, _, num_k, _, out_l = work(t)
       acc.fill(0.0)
       for kk in cutlass.range(num_k, unroll=1):
         loads.consumer_wait(consume)
@@ -201,29 +154,14 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
                                  proj=(1, 1, None))
       gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx, leader,
                              False, m_major=out_m_major)
-  if cutlass.const_expr(cluster > 1):
-    # no CTA exits while the other may still multicast into its SMEM or arrive on its barriers
-    cute.arch.cluster_arrive()
-    cute.arch.cluster_wait()
-
-
-def _tma_load_atom(gmem, smem_stage, tile, multicast: int):
-  """A TMA load atom and tensor for `tile`s of gmem into smem_stage's layout, multicasting to
-  `multicast` CTAs where that is over 1."""
-  if multicast > 1:
-    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), gmem,
-                                       smem_stage, tile, num_multicast=multicast)
-  return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), gmem, smem_stage, tile)
 
 
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-            stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr, kind: cutlass.Constexpr,
-            cluster: cutlass.Constexpr = 1):
+            stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr, kind: cutlass.Constexpr):
   """The persistent grid and the kernel's static configuration (_kernel's operands; the
-  output's modes (rows, columns, experts or 1)); cluster > 1: clusters of that many CTAs (
-  cluster_shape), the grid a multiple of it, the shared operand's TMA atom multicasting."""
+  output's modes (rows, columns, experts or 1))."""
   dtype = lhs.element_type
   gather = kind == "wgrad"
   # the weight gradient's A tiles (M, rows) are M-major (filled by the gathers)
@@ -235,15 +173,17 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
       cutlass.Float32, (gg.WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
   a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
   b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
-  b_stage = cute.slice_(b_smem_staged, (None, None, 0))
-  a_stage = cute.slice_(a_smem_staged, (None, None, 0))
-  tma_b, m_b = _tma_load_atom(rhs, b_stage, (block_n, BLOCK_K), cluster if gather else 1)
-  stage_bytes = cute.size_in_bytes(dtype, b_stage)
+  tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
+                                           cute.slice_(b_smem_staged, (None, None, 0)),
+                                           (block_n, BLOCK_K))
+  stage_bytes = cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
   if cutlass.const_expr(gather):   # no TMA for A (the kernel takes an atom: B's, unused)
     tma_a, m_a = tma_b, lhs
   else:
-    tma_a, m_a = _tma_load_atom(lhs, a_stage, (BLOCK_M, BLOCK_K), cluster)
-    stage_bytes += cute.size_in_bytes(dtype, a_stage)
+    tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), lhs,
+                                             cute.slice_(a_smem_staged, (None, None, 0)),
+                                             (BLOCK_M, BLOCK_K))
+    stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   out_layout = LayoutEnum.from_tensor(out)
   c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, EPI_TILE, gg.EPI_STAGES)
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(
@@ -256,35 +196,31 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   num_tiles = num_m_tiles * num_n_tiles * cute.size(out, mode=[2])
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K   # (store: the contraction)
   _kernel.set_name_prefix(gg.kernel_label(kind, gather, "persistent"), remove_cutlass_symbol=True)
-  kernel = _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index, tiled_mma,
-                   a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]),
-                   storage, block_n, stages, stage_bytes, num_m_tiles, num_n_tiles, k_steps,
-                   num_tiles, out_layout.is_m_major_c(), kind, cluster)
-  grid = max(cluster, min(num_tiles, num_ctas) // cluster * cluster)   # whole clusters, >= 1
-  clusters = dict(cluster=(cluster, 1, 1)) if cluster > 1 else {}
-  kernel.launch(grid=(grid, 1, 1), block=(THREADS + 128, 1, 1), stream=stream, **clusters)
+  _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index, tiled_mma,
+          a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage,
+          block_n, stages, stage_bytes, num_m_tiles, num_n_tiles, k_steps, num_tiles,
+          out_layout.is_m_major_c(), kind).launch(
+              grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
+              stream=stream)
 
 
 @cute.jit
 def _weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.Tensor,
                  gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-                 stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS,
-                 cluster_m: cutlass.Constexpr = 1):
+                 stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS):
   """x (T, M, 1) the source rows, rhs (N, P, 1) N-major, group_offsets (E + 1,), gather_index
   (P,), out (M, N, E) N- or M-major: the operands of grouped_gemm._gathered_weight_grad."""
-  _launch(stream, x, rhs, group_offsets, gather_index, out, block_n, stages, num_ctas, "wgrad",
-          cluster_m)
+  _launch(stream, x, rhs, group_offsets, gather_index, out, block_n, stages, num_ctas, "wgrad")
 
 
 @cute.jit
 def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-            first_col: cutlass.Constexpr = 0, num_ctas: cutlass.Constexpr = NUM_SMS,
-            cluster_n: cutlass.Constexpr = 1):
+            first_col: cutlass.Constexpr = 0, num_ctas: cutlass.Constexpr = NUM_SMS):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, W, 1): the operands of
   grouped_gemm._matmul (first_col as its)."""
   _launch(stream, lhs, gg.rhs_window(rhs, out, first_col), tile_expert, tile_expert, out,
-          block_n, stages, num_ctas, "store", cluster_n)
+          block_n, stages, num_ctas, "store")
 
 
 def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int:
@@ -299,23 +235,6 @@ def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int
   return stages
 
 
-def _cluster_unsupported(name: str, cluster, extent: int, tile: int, what: str) -> str | None:
-  """Why a kernel cannot run clusters of `cluster` (the argument `name`) CTAs along a
-  dimension of `extent` in tiles of `tile` (`what` names the extent), or None."""
-  if type(cluster) is not int or cluster not in CLUSTER_SIZES:   # (not a bool or a float)
-    return f"{name}={cluster!r} must be one of {CLUSTER_SIZES}"
-  if extent % (cluster * tile):
-    return f"{what}={extent} must be a multiple of {name} x {tile} = {cluster * tile}"
-  return None
-
-
-def widest_cluster(extent: int, tile: int) -> int:
-  """The most CTAs per cluster (of CLUSTER_SIZES) whose clusters cover `extent` in whole
-  tiles of `tile` along the shared dimension: cluster_m's or cluster_n's choice where it
-  pairs up."""
-  return max(c for c in CLUSTER_SIZES if extent % (c * tile) == 0)
-
-
 def _grid_config(num_ctas, name: str) -> dict:
   """The launch option of num_ctas ({} for the default grid, which the FFI targets leave out)."""
   if num_ctas is None:
@@ -327,47 +246,34 @@ def _grid_config(num_ctas, name: str) -> dict:
 
 def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: int = 128,
                 stages: int | None = None, transpose_out: bool = False,
-                num_ctas: int | None = None, cluster_m: int = 1):
+                num_ctas: int | None = None):
   """grouped_gemm.weight_grad with gather_index on persistent CTAs (module docstring): x
   [T, M] (slot r reads X[gather_index[r]], zeros where it is T or more), rhs [P, N] rows in
   slot order, expert e's rows group_offsets[e] .. group_offsets[e + 1] (multiples of BLOCK_M);
   returns out [E, M, N], out[e] = X_e^T rhs_e, or with transpose_out [E, N, M]. stages: the
   ring's depth (default: as many as fit beside the epilogue's buffers, at most the k steps of
-  all rows). num_ctas: the grid's most CTAs (default NUM_SMS; with clusters rounded down to
-  whole ones). cluster_m: CTAs per cluster along M (CLUSTER_SIZES; 2: each rhs tile loaded
-  once for two M tiles, multicast; M a multiple of cluster_m x BLOCK_M)."""
+  all rows). num_ctas: the grid's most CTAs (default NUM_SMS)."""
   slots = gg.rows_read(x, gather_index)
   reason = gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
-  reason = reason or _cluster_unsupported("cluster_m", cluster_m, x.shape[1], BLOCK_M,
-                                         "x's columns M")
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
   stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
-  cluster = dict(cluster_m=cluster_m) if cluster_m > 1 else {}
   return gg.weight_grad_call((None, _weight_grad), x, rhs, group_offsets, num_experts,
                              gather_index, transpose_out, block_n=block_n, stages=stages,
-                             **_grid_config(num_ctas, "weight_grad"), **cluster)
+                             **_grid_config(num_ctas, "weight_grad"))
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
-                   stages: int | None = None, cols=None, num_ctas: int | None = None,
-                   cluster_n: int = 1):
+                   stages: int | None = None, cols=None, num_ctas: int | None = None):
   """grouped_gemm.grouped_matmul on persistent CTAs (module docstring): out [P, N] = lhs_e
   rhs_e per M tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major; tile_expert
   [P / BLOCK_M] (E or more past the last group: zeros); cols=(lo, hi): out's columns lo ..
   hi - 1 only. stages: as weight_grad's (at most the contraction's k steps). num_ctas: the
-  grid's most CTAs (default NUM_SMS; with clusters rounded down to whole ones). cluster_n:
-  CTAs per cluster along N (CLUSTER_SIZES; 2: each lhs tile loaded once for two column
-  tiles, multicast; the columns written a multiple of cluster_n x block_n)."""
-  ekn = gg.rhs_as_ekn(rhs, transpose_rhs)
-  reason = gg.unsupported(lhs, ekn, block_n, cols)
-  width = cols[1] - cols[0] if cols else ekn.shape[2]
-  reason = reason or _cluster_unsupported("cluster_n", cluster_n, width, block_n,
-                                         "the output's columns")
+  grid's most CTAs (default NUM_SMS)."""
+  reason = gg.unsupported(lhs, gg.rhs_as_ekn(rhs, transpose_rhs), block_n, cols)
   if reason:
     raise ValueError(f"cute persistent grouped_matmul: {reason}")
   stages = _stages(stages, block_n, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K,
                    "grouped_matmul")
-  cluster = dict(cluster_n=cluster_n) if cluster_n > 1 else {}
   return gg.matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, cols, block_n=block_n,
-                        stages=stages, **_grid_config(num_ctas, "grouped_matmul"), **cluster)
+                        stages=stages, **_grid_config(num_ctas, "grouped_matmul"))

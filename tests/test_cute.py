@@ -810,40 +810,6 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
         "dw1": "cute"}).out.astype(jnp.float32)), argnums=2)(*args)
 
 
-@needs_cute
-@pytest.mark.parametrize("d,paired", [(512, True), (640, False)])
-def test_cute_cluster_settings_pick_clusters_where_tiles_pair(monkeypatch, d, paired):
-  """WGRAD_KERNEL "persistent_cluster" lowers (for CUDA) dW1 and dW2 to other kernels than
-  "persistent" where d (their M) is a multiple of 256, the same ones where it is not."""
-  cute_ops = importlib.import_module("ffi.ops")
-  args = make_inputs(8, 256, d, 128, 4, jnp.bfloat16)
-  targets = {}
-  for kernel in ("persistent", "persistent_cluster"):
-    monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", kernel)
-    # (a new function each time: jit would reuse the first one's trace)
-    grad = lambda *a: jax.grad(lambda *b: jnp.sum(sm.moe(*b, k=2, backend={
-        op: "xla" for op in sm.OP_NAMES} | {"dw1": "cute", "dw2": "cute"}).out.astype(
-            jnp.float32)), argnums=(2, 3))(*a)
-    targets[kernel] = set(re.findall(r"@(sonicmoe_cute_\w+)", _cuda_module(grad, *args)))
-  assert len(targets["persistent"]) == 2
-  assert (targets["persistent"] != targets["persistent_cluster"]) == paired
-
-
-@needs_cute
-def test_cute_cluster_setting_of_the_wide_store_gemm(monkeypatch):
-  """STORE_WIDE_KERNEL "persistent_cluster" lowers the wide down-projection (d 2048 in two
-  column windows of four 256-wide tiles) to other kernels than "persistent"."""
-  cute_ops = importlib.import_module("ffi.ops")
-  args = make_inputs(9, 256, 2048, 1024, 4, jnp.bfloat16)
-  targets = {}
-  for kernel in ("persistent", "persistent_cluster"):
-    monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", kernel)
-    fwd = lambda *a: sm.moe(*a, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {
-        "down_proj": "cute"}).out   # (a new function each time: jit would reuse a trace)
-    targets[kernel] = set(re.findall(r"@(sonicmoe_cute_\w+)", _cuda_module(fwd, *args)))
-  assert targets["persistent"] and targets["persistent"].isdisjoint(targets["persistent_cluster"])
-
-
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("num_tiles,block_n,gather,tma_store", [
@@ -1045,37 +1011,32 @@ def test_cute_weight_grad_stores_transposed_on_gpu(block_n, gather):
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,cluster_m", [
-    (128, None, False, 1), (256, 2, True, 1), (256, None, False, 1), (256, None, False, 2),
-    (128, 3, True, 2)])
-def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out, cluster_m):
-  """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers; in
-  clusters, the rhs multicast and the remote releases) compiles for sm_90a at the tiles and
-  depths the layer and the sweep run."""
+@pytest.mark.parametrize("block_n,stages,transpose_out", [(128, None, False), (256, 2, True),
+                                                          (256, None, False)])
+def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out):
+  """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers) compiles
+  for sm_90a at the tiles and depths the layer and the sweep run."""
   from ffi import persistent
   P, M, N, E, T = 512, 256, 512, 4, 300
   offsets = jnp.arange(E + 1, dtype=jnp.int32) * (P // E)
   fn = lambda x, r, i: persistent.weight_grad(x, r, offsets, E, i, block_n=block_n,
-                                                    stages=stages, transpose_out=transpose_out,
-                                                    cluster_m=cluster_m)
+                                                    stages=stages, transpose_out=transpose_out)
   shapes = [jax.ShapeDtypeStruct((T, M), jnp.bfloat16), jax.ShapeDtypeStruct((P, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_rhs,cols,cluster_n", [
-    (256, None, False, None, 1), (256, 2, True, None, 1), (128, None, False, (128, 384), 1),
-    (256, None, True, (256, 512), 1), (256, None, False, None, 2), (128, 2, True, (128, 384), 2)])
-def test_cute_persistent_matmul_compiles_for_cuda(block_n, stages, transpose_rhs, cols,
-                                                  cluster_n):
-  """The persistent store GEMM compiles for sm_90a, both rhs layouts, whole and windowed, and
-  in clusters of 2 along N (the lhs multicast)."""
+@pytest.mark.parametrize("block_n,stages,transpose_rhs,cols", [
+    (256, None, False, None), (256, 2, True, None), (128, None, False, (128, 384)),
+    (256, None, True, (256, 512))])
+def test_cute_persistent_matmul_compiles_for_cuda(block_n, stages, transpose_rhs, cols):
+  """The persistent store GEMM compiles for sm_90a, both rhs layouts, whole and windowed."""
   from ffi import persistent
   P, K, N, E = 512, 256, 512, 4
   fn = lambda a, b, t: persistent.grouped_matmul(
       a, jnp.swapaxes(b, 1, 2) if transpose_rhs else b, t, transpose_rhs=transpose_rhs,
-      block_n=block_n, stages=stages, cols=cols, cluster_n=cluster_n)
+      block_n=block_n, stages=stages, cols=cols)
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -1104,42 +1065,6 @@ def test_persistent_tiles_cover_each_output_tile_once_with_its_k_range():
 
 
 @needs_cute
-def test_persistent_clusters_pair_tiles_that_share_an_operand():
-  """cluster_tile (on plain integers): with clusters of 2, the cluster tiles and the two ranks
-  cover every tile once; a weight-gradient cluster tile's two CTAs take neighbouring M tiles
-  of the same expert and the same column tile (the rhs tile they share), a store cluster
-  tile's neighbouring column tiles of one M tile (the lhs tile); with clusters of 1 the tile
-  is the cluster tile."""
-  from ffi import persistent
-  offsets = np.array([0, 256, 256, 896, 1024])
-  m_tiles, n_tiles, experts = 4, 3, 4
-  seen = []
-  for u in range(m_tiles * n_tiles * experts // 2):
-    pair = [persistent.tile_work("wgrad", persistent.cluster_tile(
-        "wgrad", u, r, m_tiles, n_tiles, 2), offsets, m_tiles, n_tiles, 0, experts)
-        for r in range(2)]
-    (m0, n0, k0, nk0, _, e0), (m1, n1, k1, nk1, _, e1) = pair
-    assert (e0, n0, k0, nk0) == (e1, n1, k1, nk1) and m1 == m0 + 1 and m0 % 2 == 0
-    seen += [(e, m, n) for m, n, _, _, _, e in pair]
-  assert sorted(seen) == [(e, m, n) for e in range(experts) for m in range(m_tiles)
-                          for n in range(n_tiles)]
-  for kind in ("wgrad", "store"):
-    assert [persistent.cluster_tile(kind, u, 0, m_tiles, n_tiles, 1) for u in range(5)] == [
-        0, 1, 2, 3, 4]
-  # the store GEMM's clusters: two neighbouring column tiles of one M tile (its expert's k
-  # steps, or none past the last group, for both)
-  tile_expert, n_tiles = np.array([0, 0, 1, 3, 3, 4]), 4
-  seen = []
-  for u in range(6 * n_tiles // 2):
-    pair = [persistent.tile_work("store", persistent.cluster_tile(
-        "store", u, r, 6, n_tiles, 2), tile_expert, 6, n_tiles, 10, 4) for r in range(2)]
-    (m0, n0, *rest0), (m1, n1, *rest1) = pair
-    assert m0 == m1 and rest0 == rest1 and n1 == n0 + 1 and n0 % 2 == 0
-    seen += [(m, n) for m, n, *_ in pair]
-  assert sorted(seen) == [(m, n) for m in range(6) for n in range(n_tiles)]
-
-
-@needs_cute
 def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
   from ffi import persistent
   x, rhs = jnp.zeros((300, 256), jnp.bfloat16), jnp.zeros((512, 512), jnp.bfloat16)
@@ -1150,51 +1075,35 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
     persistent.weight_grad(x, rhs, offsets, 4, index, block_n=384)
   with pytest.raises(ValueError, match="num_ctas must be a positive int; got 0"):
     persistent.weight_grad(x, rhs, offsets, 4, index, num_ctas=0)
-  with pytest.raises(ValueError, match=r"cute persistent weight_grad: cluster_m=4 must be one of \(1, 2\)"):
-    persistent.weight_grad(x, rhs, offsets, 4, index, cluster_m=4)
-  with pytest.raises(ValueError, match=r"cluster_m=2.0 must be one of"):
-    persistent.weight_grad(x, rhs, offsets, 4, index, cluster_m=2.0)
-  with pytest.raises(ValueError, match="x's columns M=384 must be a multiple of cluster_m x 128 = 256"):
-    persistent.weight_grad(jnp.zeros((300, 384), jnp.bfloat16), rhs, offsets, 4, index,
-                           cluster_m=2)
   lhs, w, tiles = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((4, 256, 512), jnp.bfloat16), \
       jnp.zeros((4,), jnp.int32)
   with pytest.raises(ValueError, match=r"cute persistent grouped_matmul: cols=\(0, 600\) must be"):
     persistent.grouped_matmul(lhs, w, tiles, cols=(0, 600))
   with pytest.raises(ValueError, match=r"cute persistent grouped_matmul: stages=1 must be"):
     persistent.grouped_matmul(lhs, w, tiles, stages=1)
-  with pytest.raises(ValueError, match=r"cute persistent grouped_matmul: cluster_n=3 must be one"):
-    persistent.grouped_matmul(lhs, w, tiles, cluster_n=3)
-  with pytest.raises(ValueError, match="the output's columns=256 must be a multiple of "
-                                       "cluster_n x 256 = 512"):
-    persistent.grouped_matmul(lhs, w, tiles, block_n=256, cols=(0, 256), cluster_n=2)
 
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas,cluster_m", [
-    (128, None, False, None, 1), (256, None, True, None, 1), (256, 2, False, 3, 1),
-    (128, 3, True, 5, 1), (256, None, True, 1, 1), (256, None, False, None, 2),
-    (128, None, True, None, 2), (256, 2, True, 5, 2), (128, 3, False, 1, 2)])
+@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas", [
+    (128, None, False, None), (256, None, True, None), (256, 2, False, 3), (128, 3, True, 5),
+    (256, None, True, 1)])
 def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, transpose_out,
-                                                            num_ctas, cluster_m):
+                                                            num_ctas):
   """The persistent kernel gives grouped_gemm.weight_grad's bits, gathering X's rows (padding
   slots: index T): experts of 256, 0 (zeros), 640, 128 and 1152 rows, so that a CTA's tiles run
   2, 0, 10, 2 and 18 k steps and its ring of `stages` wraps within and across tiles; num_ctas
-  3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each);
-  in clusters of 2 (M 512: two pairs of M tiles; grids of 4 and 2 CTAs) the rhs tiles are
-  multicast and the stages released by both CTAs' MMA warpgroups."""
+  3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each)."""
   from ffi import grouped_gemm, persistent
   sizes = [256, 0, 640, 128, 1152]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
-  T, P, M, N, E = 1000, sum(sizes) + 128, {1: 384, 2: 512}[cluster_m], 512, len(sizes)
+  T, P, M, N, E = 1000, sum(sizes) + 128, 384, 512, len(sizes)
   x = jax.random.normal(jax.random.key(71), (T, M)).astype(jnp.bfloat16)
   rhs = jax.random.normal(jax.random.key(72), (P, N)).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(73), (P,), 0, T).at[::5].set(T)
   kw = dict(block_n=block_n, transpose_out=transpose_out)
   got = jax.jit(lambda a, b, o, i: persistent.weight_grad(
-      a, b, o, E, i, stages=stages, num_ctas=num_ctas, cluster_m=cluster_m, **kw))(
-          x, rhs, offsets, index)
+      a, b, o, E, i, stages=stages, num_ctas=num_ctas, **kw))(x, rhs, offsets, index)
   want = jax.jit(lambda a, b, o, i: grouped_gemm.weight_grad(
       a, b, o, E, gather_index=i, **kw))(x, rhs, offsets, index)
   assert got.shape == want.shape == ((E, N, M) if transpose_out else (E, M, N))
@@ -1204,19 +1113,15 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("transpose_rhs,block_n,stages,cols,num_ctas,cluster_n", [
-    (False, 256, None, None, None, 1), (True, 256, None, None, 3, 1),
-    (False, 128, 2, (128, 384), 5, 1), (True, 256, 3, (256, 512), 1, 1),
-    (True, 128, None, None, None, 1), (False, 256, None, None, None, 2),
-    (True, 128, 2, (128, 384), 5, 2), (False, 128, 3, None, 1, 2)])
+@pytest.mark.parametrize("transpose_rhs,block_n,stages,cols,num_ctas", [
+    (False, 256, None, None, None), (True, 256, None, None, 3), (False, 128, 2, (128, 384), 5),
+    (True, 256, 3, (256, 512), 1), (True, 128, None, None, None)])
 def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, stages, cols,
-                                                       num_ctas, cluster_n):
+                                                       num_ctas):
   """The persistent store GEMM gives grouped_gemm.grouped_matmul's bits: experts 0, 1 and 3
   (2 skipped: no tiles), a tile past the last group (zeros), whole and windowed (cols), both
   rhs layouts; num_ctas 1, 3 and 5 make each CTA loop over many tiles (the default grid: one
-  tile each). The contraction's 10 k steps wrap rings of 2-4 stages within and across tiles.
-  In clusters of 2 (grids of 2, 4 and 132 CTAs) the lhs tiles are multicast and the stages
-  released by both CTAs' MMA warpgroups."""
+  tile each). The contraction's 10 k steps wrap rings of 2-4 stages within and across tiles."""
   from ffi import grouped_gemm, persistent
   E, K, N = 4, 640, 512
   tile_expert = jnp.array([0, 0, 1, 3, 3, 3, E], jnp.int32)
@@ -1226,8 +1131,8 @@ def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, s
   if transpose_rhs:
     rhs = jnp.swapaxes(rhs, 1, 2)
   kw = dict(transpose_rhs=transpose_rhs, block_n=block_n, cols=cols)
-  got = jax.jit(lambda a, b, t: persistent.grouped_matmul(
-      a, b, t, stages=stages, num_ctas=num_ctas, cluster_n=cluster_n, **kw))(lhs, rhs, tile_expert)
+  got = jax.jit(lambda a, b, t: persistent.grouped_matmul(a, b, t, stages=stages,
+                                                          num_ctas=num_ctas, **kw))(lhs, rhs, tile_expert)
   want = jax.jit(lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, **kw))(lhs, rhs, tile_expert)
   assert got.shape == want.shape == (P, N if cols is None else cols[1] - cols[0])
   assert np.all(np.asarray(want[-128:], np.float32) == 0) and np.any(np.asarray(want, np.float32) != 0)
@@ -1236,13 +1141,10 @@ def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, s
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("store_wide_kernel", ["persistent", "persistent_cluster"])
-def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypatch,
-                                                                       store_wide_kernel):
-  """The layer's output and gradients with STORE_WIDE_KERNEL "persistent" or
-  "persistent_cluster" (down_proj and dx_tilde on it where their tiles are wide: d 2048, n
-  1024; in the default two column windows of 1024: 4 tiles, 2 clusters) are bitwise the
-  grouped kernel's."""
+def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypatch):
+  """The layer's output and gradients with STORE_WIDE_KERNEL "persistent" (down_proj and
+  dx_tilde on it where their tiles are wide: d 2048, n 1024; in the default two column
+  windows) are bitwise the grouped kernel's."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(75, 600, 2048, 1024, 8, jnp.bfloat16)
   def run(*a):
@@ -1250,7 +1152,7 @@ def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypat
     return out, pullback(jnp.ones_like(out))
   monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "grouped")
   want = jax.jit(run)(*args)
-  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", store_wide_kernel)
+  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "persistent")
   got = jax.jit(lambda *a: run(*a))(*args)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(g, w)
@@ -1258,17 +1160,16 @@ def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypat
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("wgrad_kernel", ["persistent", "persistent_cluster"])
-def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(monkeypatch, wgrad_kernel):
-  """The layer's gradients with WGRAD_KERNEL "persistent" or "persistent_cluster" (dW1 and dW2
-  gathering their rows on it; d 512: in clusters of 2) are bitwise those with "grouped"."""
+def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(monkeypatch):
+  """The layer's gradients with WGRAD_KERNEL "persistent" (dW1 and dW2 gathering their rows on
+  it) are bitwise those with "grouped"."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(74, 1000, 512, 256, 16, jnp.bfloat16)
   monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "grouped")
   grad = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
       jnp.float32)), argnums=(2, 3)))
   want = grad(*args)
-  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", wgrad_kernel)
+  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "persistent")
   got = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
       jnp.float32)), argnums=(2, 3)))(*args)
   for g, w in zip(got, want):
