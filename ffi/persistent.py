@@ -147,7 +147,10 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   storage = smem.allocate(shared_storage)
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
   s_b = storage.s_b.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-  loads, _ = gg.load_pipeline(storage, stages, stage_bytes, gather, THREADS, tidx)
+  # a stage's empty barrier counts the warps that release it: both MMA warpgroups', or with
+  # pingpong the one warpgroup whose tile it is (counting both hung the ring on an H200)
+  loads, _ = gg.load_pipeline(storage, stages, stage_bytes, gather, 128 if pingpong else THREADS,
+                              tidx)
 
   if warp < 4:   # the producer warpgroup
     cute.arch.setmaxregister_decrease(gg.PRODUCER_REGISTERS)
