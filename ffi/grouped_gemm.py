@@ -183,6 +183,40 @@ def issue_k_step(tiled_mma, accs, frag_a, frag_bs, stage):
   warpgroup.commit_group()
 
 
+@cute.jit
+def consume_tile(loads, consume, release, tiled_mma, accs, frag_a, frag_bs, num_k,
+                 gather: cutlass.Constexpr):
+  """A consumer warpgroup's mainloop of one tile of a persistent kernel: accs zeroed, then
+  each of its num_k ring stages waited for (gathered stages fenced for the async proxy first),
+  its wgmmas issued, the previous step's stage released once they are done. Returns the
+  advanced states; the last stage is still held and its wgmmas may be running
+  (release_last_stage)."""
+  for acc in accs:
+    acc.fill(0.0)
+  for kk in cutlass.range(num_k, unroll=1):
+    loads.consumer_wait(consume)
+    if cutlass.const_expr(gather):   # the gathered rows are generic-proxy writes
+      cute.arch.fence_proxy("async.shared", space="cta")
+    issue_k_step(tiled_mma, accs, frag_a, frag_bs, consume.index)
+    consume.advance()
+    warpgroup.wait_group(1)   # step kk - 1's wgmmas are done, so its stage is free
+    if kk > 0:
+      loads.consumer_release(release)
+      release.advance()
+  return consume, release
+
+
+@cute.jit
+def release_last_stage(loads, release, num_k):
+  """Once a tile's wgmmas are done, its last stage back to the producer (which is already
+  filling the others). Returns the advanced release state."""
+  warpgroup.wait_group(0)
+  if num_k > 0:
+    loads.consumer_release(release)
+    release.advance()
+  return release
+
+
 def load_stage(loads, state, operands, k):
   """The producer: TMA loads of k step k of each (atom, gmem tiles, smem stages) operand into
   stage state.index, completing on that stage's mbarrier."""

@@ -85,38 +85,6 @@ def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_ste
   return m_tile, t % num_n_tiles, 0, num_k, cutlass.min(owner, num_experts - 1), 0
 
 
-@cute.jit
-def _tile_mainloop(loads, consume, release, tiled_mma, acc, frag_a, frag_b, num_k,
-                   gather: cutlass.Constexpr):
-  """acc = one tile's product over its num_k ring stages: each waited for (gathered stages
-  fenced for the async proxy first), its wgmmas issued, the previous step's stage released
-  once they are done. Returns the advanced states; the last stage is still held and its
-  wgmmas may be running (_release_last)."""
-  acc.fill(0.0)
-  for kk in cutlass.range(num_k, unroll=1):
-    loads.consumer_wait(consume)
-    if cutlass.const_expr(gather):   # the gathered rows are generic-proxy writes
-      cute.arch.fence_proxy("async.shared", space="cta")
-    gg.issue_k_step(tiled_mma, [acc], frag_a, [frag_b], consume.index)
-    consume.advance()
-    warpgroup.wait_group(1)   # step kk - 1's wgmmas are done, so its stage is free
-    if kk > 0:
-      loads.consumer_release(release)
-      release.advance()
-  return consume, release
-
-
-@cute.jit
-def _release_last(loads, release, num_k):
-  """Once the tile's wgmmas are done, its last stage back to the producer (which is already
-  filling the others). Returns the advanced release state."""
-  warpgroup.wait_group(0)
-  if num_k > 0:
-    loads.consumer_release(release)
-    release.advance()
-  return release
-
-
 @cute.kernel
 def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: cute.Tensor,
             tma_out: cute.CopyAtom, m_out_tma: cute.Tensor, tile_info: cute.Tensor,
@@ -188,20 +156,15 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
       i = cutlass.Int32(0)   # the tile's place among the CTA's tiles
       for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
         m_tile, n_tile, _, num_k, _, out_l = work(t)
-        if i % 2 != me:   # the other warpgroup's tile: step over its stages
-          for _ in cutlass.range(num_k, unroll=1):
-            consume.advance()
-            release.advance()
+        if i % 2 != me:
+          consume, release = pp.skip_tile(consume, release, num_k)
         else:
-          # the other has waited for all its tile's stages (the ring is read in tile order)
-          # and this warpgroup's last stores have read its buffers (all 128 threads arrive)
-          if i > 0:
-            cute.arch.barrier(barrier_id=pp.TURN_BARRIER + me, number_of_threads=256)
-          consume, release = _tile_mainloop(loads, consume, release, tiled_mma, acc, frag_a,
-                                            frag_b, num_k, gather)
-          if i + 1 < my_tiles:
-            cute.arch.barrier_arrive(barrier_id=pp.TURN_BARRIER + 1 - me, number_of_threads=256)
-          release = _release_last(loads, release, num_k)
+          # (the turn also means this warpgroup's last stores have read its buffers)
+          pp.wait_turn(me, i)
+          consume, release = gg.consume_tile(loads, consume, release, tiled_mma, [acc], frag_a,
+                                             [frag_b], num_k, gather)
+          pp.pass_turn(me, i, my_tiles)
+          release = gg.release_last_stage(loads, release, num_k)
           gg._tma_store_epilogue([acc], out_tile(m_tile, n_tile, out_l), s_c, tiled_mma,
                                  mma_tidx, warp % 4 == 0, False, pp.EPILOGUE_BARRIER + me, 128,
                                  me * gg.EPI_STAGES, m_major=out_m_major)
@@ -209,9 +172,9 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     else:
       for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
         m_tile, n_tile, _, num_k, _, out_l = work(t)
-        consume, release = _tile_mainloop(loads, consume, release, tiled_mma, acc, frag_a,
-                                          frag_b, num_k, gather)
-        release = _release_last(loads, release, num_k)
+        consume, release = gg.consume_tile(loads, consume, release, tiled_mma, [acc], frag_a,
+                                           [frag_b], num_k, gather)
+        release = gg.release_last_stage(loads, release, num_k)
         # the previous tile's stores have read the buffers (its leader waited) before any
         # thread writes them again
         cute.arch.barrier(barrier_id=gg.EPILOGUE_BARRIER, number_of_threads=THREADS)

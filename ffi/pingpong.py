@@ -104,6 +104,32 @@ def widest_block_n(num_rhs: int) -> int:
 
 
 @cute.jit
+def skip_tile(consume, release, num_k):
+  """The other consumer's tile: this one's ring states stepped over its num_k stages."""
+  for _ in cutlass.range(num_k, unroll=1):
+    consume.advance()
+    release.advance()
+  return consume, release
+
+
+@cute.jit
+def wait_turn(me, i):
+  """Consumer me before the CTA's i-th tile: the other has waited for all of its own tile's
+  stages (the two read the ring in tile order, so a stage's phase bit is never read one lap
+  early), and all 128 of me's threads are here (its previous epilogue's stores issued)."""
+  if i > 0:
+    cute.arch.barrier(barrier_id=TURN_BARRIER + me, number_of_threads=256)
+
+
+@cute.jit
+def pass_turn(me, i, my_tiles):
+  """Consumer me, every stage of the CTA's i-th tile waited for: the other's turn (if the
+  CTA has a next tile)."""
+  if i + 1 < my_tiles:
+    cute.arch.barrier_arrive(barrier_id=TURN_BARRIER + 1 - me, number_of_threads=256)
+
+
+@cute.jit
 def _register_outputs(accs, out_tiles, thr_mma, dtype, block_n: cutlass.Constexpr,
                       swiglu: cutlass.Constexpr):
   """The output tiles in dtype, stored from registers to out_tiles one fragment column group
@@ -284,31 +310,14 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       num_k = cutlass.Int32(0)   # none for a tile past the last group
       if tile_expert[rows] < num_experts:
         num_k = k_steps
-      if i % 2 != me:   # the other consumer's tile: step over its stages
-        for _ in cutlass.range(num_k, unroll=1):
-          consume.advance()
-          release.advance()
+      if i % 2 != me:
+        consume, release = skip_tile(consume, release, num_k)
       else:
-        if i > 0:
-          cute.arch.barrier(barrier_id=TURN_BARRIER + me, number_of_threads=256)
-        for acc in accs:
-          acc.fill(0.0)
-        for kk in cutlass.range(num_k, unroll=1):
-          loads.consumer_wait(consume)
-          if cutlass.const_expr(gather):   # the gathered rows are generic-proxy writes
-            cute.arch.fence_proxy("async.shared", space="cta")
-          grouped_gemm.issue_k_step(tiled_mma, accs, frag_a, frag_bs, consume.index)
-          consume.advance()
-          warpgroup.wait_group(1)   # the previous step's wgmmas are done: release its stage
-          if kk > 0:
-            loads.consumer_release(release)
-            release.advance()
-        if i + 1 < my_tiles:   # every stage of this tile waited for: the other's turn
-          cute.arch.barrier_arrive(barrier_id=TURN_BARRIER + 1 - me, number_of_threads=256)
-        warpgroup.wait_group(0)
-        if num_k > 0:
-          loads.consumer_release(release)
-          release.advance()
+        wait_turn(me, i)
+        consume, release = grouped_gemm.consume_tile(loads, consume, release, tiled_mma, accs,
+                                                     frag_a, frag_bs, num_k, gather)
+        pass_turn(me, i, my_tiles)
+        release = grouped_gemm.release_last_stage(loads, release, num_k)
         tile_of = lambda m, c: cute.local_tile(m, tile_mnk, (rows, c, None, 0), proj=(1, 1, None))
         if cutlass.const_expr(kind == "store" and tma_store):
           grouped_gemm._tma_store_epilogue(
