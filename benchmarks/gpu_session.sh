@@ -278,8 +278,10 @@ PY
                      # warpgroups: their bitwise GPU tests under a timeout (rc 124: a hang),
                      # then two rounds of sweep rows beside the cooperative kernel at 256 and
                      # 128 wide (olmoe, 120B-n1024, 30B-n256, 7B-n256)                (~8 min)
-      timeout 200 python3 -m pytest -m gpu tests/test_cute.py -p no:cacheprovider -rA \
-        -k "persistent_weight_grad_matches or layer_with_persistent_weight" \
+      # (and the ping-pong kernels' own tests: their turn and mainloop are shared helpers
+      # since session 26's review, their PTX otherwise unchanged)
+      timeout 300 python3 -m pytest -m gpu tests/test_cute.py -p no:cacheprovider -rA \
+        -k "persistent_weight_grad_matches or layer_with_persistent_weight or pingpong" \
         > "$OUT/pytest_wgrad_pingpong.log" 2>&1
       rc=$?; echo "tests: rc $rc"
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_wgrad_pingpong.log" | cut -c1-160 | tail -8
