@@ -55,8 +55,6 @@
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
 #           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
-#   wgrad_pingpong: the ping-pong persistent weight gradients: GPU tests under a timeout, then
-#           two rounds of sweep rows beside the cooperative ones (after cute staging)  (~8 min)
 #   pair  : one config side by side in one call, ours then the PyTorch SonicMoE's first run
 #           and timed loop (PAIR_CONFIG; after cute and upstream staging)            (~10 min)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
@@ -274,27 +272,6 @@ PY
       timeout 120 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,olmoe \
         --stages 0 --block-n 128,256 --kernels dh_gather,dh_pingpong,dh_pingpong_gather \
         --out "$OUT/sweep_dh_pingpong.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
-    wgrad_pingpong)  # after cute staging: the persistent weight gradients with ping-pong MMA
-                     # warpgroups: their bitwise GPU tests under a timeout (rc 124: a hang),
-                     # then two rounds of sweep rows beside the cooperative kernel at 256 and
-                     # 128 wide (olmoe, 120B-n1024, 30B-n256, 7B-n256)                (~8 min)
-      # (and the ping-pong kernels' own tests: their turn and mainloop are shared helpers
-      # since session 26's review, their PTX otherwise unchanged)
-      timeout 300 python3 -m pytest -m gpu tests/test_cute.py -p no:cacheprovider -rA \
-        -k "persistent_weight_grad_matches or layer_with_persistent_weight or pingpong" \
-        > "$OUT/pytest_wgrad_pingpong.log" 2>&1
-      rc=$?; echo "tests: rc $rc"
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_wgrad_pingpong.log" | cut -c1-160 | tail -8
-      [ "$rc" = 0 ] || continue
-      for round in 1 2; do
-        for bn in 256 128; do
-          kernels=dw1_gather_persistent,dw2_gather_persistent
-          [ "$bn" = 128 ] && kernels=$kernels,dw1_gather_persistent_pingpong,dw2_gather_persistent_pingpong
-          timeout 120 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n "$bn" \
-            --configs olmoe,120B-n1024,30B-n256,7B-n256 --kernels "$kernels" \
-            --out "$OUT/sweep_wgrad_pingpong_${bn}_$round.json" 2>&1 | grep -v '^{' | grep -v "^config"
-        done
-      done ;;
     pair)  # after cute and upstream staging: one config (PAIR_CONFIG, default olmoe) side by
            # side in one call on a fresh PyTorch cache: ours first (bench, auto), then the
            # PyTorch SonicMoE's first run, timed loop and profiled step in what is left of the

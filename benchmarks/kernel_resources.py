@@ -55,7 +55,6 @@ VARIANTS = [
     ("dh ws bn256 fit", "dh_ws", 256, 0), ("wgrad ws bn256 fit", "wgrad_ws", 256, 0),
     ("wgrad persistent gather bn128 fit", "wgrad_persistent_gather", 128, 0),
     ("wgrad persistent gather bn256 fit", "wgrad_persistent_gather", 256, 0),
-    ("wgrad persistent pingpong gather bn128 fit", "wgrad_persistent_pingpong_gather", 128, 0),
     ("store persistent bn256 fit", "matmul_persistent", 256, 0),
 ]
 
@@ -111,9 +110,6 @@ fn, args = {
                           (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "wgrad_persistent_gather": (lambda a, b, o, i: pw.weight_grad(a, b, o, E, i, **kw),
                                 (sds(300, K), sds(P, N), sds(E + 1, dt=jnp.int32), sds(P, dt=jnp.int32))),
-    "wgrad_persistent_pingpong_gather": (
-        lambda a, b, o, i: pw.weight_grad(a, b, o, E, i, pingpong=True, **kw),
-        (sds(300, K), sds(P, N), sds(E + 1, dt=jnp.int32), sds(P, dt=jnp.int32))),
 }[kernel]
 jax.jit(fn).trace(*args)
 """

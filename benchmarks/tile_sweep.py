@@ -95,8 +95,6 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   - dw1, dw1_gather: dW1 gathering X's rows in the kernel; dw2, dw2_gather: dW2 transposed
     gathering dO's rows; dw1_gather_persistent, dw2_gather_persistent, down_proj_persistent,
     dx_tilde_persistent: the same on persistent CTAs (ffi/persistent.py);
-    dw1_gather_persistent_pingpong, dw2_gather_persistent_pingpong: its weight gradients with
-    ping-pong MMA warpgroups (block_n <= 128);
   - up_proj, down_proj, dx_tilde, dh, dw1 and dw2 again as *_ws: a producer warpgroup issuing
     their TMA loads."""
   from ffi import grouped_gemm as cute_gemm, persistent, pingpong  # optional extra
@@ -166,16 +164,13 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dw2_gather"] = (jax.jit(lambda c, g, a, o, i: cute_gemm.weight_grad(
       g, a, o, E, gather_index=i, transpose_out=True, **dataclasses.asdict(c)),
       static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
-  # the same two on persistent CTAs (ffi/persistent.py), cooperative and ping-pong
-  for suffix, pp in [("", False), ("_pingpong", True)]:
-    rows[f"dw1_gather_persistent{suffix}"] = (jax.jit(
-        lambda c, x, h, o, i, pp=pp: persistent.weight_grad(
-            x, h, o, E, i, pingpong=pp, **dataclasses.asdict(c)), static_argnums=0),
-        (x, h, offsets, plan.token_index), dw1_flops, None)
-    rows[f"dw2_gather_persistent{suffix}"] = (jax.jit(
-        lambda c, g, a, o, i, pp=pp: persistent.weight_grad(
-            g, a, o, E, i, transpose_out=True, pingpong=pp, **dataclasses.asdict(c)),
-        static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
+  # the same two on persistent CTAs (ffi/persistent.py)
+  rows["dw1_gather_persistent"] = (jax.jit(lambda c, x, h, o, i: persistent.weight_grad(
+      x, h, o, E, i, **dataclasses.asdict(c)), static_argnums=0),
+      (x, h, offsets, plan.token_index), dw1_flops, None)
+  rows["dw2_gather_persistent"] = (jax.jit(lambda c, g, a, o, i: persistent.weight_grad(
+      g, a, o, E, i, transpose_out=True, **dataclasses.asdict(c)),
+      static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
   for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands
     _, mm_args, mm_flops, mm_n = rows[name]
     rows[f"{name}_persistent"] = (jax.jit(

@@ -122,11 +122,9 @@ STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
 # grouped vs persistent: dW1 30B-n256 3.729 vs 3.546, olmoe 3.353 vs 3.319, 7B-n256 0.596 vs
 # 0.557; dW2 1.992 vs 1.915, 1.758 vs 1.726, 0.323 vs 0.311; session 22: dW1 120B-n1024
 # 7.438 vs 7.258, 7B-n1024 0.588 vs 0.570; dW2 3.614 vs 3.438, 0.321 vs 0.322. The layer with
-# it matches the grouped kernel's on the H200 (session 22, call 3). "persistent_pingpong":
-# persistent.py's ping-pong MMA warpgroups (one's epilogue under the other's mainloop), on
-# 128-wide tiles.
+# it matches the grouped kernel's on the H200 (session 22, call 3).
 WGRAD_KERNEL = "persistent"
-WGRAD_KERNELS = ("grouped", "persistent", "persistent_pingpong")
+WGRAD_KERNELS = ("grouped", "persistent")
 
 
 def _setting(name: str, value, choices):
@@ -310,18 +308,11 @@ def dx_tilde(dh, w1, plan, cols=None):
 
 
 def _gathered_weight_grad(x, rhs, plan, block_n: int, transpose_out: bool = False):
-  """weight_grad with x's rows gathered by the plan's token_index, on WGRAD_KERNEL (the
-  ping-pong one at most pingpong.widest_block_n(1) wide)."""
-  kernel = _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS)
-  args = (x, rhs, plan.group_offsets, plan.num_experts)
-  if kernel == "grouped":
-    return grouped_gemm.weight_grad(*args, block_n=block_n, gather_index=plan.token_index,
-                                    transpose_out=transpose_out)
-  option = {}
-  if kernel == "persistent_pingpong":
-    option, block_n = dict(pingpong=True), min(block_n, pingpong.widest_block_n(1))
-  return persistent.weight_grad(*args, plan.token_index, block_n=block_n,
-                                transpose_out=transpose_out, **option)
+  """weight_grad with x's rows gathered by the plan's token_index, on WGRAD_KERNEL."""
+  persistent_ctas = _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "persistent"
+  kernel = persistent if persistent_ctas else grouped_gemm
+  return kernel.weight_grad(x, rhs, plan.group_offsets, plan.num_experts, block_n=block_n,
+                            gather_index=plan.token_index, transpose_out=transpose_out)
 
 
 def dw1(x, dh_, plan):

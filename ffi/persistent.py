@@ -24,13 +24,6 @@ Schedule:
               SMEM buffers of its own (EPI_STAGES x EPI_TILE, not over the stages, which the
               producer is refilling) and TMA stores (grouped_gemm._tma_store_epilogue; M-major
               for a transposed weight gradient); a tile without k steps stores zeros
-  ping-pong : (weight gradients with pingpong=True) warpgroups 1 and 2 each take a CTA's tiles
-              whole in turn (its i-th tile is warpgroup 1 + i % 2's; BLOCK_M x block_n of fp32
-              accumulators, two m64 wgmmas per 16-deep slice, so block_n <= 128), each with
-              EPI_STAGES epilogue buffers of its own: one's epilogue runs under the other's
-              mainloop, as ffi/pingpong.py's kernels (its turn and epilogue barriers). The
-              cooperative schedule's epilogue leaves the tensor cores idle (~10% of the MMA
-              warps' samples for dW1 at 120B-n1024, session 25's ncu)
 """
 from __future__ import annotations
 
@@ -43,27 +36,21 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ffi import grouped_gemm as gg
-from ffi import pingpong as pp
 from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE, THREADS
 
 NUM_SMS = 132     # H100 / H200 SXM: the default grid (fewer SMs only queue CTAs)
 MAX_STAGES = 8
 
 
-def epilogue_consumers(pingpong: bool) -> int:
-  """How many sets of epilogue buffers: one per ping-pong consumer, one shared otherwise."""
-  return 2 if pingpong else 1
-
-
-def epilogue_bytes(itemsize: int, pingpong: bool = False) -> int:
+def epilogue_bytes(itemsize: int) -> int:
   """SMEM of the epilogue's own TMA-store buffers."""
-  return epilogue_consumers(pingpong) * gg.EPI_STAGES * EPI_TILE[0] * EPI_TILE[1] * itemsize
+  return gg.EPI_STAGES * EPI_TILE[0] * EPI_TILE[1] * itemsize
 
 
-def stages_that_fit(block_n: int, itemsize: int, pingpong: bool = False) -> int:
+def stages_that_fit(block_n: int, itemsize: int) -> int:
   """The ring's deepest beside the epilogue's buffers (at most MAX_STAGES)."""
   return min(MAX_STAGES, gg._stages_that_fit(block_n, 1, itemsize,
-                                             reserved=epilogue_bytes(itemsize, pingpong)))
+                                             reserved=epilogue_bytes(itemsize)))
 
 
 def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_steps: int,
@@ -95,13 +82,11 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
             num_m_tiles: cutlass.Constexpr, num_n_tiles: cutlass.Constexpr,
             k_steps: cutlass.Constexpr, num_tiles: cutlass.Constexpr,
-            out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr,
-            pingpong: cutlass.Constexpr):
+            out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr):
   """kind "wgrad": m_a X (T, M, 1) the gathered rows' source, m_b the rhs (N, P, 1) N-major,
   the output (M, N, E), tile_info group_offsets (E + 1,), gather_index (P,). kind "store":
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
-  tile_info tile_expert (P / BLOCK_M,), gather_index unused. pingpong: the MMA warpgroups
-  take tiles in turn (module docstring), tiled_mma then one warpgroup's."""
+  tile_info tile_expert (P / BLOCK_M,), gather_index unused."""
   gather = kind == "wgrad"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -115,10 +100,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   storage = smem.allocate(shared_storage)
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
   s_b = storage.s_b.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-  # a stage's empty barrier counts the warps that release it: both MMA warpgroups', or with
-  # pingpong the one warpgroup whose tile it is (counting both hung the ring on an H200)
-  loads, _ = gg.load_pipeline(storage, stages, stage_bytes, gather, 128 if pingpong else THREADS,
-                              tidx)
+  loads, _ = gg.load_pipeline(storage, stages, stage_bytes, gather, THREADS, tidx)
 
   if warp < 4:   # the producer warpgroup
     cute.arch.setmaxregister_decrease(gg.PRODUCER_REGISTERS)
@@ -138,9 +120,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
           produce.advance()
   else:   # the MMA warpgroups
     cute.arch.setmaxregister_increase(gg.MMA_REGISTERS)
-    # (ping-pong) this warpgroup's place, 0 or 1, and its thread index within it
-    me = warp // 4 - 1
-    mma_tidx = tidx % 128 if cutlass.const_expr(pingpong) else tidx - 128
+    mma_tidx = tidx - 128
     thr_mma = tiled_mma.get_slice(mma_tidx)
     frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
     frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
@@ -149,44 +129,24 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
     consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    out_tile = lambda m_tile, n_tile, out_l: [(tma_out, cute.local_tile(
-        m_out_tma, tile_mnk, (m_tile, n_tile, None, out_l), proj=(1, 1, None)))]
-    if cutlass.const_expr(pingpong):
-      my_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
-      i = cutlass.Int32(0)   # the tile's place among the CTA's tiles
-      for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
-        m_tile, n_tile, _, num_k, _, out_l = work(t)
-        if i % 2 != me:
-          consume, release = pp.skip_tile(consume, release, num_k)
-        else:
-          # (the turn also means this warpgroup's last stores have read its buffers)
-          pp.wait_turn(me, i)
-          consume, release = gg.consume_tile(loads, consume, release, tiled_mma, [acc], frag_a,
-                                             [frag_b], num_k, gather)
-          pp.pass_turn(me, i, my_tiles)
-          release = gg.release_last_stage(loads, release, num_k)
-          gg._tma_store_epilogue([acc], out_tile(m_tile, n_tile, out_l), s_c, tiled_mma,
-                                 mma_tidx, warp % 4 == 0, False, pp.EPILOGUE_BARRIER + me, 128,
-                                 me * gg.EPI_STAGES, m_major=out_m_major)
-        i += 1
-    else:
-      for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
-        m_tile, n_tile, _, num_k, _, out_l = work(t)
-        consume, release = gg.consume_tile(loads, consume, release, tiled_mma, [acc], frag_a,
-                                           [frag_b], num_k, gather)
-        release = gg.release_last_stage(loads, release, num_k)
-        # the previous tile's stores have read the buffers (its leader waited) before any
-        # thread writes them again
-        cute.arch.barrier(barrier_id=gg.EPILOGUE_BARRIER, number_of_threads=THREADS)
-        gg._tma_store_epilogue([acc], out_tile(m_tile, n_tile, out_l), s_c, tiled_mma, mma_tidx,
-                               warp == 4, False, m_major=out_m_major)
+    for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
+      m_tile, n_tile, _, num_k, _, out_l = work(t)
+      consume, release = gg.consume_tile(loads, consume, release, tiled_mma, [acc], frag_a,
+                                         [frag_b], num_k, gather)
+      release = gg.release_last_stage(loads, release, num_k)
+      # the previous tile's stores have read the buffers (its leader waited) before any
+      # thread writes them again
+      cute.arch.barrier(barrier_id=gg.EPILOGUE_BARRIER, number_of_threads=THREADS)
+      out_tile = cute.local_tile(m_out_tma, tile_mnk, (m_tile, n_tile, None, out_l),
+                                 proj=(1, 1, None))
+      gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx, warp == 4,
+                             False, m_major=out_m_major)
 
 
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-            stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr, kind: cutlass.Constexpr,
-            pingpong: cutlass.Constexpr = False):
+            stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr, kind: cutlass.Constexpr):
   """The persistent grid and the kernel's static configuration (_kernel's operands; the
   output's modes (rows, columns, experts or 1))."""
   dtype = lhs.element_type
@@ -197,7 +157,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   tiled_mma = sm90_utils.make_trivial_tiled_mma(
       dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-      cutlass.Float32, (1 if pingpong else gg.WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
+      cutlass.Float32, (gg.WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
   a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
   b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
   tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
@@ -212,8 +172,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
                                              (BLOCK_M, BLOCK_K))
     stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   out_layout = LayoutEnum.from_tensor(out)
-  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, EPI_TILE,
-                                                  epilogue_consumers(pingpong) * gg.EPI_STAGES)
+  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, EPI_TILE, gg.EPI_STAGES)
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(
       cpasync.CopyBulkTensorTileS2GOp(), out, cute.slice_(c_smem_staged, (None, None, 0)),
       EPI_TILE)
@@ -223,12 +182,11 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   num_n_tiles = cute.size(out, mode=[1]) // block_n
   num_tiles = num_m_tiles * num_n_tiles * cute.size(out, mode=[2])
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K   # (store: the contraction)
-  _kernel.set_name_prefix(gg.kernel_label(kind, gather, "persistent_pingpong" if pingpong
-                                          else "persistent"), remove_cutlass_symbol=True)
+  _kernel.set_name_prefix(gg.kernel_label(kind, gather, "persistent"), remove_cutlass_symbol=True)
   _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index, tiled_mma,
           a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage,
           block_n, stages, stage_bytes, num_m_tiles, num_n_tiles, k_steps, num_tiles,
-          out_layout.is_m_major_c(), kind, pingpong).launch(
+          out_layout.is_m_major_c(), kind).launch(
               grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
               stream=stream)
 
@@ -236,12 +194,10 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
 @cute.jit
 def _weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.Tensor,
                  gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-                 stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS,
-                 pingpong: cutlass.Constexpr = False):
+                 stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS):
   """x (T, M, 1) the source rows, rhs (N, P, 1) N-major, group_offsets (E + 1,), gather_index
   (P,), out (M, N, E) N- or M-major: the operands of grouped_gemm._gathered_weight_grad."""
-  _launch(stream, x, rhs, group_offsets, gather_index, out, block_n, stages, num_ctas, "wgrad",
-          pingpong)
+  _launch(stream, x, rhs, group_offsets, gather_index, out, block_n, stages, num_ctas, "wgrad")
 
 
 @cute.jit
@@ -254,11 +210,10 @@ def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
           block_n, stages, num_ctas, "store")
 
 
-def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str,
-            pingpong: bool = False) -> int:
+def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int:
   """`stages`, or as many as fit beside the epilogue's buffers (at most the k steps, at
   least 2); ValueError naming the limit."""
-  fit = stages_that_fit(block_n, itemsize, pingpong)
+  fit = stages_that_fit(block_n, itemsize)
   if stages is None:
     return max(2, min(fit, k_steps))
   if not 2 <= stages <= fit:
@@ -278,28 +233,21 @@ def _grid_config(num_ctas, name: str) -> dict:
 
 def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: int = 128,
                 stages: int | None = None, transpose_out: bool = False,
-                num_ctas: int | None = None, pingpong: bool = False):
+                num_ctas: int | None = None):
   """grouped_gemm.weight_grad with gather_index on persistent CTAs (module docstring): x
   [T, M] (slot r reads X[gather_index[r]], zeros where it is T or more), rhs [P, N] rows in
   slot order, expert e's rows group_offsets[e] .. group_offsets[e + 1] (multiples of BLOCK_M);
   returns out [E, M, N], out[e] = X_e^T rhs_e, or with transpose_out [E, N, M]. stages: the
   ring's depth (default: as many as fit beside the epilogue's buffers, at most the k steps of
-  all rows). num_ctas: the grid's most CTAs (default NUM_SMS). pingpong: the MMA warpgroups
-  take whole tiles in turn (block_n at most pingpong.widest_block_n(1), 128)."""
+  all rows). num_ctas: the grid's most CTAs (default NUM_SMS)."""
   slots = gg.rows_read(x, gather_index)
   reason = gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
-  if not reason and pingpong and block_n > pp.widest_block_n(1):
-    reason = (f"block_n={block_n} is wider than {pp.widest_block_n(1)} with pingpong=True (a "
-              f"warpgroup's {BLOCK_M} x block_n fp32 accumulators in "
-              f"{pp.MAX_ACCUMULATOR_REGISTERS} registers per thread)")
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
-  stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad",
-                   pingpong)
-  option = dict(pingpong=True) if pingpong else {}   # (off: the targets leave it out)
+  stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
   return gg.weight_grad_call((None, _weight_grad), x, rhs, group_offsets, num_experts,
                              gather_index, transpose_out, block_n=block_n, stages=stages,
-                             **_grid_config(num_ctas, "weight_grad"), **option)
+                             **_grid_config(num_ctas, "weight_grad"))
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,

@@ -810,24 +810,6 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
         "dw1": "cute"}).out.astype(jnp.float32)), argnums=2)(*args)
 
 
-@needs_cute
-def test_cute_wgrad_pingpong_setting_lowers_to_its_own_kernels(monkeypatch):
-  """WGRAD_KERNEL "persistent_pingpong" lowers (for CUDA) dW1 and dW2 to other kernels than
-  "persistent" (dW1's 256-wide tiles narrowed to 128)."""
-  cute_ops = importlib.import_module("ffi.ops")
-  args = make_inputs(8, 256, 512, 128, 4, jnp.bfloat16)
-  targets = {}
-  for kernel in ("persistent", "persistent_pingpong"):
-    monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", kernel)
-    # (a new function each time: jit would reuse the first one's trace)
-    grad = lambda *a: jax.grad(lambda *b: jnp.sum(sm.moe(*b, k=2, backend={
-        op: "xla" for op in sm.OP_NAMES} | {"dw1": "cute", "dw2": "cute"}).out.astype(
-            jnp.float32)), argnums=(2, 3))(*a)
-    targets[kernel] = set(re.findall(r"@(sonicmoe_cute_\w+)", _cuda_module(grad, *args)))
-  assert len(targets["persistent"]) == len(targets["persistent_pingpong"]) == 2
-  assert targets["persistent"].isdisjoint(targets["persistent_pingpong"])
-
-
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("num_tiles,block_n,gather,tma_store", [
@@ -1029,19 +1011,16 @@ def test_cute_weight_grad_stores_transposed_on_gpu(block_n, gather):
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,pingpong", [
-    (128, None, False, False), (256, 2, True, False), (256, None, False, False),
-    (128, None, True, True)])
-def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out, pingpong):
+@pytest.mark.parametrize("block_n,stages,transpose_out", [(128, None, False), (256, 2, True),
+                                                          (256, None, False)])
+def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out):
   """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers) compiles
-  for sm_90a at the tiles and depths the layer and the sweep run, with its MMA warpgroups
-  cooperative or ping-pong (the M-major epilogue of each consumer's own buffers)."""
+  for sm_90a at the tiles and depths the layer and the sweep run."""
   from ffi import persistent
   P, M, N, E, T = 512, 256, 512, 4, 300
   offsets = jnp.arange(E + 1, dtype=jnp.int32) * (P // E)
   fn = lambda x, r, i: persistent.weight_grad(x, r, offsets, E, i, block_n=block_n,
-                                              stages=stages, transpose_out=transpose_out,
-                                              pingpong=pingpong)
+                                                    stages=stages, transpose_out=transpose_out)
   shapes = [jax.ShapeDtypeStruct((T, M), jnp.bfloat16), jax.ShapeDtypeStruct((P, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -1096,10 +1075,6 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
     persistent.weight_grad(x, rhs, offsets, 4, index, block_n=384)
   with pytest.raises(ValueError, match="num_ctas must be a positive int; got 0"):
     persistent.weight_grad(x, rhs, offsets, 4, index, num_ctas=0)
-  with pytest.raises(ValueError, match="block_n=256 is wider than 128 with pingpong=True"):
-    persistent.weight_grad(x, rhs, offsets, 4, index, block_n=256, pingpong=True)
-  with pytest.raises(ValueError, match=r"stages=6 must be between 2 and 5"):   # 64 KiB of buffers
-    persistent.weight_grad(x, rhs, offsets, 4, index, stages=6, pingpong=True)
   lhs, w, tiles = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((4, 256, 512), jnp.bfloat16), \
       jnp.zeros((4,), jnp.int32)
   with pytest.raises(ValueError, match=r"cute persistent grouped_matmul: cols=\(0, 600\) must be"):
@@ -1110,17 +1085,15 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas,pingpong", [
-    (128, None, False, None, False), (256, None, True, None, False), (256, 2, False, 3, False),
-    (128, 3, True, 5, False), (256, None, True, 1, False), (128, None, False, 3, True),
-    (128, 2, True, 5, True), (128, None, True, 1, True), (64, None, False, None, True)])
+@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas", [
+    (128, None, False, None), (256, None, True, None), (256, 2, False, 3), (128, 3, True, 5),
+    (256, None, True, 1)])
 def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, transpose_out,
-                                                            num_ctas, pingpong):
+                                                            num_ctas):
   """The persistent kernel gives grouped_gemm.weight_grad's bits, gathering X's rows (padding
   slots: index T): experts of 256, 0 (zeros), 640, 128 and 1152 rows, so that a CTA's tiles run
   2, 0, 10, 2 and 18 k steps and its ring of `stages` wraps within and across tiles; num_ctas
-  3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each),
-  and with pingpong its two MMA warpgroups take them in turn (odd and even counts a CTA)."""
+  3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each)."""
   from ffi import grouped_gemm, persistent
   sizes = [256, 0, 640, 128, 1152]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
@@ -1130,8 +1103,7 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
   index = jax.random.randint(jax.random.key(73), (P,), 0, T).at[::5].set(T)
   kw = dict(block_n=block_n, transpose_out=transpose_out)
   got = jax.jit(lambda a, b, o, i: persistent.weight_grad(
-      a, b, o, E, i, stages=stages, num_ctas=num_ctas, pingpong=pingpong, **kw))(
-          x, rhs, offsets, index)
+      a, b, o, E, i, stages=stages, num_ctas=num_ctas, **kw))(x, rhs, offsets, index)
   want = jax.jit(lambda a, b, o, i: grouped_gemm.weight_grad(
       a, b, o, E, gather_index=i, **kw))(x, rhs, offsets, index)
   assert got.shape == want.shape == ((E, N, M) if transpose_out else (E, M, N))
@@ -1188,19 +1160,16 @@ def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypat
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("wgrad_kernel", ["persistent", "persistent_pingpong"])
-def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(monkeypatch,
-                                                                        wgrad_kernel):
-  """The layer's gradients with WGRAD_KERNEL "persistent" or "persistent_pingpong" (dW1 and
-  dW2 gathering their rows on it; the ping-pong one on 128-wide tiles, the grouped one on
-  256-wide: the same k order for each element) are bitwise those with "grouped"."""
+def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(monkeypatch):
+  """The layer's gradients with WGRAD_KERNEL "persistent" (dW1 and dW2 gathering their rows on
+  it) are bitwise those with "grouped"."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(74, 1000, 512, 256, 16, jnp.bfloat16)
   monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "grouped")
   grad = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
       jnp.float32)), argnums=(2, 3)))
   want = grad(*args)
-  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", wgrad_kernel)
+  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "persistent")
   got = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
       jnp.float32)), argnums=(2, 3)))(*args)
   for g, w in zip(got, want):
