@@ -115,6 +115,11 @@ DH_OVER_H = True
 # (such outs take the TMA stores).
 STORE_KERNEL = "pingpong_tma"
 STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
+# The ping-pong store kernels' column tile: 128, or 192 where it divides the window's columns
+# (d = 1536: the 7B configs; a 128 x 192 tile reads 77 operand FLOP per byte against 64,
+# benchmarks/NOTES.md "Operand traffic of the store GEMMs"), else 128.
+STORE_BLOCK_N = 128
+STORE_BLOCK_NS = (128, 192)
 # The weight gradients' kernel where they gather rows (dw1's X, dw2's dO): "grouped"
 # (grouped_gemm.weight_grad, one CTA per output tile) or "persistent" (persistent.py:
 # CTAs looping over tiles, the producer filling the next tile's stages under the epilogue;
@@ -226,7 +231,8 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   persistent.py's (STORE_WIDE_KERNEL "persistent", the default) or grouped_gemm's ("grouped":
   their TMA loads by a producer warp from STORE_WIDE_WS_MIN_N). n_out: the product's columns
   (they pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the kernels read rhs
-  from column lo: no copy), their tile's width halved until it divides them."""
+  from column lo: no copy), their tile's width halved until it divides them (the ping-pong
+  kernels' 192 wide where STORE_BLOCK_N asks and it divides them)."""
   _setting("STORE_KERNEL", STORE_KERNEL, STORE_KERNELS)
   width = n_out if cols is None else cols[1] - cols[0]
   wide_kernel = _setting("STORE_WIDE_KERNEL", STORE_WIDE_KERNEL, STORE_WIDE_KERNELS)
@@ -239,6 +245,8 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
                                        warp_specialized=n_out >= STORE_WIDE_WS_MIN_N, cols=cols)
   block_n = _wide_tile(width, 128)
   if STORE_KERNEL.startswith("pingpong"):
+    if _setting("STORE_BLOCK_N", STORE_BLOCK_N, STORE_BLOCK_NS) == 192 and width % 192 == 0:
+      block_n = 192
     # an out past the register stores' 32-bit offsets takes the TMA stores
     tma_store = (STORE_KERNEL == "pingpong_tma"
                  or not pingpong.register_stores_fit(lhs.shape[0], width))
@@ -263,7 +271,7 @@ def _dh_kernel(d: int) -> str:
 
 def _dh_block_n(n: int, d: int) -> int:
   """dH's column tile: DH_BLOCK_N (at most 128 on the ping-pong kernel), halved to divide n."""
-  widest = pingpong.widest_block_n(1) if _dh_kernel(d).startswith("pingpong") else DH_BLOCK_N
+  widest = pingpong.widest_block_n(1, "dh") if _dh_kernel(d).startswith("pingpong") else DH_BLOCK_N
   return _wide_tile(n, min(DH_BLOCK_N, widest))
 
 

@@ -12,8 +12,9 @@ Schedule:
   work tile : TILE_M (128: one M tile of the plan, one expert) rows x block_n columns of the
               GEMM (and so of dH's or H's gate and up columns and of A' or A), all of it one
               consumer warpgroup's (two m64 wgmmas per 16-deep k slice; accumulators of
-              TILE_M x block_n / 128 fp32 registers per thread each: block_n <= 128 for dh's
-              one, <= 64 for SwiGLU's two); tile t is M tile t // (n / block_n), column block
+              TILE_M x block_n / 128 fp32 registers per thread each: block_n <= 192 for the
+              store kernels' one, <= 128 for dh's, <= 64 for SwiGLU's two:
+              MAX_ACCUMULATOR_REGISTERS); tile t is M tile t // (n / block_n), column block
               t % (n / block_n): an M tile's column tiles run next to each other, on
               neighbouring CTAs (their shared rows from L2)
   grid      : min(tiles, NUM_SMS) persistent CTAs; CTA c takes tiles c, c + grid, c + 2 grid..
@@ -54,7 +55,11 @@ from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE
 
 TILE_M = BLOCK_M            # a work tile's rows: one M tile of the plan (one expert's rows)
 MMA_M = 64                  # one wgmma's rows: a consumer warpgroup covers TILE_M in TILE_M / 64
-MAX_ACCUMULATOR_REGISTERS = 128   # fp32 accumulator registers per consumer thread, all tiles
+# fp32 accumulator registers per consumer thread (of its 232), all its accumulators', by kernel
+# kind: the store kernels' epilogue converts and stores one EPI_TILE column chunk at a time, so
+# 192 (block_n 192) compile without stack, register or TMA stores (sm_90a cubins, session 27);
+# dh's and SwiGLU's epilogues keep more values live
+MAX_ACCUMULATOR_REGISTERS = {"store": 192, "dh": 128, "swiglu": 128}
 NUM_SMS = 132               # H100 / H200 SXM: the persistent grid (fewer SMs only queue CTAs)
 THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 # setmaxnreg budgets (producer, consumers): 128 x producer + 256 x consumer may not pass what
@@ -97,10 +102,10 @@ def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1, tma_store: bo
       block_n, num_rhs, itemsize, TILE_M, epilogue_bytes(itemsize, kind) if tma_store else 0))
 
 
-def widest_block_n(num_rhs: int) -> int:
+def widest_block_n(num_rhs: int, kind: str) -> int:
   """The widest block_n whose num_rhs accumulators (TILE_M x block_n fp32, over a
-  warpgroup's 128 threads) fit in MAX_ACCUMULATOR_REGISTERS per thread."""
-  return MAX_ACCUMULATOR_REGISTERS * 128 // (num_rhs * TILE_M)
+  warpgroup's 128 threads) fit in kind's MAX_ACCUMULATOR_REGISTERS per thread."""
+  return MAX_ACCUMULATOR_REGISTERS[kind] * 128 // (num_rhs * TILE_M)
 
 
 @cute.jit
@@ -465,11 +470,11 @@ def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str,
   """block_n within the accumulators' registers (widest_block_n) and the ring's depth:
   `stages`, or as many as fit (beside the TMA-store epilogue's buffers with tma_store);
   ValueError naming the limit."""
-  widest = widest_block_n(num_rhs)
+  widest = widest_block_n(num_rhs, kind)
   if block_n > widest:
     raise ValueError(f"cute ping-pong {name}: block_n={block_n} is wider than {widest} (its "
                      f"{num_rhs} accumulator(s) of {TILE_M} x block_n fp32 in "
-                     f"{MAX_ACCUMULATOR_REGISTERS} registers per consumer thread)")
+                     f"{MAX_ACCUMULATOR_REGISTERS[kind]} registers per consumer thread)")
   fit = stages_that_fit(block_n, itemsize, num_rhs, tma_store, kind)
   if stages is None:
     return fit
@@ -490,7 +495,7 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major. out is stored from
   registers, or with tma_store through SMEM buffers of each consumer's own and TMA stores
   (grouped_gemm._tma_store_epilogue; fewer ring stages fit). block_n: at most
-  widest_block_n(1) (128); stages: the ring's depth (default: as many as fit). ffi.ops runs
+  widest_block_n(1, "store") (192); stages: the ring's depth (default: as many as fit). ffi.ops runs
   down_proj and dx_tilde on it with STORE_KERNEL = "pingpong" / "pingpong_tma". On an H200
   both give grouped_matmul's bits (sessions 10, 11); the TMA stores are the default, 20-25%
   faster than grouped_matmul (session 11). The register stores' 32-bit offsets cannot address
@@ -518,8 +523,8 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
   at a time (_dh_smem_epilogue: H's chunks TMA-loaded, dH and A' stored by TMA; fewer ring
   stages fit; grouped_gemm.dh's bits on an H200, session 17: 0.437 ms in the layer at
   7B-n256 against grouped_gemm.dh's 0.467, 2.558 against 2.505 at olmoe).
-  block_n: at most widest_block_n(1) (128); stages: the ring's depth (default: as many as fit,
-  at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL "pingpong",
+  block_n: at most widest_block_n(1, "dh") (128); stages: the ring's depth (default: as many
+  as fit, at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL "pingpong",
   "pingpong_tma" or "auto" (where d <= ffi.ops.DH_PINGPONG_MAX_D). On an H200
   it gives grouped_gemm.dh's bits; at 30B-n256, block_n 128, 3 stages it took 2.76 ms (dOg's
   rows read in slot order; grouped_gemm.dh 2.75 with as many stages as fit) and 2.93 gathering
@@ -540,7 +545,7 @@ def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | N
   """grouped_gemm.up_proj with gather_index on the ping-pong schedule, the producer warpgroup
   gathering X's rows by cp.async: x [T, d], w1 [E, d, 2n], gather_index [P] (slot r reads
   X[gather_index[r]], zeros where it is T or more); returns H [P, 2n] and A [P, n]. block_n:
-  H's gate (and up) columns per tile, at most widest_block_n(2) (64). On an H200 it gives
+  H's gate (and up) columns per tile, at most widest_block_n(2, "swiglu") (64). On an H200 it gives
   grouped_gemm.up_proj's bits; at 30B-n256 it took 4.06 ms with as many stages as fit (5.38
   with 3), grouped_gemm.up_proj at block_n 128 4.05, session 10 (its 64-row-tile version,
   session 9: 4.13 vs 3.88). (Its epilogue through SMEM buffers and TMA stores, session 17,
@@ -551,7 +556,7 @@ def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | N
       None if n % block_n == 0 else f"n={n} must be a multiple of block_n={block_n}")
   if reason:
     raise ValueError(f"cute ping-pong up_proj: {reason}")
-  stages = _check_tile(block_n, x.dtype.itemsize, 2, stages, "up_proj")
+  stages = _check_tile(block_n, x.dtype.itemsize, 2, stages, "up_proj", kind="swiglu")
   # (the ping-pong kernel always gathers: no kernel reading rows in slot order)
   return grouped_gemm.up_proj_call((None, _up_proj_pingpong), x, w1, tile_expert, gather_index,
                                    block_n=block_n, stages=stages)

@@ -625,26 +625,30 @@ def test_tma_store_epilogue_reads_each_accumulator_element_once(row_blocks, bloc
 
 
 @needs_cute
-@pytest.mark.parametrize("transpose_rhs,tma_store", [(False, False), (True, True)])
-def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs, tma_store):
+@pytest.mark.parametrize("transpose_rhs,tma_store,block_n", [
+    (False, False, 128), (True, True, 128), (False, True, 192), (True, False, 192)])
+def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs, tma_store, block_n):
   """The ping-pong grouped_matmul (down_proj, and dx_tilde with W1 read K-major; register or
-  TMA stores) compiles for sm_90a and lowers as an FFI call; a tile wider than its
-  accumulator's registers, or a ring deeper than SMEM beside the epilogue's buffers, is
-  refused."""
+  TMA stores; 128 or 192 wide) compiles for sm_90a and lowers as an FFI call; a tile wider
+  than its accumulator's registers, or a ring deeper than SMEM beside the epilogue's buffers,
+  is refused."""
   from ffi import pingpong
-  P, K, N, E = 1024, 256, 512, 4
+  P, K, N, E = 1024, 256, 768, 4
   rhs = jax.ShapeDtypeStruct((E, N, K) if transpose_rhs else (E, K, N), jnp.bfloat16)
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), rhs,
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
   fn = lambda a, b, t: pingpong.grouped_matmul(a, b, t, transpose_rhs=transpose_rhs,
-                                               tma_store=tma_store)
+                                               tma_store=tma_store, block_n=block_n)
   assert FFI_TARGET in _cuda_module(fn, *shapes)
-  fit = pingpong.stages_that_fit(128, 2, 1, tma_store)
-  assert fit == (5 if tma_store else 7)   # 32 KiB stages; 64 KiB of epilogue buffers
+  fit = pingpong.stages_that_fit(block_n, 2, 1, tma_store)
+  # 32 (40) KiB stages at block_n 128 (192); 64 KiB of epilogue buffers
+  assert fit == {(128, False): 7, (128, True): 5, (192, False): 5, (192, True): 4}[
+      block_n, tma_store]
   with pytest.raises(ValueError, match=f"stages={fit + 1} must be between 2 and {fit}"):
     jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(
-        a, b, t, transpose_rhs=transpose_rhs, tma_store=tma_store, stages=fit + 1), *shapes)
-  with pytest.raises(ValueError, match="grouped_matmul: block_n=256 is wider than 128"):
+        a, b, t, transpose_rhs=transpose_rhs, tma_store=tma_store, block_n=block_n,
+        stages=fit + 1), *shapes)
+  with pytest.raises(ValueError, match="grouped_matmul: block_n=256 is wider than 192"):
     jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(
         a, b, t, transpose_rhs=transpose_rhs, block_n=256), *shapes)
   # register stores address out by 32-bit offsets: 2^20 x 4096 (30B-n256's size) is refused
@@ -681,16 +685,18 @@ def test_cute_pingpong_up_proj_compiles_for_cuda(block_n, stages):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("num_tiles,transpose_rhs,tma_store", [
-    (1, False, False), (4, True, False), (81, False, False), (81, True, False),
-    (1, True, True), (4, False, True), (81, True, True)])
+@pytest.mark.parametrize("num_tiles,transpose_rhs,tma_store,block_n", [
+    (1, False, False, 128), (4, True, False, 128), (81, False, False, 128),
+    (81, True, False, 128), (1, True, True, 128), (4, False, True, 128), (81, True, True, 128),
+    (4, False, True, 192), (81, True, True, 192), (300, False, True, 192),
+    (81, False, False, 192)])
 def test_cute_pingpong_matmul_matches_grouped_matmul_on_gpu(num_tiles, transpose_rhs,
-                                                            tma_store):
-  """The ping-pong grouped_matmul, storing from registers or by TMA, gives
+                                                            tma_store, block_n):
+  """The ping-pong grouped_matmul, storing from registers or by TMA, 128 or 192 wide, gives
   grouped_gemm.grouped_matmul's bits (experts without rows, tiles past the last group: zeros;
   one tile, and several per CTA)."""
   from ffi import grouped_gemm, pingpong
-  E, K, N = 5, 384, 512
+  E, K, N = 5, 384, 768
   tile_expert = jnp.sort(jax.random.randint(jax.random.key(81), (num_tiles,), 0, E + 1))
   tile_expert = tile_expert.at[tile_expert == 1].set(2).astype(jnp.int32)
   P = num_tiles * grouped_gemm.BLOCK_M
@@ -698,7 +704,8 @@ def test_cute_pingpong_matmul_matches_grouped_matmul_on_gpu(num_tiles, transpose
   rhs = (jax.random.normal(jax.random.key(83), (E, N, K) if transpose_rhs else (E, K, N))
          / 8).astype(jnp.bfloat16)
   got = jax.jit(lambda *a: pingpong.grouped_matmul(*a, transpose_rhs=transpose_rhs,
-                                                   tma_store=tma_store))(lhs, rhs, tile_expert)
+                                                   tma_store=tma_store, block_n=block_n))(
+      lhs, rhs, tile_expert)
   want = jax.jit(lambda *a: grouped_gemm.grouped_matmul(*a, transpose_rhs=transpose_rhs))(
       lhs, rhs, tile_expert)
   np.testing.assert_array_equal(got, want)
@@ -782,8 +789,9 @@ def test_cute_dh_kernel_auto_follows_the_model_width(monkeypatch):
 
 @needs_cute
 def test_cute_kernel_settings_are_checked(monkeypatch):
-  """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL, STORE_KERNEL, STORE_WIDE_KERNEL or WGRAD_KERNEL
-  outside its list is refused by name (runs on CPU: the error comes before any kernel)."""
+  """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL, STORE_KERNEL, STORE_WIDE_KERNEL, STORE_BLOCK_N or
+  WGRAD_KERNEL outside its list is refused by name (runs on CPU: the error comes before any
+  kernel)."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(6, 256, 128, 64, 4, jnp.bfloat16)
   grad = lambda: jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={
@@ -804,10 +812,33 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
   monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"STORE_WIDE_KERNEL must be one of .*'fast'"):
     sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
+  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "persistent")
+  monkeypatch.setattr(cute_ops, "STORE_BLOCK_N", 256)
+  with pytest.raises(ValueError, match=r"STORE_BLOCK_N must be one of \(128, 192\); got 256"):
+    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
   monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"WGRAD_KERNEL must be one of .*'fast'"):
     jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {
         "dw1": "cute"}).out.astype(jnp.float32)), argnums=2)(*args)
+
+
+@needs_cute
+def test_cute_store_block_n_setting_lowers_to_its_own_kernels(monkeypatch):
+  """STORE_BLOCK_N 192 lowers (for CUDA) down_proj and dx_tilde to other kernels than 128
+  where 192 divides their columns (d = 384, one window; the loss's value keeps the forward's
+  down_proj)."""
+  cute_ops = importlib.import_module("ffi.ops")
+  args = make_inputs(9, 256, 384, 128, 4, jnp.bfloat16)
+  targets = {}
+  for block_n in (128, 192):
+    monkeypatch.setattr(cute_ops, "STORE_BLOCK_N", block_n)
+    # (a new function each time: jit would reuse the first one's trace)
+    grad = lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(*b, k=2, windows=1, backend={
+        op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute", "dx_tilde": "cute"}).out.astype(
+            jnp.float32)))(*a)
+    targets[block_n] = set(re.findall(r"@(sonicmoe_cute_\w+)", _cuda_module(grad, *args)))
+  assert len(targets[128]) == len(targets[192]) == 2
+  assert targets[128].isdisjoint(targets[192])
 
 
 @pytest.mark.gpu
