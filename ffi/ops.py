@@ -117,8 +117,12 @@ STORE_KERNEL = "pingpong_tma"
 STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
 # The ping-pong store kernels' column tile: 128, or 192 where it divides the window's columns
 # (d = 1536: the 7B configs; a 128 x 192 tile reads 77 operand FLOP per byte against 64,
-# benchmarks/NOTES.md "Operand traffic of the store GEMMs"), else 128.
-STORE_BLOCK_N = 128
+# benchmarks/NOTES.md "Operand traffic of the store GEMMs"), else 128. H200 session 27
+# (results/2026-12-02-h200-session27, call 7), ms, 128 vs 192: alone (full width) 7B-n256
+# down_proj 0.345 vs 0.308, dx_tilde 0.547 vs 0.526; 7B-n1024 0.267 vs 0.268, 0.485 vs 0.470;
+# the step's kernels, two rounds each: 7B-n256 3.066 / 3.056 vs 3.051 / 3.048, 7B-n1024 2.528
+# / 2.544 vs 2.504 / 2.509.
+STORE_BLOCK_N = 192
 STORE_BLOCK_NS = (128, 192)
 # The weight gradients' kernel where they gather rows (dw1's X, dw2's dO): "grouped"
 # (grouped_gemm.weight_grad, one CTA per output tile) or "persistent" (persistent.py:
