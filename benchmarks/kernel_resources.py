@@ -47,6 +47,7 @@ VARIANTS = [
     ("wgrad gather bn256 fit", "wgrad_gather", 256, 0),
     ("store pingpong bn128 fit", "matmul_pingpong", 128, 0),
     ("store pingpong tma bn128 fit", "matmul_pingpong_tma", 128, 0),
+    ("store pingpong tma bn192 fit", "matmul_pingpong_tma", 192, 0),
     ("dh pingpong bn128 fit", "dh_pingpong", 128, 0), ("dh pingpong bn64 fit", "dh_pingpong", 64, 0),
     ("dh pingpong gather bn128 fit", "dh_pingpong_gather", 128, 0),
     ("dh pingpong gather tma bn128 fit", "dh_pingpong_gather_tma", 128, 0),   # d <= 1536
@@ -65,7 +66,7 @@ import jax, jax.numpy as jnp
 from ffi import grouped_gemm as g, persistent as pw, pingpong as pp
 kernel, bn, stages, k_steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None, int(sys.argv[4])
 P = K = k_steps * g.BLOCK_K
-N, E = 512, 4
+N, E = (768 if bn == 192 else 512), 4   # (192-wide tiles need N a multiple of 192)
 sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
 kw = dict(block_n=bn, stages=stages)
 if kernel.endswith("_h_smem"):   # dh's epilogue reading H from SMEM
