@@ -249,8 +249,8 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
                                        warp_specialized=n_out >= STORE_WIDE_WS_MIN_N, cols=cols)
   block_n = _wide_tile(width, 128)
   if STORE_KERNEL.startswith("pingpong"):
-    if _setting("STORE_BLOCK_N", STORE_BLOCK_N, STORE_BLOCK_NS) == 192 and width % 192 == 0:
-      block_n = 192
+    widest = _setting("STORE_BLOCK_N", STORE_BLOCK_N, STORE_BLOCK_NS)
+    block_n = widest if width % widest == 0 else block_n
     # an out past the register stores' 32-bit offsets takes the TMA stores
     tma_store = (STORE_KERNEL == "pingpong_tma"
                  or not pingpong.register_stores_fit(lhs.shape[0], width))
