@@ -140,7 +140,7 @@ WGRAD_KERNELS = ("grouped", "persistent")
 # for a buffer's last store only before it is written again; bitwise the same). Written in
 # session 28 against the epilogue's share of the MMA warps' samples (benchmarks/NOTES.md).
 PERSISTENT_EPI_COLUMNS = 64
-PERSISTENT_ROLLING = False
+PERSISTENT_ROLLING = True
 
 
 def _persistent_epilogue() -> dict:
