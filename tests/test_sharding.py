@@ -8,13 +8,18 @@ import pytest
 HERE = os.path.dirname(__file__)
 
 
-def test_multidevice_suite():
+MULTIDEVICE_FILES = sorted(f for f in os.listdir(os.path.join(HERE, "multidevice"))
+                           if f.startswith("check_") and f.endswith(".py"))
+
+
+@pytest.mark.parametrize("check_file", MULTIDEVICE_FILES)
+def test_multidevice_suite(check_file):
+  """tests/multidevice/<check_file> in a process of 8 CPU devices (one file a test, so that
+  pytest-xdist's workers share them)."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  files = sorted(os.path.join(HERE, "multidevice", f) for f in os.listdir(os.path.join(HERE, "multidevice"))
-                 if f.startswith("check_") and f.endswith(".py"))
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                         "--rootdir", HERE, *files], env=env, capture_output=True, text=True,
-                        cwd=os.path.dirname(HERE))
+                         "--rootdir", HERE, os.path.join(HERE, "multidevice", check_file)],
+                        env=env, capture_output=True, text=True, cwd=os.path.dirname(HERE))
   print(proc.stdout[-5000:], proc.stderr[-3000:])
   assert proc.returncode == 0, proc.stdout[-5000:]
 
@@ -65,12 +70,13 @@ def test_one_device_mesh_pallas_backend_interpret():
   args = make_inputs(0, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(1), (T, d))
 
-  def grads(fn):
-    return fn(*args), jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(*args)
+  def grads(fn):   # one jitted program (the interpreted kernels' forward traced once less)
+    return jax.jit(lambda *a: (fn(*a), jax.grad(lambda *b: jnp.sum(
+        fn(*b).astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(*a)))(*args)
 
   ref_out, ref_g = grads(lambda *a: sm.moe(*a, k=2).out)
-  out, g = grads(jax.jit(lambda *a: sharding.moe_expert_parallel(
-      *a, mesh=mesh, k=2, transport="padded", backend="pallas")[0]))
+  out, g = grads(lambda *a: sharding.moe_expert_parallel(
+      *a, mesh=mesh, k=2, transport="padded", backend="pallas")[0])
   assert rel_err(out, ref_out) < 1e-2
   for a, b in zip(g, ref_g):
     assert rel_err(a, b) < 1e-2
