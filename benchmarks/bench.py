@@ -371,12 +371,6 @@ def main(argv=None):
   p.add_argument("--cute-wgrad", choices=("grouped", "persistent"),
                  help="cute dw1's and dw2's kernel where they gather rows (default: ffi/ops.py "
                       "WGRAD_KERNEL)")
-  p.add_argument("--cute-persistent-epi-columns", type=int, choices=(64, 32),
-                 help="the persistent kernels' epilogue buffer width (default: ffi/ops.py "
-                      "PERSISTENT_EPI_COLUMNS)")
-  p.add_argument("--cute-persistent-rolling", choices=("on", "off"),
-                 help="the persistent kernels' rolling stores (default: ffi/ops.py "
-                      "PERSISTENT_ROLLING)")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
@@ -385,10 +379,7 @@ def main(argv=None):
                        STORE_BLOCK_N=a.cute_store_block_n,
                        STORE_WIDE_MIN_K=a.cute_store_wide_min_k,
                        STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n, WGRAD_KERNEL=a.cute_wgrad,
-                       STORE_WIDE_KERNEL=a.cute_store_wide,
-                       PERSISTENT_EPI_COLUMNS=a.cute_persistent_epi_columns)
-  if a.cute_persistent_rolling:
-    cute_settings["PERSISTENT_ROLLING"] = a.cute_persistent_rolling == "on"
+                       STORE_WIDE_KERNEL=a.cute_store_wide)
   if a.cute_dh_h_smem:
     cute_settings["DH_H_SMEM"] = a.cute_dh_h_smem == "on"
   if a.cute_dout_gather:

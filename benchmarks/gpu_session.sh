@@ -58,8 +58,6 @@
 #   store192: the ping-pong store kernels 192 wide (d = 1536): their bitwise GPU tests, then
 #           sweep rows at 128 and 192 and the layer at both at the 7B configs (after cute
 #           staging)                                                                   (~7 min)
-#   rolling: the persistent kernels' epilogues: GPU tests, sweep rows (after cute staging) (~6 min)
-#   rolling_step: the step with each of them at olmoe and 120B-n1024, interleaved      (~8 min)
 #   pair  : one config side by side in one call, ours then the PyTorch SonicMoE's first run
 #           and timed loop (PAIR_CONFIG; after cute and upstream staging)            (~10 min)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
@@ -293,34 +291,6 @@ PY
           timeout 75 python3 -m benchmarks.bench --impls auto --iters 5 --reps 3 \
             --configs 7B-n256,7B-n1024 --cute-store-block-n "$bn" \
             --out "$OUT/bench_store${bn}_$round" 2>&1 | grep -E "^7B|its kernels"
-        done
-      done ;;
-    rolling)  # after cute staging: the persistent kernels' epilogues (ffi/ops.py
-              # PERSISTENT_ROLLING, PERSISTENT_EPI_COLUMNS): their bitwise GPU tests (rc 124: a
-              # hang), then the sweep rows at olmoe and 120B-n1024, two rounds in opposite
-              # orders                                                              (~6 min)
-      timeout 240 python3 -m pytest -m gpu tests/test_cute.py -p no:cacheprovider -rA \
-        -k "persistent" > "$OUT/pytest_rolling.log" 2>&1
-      rc=$?; echo "tests: rc $rc"
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_rolling.log" | cut -c1-160 | tail -8
-      [ "$rc" = 0 ] || continue
-      kernels=$(python3 -c "print(','.join(f'{k}_persistent{s}' for k in
-        ('dw1_gather', 'dw2_gather', 'down_proj', 'dx_tilde') for s in ('', '_rolling', '_rolling32')))")
-      for round in 1 2; do
-        timeout 150 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 256 \
-          --configs olmoe,120B-n1024 --kernels "$kernels" \
-          --out "$OUT/sweep_rolling_$round.json" 2>&1 | grep -v '^{' | grep -v "^config"
-        kernels=$(echo "$kernels" | tr ',' '\n' | tac | paste -sd,)
-      done ;;
-    rolling_step)  # after `rolling`: the step with each persistent epilogue, interleaved
-                   # (ROLLING_CONFIGS, default olmoe,120B-n1024)                    (~8 min)
-      for round in 1 2; do
-        for variant in "off 64" "on 64" "on 32"; do
-          read -r rolling cols <<< "$variant"
-          timeout 120 python3 -m benchmarks.bench --impls auto --iters 5 --reps 3 \
-            --configs "${ROLLING_CONFIGS:-olmoe,120B-n1024}" --cute-persistent-rolling "$rolling" \
-            --cute-persistent-epi-columns "$cols" --out "$OUT/bench_rolling_$rolling${cols}_$round" 2>&1 \
-            | grep -E "^(olmoe|120B|30B|7B)|its kernels"
         done
       done ;;
     pair)  # after cute and upstream staging: one config (PAIR_CONFIG, default olmoe) side by

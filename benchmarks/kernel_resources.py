@@ -57,10 +57,6 @@ VARIANTS = [
     ("wgrad persistent gather bn128 fit", "wgrad_persistent_gather", 128, 0),
     ("wgrad persistent gather bn256 fit", "wgrad_persistent_gather", 256, 0),
     ("store persistent bn256 fit", "matmul_persistent", 256, 0),
-    ("wgrad persistent gather rolling bn256 fit", "wgrad_persistent_gather_rolling", 256, 0),
-    ("wgrad persistent gather rolling32 bn256 fit", "wgrad_persistent_gather_rolling32", 256, 0),
-    ("store persistent rolling bn256 fit", "matmul_persistent_rolling", 256, 0),
-    ("store persistent rolling32 bn256 fit", "matmul_persistent_rolling32", 256, 0),
 ]
 
 _COMPILE = """
@@ -75,11 +71,6 @@ sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
 kw = dict(block_n=bn, stages=stages)
 if kernel.endswith("_h_smem"):   # dh's epilogue reading H from SMEM
   kernel, kw["h_smem"] = kernel.removesuffix("_h_smem"), True
-for suffix, epilogue in [("_rolling32", dict(rolling=True, epi_columns=32)),
-                         ("_rolling", dict(rolling=True))]:   # a persistent kernel's epilogue
-  if kernel.endswith(suffix):
-    kernel = kernel.removesuffix(suffix)
-    kw.update(epilogue)
 if kernel.endswith("_ws"):   # a kernel that does not gather, warp-specialized
   kernel, kw["warp_specialized"] = kernel.removesuffix("_ws"), True
 fn, args = {
@@ -189,7 +180,7 @@ def threads(kernel: str) -> int:
   from ffi import grouped_gemm as g, pingpong as pp
   if "pingpong" in kernel:
     return pp.THREADS
-  producer = "persistent" in kernel or kernel.endswith(("_gather", "_ws"))   # + the producer warpgroup
+  producer = kernel.endswith(("_gather", "_ws", "_persistent"))   # + the producer warpgroup
   return g.THREADS + (128 if producer else 0)
 
 

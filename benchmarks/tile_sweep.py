@@ -94,8 +94,7 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
     down_proj_pingpong and dx_tilde_pingpong (_tma: with the TMA-store epilogue);
   - dw1, dw1_gather: dW1 gathering X's rows in the kernel; dw2, dw2_gather: dW2 transposed
     gathering dO's rows; dw1_gather_persistent, dw2_gather_persistent, down_proj_persistent,
-    dx_tilde_persistent: the same on persistent CTAs (ffi/persistent.py), and with suffix
-    _rolling or _rolling32 with those epilogues (persistent.weight_grad's rolling, epi_columns);
+    dx_tilde_persistent: the same on persistent CTAs (ffi/persistent.py);
   - up_proj, down_proj, dx_tilde, dh, dw1 and dw2 again as *_ws: a producer warpgroup issuing
     their TMA loads."""
   from ffi import grouped_gemm as cute_gemm, persistent, pingpong  # optional extra
@@ -165,25 +164,19 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dw2_gather"] = (jax.jit(lambda c, g, a, o, i: cute_gemm.weight_grad(
       g, a, o, E, gather_index=i, transpose_out=True, **dataclasses.asdict(c)),
       static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
-  # the same two and the store GEMMs on persistent CTAs (ffi/persistent.py), with each epilogue:
-  # "" (the default), _rolling (each tile's last stores under the next tile's mainloop),
-  # _rolling32 (the same, four buffers of 32 columns)
-  for suffix, epi in [("", {}), ("_rolling", dict(rolling=True)),
-                      ("_rolling32", dict(rolling=True, epi_columns=32))]:
-    rows[f"dw1_gather_persistent{suffix}"] = (jax.jit(
-        lambda c, x, h, o, i, e=epi: persistent.weight_grad(
-            x, h, o, E, i, **e, **dataclasses.asdict(c)), static_argnums=0),
-        (x, h, offsets, plan.token_index), dw1_flops, None)
-    rows[f"dw2_gather_persistent{suffix}"] = (jax.jit(
-        lambda c, g, a, o, i, e=epi: persistent.weight_grad(
-            g, a, o, E, i, transpose_out=True, **e, **dataclasses.asdict(c)), static_argnums=0),
-        (dout, a, offsets, plan.token_index), dw2_flops, None)
-    for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands
-      _, mm_args, mm_flops, mm_n = rows[name]
-      rows[f"{name}_persistent{suffix}"] = (jax.jit(
-          lambda c, lhs, rhs, t, tr=transpose_rhs, e=epi: persistent.grouped_matmul(
-              lhs, rhs, t, transpose_rhs=tr, **e, **dataclasses.asdict(c)), static_argnums=0),
-          mm_args, mm_flops, mm_n)
+  # the same two on persistent CTAs (ffi/persistent.py)
+  rows["dw1_gather_persistent"] = (jax.jit(lambda c, x, h, o, i: persistent.weight_grad(
+      x, h, o, E, i, **dataclasses.asdict(c)), static_argnums=0),
+      (x, h, offsets, plan.token_index), dw1_flops, None)
+  rows["dw2_gather_persistent"] = (jax.jit(lambda c, g, a, o, i: persistent.weight_grad(
+      g, a, o, E, i, transpose_out=True, **dataclasses.asdict(c)),
+      static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
+  for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands
+    _, mm_args, mm_flops, mm_n = rows[name]
+    rows[f"{name}_persistent"] = (jax.jit(
+        lambda c, lhs, rhs, t, tr=transpose_rhs: persistent.grouped_matmul(
+            lhs, rhs, t, transpose_rhs=tr, **dataclasses.asdict(c)), static_argnums=0),
+        mm_args, mm_flops, mm_n)
   # the kernels that do not gather again as *_ws: a producer warpgroup issuing their TMA loads
   ws = lambda c: dict(warp_specialized=True, **dataclasses.asdict(c))
   ws_fns = {

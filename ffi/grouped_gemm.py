@@ -126,12 +126,10 @@ def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, sta
 
 
 def epi_tma_views(atom, s_epi, tile):
-  """(SMEM part, global part) of a TMA atom over buffers s_epi (rows, columns, buffer: EPI_TILE
-  buffers, or persistent.py's narrower ones; indexed [None, buffer]) and a tile of its TMA
-  tensor cut into chunks of a buffer's shape (indexed [None, (0, chunk)])."""
-  chunk = (cute.size(s_epi, mode=[0]), cute.size(s_epi, mode=[1]))
+  """(SMEM part, global part) of a TMA atom over EPI_TILE buffers s_epi (indexed [None, buffer])
+  and a tile of its TMA tensor cut into EPI_TILE chunks (indexed [None, (0, chunk)])."""
   return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_epi, 0, 2),
-                               cute.zipped_divide(tile, chunk))
+                               cute.zipped_divide(tile, EPI_TILE))
 
 
 @cute.jit
@@ -405,19 +403,18 @@ def _store_tiles_tma(stores, chunks: cutlass.Constexpr):
 def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutlass.Constexpr,
                         barrier_id: cutlass.Constexpr = EPILOGUE_BARRIER,
                         threads: cutlass.Constexpr = THREADS, first_buffer=0,
-                        m_major: cutlass.Constexpr = False,
-                        num_buffers: cutlass.Constexpr = EPI_STAGES,
-                        rolling: cutlass.Constexpr = False):
-  """The output tiles through SMEM: column slices of s_c's buffer width (EPI_TILE's) at a time,
-  each thread writes its fragments' outputs to an SMEM buffer (stmatrix, swizzled; num_buffers
-  buffers of s_c from first_buffer: here over A's stages), then the leader warp (warp 0)
-  stores the buffer by TMA and waits before a buffer is reused. stores: (TMA atom, that
-  output's (BLOCK_M, block_n) tile of its TMA tensor) per output. The `threads` threads of
-  tiled_mma (thread tidx here) sync on named barrier barrier_id. m_major: the outputs (and s_c)
-  are M-major (columns contiguous; stmatrix writes its 8 x 8 blocks transposed). rolling: the
-  leader waits for a buffer's last store right before the buffer is written again (not after
-  each store) and not for the tile's last stores, which read on while the caller (a persistent
-  CTA) runs its next tile; the caller waits for them once (store_tail) before it exits."""
+                        m_major: cutlass.Constexpr = False, rolling: cutlass.Constexpr = False):
+  """The output tiles through SMEM: EPI_TILE column slices at a time, each thread writes its
+  fragments' outputs to an SMEM buffer (stmatrix, swizzled; EPI_STAGES buffers of s_c from
+  first_buffer: here over A's stages), then the leader warp (warp 0) stores the buffer by TMA
+  and waits before a buffer is reused. stores: (TMA atom, that output's (BLOCK_M, block_n)
+  tile of its TMA tensor) per output. The `threads` threads of tiled_mma (thread tidx here)
+  sync on named barrier barrier_id. m_major: the outputs (and s_c) are M-major (columns
+  contiguous; stmatrix writes its 8 x 8 blocks transposed). rolling (a persistent CTA's
+  epilogue, its tiles' chunks a multiple of EPI_STAGES): the leader waits for a buffer's last
+  store right before the buffer is written again, not after each store, and not for the tile's
+  last stores, which read on under the CTA's next tile; it waits for them once (store_tail)
+  before the CTA exits."""
   dtype = s_c.element_type
   layout = LayoutEnum.COL_MAJOR if m_major else LayoutEnum.ROW_MAJOR
   r2s = cute.make_tiled_copy_S(
@@ -434,10 +431,9 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutl
   acc_views = [r2s.retile(acc) for acc in accs]
   gmem_parts = [epi_tma_views(atom, s_c, tile) for atom, tile in stores]
   buffers = pipeline.PipelineTmaStore.create(
-      num_stages=num_buffers,
+      num_stages=EPI_STAGES,
       producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, threads))
-  chunk_cols = cute.size(s_c, mode=[1])
-  for chunk in cutlass.range_constexpr(cute.size(stores[0][1], mode=[1]) // chunk_cols):
+  for chunk in cutlass.range_constexpr(cute.size(stores[0][1], mode=[1]) // EPI_TILE[1]):
     vals = []
     for view in acc_views:
       frag = cute.make_rmem_tensor_like(chunk_layout, view.element_type)
@@ -446,7 +442,7 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutl
       vals.append(frag.load().to(cutlass.Float32))
     outs = _epilogue_values(vals, swiglu)
     for j in cutlass.range_constexpr(len(stores)):
-      buf = first_buffer + (chunk * len(stores) + j) % num_buffers
+      buf = first_buffer + (chunk * len(stores) + j) % EPI_STAGES
       if cutlass.const_expr(rolling):
         if leader:
           buffers.producer_acquire()   # this buffer's last store (maybe the last tile's) read it

@@ -131,23 +131,12 @@ STORE_BLOCK_NS = (128, 192)
 # grouped vs persistent: dW1 30B-n256 3.729 vs 3.546, olmoe 3.353 vs 3.319, 7B-n256 0.596 vs
 # 0.557; dW2 1.992 vs 1.915, 1.758 vs 1.726, 0.323 vs 0.311; session 22: dW1 120B-n1024
 # 7.438 vs 7.258, 7B-n1024 0.588 vs 0.570; dW2 3.614 vs 3.438, 0.321 vs 0.322. The layer with
-# it matches the grouped kernel's on the H200 (session 22, call 3).
+# it matches the grouped kernel's on the H200 (session 22, call 3). Since session 28 the
+# persistent kernels' epilogue rolls (a tile's last stores read on under the next tile's
+# mainloop; results/2026-12-02-h200-session28): alone dX~ 3-4% faster at olmoe and
+# 120B-n1024, the rest level; the step's wall time 0.4-2% less in four pairings.
 WGRAD_KERNEL = "persistent"
 WGRAD_KERNELS = ("grouped", "persistent")
-# The persistent kernels' epilogue (weight gradients and wide store GEMMs): PERSISTENT_EPI_COLUMNS
-# columns a TMA-store buffer (64: two buffers; 32: four in the same SMEM) and PERSISTENT_ROLLING
-# stores (each tile's last stores read on under the next tile's mainloop, the leader waiting
-# for a buffer's last store only before it is written again; bitwise the same). Written in
-# session 28 against the epilogue's share of the MMA warps' samples (benchmarks/NOTES.md).
-PERSISTENT_EPI_COLUMNS = 64
-PERSISTENT_ROLLING = True
-
-
-def _persistent_epilogue() -> dict:
-  """persistent.py's epilogue options from PERSISTENT_EPI_COLUMNS and PERSISTENT_ROLLING."""
-  return dict(epi_columns=_setting("PERSISTENT_EPI_COLUMNS", PERSISTENT_EPI_COLUMNS,
-                                   persistent.EPI_COLUMNS),
-              rolling=_setting("PERSISTENT_ROLLING", PERSISTENT_ROLLING, (False, True)))
 
 
 def _setting(name: str, value, choices):
@@ -257,8 +246,7 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   if lhs.shape[1] >= STORE_WIDE_MIN_K and n_out >= STORE_WIDE_MIN_N:
     if wide_kernel == "persistent":
       return persistent.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                       block_n=_wide_tile(width, 256), cols=cols,
-                                       **_persistent_epilogue())
+                                       block_n=_wide_tile(width, 256), cols=cols)
     return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                        block_n=_wide_tile(width, 256),
                                        warp_specialized=n_out >= STORE_WIDE_WS_MIN_N, cols=cols)
@@ -337,9 +325,9 @@ def dx_tilde(dh, w1, plan, cols=None):
 def _gathered_weight_grad(x, rhs, plan, block_n: int, transpose_out: bool = False):
   """weight_grad with x's rows gathered by the plan's token_index, on WGRAD_KERNEL."""
   persistent_ctas = _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "persistent"
-  kernel, options = (persistent, _persistent_epilogue()) if persistent_ctas else (grouped_gemm, {})
+  kernel = persistent if persistent_ctas else grouped_gemm
   return kernel.weight_grad(x, rhs, plan.group_offsets, plan.num_experts, block_n=block_n,
-                            gather_index=plan.token_index, transpose_out=transpose_out, **options)
+                            gather_index=plan.token_index, transpose_out=transpose_out)
 
 
 def dw1(x, dh_, plan):

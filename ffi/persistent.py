@@ -22,8 +22,9 @@ Schedule:
   MMA       : warpgroups 1 and 2 (BLOCK_M / 2 rows of a tile each), per tile: zero the
               accumulators, the mainloop, release the tile's last stage, the epilogue through
               SMEM buffers of its own (EPI_STAGES x EPI_TILE, not over the stages, which the
-              producer is refilling) and TMA stores (grouped_gemm._tma_store_epilogue; M-major
-              for a transposed weight gradient); a tile without k steps stores zeros
+              producer is refilling) and TMA stores (grouped_gemm._tma_store_epilogue, rolling:
+              a tile's last stores read on under the next tile's mainloop; M-major for a
+              transposed weight gradient); a tile without k steps stores zeros
 """
 from __future__ import annotations
 
@@ -40,19 +41,11 @@ from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE, THREADS
 
 NUM_SMS = 132     # H100 / H200 SXM: the default grid (fewer SMs only queue CTAs)
 MAX_STAGES = 8
-# The epilogue's buffers hold EPI_STAGES x EPI_TILE either way: EPI_COLUMNS[0] = 64 columns
-# a buffer (EPI_TILE, 2 buffers) or 32 (4 buffers of half the width).
-EPI_COLUMNS = (64, 32)
 
 
 def epilogue_bytes(itemsize: int) -> int:
   """SMEM of the epilogue's own TMA-store buffers."""
   return gg.EPI_STAGES * EPI_TILE[0] * EPI_TILE[1] * itemsize
-
-
-def epilogue_buffers(epi_columns: int) -> int:
-  """How many buffers of epi_columns columns the epilogue's SMEM holds."""
-  return gg.EPI_STAGES * EPI_TILE[1] // epi_columns
 
 
 def stages_that_fit(block_n: int, itemsize: int) -> int:
@@ -90,8 +83,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
             num_m_tiles: cutlass.Constexpr, num_n_tiles: cutlass.Constexpr,
             k_steps: cutlass.Constexpr, num_tiles: cutlass.Constexpr,
-            out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr,
-            epi_buffers: cutlass.Constexpr, rolling: cutlass.Constexpr):
+            out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr):
   """kind "wgrad": m_a X (T, M, 1) the gathered rows' source, m_b the rhs (N, P, 1) N-major,
   the output (M, N, E), tile_info group_offsets (E + 1,), gather_index (P,). kind "store":
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
@@ -143,24 +135,19 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
       consume, release = gg.consume_tile(loads, consume, release, tiled_mma, [acc], frag_a,
                                          [frag_b], num_k, gather)
       release = gg.release_last_stage(loads, release, num_k)
-      if cutlass.const_expr(not rolling):
-        # the previous tile's stores have read the buffers (its leader waited) before any
-        # thread writes them again (rolling: the leader waits per buffer, in the epilogue)
-        cute.arch.barrier(barrier_id=gg.EPILOGUE_BARRIER, number_of_threads=THREADS)
       out_tile = cute.local_tile(m_out_tma, tile_mnk, (m_tile, n_tile, None, out_l),
                                  proj=(1, 1, None))
+      # rolling: before writing a buffer the leader waits for its last store, which may be
+      # the previous tile's (block_n, a multiple of 128, fills the buffers whole)
       gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx, warp == 4,
-                             False, m_major=out_m_major, num_buffers=epi_buffers,
-                             rolling=rolling)
-    if cutlass.const_expr(rolling):
-      gg.store_tail(warp == 4)
+                             False, m_major=out_m_major, rolling=True)
+    gg.store_tail(warp == 4)
 
 
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-            stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr, kind: cutlass.Constexpr,
-            epi_columns: cutlass.Constexpr, rolling: cutlass.Constexpr):
+            stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr, kind: cutlass.Constexpr):
   """The persistent grid and the kernel's static configuration (_kernel's operands; the
   output's modes (rows, columns, experts or 1))."""
   dtype = lhs.element_type
@@ -186,11 +173,10 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
                                              (BLOCK_M, BLOCK_K))
     stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   out_layout = LayoutEnum.from_tensor(out)
-  epi_tile, epi_buffers = (BLOCK_M, epi_columns), epilogue_buffers(epi_columns)
-  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, epi_tile, epi_buffers)
+  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, EPI_TILE, gg.EPI_STAGES)
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(
       cpasync.CopyBulkTensorTileS2GOp(), out, cute.slice_(c_smem_staged, (None, None, 0)),
-      epi_tile)
+      EPI_TILE)
   storage = gg.shared_storage(dtype, stages * 2, cute.cosize(a_smem_staged),
                               cute.cosize(b_smem_staged), 1, cute.cosize(c_smem_staged))
   num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
@@ -201,7 +187,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index, tiled_mma,
           a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage,
           block_n, stages, stage_bytes, num_m_tiles, num_n_tiles, k_steps, num_tiles,
-          out_layout.is_m_major_c(), kind, epi_buffers, rolling).launch(
+          out_layout.is_m_major_c(), kind).launch(
               grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
               stream=stream)
 
@@ -209,24 +195,20 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
 @cute.jit
 def _weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.Tensor,
                  gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-                 stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS,
-                 epi_columns: cutlass.Constexpr = EPI_COLUMNS[0],
-                 rolling: cutlass.Constexpr = False):
+                 stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS):
   """x (T, M, 1) the source rows, rhs (N, P, 1) N-major, group_offsets (E + 1,), gather_index
   (P,), out (M, N, E) N- or M-major: the operands of grouped_gemm._gathered_weight_grad."""
-  _launch(stream, x, rhs, group_offsets, gather_index, out, block_n, stages, num_ctas, "wgrad",
-          epi_columns, rolling)
+  _launch(stream, x, rhs, group_offsets, gather_index, out, block_n, stages, num_ctas, "wgrad")
 
 
 @cute.jit
 def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-            first_col: cutlass.Constexpr = 0, num_ctas: cutlass.Constexpr = NUM_SMS,
-            epi_columns: cutlass.Constexpr = EPI_COLUMNS[0], rolling: cutlass.Constexpr = False):
+            first_col: cutlass.Constexpr = 0, num_ctas: cutlass.Constexpr = NUM_SMS):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, W, 1): the operands of
   grouped_gemm._matmul (first_col as its)."""
   _launch(stream, lhs, gg.rhs_window(rhs, out, first_col), tile_expert, tile_expert, out,
-          block_n, stages, num_ctas, "store", epi_columns, rolling)
+          block_n, stages, num_ctas, "store")
 
 
 def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int:
@@ -241,66 +223,54 @@ def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int
   return stages
 
 
-def _launch_config(num_ctas, epi_columns, rolling, block_n: int, name: str) -> dict:
-  """The launch options num_ctas, epi_columns and rolling (each left out where it is the
-  default, as the FFI targets compiled without it); ValueError naming a bad one."""
-  config = {}
-  if num_ctas is not None:
-    if not isinstance(num_ctas, int) or isinstance(num_ctas, bool) or num_ctas < 1:
-      raise ValueError(f"cute persistent {name}: num_ctas must be a positive int; got {num_ctas!r}")
-    config["num_ctas"] = num_ctas
-  if epi_columns not in EPI_COLUMNS:
-    raise ValueError(f"cute persistent {name}: epi_columns must be one of {EPI_COLUMNS}; "
-                     f"got {epi_columns!r}")
-  if epi_columns != EPI_COLUMNS[0]:
-    config["epi_columns"] = epi_columns
-  if rolling:
-    # a tile's chunks fill the buffers a whole number of times, so that each tile starts
-    # on the first buffer and its leader's waits match the stores in flight
-    if block_n % (epi_columns * epilogue_buffers(epi_columns)):
-      raise ValueError(f"cute persistent {name}: rolling stores need block_n={block_n} a "
-                       f"multiple of {epi_columns * epilogue_buffers(epi_columns)}")
-    config["rolling"] = True
-  return config
+def _tile_unsupported(block_n: int):
+  """Why the rolling epilogue cannot take this column tile, or None: its chunks must fill the
+  EPI_STAGES buffers whole, so that each tile starts on the first buffer."""
+  whole = gg.EPI_STAGES * EPI_TILE[1]
+  return None if block_n % whole == 0 else f"block_n={block_n} must be a multiple of {whole}"
+
+
+def _grid_config(num_ctas, name: str) -> dict:
+  """The launch option of num_ctas ({} for the default grid, which the FFI targets leave out)."""
+  if num_ctas is None:
+    return {}
+  if not isinstance(num_ctas, int) or isinstance(num_ctas, bool) or num_ctas < 1:
+    raise ValueError(f"cute persistent {name}: num_ctas must be a positive int; got {num_ctas!r}")
+  return dict(num_ctas=num_ctas)
 
 
 def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: int = 128,
                 stages: int | None = None, transpose_out: bool = False,
-                num_ctas: int | None = None, epi_columns: int = EPI_COLUMNS[0],
-                rolling: bool = False):
+                num_ctas: int | None = None):
   """grouped_gemm.weight_grad with gather_index on persistent CTAs (module docstring): x
   [T, M] (slot r reads X[gather_index[r]], zeros where it is T or more), rhs [P, N] rows in
   slot order, expert e's rows group_offsets[e] .. group_offsets[e + 1] (multiples of BLOCK_M);
   returns out [E, M, N], out[e] = X_e^T rhs_e, or with transpose_out [E, N, M]. stages: the
   ring's depth (default: as many as fit beside the epilogue's buffers, at most the k steps of
-  all rows). num_ctas: the grid's most CTAs (default NUM_SMS). epi_columns: the epilogue's
-  column chunk (EPI_COLUMNS; the same SMEM in more buffers where narrower). rolling: each
-  tile's last stores read on under the next tile's mainloop (grouped_gemm._tma_store_epilogue's
-  rolling; bitwise the same)."""
+  all rows). num_ctas: the grid's most CTAs (default NUM_SMS)."""
   slots = gg.rows_read(x, gather_index)
-  reason = gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
+  reason = (gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
+            or _tile_unsupported(block_n))
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
   stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
   return gg.weight_grad_call((None, _weight_grad), x, rhs, group_offsets, num_experts,
                              gather_index, transpose_out, block_n=block_n, stages=stages,
-                             **_launch_config(num_ctas, epi_columns, rolling, block_n,
-                                              "weight_grad"))
+                             **_grid_config(num_ctas, "weight_grad"))
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
-                   stages: int | None = None, cols=None, num_ctas: int | None = None,
-                   epi_columns: int = EPI_COLUMNS[0], rolling: bool = False):
+                   stages: int | None = None, cols=None, num_ctas: int | None = None):
   """grouped_gemm.grouped_matmul on persistent CTAs (module docstring): out [P, N] = lhs_e
   rhs_e per M tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major; tile_expert
   [P / BLOCK_M] (E or more past the last group: zeros); cols=(lo, hi): out's columns lo ..
-  hi - 1 only. stages: as weight_grad's (at most the contraction's k steps). num_ctas,
-  epi_columns, rolling: as weight_grad's."""
-  reason = gg.unsupported(lhs, gg.rhs_as_ekn(rhs, transpose_rhs), block_n, cols)
+  hi - 1 only. stages: as weight_grad's (at most the contraction's k steps). num_ctas: the
+  grid's most CTAs (default NUM_SMS)."""
+  reason = (gg.unsupported(lhs, gg.rhs_as_ekn(rhs, transpose_rhs), block_n, cols)
+            or _tile_unsupported(block_n))
   if reason:
     raise ValueError(f"cute persistent grouped_matmul: {reason}")
   stages = _stages(stages, block_n, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K,
                    "grouped_matmul")
   return gg.matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, cols, block_n=block_n,
-                        stages=stages, **_launch_config(num_ctas, epi_columns, rolling, block_n,
-                                                        "grouped_matmul"))
+                        stages=stages, **_grid_config(num_ctas, "grouped_matmul"))

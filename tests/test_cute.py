@@ -1042,38 +1042,32 @@ def test_cute_weight_grad_stores_transposed_on_gpu(block_n, gather):
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,epilogue", [
-    (128, None, False, {}), (256, 2, True, {}), (256, None, False, {}),
-    (256, None, True, dict(rolling=True)), (128, None, False, dict(epi_columns=32, rolling=True)),
-    (256, None, True, dict(epi_columns=32))])
-def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out, epilogue):
+@pytest.mark.parametrize("block_n,stages,transpose_out", [(128, None, False), (256, 2, True),
+                                                          (256, None, False)])
+def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out):
   """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers) compiles
-  for sm_90a at the tiles and depths the layer and the sweep run, with each epilogue (64 or 32
-  columns a buffer, rolling stores or not)."""
+  for sm_90a at the tiles and depths the layer and the sweep run."""
   from ffi import persistent
   P, M, N, E, T = 512, 256, 512, 4, 300
   offsets = jnp.arange(E + 1, dtype=jnp.int32) * (P // E)
   fn = lambda x, r, i: persistent.weight_grad(x, r, offsets, E, i, block_n=block_n,
-                                              stages=stages, transpose_out=transpose_out,
-                                              **epilogue)
+                                                    stages=stages, transpose_out=transpose_out)
   shapes = [jax.ShapeDtypeStruct((T, M), jnp.bfloat16), jax.ShapeDtypeStruct((P, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_rhs,cols,epilogue", [
-    (256, None, False, None, {}), (256, 2, True, None, {}), (128, None, False, (128, 384), {}),
-    (256, None, True, (256, 512), {}), (256, None, False, None, dict(rolling=True)),
-    (256, None, True, (256, 512), dict(epi_columns=32, rolling=True))])
-def test_cute_persistent_matmul_compiles_for_cuda(block_n, stages, transpose_rhs, cols, epilogue):
-  """The persistent store GEMM compiles for sm_90a, both rhs layouts, whole and windowed, with
-  each epilogue."""
+@pytest.mark.parametrize("block_n,stages,transpose_rhs,cols", [
+    (256, None, False, None), (256, 2, True, None), (128, None, False, (128, 384)),
+    (256, None, True, (256, 512))])
+def test_cute_persistent_matmul_compiles_for_cuda(block_n, stages, transpose_rhs, cols):
+  """The persistent store GEMM compiles for sm_90a, both rhs layouts, whole and windowed."""
   from ffi import persistent
   P, K, N, E = 512, 256, 512, 4
   fn = lambda a, b, t: persistent.grouped_matmul(
       a, jnp.swapaxes(b, 1, 2) if transpose_rhs else b, t, transpose_rhs=transpose_rhs,
-      block_n=block_n, stages=stages, cols=cols, **epilogue)
+      block_n=block_n, stages=stages, cols=cols)
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -1112,32 +1106,29 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
     persistent.weight_grad(x, rhs, offsets, 4, index, block_n=384)
   with pytest.raises(ValueError, match="num_ctas must be a positive int; got 0"):
     persistent.weight_grad(x, rhs, offsets, 4, index, num_ctas=0)
-  with pytest.raises(ValueError, match=r"epi_columns must be one of \(64, 32\); got 48"):
-    persistent.weight_grad(x, rhs, offsets, 4, index, epi_columns=48)
-  with pytest.raises(ValueError, match="rolling stores need block_n=64 a multiple of 128"):
-    persistent.weight_grad(x, rhs, offsets, 4, index, block_n=64, rolling=True)
+  with pytest.raises(ValueError, match="cute persistent weight_grad: block_n=64 must be a multiple of 128"):
+    persistent.weight_grad(x, rhs, offsets, 4, index, block_n=64)
   lhs, w, tiles = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((4, 256, 512), jnp.bfloat16), \
       jnp.zeros((4,), jnp.int32)
   with pytest.raises(ValueError, match=r"cute persistent grouped_matmul: cols=\(0, 600\) must be"):
     persistent.grouped_matmul(lhs, w, tiles, cols=(0, 600))
   with pytest.raises(ValueError, match=r"cute persistent grouped_matmul: stages=1 must be"):
     persistent.grouped_matmul(lhs, w, tiles, stages=1)
+  with pytest.raises(ValueError, match="cute persistent grouped_matmul: block_n=64 must be a multiple of 128"):
+    persistent.grouped_matmul(lhs, w, tiles, block_n=64)
 
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("epilogue", [{}, dict(rolling=True), dict(epi_columns=32, rolling=True),
-                                      dict(epi_columns=32)])
 @pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas", [
     (128, None, False, None), (256, None, True, None), (256, 2, False, 3), (128, 3, True, 5),
     (256, None, True, 1)])
 def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, transpose_out,
-                                                            num_ctas, epilogue):
+                                                            num_ctas):
   """The persistent kernel gives grouped_gemm.weight_grad's bits, gathering X's rows (padding
   slots: index T): experts of 256, 0 (zeros), 640, 128 and 1152 rows, so that a CTA's tiles run
   2, 0, 10, 2 and 18 k steps and its ring of `stages` wraps within and across tiles; num_ctas
-  3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each), so
-  that a rolling epilogue's stores run on under the next tiles (and into empty ones)."""
+  3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each)."""
   from ffi import grouped_gemm, persistent
   sizes = [256, 0, 640, 128, 1152]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
@@ -1147,7 +1138,7 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
   index = jax.random.randint(jax.random.key(73), (P,), 0, T).at[::5].set(T)
   kw = dict(block_n=block_n, transpose_out=transpose_out)
   got = jax.jit(lambda a, b, o, i: persistent.weight_grad(
-      a, b, o, E, i, stages=stages, num_ctas=num_ctas, **epilogue, **kw))(x, rhs, offsets, index)
+      a, b, o, E, i, stages=stages, num_ctas=num_ctas, **kw))(x, rhs, offsets, index)
   want = jax.jit(lambda a, b, o, i: grouped_gemm.weight_grad(
       a, b, o, E, gather_index=i, **kw))(x, rhs, offsets, index)
   assert got.shape == want.shape == ((E, N, M) if transpose_out else (E, M, N))
@@ -1157,12 +1148,11 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("epilogue", [{}, dict(rolling=True), dict(epi_columns=32, rolling=True)])
 @pytest.mark.parametrize("transpose_rhs,block_n,stages,cols,num_ctas", [
     (False, 256, None, None, None), (True, 256, None, None, 3), (False, 128, 2, (128, 384), 5),
     (True, 256, 3, (256, 512), 1), (True, 128, None, None, None)])
 def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, stages, cols,
-                                                       num_ctas, epilogue):
+                                                       num_ctas):
   """The persistent store GEMM gives grouped_gemm.grouped_matmul's bits: experts 0, 1 and 3
   (2 skipped: no tiles), a tile past the last group (zeros), whole and windowed (cols), both
   rhs layouts; num_ctas 1, 3 and 5 make each CTA loop over many tiles (the default grid: one
@@ -1176,8 +1166,8 @@ def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, s
   if transpose_rhs:
     rhs = jnp.swapaxes(rhs, 1, 2)
   kw = dict(transpose_rhs=transpose_rhs, block_n=block_n, cols=cols)
-  got = jax.jit(lambda a, b, t: persistent.grouped_matmul(
-      a, b, t, stages=stages, num_ctas=num_ctas, **epilogue, **kw))(lhs, rhs, tile_expert)
+  got = jax.jit(lambda a, b, t: persistent.grouped_matmul(a, b, t, stages=stages,
+                                                          num_ctas=num_ctas, **kw))(lhs, rhs, tile_expert)
   want = jax.jit(lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, **kw))(lhs, rhs, tile_expert)
   assert got.shape == want.shape == (P, N if cols is None else cols[1] - cols[0])
   assert np.all(np.asarray(want[-128:], np.float32) == 0) and np.any(np.asarray(want, np.float32) != 0)
