@@ -25,13 +25,26 @@ def pytest_configure(config):
   config.addinivalue_line("markers", "multidevice: needs 8 (virtual) devices; run in its own process")
 
 
-# The longest test (its own 8-device process, ~90-160 s on the 2-core CI machine) starts first,
-# so that under pytest-xdist it runs beside the others instead of ending the run alone.
-LONGEST_FIRST = ("test_sharding.py::test_multidevice_suite",)
+# The longest tests start first, in this order (longest first: the multidevice suite's
+# 8-device processes, 60-240 s each on the 2-core CI machine, then the interpreted Pallas
+# layers, 40-120 s), so that under pytest-xdist they run beside the short ones instead of
+# ending the run alone.
+LONGEST_FIRST = ("test_sharding.py::test_multidevice_suite",
+                 "test_pallas.py::test_pallas_matches_xla_and_oracle_interpret",
+                 "test_pallas.py::test_vmapped_pallas_layer_matches_each_element_interpret",
+                 "test_sharding.py::test_one_device_mesh_pallas_backend_interpret",
+                 "test_windows.py::test_pallas_layer_with_windows_matches_xla_interpret",
+                 "test_omnimoe.py::test_pallas_grouped_matches_xla_interpret",
+                 "test_bench.py::test_tile_sweep_custom_shape")
+
+
+def _start_rank(nodeid: str) -> int:
+  """A test's place in LONGEST_FIRST (a parametrized one's too), or after them all."""
+  return next((i for i, name in enumerate(LONGEST_FIRST) if name in nodeid), len(LONGEST_FIRST))
 
 
 def pytest_collection_modifyitems(config, items):
-  items.sort(key=lambda item: not item.nodeid.endswith(LONGEST_FIRST))   # (a stable sort)
+  items.sort(key=lambda item: _start_rank(item.nodeid))   # (a stable sort)
   if has_gpu():
     return
   skip = pytest.mark.skip(reason="needs a GPU")
