@@ -135,7 +135,7 @@ def test_pallas_layer_with_windows_matches_xla_interpret():
   def grads(backend, windows):
     loss = lambda *a: jnp.sum(sm.moe(*a, k=K, backend=backend, windows=windows).out
                               .astype(jnp.float32) * cot)
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)   # (jitted: 1.4x faster)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)   # (one compiled program)
 
   for name, a, b in zip(("dx", "drouter_w", "dw1", "dw2"), grads("pallas", 3), grads("xla", 1)):
     assert rel_err(a, b) < 1e-2, name
