@@ -13,8 +13,7 @@ from pallas_kernels import config
 # (T, d, n, E, K, dead experts, rounding, tile): every case has tiles past the last group
 CASES = [
     (64, 128, 64, 8, 2, 2, None, 128),       # experts with zero tokens, T < tile
-    (100, 128, 128, 4, 1, 0, None, 128),     # K = 1, T not a multiple of the tile
-    (40, 128, 64, 1, 1, 0, None, 128),       # E = 1
+    (40, 128, 128, 1, 1, 0, None, 128),      # E = 1, K = 1, n = 128 (H two 128-column tiles)
     (256, 128, 64, 4, 2, 0, "nearest", 128),  # token rounding: counts are tile multiples
 ]
 
