@@ -461,14 +461,13 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutl
       if cutlass.const_expr(not rolling):
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
   if cutlass.const_expr(not rolling):
-    if leader:
-      buffers.producer_tail()
+    store_tail(leader)
 
 
 @cute.jit
 def store_tail(leader):
-  """The leader: wait until every TMA store it issued has read its SMEM (a rolling
-  _tma_store_epilogue's last ones) before the CTA exits."""
+  """The leader: wait until every TMA store it issued has read its SMEM (the end of a
+  _tma_store_epilogue, or of a persistent CTA whose rolling epilogues left theirs reading)."""
   if leader:
     cute.arch.cp_async_bulk_wait_group(0, read=True)
 
