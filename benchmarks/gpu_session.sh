@@ -50,6 +50,10 @@
 #   ab_sweep: one tile_sweep (AB_SWEEP: its arguments) on this tree, then again with the
 #           files under .ab/before/ (carried; benchmarks/ab_before.sh writes them from a
 #           commit) copied over it: a kernel change before and after in one call   (~2-5 min)
+#   ab_bench: bench (AB_BENCH: its arguments) on this tree and with .ab/before/ over it, two
+#           interleaved rounds: a change's effect on the step in one call          (~4-9 min)
+#   sized : the weight gradients skipping their experts' padding k steps: GPU tests, sweep
+#           rows with and without, check_anchors at 30B-n256 and 7B-n256             (~8 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
@@ -241,6 +245,42 @@ PY
         timeout 280 python3 -m benchmarks.tile_sweep "${ab_args[@]}" --out "$OUT/sweep_$side.json" \
           2>&1 | grep -v '^{'
       done ;;
+    ab_bench)  # after `cute` staging: AB_BENCH="<bench arguments>" on this tree (after) and
+               # with .ab/before/ copied over it (before), in two rounds: after, before, after,
+               # before (carry [".ab"]; benchmarks/ab_before.sh)
+      [ -d .ab/before ] || { echo "ab_bench: no .ab/before (benchmarks/ab_before.sh)"; continue; }
+      read -r -a ab_args <<< "${AB_BENCH:?AB_BENCH: the bench arguments}"
+      rm -rf /tmp/ab_after; mkdir -p /tmp/ab_after
+      (cd .ab/before && find . -type f) | while read -r f; do
+        mkdir -p "/tmp/ab_after/$(dirname "$f")"; cp "$f" "/tmp/ab_after/$f"; done
+      for round in 1 2; do
+        for side in after before; do
+          if [ "$side" = before ]; then cp -r .ab/before/. .; else cp -r /tmp/ab_after/. .; fi
+          echo "== $side $round"
+          timeout 200 python3 -m benchmarks.bench "${ab_args[@]}" \
+            --out "$OUT/bench_${side}_$round" 2>&1 | tail -4
+        done
+      done
+      cp -r /tmp/ab_after/. . ;;
+    sized)  # after `cute` staging: the weight gradients skipping their experts' padding k steps
+            # (group_sizes): GPU tests, the sweep rows with and without, twice (the second
+            # round in reverse order), the default against float32 at two anchors  (~8 min)
+      timeout 200 python3 -m pytest -m gpu tests/test_cute.py -p no:cacheprovider -rA \
+        -k "skips_padding or weight_grad_against or persistent_weight_grad or weight_grads_matches" \
+        > "$OUT/pytest_sized.log" 2>&1
+      rc=$?; echo "tests: rc $rc"
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_sized.log" | cut -c1-160 | tail -8
+      [ "$rc" = 0 ] || continue
+      rows=dw1_gather_persistent,dw1_gather_persistent_sized,dw2_gather_persistent,dw2_gather_persistent_sized
+      reversed=$(echo "$rows" | tr ',' '\n' | tac | paste -sd,)
+      for round in 1 2; do
+        [ "$round" = 1 ] && kernels=$rows || kernels=$reversed
+        timeout 200 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 256 \
+          --configs 30B-n256,7B-n256,olmoe,120B-n1024 --kernels "$kernels" \
+          --out "$OUT/sweep_sized_$round.json" 2>&1 | grep -v '^{' | grep -v "^config"
+      done
+      timeout 200 python3 -m benchmarks.check_anchors --backend auto --configs 30B-n256,7B-n256 \
+        --out "$OUT/check_anchors_sized.json" 2>&1 | grep '^{' | cut -c1-200 ;;
     step_memory)  # after `cute` staging: the step's peak memory and XLA's memory-usage report
                   # (its largest buffers) at MEM_CONFIGS (default 30B-n256 7B-n256)   (~2 min)
       for cfg in ${MEM_CONFIGS:-30B-n256 7B-n256}; do

@@ -583,6 +583,16 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
 
 
 @cute.jit
+def expert_k_steps(group_rows, expert):
+  """(first k step, k steps) of expert's rows in a weight gradient: group_rows (2 E,) holds
+  each expert's first row (a multiple of BLOCK_M) and end (group_rows_of). The last step may
+  run past the end into the group's padding rows (zeros); the steps wholly past it, padding
+  only, are skipped."""
+  first, end = group_rows[2 * expert], group_rows[2 * expert + 1]
+  return first // BLOCK_K, (end - first + BLOCK_K - 1) // BLOCK_K
+
+
+@cute.jit
 def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k, ptid,
                         col0):
   """The weight gradient's gathering producer (thread ptid of 128) over one output tile's k
@@ -652,11 +662,10 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   num_k = cutlass.Int32(0)   # k steps: none for a tile past the last group or an empty expert
   k_begin = cutlass.Int32(0)
   if cutlass.const_expr(kind == "wgrad"):
-    # grid z: the expert, whose rows group_offsets[e] .. group_offsets[e + 1] are the k range
-    # (tile_expert holds group_offsets); rhs is one [P, N] tensor, out [E, M, N]
+    # grid z: the expert, whose rows are the k range (tile_expert holds group_rows: each
+    # expert's first row and end); rhs is one [P, N] tensor, out [E, M, N]
     expert = z_tile
-    k_begin = tile_expert[expert] // BLOCK_K
-    num_k = tile_expert[expert + 1] // BLOCK_K - k_begin
+    k_begin, num_k = expert_k_steps(tile_expert, expert)
     rhs_l, out_l = 0, expert
   else:
     owner = tile_expert[m_tile]
@@ -863,20 +872,21 @@ def _gathered_dh(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.T
 
 
 @cute.jit
-def _weight_grad(stream, lhs: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.Tensor,
+def _weight_grad(stream, lhs: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tensor,
                  out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
                  warp_specialized: cutlass.Constexpr = False):
-  """lhs (M, P, 1) M-major, rhs (N, P, 1) N-major, group_offsets (E + 1,), out (M, N, E)."""
-  _launch(stream, lhs, rhs, group_offsets, group_offsets, out, out, None, block_n, stages,
+  """lhs (M, P, 1) M-major, rhs (N, P, 1) N-major, group_rows (2 E,) (expert_k_steps), out
+  (M, N, E)."""
+  _launch(stream, lhs, rhs, group_rows, group_rows, out, out, None, block_n, stages,
           "wgrad", False, False, warp_specialized)
 
 
 @cute.jit
-def _gathered_weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.Tensor,
+def _gathered_weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tensor,
                           gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
                           stages: cutlass.Constexpr):
   """_weight_grad with x (T, M, 1) the source rows and slot r reading x[gather_index[r]]."""
-  _launch(stream, x, rhs, group_offsets, gather_index, out, out, None, block_n, stages, "wgrad",
+  _launch(stream, x, rhs, group_rows, gather_index, out, out, None, block_n, stages, "wgrad",
           True, False)
 
 
@@ -916,8 +926,9 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
   parts)); for those two the grid covers n's columns; or "wgrad" (lhs (M, P, 1) M-major, rhs
   (N, P, 1), out (M, N, E) N- or M-major: out[e] = lhs_e rhs_e^T over expert e's rows,
-  tile_expert holding group_offsets). With gather lhs is the source of the rows gather_index
-  names (A's stages filled by a third, producer warpgroup: _produce_gathered). register_store
+  tile_expert holding group_rows: expert_k_steps). With gather lhs is the source of the rows
+  gather_index names (A's stages filled by a third, producer warpgroup: _produce_gathered).
+  register_store
   (dh only): each thread stores its fragments from registers instead of the TMA-store
   epilogue. warp_specialized: a producer warpgroup issues the TMA loads of a kernel that does
   not gather too (the MMA warpgroups' first warp otherwise). h_smem (dh): the epilogue reads
@@ -1178,7 +1189,7 @@ def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: b
   return dh_[0], a_scaled[0], ds_parts
 
 
-def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n):
+def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, group_sizes=None):
   """Why weight_grad cannot run these operands (a sentence naming the limit), or None."""
   reason = _dtype_unsupported(lhs, rhs)
   if reason:
@@ -1193,36 +1204,51 @@ def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n):
     return f"rhs columns N={rhs.shape[1]} must be a multiple of block_n={block_n} (itself of {EPI_TILE[1]})"
   if group_offsets.shape != (num_experts + 1,):
     return f"group_offsets must be [{num_experts + 1}]; got {group_offsets.shape}"
+  if group_sizes is not None and group_sizes.shape != (num_experts,):
+    return f"group_sizes must be [{num_experts}]; got {group_sizes.shape}"
   return None
+
+
+def group_rows_of(group_offsets, group_sizes=None):
+  """The weight-gradient kernels' k ranges, [2 E] int32: expert e's first row group_offsets[e]
+  and its end, group_offsets[e] + group_sizes[e] clamped to the group (without group_sizes, or
+  where a size passes its group, the group's end group_offsets[e + 1])."""
+  first, last = group_offsets[:-1].astype(jnp.int32), group_offsets[1:].astype(jnp.int32)
+  end = last if group_sizes is None else jnp.clip(first + group_sizes.astype(jnp.int32), first, last)
+  return jnp.stack([first, end], axis=1).reshape(-1)
 
 
 def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
                 stages: int | None = None, gather_index=None, transpose_out: bool = False,
-                warp_specialized: bool = False):
+                warp_specialized: bool = False, group_sizes=None):
   """out[e] = lhs[rows of e]^T rhs[rows of e] ([E, M, N] in lhs's dtype, fp32 accumulation):
   lhs [P, M] and rhs [P, N] rows in slot order, expert e's rows group_offsets[e] ..
   group_offsets[e + 1] (multiples of BLOCK_M, an aligned plan; an expert without rows gets
-  zeros). dW1 = weight_grad(Xg, dH), dW2 = weight_grad(A', dOg). With gather_index [P], lhs
+  zeros). group_sizes [E] (the plan's): expert e's rows end at group_offsets[e] +
+  group_sizes[e] (clamped to its group), and the kernel skips the k steps (BLOCK_K rows) wholly
+  past that end: its padding rows, which must not count (zeros, as the plan's). dW1 = weight_grad(Xg, dH), dW2 = weight_grad(A', dOg). With gather_index [P], lhs
   is X [T, M] and slot r reads X[gather_index[r]] (zeros where it is T or more), gathered inside
   the kernel by cp.async (bitwise equal to gathering first; H200 timings in ops.dw1). With
   transpose_out the kernel stores out[e]^T: [E, N, M] (its epilogue writes M-major tiles; no
   separate transpose). warp_specialized (without gather_index): as grouped_matmul's."""
   slots = rows_read(lhs, gather_index)   # the rows the GEMM reads
-  reason = _weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
+  reason = _weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n, group_sizes)
   if reason:
     raise ValueError(f"cute weight_grad: {reason}")
   stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, slots.shape[0] // BLOCK_K, stages)
-  return weight_grad_call((_weight_grad, _gathered_weight_grad), lhs, rhs, group_offsets,
-                          num_experts, gather_index, transpose_out, block_n=block_n,
+  return weight_grad_call((_weight_grad, _gathered_weight_grad), lhs, rhs,
+                          group_rows_of(group_offsets, group_sizes), num_experts, gather_index,
+                          transpose_out, block_n=block_n,
                           stages=stages,
                           **_warp_specialized_config(warp_specialized, gather_index))
 
 
-def weight_grad_call(kernels, lhs, rhs, group_offsets, num_experts: int, gather_index,
+def weight_grad_call(kernels, lhs, rhs, group_rows, num_experts: int, gather_index,
                      transpose_out: bool, **config):
   """out [E, M, N] (with transpose_out [E, N, M]) of a weight-gradient kernel (weight_grad's
-  operands, checked by the caller) as an FFI call: kernels = (reading lhs's rows, gathering
-  them by gather_index; None where a kernel has no such variant)."""
+  operands, checked by the caller; group_rows from group_rows_of) as an FFI call: kernels =
+  (reading lhs's rows, gathering them by gather_index; None where a kernel has no such
+  variant)."""
   M, N = lhs.shape[1], rhs.shape[1]
   rows_last = (2, 1, 0)   # [1, P, C] -> (C, P, 1): C contiguous
   if gather_index is None:
@@ -1232,7 +1258,7 @@ def weight_grad_call(kernels, lhs, rhs, group_offsets, num_experts: int, gather_
   # out [E, M, N] seen as (M, N, E) N-major, or [E, N, M] as (M, N, E) M-major
   out_shape, out_mode = ((num_experts, N, M), rows_last) if transpose_out else ((num_experts, M, N), ROW_MODES)
   out, = xla_call.call(
-      kernels[len(index)], [lhs[None], rhs[None], group_offsets.astype(jnp.int32), *index],
+      kernels[len(index)], [lhs[None], rhs[None], group_rows, *index],
       [jax.ShapeDtypeStruct(out_shape, lhs.dtype)],
       modes=[lhs_mode, rows_last, None, *[None] * len(index), out_mode], **config)
   return out

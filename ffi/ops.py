@@ -327,7 +327,8 @@ def _gathered_weight_grad(x, rhs, plan, block_n: int, transpose_out: bool = Fals
   persistent_ctas = _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "persistent"
   kernel = persistent if persistent_ctas else grouped_gemm
   return kernel.weight_grad(x, rhs, plan.group_offsets, plan.num_experts, block_n=block_n,
-                            gather_index=plan.token_index, transpose_out=transpose_out)
+                            gather_index=plan.token_index, transpose_out=transpose_out,
+                            group_sizes=plan.group_sizes)
 
 
 def dw1(x, dh_, plan):
@@ -338,7 +339,8 @@ def dw1(x, dh_, plan):
   if dh_.shape[1] // block_n <= DW1_GATHER_MAX_COLUMN_TILES:
     return _gathered_weight_grad(x, dh_, plan, block_n)
   return grouped_gemm.weight_grad(xla_ops.gather_rows(x, plan.token_index), dh_,
-                                  plan.group_offsets, plan.num_experts, block_n=block_n)
+                                  plan.group_offsets, plan.num_experts, block_n=block_n,
+                                  group_sizes=plan.group_sizes)
 
 
 def dw2(a_scaled, dout, plan):
@@ -350,7 +352,8 @@ def dw2(a_scaled, dout, plan):
     return _gathered_weight_grad(dout, a_scaled, plan, _wide_tile(a_scaled.shape[1], 256),
                                  transpose_out=True)
   return grouped_gemm.weight_grad(a_scaled, xla_ops.gather_rows(dout, plan.token_index),
-                                  plan.group_offsets, plan.num_experts)
+                                  plan.group_offsets, plan.num_experts,
+                                  group_sizes=plan.group_sizes)
 
 
 OPS = dict(top_k=top_k, up_proj=up_proj, down_proj=down_proj, aggregate=aggregate, dh=dh,

@@ -57,15 +57,14 @@ def stages_that_fit(block_n: int, itemsize: int) -> int:
 def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_steps: int,
               num_experts):
   """Tile t's (M tile, column tile, first k step, k steps, rhs's and out's third coordinate).
-  "wgrad": tile_info is group_offsets (expert e's rows, its k range), out's third coordinate
-  the expert. "store": tile_info is tile_expert (the M tile's expert, E or more past the last
+  "wgrad": tile_info is group_rows (each expert's first row and end: its k range,
+  grouped_gemm.expert_k_steps), out's third coordinate the expert. "store": tile_info is tile_expert (the M tile's expert, E or more past the last
   group: no k steps), rhs's third coordinate the expert."""
   if kind == "wgrad":
     per_expert = num_m_tiles * num_n_tiles
     expert, rest = t // per_expert, t % per_expert
-    k_begin = tile_info[expert] // BLOCK_K
-    return (rest // num_n_tiles, rest % num_n_tiles, k_begin,
-            tile_info[expert + 1] // BLOCK_K - k_begin, 0, expert)
+    k_begin, num_k = gg.expert_k_steps(tile_info, expert)
+    return rest // num_n_tiles, rest % num_n_tiles, k_begin, num_k, 0, expert
   m_tile = t // num_n_tiles
   owner = tile_info[m_tile]
   # k_steps where owner < E, else 0 (in arithmetic: no branch)
@@ -85,7 +84,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             k_steps: cutlass.Constexpr, num_tiles: cutlass.Constexpr,
             out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr):
   """kind "wgrad": m_a X (T, M, 1) the gathered rows' source, m_b the rhs (N, P, 1) N-major,
-  the output (M, N, E), tile_info group_offsets (E + 1,), gather_index (P,). kind "store":
+  the output (M, N, E), tile_info group_rows (2 E,), gather_index (P,). kind "store":
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
   tile_info tile_expert (P / BLOCK_M,), gather_index unused."""
   gather = kind == "wgrad"
@@ -193,12 +192,12 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
 
 
 @cute.jit
-def _weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_offsets: cute.Tensor,
+def _weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tensor,
                  gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
                  stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS):
-  """x (T, M, 1) the source rows, rhs (N, P, 1) N-major, group_offsets (E + 1,), gather_index
-  (P,), out (M, N, E) N- or M-major: the operands of grouped_gemm._gathered_weight_grad."""
-  _launch(stream, x, rhs, group_offsets, gather_index, out, block_n, stages, num_ctas, "wgrad")
+  """x (T, M, 1) the source rows, rhs (N, P, 1) N-major, group_rows (2 E,), gather_index (P,),
+  out (M, N, E) N- or M-major: the operands of grouped_gemm._gathered_weight_grad."""
+  _launch(stream, x, rhs, group_rows, gather_index, out, block_n, stages, num_ctas, "wgrad")
 
 
 @cute.jit
@@ -241,20 +240,22 @@ def _grid_config(num_ctas, name: str) -> dict:
 
 def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: int = 128,
                 stages: int | None = None, transpose_out: bool = False,
-                num_ctas: int | None = None):
+                num_ctas: int | None = None, group_sizes=None):
   """grouped_gemm.weight_grad with gather_index on persistent CTAs (module docstring): x
   [T, M] (slot r reads X[gather_index[r]], zeros where it is T or more), rhs [P, N] rows in
-  slot order, expert e's rows group_offsets[e] .. group_offsets[e + 1] (multiples of BLOCK_M);
+  slot order, expert e's rows group_offsets[e] .. group_offsets[e + 1] (multiples of BLOCK_M),
+  or with group_sizes to group_offsets[e] + group_sizes[e] (grouped_gemm.weight_grad's);
   returns out [E, M, N], out[e] = X_e^T rhs_e, or with transpose_out [E, N, M]. stages: the
   ring's depth (default: as many as fit beside the epilogue's buffers, at most the k steps of
   all rows). num_ctas: the grid's most CTAs (default NUM_SMS)."""
   slots = gg.rows_read(x, gather_index)
-  reason = (gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n)
-            or _tile_unsupported(block_n))
+  reason = (gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
+                                        group_sizes) or _tile_unsupported(block_n))
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
   stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
-  return gg.weight_grad_call((None, _weight_grad), x, rhs, group_offsets, num_experts,
+  return gg.weight_grad_call((None, _weight_grad), x, rhs,
+                             gg.group_rows_of(group_offsets, group_sizes), num_experts,
                              gather_index, transpose_out, block_n=block_n, stages=stages,
                              **_grid_config(num_ctas, "weight_grad"))
 

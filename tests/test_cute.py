@@ -900,6 +900,58 @@ def test_cute_weight_grad_against_float32_on_gpu(block_n, stages):
 
 @pytest.mark.gpu
 @needs_cute
+@pytest.mark.parametrize("kernel,gather,transpose_out", [
+    ("grouped", False, False), ("grouped", True, True), ("persistent", True, False),
+    ("persistent", True, True)])
+def test_cute_weight_grad_skips_padding_steps_on_gpu(kernel, gather, transpose_out):
+  """With group_sizes the kernels stop at each expert's last k step that holds its rows: the
+  rows of the steps wholly past them are NaN here and must not reach the output, the padding
+  rows inside the last step are zeros (as the plan's). Experts of 200 rows (a group of 256:
+  4 steps, the last partly padding), 0 (zeros), 640 (whole), 1 (a group of 128, one step) and
+  1100 (a group of 1152: the 18th step skipped); against float32 over the real rows."""
+  from ffi import grouped_gemm, persistent
+  sizes, groups = [200, 0, 640, 1, 1100], [256, 0, 640, 128, 1152]
+  offsets = jnp.array(np.concatenate([[0], np.cumsum(groups)]), jnp.int32)
+  T, P, M, N, E = 1000, sum(groups), 384, 512, len(sizes)
+  step = grouped_gemm.BLOCK_K
+  row_kind = np.zeros(P, np.int32)   # 0 real, 1 padding in a real row's step, 2 skipped
+  for e, size in enumerate(sizes):
+    first, last = int(offsets[e]), int(offsets[e + 1])
+    row_kind[first + size:last] = 1
+    row_kind[first + -(-size // step) * step:last] = 2
+  assert np.any(row_kind == 2) and np.any(row_kind == 1)
+  keys = jax.random.split(jax.random.key(91), 3)
+  fill = lambda v: jnp.where((row_kind == 1)[:, None], 0.0, jnp.where(
+      (row_kind == 2)[:, None], jnp.nan, v)).astype(jnp.bfloat16)
+  rhs = fill(jax.random.normal(keys[0], (P, N)))
+  if gather:   # padding slots read no row (index T: zeros), the skipped ones a NaN row
+    x = jax.random.normal(keys[1], (T + 1, M)).at[T].set(jnp.nan).astype(jnp.bfloat16)
+    real = jax.random.randint(keys[2], (P,), 0, T)
+    index = jnp.where(row_kind == 0, real, jnp.where(row_kind == 1, T + 1, T))
+    rows = x.at[index].get(mode="fill", fill_value=0)
+  else:
+    rows = fill(jax.random.normal(keys[1], (P, M)))
+  kw = dict(block_n=256, transpose_out=transpose_out, group_sizes=jnp.array(sizes, jnp.int32))
+  if kernel == "persistent":
+    got = jax.jit(lambda: persistent.weight_grad(x, rhs, offsets, E, index, **kw))()
+  else:
+    got = jax.jit(lambda: grouped_gemm.weight_grad(
+        x if gather else rows, rhs, offsets, E, **kw,
+        **(dict(gather_index=index) if gather else {})))()
+  f32 = lambda v: v.astype(jnp.float32)
+  for e, size in enumerate(sizes):
+    first = int(offsets[e])
+    want = f32(rows[first:first + size]).T @ f32(rhs[first:first + size])
+    got_e = got[e].T if transpose_out else got[e]
+    assert np.all(np.isfinite(np.asarray(got_e, np.float32))), f"expert {e}: a skipped row counted"
+    if size == 0:
+      np.testing.assert_array_equal(got_e, 0)
+    else:
+      assert rel_err(got_e, want) < 1e-2, e
+
+
+@pytest.mark.gpu
+@needs_cute
 @pytest.mark.parametrize("block_n,tma_store", [(128, False), (64, False), (128, True), (256, False)])
 def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store):
   """Gathering dO's rows in the dH kernel (padding slots: index T, zero rows) gives the
@@ -915,6 +967,23 @@ def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store):
   index = jax.random.randint(jax.random.key(55), (P,), 0, T).at[::7].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.dh, dout, index, w2, h, scores,
                                         tile_expert, block_n=block_n, tma_store=tma_store)
+
+
+@needs_cute
+def test_cute_weight_grad_group_rows_clamp_sizes_to_groups():
+  """The weight-gradient kernels' k ranges: each expert's (first row, end), the end its size
+  past the first row clamped to the group, or the group's end without sizes."""
+  from ffi import grouped_gemm
+  offsets = jnp.array([0, 256, 256, 896, 1024], jnp.int32)
+  np.testing.assert_array_equal(grouped_gemm.group_rows_of(offsets),
+                                [0, 256, 256, 256, 256, 896, 896, 1024])
+  np.testing.assert_array_equal(
+      grouped_gemm.group_rows_of(offsets, jnp.array([200, 0, 700, 1])),
+      [0, 200, 256, 256, 256, 896, 896, 897])
+  with pytest.raises(ValueError, match=r"cute weight_grad: group_sizes must be \[4\]; got \(5,\)"):
+    grouped_gemm.weight_grad(jnp.zeros((1024, 128), jnp.bfloat16),
+                             jnp.zeros((1024, 128), jnp.bfloat16), offsets, 4,
+                             group_sizes=jnp.zeros((5,), jnp.int32))
 
 
 @needs_cute
