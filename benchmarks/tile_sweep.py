@@ -14,6 +14,8 @@ import argparse
 import dataclasses
 import itertools
 import json
+import statistics
+import time
 
 import jax
 
@@ -123,13 +125,6 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dh_pingpong"] = (jax.jit(lambda c, dg, w2, h, s, t: pingpong.dh(   # the same operands
       dg, w2, h, s, t, over_h=False, **dataclasses.asdict(c)), static_argnums=0),
       dh_args, dh_flops, dh_n)
-  # ... skipping the k steps of each expert's padding rows (group_sizes: what the layer runs)
-  for name, transpose_out in [("dw1_gather_persistent", False), ("dw2_gather_persistent", True)]:
-    _, args, flops, _ = rows[name]
-    sized = lambda c, a, b, o, i, s, t=transpose_out: persistent.weight_grad(
-        a, b, o, E, i, transpose_out=t, group_sizes=s, **dataclasses.asdict(c))
-    rows[name + "_sized"] = (jax.jit(sized, static_argnums=0), (*args, plan.group_sizes), flops,
-                             None)
   for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands
     _, mm_args, mm_flops, mm_n = rows[name]
     for suffix, tma_store in [("", False), ("_tma", True)]:
@@ -206,6 +201,36 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   return rows
 
 
+def _timings(jobs, iters: int, reps: int, interleave: int):
+  """Each job's ms (bench.time_ms), or the exception it raised. interleave R > 0: every job
+  compiled and run once, then R rounds in which each job runs `iters` times (round r starting
+  at job r, so no job always follows the same one); each job's median over the rounds."""
+  if not interleave:
+    out = []
+    for _, fn, args, _ in jobs:
+      try:
+        out.append(time_ms(fn, args, iters, reps))
+      except Exception as e:
+        out.append(e)
+    return out
+  out, samples = [None] * len(jobs), [[] for _ in jobs]
+  for i, (_, fn, args, _) in enumerate(jobs):
+    try:
+      jax.block_until_ready(fn(*args))
+    except Exception as e:
+      out[i] = e
+  live = [i for i in range(len(jobs)) if out[i] is None]
+  for r in range(interleave):
+    for i in live[r % len(live):] + live[:r % len(live)]:
+      _, fn, args, _ = jobs[i]
+      t0 = time.perf_counter()
+      for _ in range(iters):
+        result = fn(*args)
+      jax.block_until_ready(result)
+      samples[i].append((time.perf_counter() - t0) / iters * 1e3)
+  return [e if e is not None else statistics.median(samples[i]) for i, e in enumerate(out)]
+
+
 def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--configs", default="30B-n256,7B-n256")
@@ -216,6 +241,10 @@ def main(argv=None):
   p.add_argument("--stages", default="3,4", help="0: (cute) as many as fit in SMEM")
   p.add_argument("--iters", type=int, default=5)
   p.add_argument("--reps", type=int, default=3)
+  p.add_argument("--interleave", type=int, default=0,
+                 help="R > 0: per config, time every row once a round for R rounds (each "
+                      "round starting one row later) and report each row's median: rows "
+                      "compared under the same clocks")
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
   recs = []
@@ -225,6 +254,7 @@ def main(argv=None):
     (x, wr, w1, w2), dout = make_args(T, d, n, E, K)
     plan = sm.route(sm.router_logits(x, wr), k=K, align=ops.ALIGN)[0]
     table = (kernels if a.impl == "pallas" else cute_kernels)(x, w1, w2, dout, plan, T * K)
+    jobs = []   # (record, timed function, its arguments, FLOPs)
     for kname in a.kernels.split(","):
       fn, args, flops, k_len = table[kname]
       for bn, stages in itertools.product(_ints(a.block_n), _ints(a.stages)):
@@ -235,15 +265,15 @@ def main(argv=None):
           chained = grouped_gemm._pipelined_stages(k_len // cfg.block_k, stages) if k_len else None
         else:
           cfg, chained = CuteTile(bn, stages or None), None
-        rec = dict(config=name, impl=a.impl, kernel=kname, block_n=bn, stages=stages,
-                   chained_stages=chained, ms=None, tflops=None)
-        try:
-          ms = time_ms(fn, (cfg, *args), a.iters, a.reps)
-          rec.update(ms=ms, tflops=flops / ms / 1e9)
-        except Exception as e:  # a tile that does not fit is a row
-          rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-        recs.append(rec)
-        print(json.dumps(rec), flush=True)
+        jobs.append((dict(config=name, impl=a.impl, kernel=kname, block_n=bn, stages=stages,
+                          chained_stages=chained, ms=None, tflops=None), fn, (cfg, *args), flops))
+    for (rec, _, _, flops), ms in zip(jobs, _timings(jobs, a.iters, a.reps, a.interleave)):
+      if isinstance(ms, Exception):   # a tile that does not fit is a row
+        rec["error"] = f"{type(ms).__name__}: {str(ms).splitlines()[0][:160] if str(ms) else ''}"
+      else:
+        rec.update(ms=ms, tflops=flops / ms / 1e9)
+      recs.append(rec)
+      print(json.dumps(rec), flush=True)
   print(f"{'config':11s} {'kernel':14s} {'bn':>4s} {'st':>3s} {'run':>3s} {'ms':>8s} {'TF/s':>6s}")
   for r in recs:
     if r["ms"] is not None:
