@@ -134,7 +134,10 @@ STORE_BLOCK_NS = (128, 192)
 # it matches the grouped kernel's on the H200 (session 22, call 3). Since session 28 the
 # persistent kernels' epilogue rolls (a tile's last stores read on under the next tile's
 # mainloop; results/2026-12-02-h200-session28): alone dX~ 3-4% faster at olmoe and
-# 120B-n1024, the rest level; the step's wall time 0.4-2% less in four pairings.
+# 120B-n1024, the rest level; the step's wall time 0.4-2% less in four pairings. Both weight
+# gradients get the plan's group_sizes and skip each expert's padding k steps (session 29: in
+# the step 3.1% less weight-gradient time at 30B-n256, 1.1-1.6% at the 7B configs, level at
+# olmoe and 120B-n1024, where an expert has 32-64 k steps).
 WGRAD_KERNEL = "persistent"
 WGRAD_KERNELS = ("grouped", "persistent")
 
