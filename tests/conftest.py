@@ -2,7 +2,16 @@
 
 import os
 
-import jax
+# Off the GPU the suite is bound by XLA's compiles of small programs, not by running them:
+# there XLA's CPU backend compiles at LLVM optimization level 0 (XLA's HLO passes still run).
+# Session 29, 2-core host, CPU seconds: the layer-vs-oracle tests 135 -> 94, test_train.py
+# 185 -> 120, an interpreted Pallas case 94 -> 74, check_train_sharded.py 153 -> 106. Set
+# before any backend starts; the 8-device processes of tests/test_sharding.py inherit it.
+_FAST_COMPILE = "--xla_backend_optimization_level=0"
+if not os.path.exists("/dev/nvidiactl") and _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), _FAST_COMPILE]).strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp
 import numpy as np
 import pytest

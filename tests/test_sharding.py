@@ -16,7 +16,8 @@ MULTIDEVICE_FILES = sorted(f for f in os.listdir(os.path.join(HERE, "multidevice
 def test_multidevice_suite(check_file):
   """tests/multidevice/<check_file> in a process of 8 CPU devices (one file a test, so that
   pytest-xdist's workers share them)."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  flags = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
+  env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                          "--rootdir", HERE, os.path.join(HERE, "multidevice", check_file)],
                         env=env, capture_output=True, text=True, cwd=os.path.dirname(HERE))
