@@ -600,8 +600,9 @@ def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_be
   are read from gather_index one step ahead, so that their load's latency passes under the
   previous step's copies instead of stalling the cp.asyncs that need them (session 24's ncu
   of dW1 at olmoe: 41% of the producer's samples waited on that load, the MMA warpgroups
-  on full stages; reading ahead, dW1 6.5% and dW2 4.9% faster there). The reads ahead are clamped to gather_index's last k step (a tile of an
-  expert without rows has no steps). Returns the advanced pipeline state."""
+  on full stages; reading ahead, dW1 6.5% and dW2 4.9% faster there). The reads ahead are
+  clamped to gather_index's last k step (a tile of an expert without rows has no steps).
+  Returns the advanced pipeline state."""
   last = cute.size(gather_index) // BLOCK_K - 1
   tokens = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
   ahead = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
@@ -928,9 +929,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   (N, P, 1), out (M, N, E) N- or M-major: out[e] = lhs_e rhs_e^T over expert e's rows,
   tile_expert holding group_rows: expert_k_steps). With gather lhs is the source of the rows
   gather_index names (A's stages filled by a third, producer warpgroup: _produce_gathered).
-  register_store
-  (dh only): each thread stores its fragments from registers instead of the TMA-store
-  epilogue. warp_specialized: a producer warpgroup issues the TMA loads of a kernel that does
+  register_store (dh only): each thread stores its fragments from registers instead of the
+  TMA-store epilogue. warp_specialized: a producer warpgroup issues the TMA loads of a kernel that does
   not gather too (the MMA warpgroups' first warp otherwise). h_smem (dh): the epilogue reads
   H's tile from SMEM, TMA-loaded over rhs's stages once the mainloop is done (dh's h_smem)."""
   dtype = lhs.element_type
@@ -1214,7 +1214,10 @@ def group_rows_of(group_offsets, group_sizes=None):
   and its end, group_offsets[e] + group_sizes[e] clamped to the group (without group_sizes, or
   where a size passes its group, the group's end group_offsets[e + 1])."""
   first, last = group_offsets[:-1].astype(jnp.int32), group_offsets[1:].astype(jnp.int32)
-  end = last if group_sizes is None else jnp.clip(first + group_sizes.astype(jnp.int32), first, last)
+  if group_sizes is None:
+    end = last
+  else:
+    end = jnp.clip(first + group_sizes.astype(jnp.int32), first, last)
   return jnp.stack([first, end], axis=1).reshape(-1)
 
 
@@ -1226,7 +1229,8 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   group_offsets[e + 1] (multiples of BLOCK_M, an aligned plan; an expert without rows gets
   zeros). group_sizes [E] (the plan's): expert e's rows end at group_offsets[e] +
   group_sizes[e] (clamped to its group), and the kernel skips the k steps (BLOCK_K rows) wholly
-  past that end: its padding rows, which must not count (zeros, as the plan's). dW1 = weight_grad(Xg, dH), dW2 = weight_grad(A', dOg). With gather_index [P], lhs
+  past that end; the padding rows it still reads, in the last step, must be zeros (as the
+  plan's). dW1 = weight_grad(Xg, dH), dW2 = weight_grad(A', dOg). With gather_index [P], lhs
   is X [T, M] and slot r reads X[gather_index[r]] (zeros where it is T or more), gathered inside
   the kernel by cp.async (bitwise equal to gathering first; H200 timings in ops.dw1). With
   transpose_out the kernel stores out[e]^T: [E, N, M] (its epilogue writes M-major tiles; no
@@ -1238,8 +1242,7 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, slots.shape[0] // BLOCK_K, stages)
   return weight_grad_call((_weight_grad, _gathered_weight_grad), lhs, rhs,
                           group_rows_of(group_offsets, group_sizes), num_experts, gather_index,
-                          transpose_out, block_n=block_n,
-                          stages=stages,
+                          transpose_out, block_n=block_n, stages=stages,
                           **_warp_specialized_config(warp_specialized, gather_index))
 
 
