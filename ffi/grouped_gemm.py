@@ -582,12 +582,11 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
   cute.arch.mbarrier_arrive(bar)
 
 
-@cute.jit
 def expert_k_steps(group_rows, expert):
   """(first k step, k steps) of expert's rows in a weight gradient: group_rows (2 E,) holds
   each expert's first row (a multiple of BLOCK_M) and end (group_rows_of). The last step may
   run past the end into the group's padding rows (zeros); the steps wholly past it, padding
-  only, are skipped."""
+  only, are skipped. (Plain arithmetic: in a kernel, or on integers.)"""
   first, end = group_rows[2 * expert], group_rows[2 * expert + 1]
   return first // BLOCK_K, (end - first + BLOCK_K - 1) // BLOCK_K
 

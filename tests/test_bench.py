@@ -256,8 +256,8 @@ def test_timed_step_computes_the_forward_output():
   np.testing.assert_allclose(value, jnp.sum(fn(*args) * dout), rtol=1e-5)
   want = jax.grad(lambda *a: jnp.sum(fn(*a) * dout), argnums=(0, 1, 2, 3))(*args)
   assert len(grads) == 4
-  for g, w in zip(grads, want):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  for g, w in zip(grads, want):   # (one program against op by op: float32 rounding apart)
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
 
 
 def test_ncu_step_runs_one_step_of_a_small_layer(capsys):

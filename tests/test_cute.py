@@ -1145,16 +1145,18 @@ def test_cute_persistent_matmul_compiles_for_cuda(block_n, stages, transpose_rhs
 @needs_cute
 def test_persistent_tiles_cover_each_output_tile_once_with_its_k_range():
   """The persistent CTAs' tile loop (tile_work, run here on plain integers): every output tile
-  once; weight gradients expert by expert over the expert's rows (none for an empty expert);
-  store tiles M tile by M tile, their column tiles adjacent, the contraction's k steps where
-  the M tile has an expert and none past the last group."""
+  once; weight gradients expert by expert over the k steps that hold the expert's rows (none
+  for an empty expert, the padding's whole steps skipped); store tiles M tile by M tile, their
+  column tiles adjacent, the contraction's k steps where the M tile has an expert and none
+  past the last group."""
   from ffi import persistent
-  offsets = np.array([0, 256, 256, 896, 1024])   # experts of 2, 0, 5 and 1 k steps (4 experts)
-  seen = [persistent.tile_work("wgrad", t, offsets, 3, 2, 0, 4) for t in range(3 * 2 * 4)]
+  # groups of 256, 0, 640 and 128 rows holding 200, 0, 640 and 1: k steps 4, 0, 10 and 1
+  group_rows = np.array([0, 200, 256, 256, 256, 896, 896, 897])
+  seen = [persistent.tile_work("wgrad", t, group_rows, 3, 2, 0, 4) for t in range(3 * 2 * 4)]
   assert [(e, m, n) for m, n, _, _, _, e in seen] == [
       (e, m, n) for e in range(4) for m in range(3) for n in range(2)]
   for m, n, k_begin, num_k, rhs_l, e in seen:
-    assert (k_begin, num_k, rhs_l) == (offsets[e] // 64, (offsets[e + 1] - offsets[e]) // 64, 0)
+    assert (k_begin, num_k, rhs_l) == (group_rows[2 * e] // 64, [4, 0, 10, 1][e], 0)
   tile_expert = np.array([0, 0, 1, 3, 3, 4])   # E = 4: the last M tile is past the groups
   seen = [persistent.tile_work("store", t, tile_expert, 6, 2, 10, 4) for t in range(12)]
   assert [(m, n) for m, n, *_ in seen] == [(m, n) for m in range(6) for n in range(2)]
