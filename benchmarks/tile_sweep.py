@@ -220,7 +220,7 @@ def _timings(jobs, iters: int, reps: int, interleave: int):
     except Exception as e:
       out[i] = e
   live = [i for i in range(len(jobs)) if out[i] is None]
-  for r in range(interleave):
+  for r in range(interleave if live else 0):
     for i in live[r % len(live):] + live[:r % len(live)]:
       _, fn, args, _ = jobs[i]
       t0 = time.perf_counter()

@@ -40,8 +40,6 @@ def pytest_configure(config):
 # ending the run alone.
 LONGEST_FIRST = ("test_sharding.py::test_multidevice_suite",
                  "test_pallas.py::test_pallas_matches_xla_and_oracle_interpret",
-                 "test_pallas.py::test_vmapped_pallas_layer_matches_each_element_interpret",
-                 "test_sharding.py::test_one_device_mesh_pallas_backend_interpret",
                  "test_windows.py::test_pallas_layer_with_windows_matches_xla_interpret",
                  "test_omnimoe.py::test_pallas_grouped_matches_xla_interpret",
                  "test_bench.py::test_tile_sweep_custom_shape")
