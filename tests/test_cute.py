@@ -907,8 +907,9 @@ def test_cute_weight_grad_skips_padding_steps_on_gpu(kernel, gather, transpose_o
   """With group_sizes the kernels stop at each expert's last k step that holds its rows: the
   rows of the steps wholly past them are NaN here and must not reach the output, the padding
   rows inside the last step are zeros (as the plan's). Experts of 200 rows (a group of 256:
-  4 steps, the last partly padding), 0 (zeros), 640 (whole), 1 (a group of 128, one step) and
-  1100 (a group of 1152: the 18th step skipped); against float32 over the real rows."""
+  4 steps, the last partly padding), 0 (zeros), 640 (whole), 1 (a group of 128: one step run,
+  the second skipped) and 1100 (a group of 1152: 18 steps, the last partly padding); against
+  float32 over the real rows."""
   from ffi import grouped_gemm, persistent
   sizes, groups = [200, 0, 640, 1, 1100], [256, 0, 640, 128, 1152]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(groups)]), jnp.int32)
