@@ -258,27 +258,23 @@ PY
           if [ "$side" = before ]; then cp -r .ab/before/. .; else cp -r /tmp/ab_after/. .; fi
           echo "== $side $round"
           timeout 200 python3 -m benchmarks.bench "${ab_args[@]}" \
-            --out "$OUT/bench_${side}_$round" 2>&1 | tail -4
+            --out "$OUT/bench_${side}_$round" 2>&1 | grep -E " ok$|its kernels|rror"
         done
       done
       cp -r /tmp/ab_after/. . ;;
     sized)  # after `cute` staging: the weight gradients skipping their experts' padding k steps
-            # (group_sizes): GPU tests, the sweep rows with and without, twice (the second
-            # round in reverse order), the default against float32 at two anchors  (~8 min)
+            # (group_sizes): GPU tests, the sweep rows with and without (interleaved: 25
+            # rounds), the default against float32 at two anchors                  (~7 min)
       timeout 200 python3 -m pytest -m gpu tests/test_cute.py -p no:cacheprovider -rA \
         -k "skips_padding or weight_grad_against or persistent_weight_grad or weight_grads_matches" \
         > "$OUT/pytest_sized.log" 2>&1
       rc=$?; echo "tests: rc $rc"
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_sized.log" | cut -c1-160 | tail -8
       [ "$rc" = 0 ] || continue
-      rows=dw1_gather_persistent,dw1_gather_persistent_sized,dw2_gather_persistent,dw2_gather_persistent_sized
-      reversed=$(echo "$rows" | tr ',' '\n' | tac | paste -sd,)
-      for round in 1 2; do
-        [ "$round" = 1 ] && kernels=$rows || kernels=$reversed
-        timeout 200 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 256 \
-          --configs 30B-n256,7B-n256,olmoe,120B-n1024 --kernels "$kernels" \
-          --out "$OUT/sweep_sized_$round.json" 2>&1 | grep -v '^{' | grep -v "^config"
-      done
+      timeout 280 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 256 \
+        --configs 30B-n256,7B-n256,olmoe,120B-n1024,7B-n1024 --interleave 25 --iters 5 \
+        --kernels dw1_gather_persistent,dw1_gather_persistent_sized,dw2_gather_persistent,dw2_gather_persistent_sized \
+        --out "$OUT/sweep_sized.json" 2>&1 | grep -v '^{' | grep -v "^config"
       timeout 200 python3 -m benchmarks.check_anchors --backend auto --configs 30B-n256,7B-n256 \
         --out "$OUT/check_anchors_sized.json" 2>&1 | grep '^{' | cut -c1-200 ;;
     step_memory)  # after `cute` staging: the step's peak memory and XLA's memory-usage report
