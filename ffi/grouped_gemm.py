@@ -55,6 +55,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ffi import xla_call
+from sonicmoe_jax import routing
 
 BLOCK_M = 128
 BLOCK_K = 64
@@ -584,7 +585,7 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
 
 def expert_k_steps(group_rows, expert):
   """(first k step, k steps) of expert's rows in a weight gradient: group_rows (2 E,) holds
-  each expert's first row (a multiple of BLOCK_M) and end (group_rows_of). The last step may
+  each expert's first row (a multiple of BLOCK_M) and end (routing.group_row_ranges). The last step may
   run past the end into the group's padding rows (zeros); the steps wholly past it, padding
   only, are skipped. (Plain arithmetic: in a kernel, or on integers.)"""
   first, end = group_rows[2 * expert], group_rows[2 * expert + 1]
@@ -1208,18 +1209,6 @@ def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, grou
   return None
 
 
-def group_rows_of(group_offsets, group_sizes=None):
-  """The weight-gradient kernels' k ranges, [2 E] int32: expert e's first row group_offsets[e]
-  and its end, group_offsets[e] + group_sizes[e] clamped to the group (without group_sizes, or
-  where a size passes its group, the group's end group_offsets[e + 1])."""
-  first, last = group_offsets[:-1].astype(jnp.int32), group_offsets[1:].astype(jnp.int32)
-  if group_sizes is None:
-    end = last
-  else:
-    end = jnp.clip(first + group_sizes.astype(jnp.int32), first, last)
-  return jnp.stack([first, end], axis=1).reshape(-1)
-
-
 def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
                 stages: int | None = None, gather_index=None, transpose_out: bool = False,
                 warp_specialized: bool = False, group_sizes=None):
@@ -1240,7 +1229,7 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
     raise ValueError(f"cute weight_grad: {reason}")
   stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, slots.shape[0] // BLOCK_K, stages)
   return weight_grad_call((_weight_grad, _gathered_weight_grad), lhs, rhs,
-                          group_rows_of(group_offsets, group_sizes), num_experts, gather_index,
+                          routing.group_row_ranges(group_offsets, group_sizes), num_experts, gather_index,
                           transpose_out, block_n=block_n, stages=stages,
                           **_warp_specialized_config(warp_specialized, gather_index))
 
@@ -1248,7 +1237,7 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
 def weight_grad_call(kernels, lhs, rhs, group_rows, num_experts: int, gather_index,
                      transpose_out: bool, **config):
   """out [E, M, N] (with transpose_out [E, N, M]) of a weight-gradient kernel (weight_grad's
-  operands, checked by the caller; group_rows from group_rows_of) as an FFI call: kernels =
+  operands, checked by the caller; group_rows from routing.group_row_ranges) as an FFI call: kernels =
   (reading lhs's rows, gathering them by gather_index; None where a kernel has no such
   variant)."""
   M, N = lhs.shape[1], rhs.shape[1]

@@ -38,6 +38,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ffi import grouped_gemm as gg
 from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE, THREADS
+from sonicmoe_jax import routing
 
 NUM_SMS = 132     # H100 / H200 SXM: the default grid (fewer SMs only queue CTAs)
 MAX_STAGES = 8
@@ -256,7 +257,7 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
     raise ValueError(f"cute persistent weight_grad: {reason}")
   stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
   return gg.weight_grad_call((None, _weight_grad), x, rhs,
-                             gg.group_rows_of(group_offsets, group_sizes), num_experts,
+                             routing.group_row_ranges(group_offsets, group_sizes), num_experts,
                              gather_index, transpose_out, block_n=block_n, stages=stages,
                              **_grid_config(num_ctas, "weight_grad"))
 

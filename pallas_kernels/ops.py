@@ -71,14 +71,16 @@ def dx_tilde(dh_, w1, plan, cols=None):
 def dw1(x, dh_, plan):
   if config.DW1_GATHER_IN_KERNEL:
     return weight_grad.weight_grad(x, dh_, plan.group_offsets, plan.num_experts, x.dtype,
-                                   gather_index=plan.token_index)
+                                   gather_index=plan.token_index, group_sizes=plan.group_sizes)
   return weight_grad.weight_grad(xla_ops.gather_rows(x, plan.token_index), dh_,
-                                 plan.group_offsets, plan.num_experts, x.dtype)
+                                 plan.group_offsets, plan.num_experts, x.dtype,
+                                 group_sizes=plan.group_sizes)
 
 
 def dw2(a_scaled, dout, plan):
   return weight_grad.weight_grad(a_scaled, xla_ops.gather_rows(dout, plan.token_index),
-                                 plan.group_offsets, plan.num_experts, dout.dtype)
+                                 plan.group_offsets, plan.num_experts, dout.dtype,
+                                 group_sizes=plan.group_sizes)
 
 
 OPS = dict(top_k=top_k, up_proj=up_proj, down_proj=down_proj, aggregate=xla_ops.aggregate, dh=dh,

@@ -3,7 +3,8 @@
 dW1_e = Xg_e^T dH_e (lhs [P, d], rhs [P, 2n]) and dW2_e = A'_e^T dOg_e (lhs [P, n], rhs [P, d]).
 The token dimension is reduced and ragged: expert e owns the aligned rows
 group_offsets[e] .. group_offsets[e+1] (padding rows are zero), so its pipeline runs
-(group_offsets[e+1] - group_offsets[e]) / block_k steps; an expert with no tokens stores zeros.
+(group_offsets[e+1] - group_offsets[e]) / block_k steps, or with the plan's group_sizes only
+the steps up to the one holding its last row; an expert with no tokens stores zeros.
 
 Tiling: work items (e, m tile of lhs columns, n tile of rhs columns) over a persistent loop;
   acc[bm, bn] += lhs[rows kk, m tile]^T @ rhs[rows kk, n tile], rows block_k at a time by TMA.
@@ -22,8 +23,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import config as cfg_lib
 from pallas_kernels import row_gather
 from pallas_kernels.config import TileConfig
+from sonicmoe_jax import routing
 
 GATHER_COLS = row_gather.BLOCK_COLS   # lhs columns per gathered tile (128 bytes of bf16)
+
+
+def _expert_k_steps(group_rows_ref, e, bk: int):
+  """(first row, k steps) of expert e: its steps of bk rows up to the one holding its last row
+  (group_rows_ref: routing.group_row_ranges, first rows multiples of bk)."""
+  start = group_rows_ref[2 * e]
+  return start, (group_rows_ref[2 * e + 1] - start + bk - 1) // bk
 
 
 def _store_tile(tile, dst):
@@ -38,14 +47,20 @@ def _store_tile(tile, dst):
 
 
 def weight_grad(lhs, rhs, group_offsets, num_experts: int, out_dtype,
-                cfg: TileConfig = cfg_lib.WEIGHT_GRAD, gather_index=None):
+                cfg: TileConfig = cfg_lib.WEIGHT_GRAD, gather_index=None, group_sizes=None):
   """[E, lhs cols, rhs cols] in out_dtype (fp32 accumulation).
 
   gather_index (GPU only; off the GPU it gathers in XLA first): lhs is then the source [N, m]
-  and slot row r reads lhs[gather_index[r]], zeros for indices outside [0, N)."""
+  and slot row r reads lhs[gather_index[r]], zeros for indices outside [0, N). group_sizes [E]
+  (the plan's): expert e's rows end at group_offsets[e] + group_sizes[e] (clamped to its
+  group) and the k steps wholly past that end, its padding, are skipped (the padding rows of
+  the last step it runs must be zeros, as the plan's)."""
+  if group_sizes is not None and group_sizes.shape != (num_experts,):
+    raise ValueError(f"weight gradient group_sizes must be [{num_experts}]; got {group_sizes.shape}")
+  group_rows = routing.group_row_ranges(group_offsets, group_sizes)
   lhs, gather_index = row_gather.gather_off_gpu(lhs, gather_index)
   if gather_index is not None:
-    return _gathered_weight_grad(lhs, rhs, gather_index, group_offsets, num_experts, out_dtype, cfg)
+    return _gathered_weight_grad(lhs, rhs, gather_index, group_rows, num_experts, out_dtype, cfg)
   num_slots, m_dim = lhs.shape
   n_dim = rhs.shape[1]
   bm = cfg.block_m if m_dim % cfg.block_m == 0 else 64
@@ -58,13 +73,12 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, out_dtype,
   if lhs_t:
     lhs = lhs.T
 
-  def body(offsets_ref, lhs_ref, rhs_ref, out_ref):
+  def body(group_rows_ref, lhs_ref, rhs_ref, out_ref):
     @plgpu.nd_loop((num_experts, grid_m * grid_n), collective_axes="sm")
     def _work_item(info):
       e = info.index[0]
       mi, ni = info.index[1] // grid_n, info.index[1] % grid_n
-      start = offsets_ref[e]
-      num_steps = (offsets_ref[e + 1] - start) // bk
+      start, num_steps = _expert_k_steps(group_rows_ref, e, bk)
       rows = pl.ds(pl.multiple_of(start, bk), num_slots)  # only the first num_steps blocks are read
 
       def acc_scope(acc_ref):
@@ -95,10 +109,10 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, out_dtype,
       body, out_type=jax.ShapeDtypeStruct((num_experts, m_dim, n_dim), out_dtype),
       grid=(cfg_lib.num_sms(),), grid_names=("sm",), compiler_params=cfg_lib.compiler_params(),
       interpret=cfg_lib.interpret_mode())
-  return kernel(group_offsets.astype(jnp.int32), lhs, rhs)
+  return kernel(group_rows, lhs, rhs)
 
 
-def _gathered_weight_grad(source, rhs, gather_index, group_offsets, num_experts, out_dtype,
+def _gathered_weight_grad(source, rhs, gather_index, group_rows, num_experts, out_dtype,
                           cfg: TileConfig):
   """weight_grad with lhs = source[gather_index] gathered inside the kernel (module docstring)."""
   num_source, m_dim = source.shape
@@ -112,18 +126,18 @@ def _gathered_weight_grad(source, rhs, gather_index, group_offsets, num_experts,
   num_blocks = bm // GATHER_COLS   # gathered column blocks (and accumulators) per lhs tile
   grid_m, grid_n = m_dim // bm, n_dim // bn
 
-  def body(offsets_ref, source_ref, index_ref, rhs_ref, out_ref):
-    pl.run_scoped(lambda ring_ref: work(offsets_ref, source_ref, index_ref, rhs_ref, out_ref, ring_ref),
+  def body(group_rows_ref, source_ref, index_ref, rhs_ref, out_ref):
+    pl.run_scoped(lambda ring_ref: work(group_rows_ref, source_ref, index_ref, rhs_ref, out_ref, ring_ref),
                   plgpu.SMEM((ring, num_blocks, bk, GATHER_COLS), source.dtype,
                              transforms=row_gather.TILE_TRANSFORMS))
 
-  def work(offsets_ref, source_ref, index_ref, rhs_ref, out_ref, ring_ref):
+  def work(group_rows_ref, source_ref, index_ref, rhs_ref, out_ref, ring_ref):
     @plgpu.nd_loop((num_experts, grid_m * grid_n), collective_axes="sm")
     def _work_item(info):
       e = info.index[0]
       mi, ni = info.index[1] // grid_n, info.index[1] % grid_n
-      start = pl.multiple_of(offsets_ref[e], bk)
-      num_steps = (offsets_ref[e + 1] - offsets_ref[e]) // bk
+      start, num_steps = _expert_k_steps(group_rows_ref, e, bk)
+      start = pl.multiple_of(start, bk)
 
       def gather(kk):
         """Step kk's rows into ring slot kk % ring: num_blocks cp.async groups, one per
@@ -165,4 +179,4 @@ def _gathered_weight_grad(source, rhs, gather_index, group_offsets, num_experts,
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((num_experts, m_dim, n_dim), out_dtype),
       grid=(cfg_lib.num_sms(),), grid_names=("sm",), compiler_params=cfg_lib.compiler_params())
-  return kernel(group_offsets.astype(jnp.int32), source, gather_index.astype(jnp.int32), rhs)
+  return kernel(group_rows, source, gather_index.astype(jnp.int32), rhs)

@@ -247,6 +247,19 @@ COUNT_MAX_EXPERTS = 1024
 COUNT_BLOCK = 128   # rows per block of the blocked prefix count (one lower-triangular matmul)
 
 
+def group_row_ranges(group_offsets, group_sizes=None):
+  """Each expert's rows as (first slot, end), [2 E] int32, for the varlen-K weight gradients:
+  expert e's first slot group_offsets[e] and its end group_offsets[e] + group_sizes[e],
+  clamped to its group (without group_sizes, or where a size passes its group: the group's
+  end group_offsets[e + 1]). A kernel stops at the end's k step, skipping the group's padding."""
+  first, last = group_offsets[:-1].astype(jnp.int32), group_offsets[1:].astype(jnp.int32)
+  if group_sizes is None:
+    end = last
+  else:
+    end = jnp.clip(first + group_sizes.astype(jnp.int32), first, last)
+  return jnp.stack([first, end], axis=1).reshape(-1)
+
+
 def _topk_plan(topk_scores, topk_experts, num_experts: int, align: int,
                method: Optional[str] = None) -> RoutingPlan:
   """The plan of plain top-K routing from each token's K distinct experts and their scores,

@@ -162,6 +162,52 @@ def test_weight_grad_long_pipelines(rows_per_expert):
   assert rel_err(out, ref) < 1e-5
 
 
+def _assert_weight_grad_skips_padding_steps(gather: bool):
+  """With group_sizes the varlen-K kernel stops at each expert's last k step that holds its
+  rows: the rows of the steps wholly past them are NaN here and must not reach the output, the
+  padding rows inside the last step are zeros. Groups of 128 rows holding 100 (two steps run),
+  1 (one run, one skipped) and 0 (zeros); against float32 over the real rows."""
+  from pallas_kernels import weight_grad
+  sizes, group, bk = [100, 1, 0], 128, config.WEIGHT_GRAD.block_k
+  E, P, m, n, T = len(sizes), len(sizes) * group, 128, 128, 200
+  kind = np.zeros(P, np.int32)   # 0 real, 1 padding in a step that runs, 2 in a skipped step
+  for e, size in enumerate(sizes):
+    kind[e * group + size:(e + 1) * group] = 1
+    kind[e * group + -(-size // bk) * bk:(e + 1) * group] = 2
+  fill = lambda v: jnp.where((kind == 1)[:, None], 0.0, jnp.where(
+      (kind == 2)[:, None], jnp.nan, v)).astype(jnp.bfloat16)
+  rhs = fill(jax.random.normal(jax.random.key(2), (P, n)))
+  offsets = jnp.arange(E + 1, dtype=jnp.int32) * group
+  kw = dict(group_sizes=jnp.array(sizes, jnp.int32))
+  if gather:   # padding rows read past x's end (zeros), skipped ones its NaN row T
+    x = jax.random.normal(jax.random.key(1), (T + 1, m)).at[T].set(jnp.nan).astype(jnp.bfloat16)
+    index = jnp.where(kind == 0, jax.random.randint(jax.random.key(3), (P,), 0, T),
+                      jnp.where(kind == 1, T + 1, T))
+    lhs, kw["gather_index"] = x, index
+    rows = x.at[index].get(mode="fill", fill_value=0)
+  else:
+    lhs = rows = fill(jax.random.normal(jax.random.key(1), (P, m)))
+  out = jax.jit(lambda: weight_grad.weight_grad(lhs, rhs, offsets, E, jnp.float32, **kw))()
+  for e, size in enumerate(sizes):
+    assert np.all(np.isfinite(np.asarray(out[e]))), f"expert {e}: a skipped row counted"
+    sl = slice(e * group, e * group + size)
+    want = rows[sl].astype(jnp.float32).T @ rhs[sl].astype(jnp.float32)
+    if size:
+      assert rel_err(out[e], want) < 1e-5
+    else:
+      np.testing.assert_array_equal(out[e], 0)
+
+
+def test_weight_grad_skips_padding_steps_interpret():
+  _assert_weight_grad_skips_padding_steps(gather=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gather", [False, True])
+def test_weight_grad_skips_padding_steps_on_gpu(gather):
+  _assert_weight_grad_skips_padding_steps(gather)
+
+
 def _dw1_gather_case(seed, num_source, d, n2, group_rows):
   """X [num_source, d], a plan-like index (padding slots hold num_source: zero rows), dH rows
   and aligned group offsets for experts owning group_rows rows each (0 = an empty expert)."""

@@ -377,3 +377,14 @@ def test_aggregate_of_a_plan_from_assignments_has_no_device_loop():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   rounded, _ = sm.route(_logits(1, 256, 8), k=2, rounding="nearest", tile=64)
   assert rounded.max_token_slots is None
+
+
+def test_group_row_ranges_clamp_sizes_to_groups():
+  """The weight gradients' k ranges: each expert's (first slot, end), the end its size past
+  the first slot clamped to the group, or the group's end without sizes."""
+  from sonicmoe_jax import routing
+  offsets = jnp.array([0, 256, 256, 896, 1024], jnp.int32)
+  np.testing.assert_array_equal(routing.group_row_ranges(offsets),
+                                [0, 256, 256, 256, 256, 896, 896, 1024])
+  np.testing.assert_array_equal(routing.group_row_ranges(offsets, jnp.array([200, 0, 700, 1])),
+                                [0, 200, 256, 256, 256, 896, 896, 897])
