@@ -71,6 +71,10 @@ def test_pallas_errors():
   x, r, w1, w2 = make_inputs(0, 32, 128, 48, 4, jnp.bfloat16)
   with pytest.raises(ValueError, match="n \\(expert width\\) to be a multiple of 64; got n=48"):
     sm.moe(x, r, w1, w2, k=1, backend="pallas")
+  from pallas_kernels import weight_grad
+  rows, offsets = jnp.zeros((256, 128), jnp.bfloat16), jnp.array([0, 128, 256], jnp.int32)
+  with pytest.raises(ValueError, match=r"weight gradient group_sizes must be \[2\]; got \(3,\)"):
+    weight_grad.weight_grad(rows, rows, offsets, 2, jnp.float32, group_sizes=jnp.zeros((3,)))
 
 
 def _vmapped_step(backend, K):
