@@ -583,15 +583,6 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
   cute.arch.mbarrier_arrive(bar)
 
 
-def expert_k_steps(group_rows, expert):
-  """(first k step, k steps) of expert's rows in a weight gradient: group_rows (2 E,) holds
-  each expert's first row (a multiple of BLOCK_M) and end (routing.group_row_ranges). The last step may
-  run past the end into the group's padding rows (zeros); the steps wholly past it, padding
-  only, are skipped. (Plain arithmetic: in a kernel, or on integers.)"""
-  first, end = group_rows[2 * expert], group_rows[2 * expert + 1]
-  return first // BLOCK_K, (end - first + BLOCK_K - 1) // BLOCK_K
-
-
 @cute.jit
 def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k, ptid,
                         col0):
@@ -666,7 +657,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     # grid z: the expert, whose rows are the k range (tile_expert holds group_rows: each
     # expert's first row and end); rhs is one [P, N] tensor, out [E, M, N]
     expert = z_tile
-    k_begin, num_k = expert_k_steps(tile_expert, expert)
+    k_begin, num_k = routing.group_row_steps(tile_expert, expert, BLOCK_K)
     rhs_l, out_l = 0, expert
   else:
     owner = tile_expert[m_tile]
@@ -876,8 +867,8 @@ def _gathered_dh(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.T
 def _weight_grad(stream, lhs: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tensor,
                  out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
                  warp_specialized: cutlass.Constexpr = False):
-  """lhs (M, P, 1) M-major, rhs (N, P, 1) N-major, group_rows (2 E,) (expert_k_steps), out
-  (M, N, E)."""
+  """lhs (M, P, 1) M-major, rhs (N, P, 1) N-major, group_rows (2 E,)
+  (routing.group_row_ranges), out (M, N, E)."""
   _launch(stream, lhs, rhs, group_rows, group_rows, out, out, None, block_n, stages,
           "wgrad", False, False, warp_specialized)
 
@@ -927,12 +918,13 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
   parts)); for those two the grid covers n's columns; or "wgrad" (lhs (M, P, 1) M-major, rhs
   (N, P, 1), out (M, N, E) N- or M-major: out[e] = lhs_e rhs_e^T over expert e's rows,
-  tile_expert holding group_rows: expert_k_steps). With gather lhs is the source of the rows
+  tile_expert holding group_rows: routing.group_row_steps). With gather lhs is the source of the rows
   gather_index names (A's stages filled by a third, producer warpgroup: _produce_gathered).
   register_store (dh only): each thread stores its fragments from registers instead of the
-  TMA-store epilogue. warp_specialized: a producer warpgroup issues the TMA loads of a kernel that does
-  not gather too (the MMA warpgroups' first warp otherwise). h_smem (dh): the epilogue reads
-  H's tile from SMEM, TMA-loaded over rhs's stages once the mainloop is done (dh's h_smem)."""
+  TMA-store epilogue. warp_specialized: a producer warpgroup issues the TMA loads of a kernel
+  that does not gather too (the MMA warpgroups' first warp otherwise). h_smem (dh): the
+  epilogue reads H's tile from SMEM, TMA-loaded over rhs's stages once the mainloop is done
+  (dh's h_smem)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
   num_rhs = 2 if swiglu else 1
@@ -1228,18 +1220,18 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   if reason:
     raise ValueError(f"cute weight_grad: {reason}")
   stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, slots.shape[0] // BLOCK_K, stages)
-  return weight_grad_call((_weight_grad, _gathered_weight_grad), lhs, rhs,
-                          routing.group_row_ranges(group_offsets, group_sizes), num_experts, gather_index,
-                          transpose_out, block_n=block_n, stages=stages,
+  group_rows = routing.group_row_ranges(group_offsets, group_sizes)
+  return weight_grad_call((_weight_grad, _gathered_weight_grad), lhs, rhs, group_rows,
+                          num_experts, gather_index, transpose_out, block_n=block_n, stages=stages,
                           **_warp_specialized_config(warp_specialized, gather_index))
 
 
 def weight_grad_call(kernels, lhs, rhs, group_rows, num_experts: int, gather_index,
                      transpose_out: bool, **config):
   """out [E, M, N] (with transpose_out [E, N, M]) of a weight-gradient kernel (weight_grad's
-  operands, checked by the caller; group_rows from routing.group_row_ranges) as an FFI call: kernels =
-  (reading lhs's rows, gathering them by gather_index; None where a kernel has no such
-  variant)."""
+  operands, checked by the caller; group_rows from routing.group_row_ranges) as an FFI call:
+  kernels = (reading lhs's rows, gathering them by gather_index; None where a kernel has no
+  such variant)."""
   M, N = lhs.shape[1], rhs.shape[1]
   rows_last = (2, 1, 0)   # [1, P, C] -> (C, P, 1): C contiguous
   if gather_index is None:

@@ -59,13 +59,13 @@ def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_ste
               num_experts):
   """Tile t's (M tile, column tile, first k step, k steps, rhs's and out's third coordinate).
   "wgrad": tile_info is group_rows (each expert's first row and end: its k range,
-  grouped_gemm.expert_k_steps), out's third coordinate the expert. "store": tile_info is
+  routing.group_row_steps), out's third coordinate the expert. "store": tile_info is
   tile_expert (the M tile's expert, E or more past the last group: no k steps), rhs's third
   coordinate the expert."""
   if kind == "wgrad":
     per_expert = num_m_tiles * num_n_tiles
     expert, rest = t // per_expert, t % per_expert
-    k_begin, num_k = gg.expert_k_steps(tile_info, expert)
+    k_begin, num_k = routing.group_row_steps(tile_info, expert, BLOCK_K)
     return rest // num_n_tiles, rest % num_n_tiles, k_begin, num_k, 0, expert
   m_tile = t // num_n_tiles
   owner = tile_info[m_tile]

@@ -28,13 +28,6 @@ from sonicmoe_jax import routing
 GATHER_COLS = row_gather.BLOCK_COLS   # lhs columns per gathered tile (128 bytes of bf16)
 
 
-def _expert_k_steps(group_rows_ref, e, bk: int):
-  """(first row, k steps) of expert e: its steps of bk rows up to the one holding its last row
-  (group_rows_ref: routing.group_row_ranges, first rows multiples of bk)."""
-  start = group_rows_ref[2 * e]
-  return start, (group_rows_ref[2 * e + 1] - start + bk - 1) // bk
-
-
 def _store_tile(tile, dst):
   """Stage a register tile in SMEM and TMA-store it to the GMEM view dst."""
   def scope(smem):
@@ -56,7 +49,8 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, out_dtype,
   group) and the k steps wholly past that end, its padding, are skipped (the padding rows of
   the last step it runs must be zeros, as the plan's)."""
   if group_sizes is not None and group_sizes.shape != (num_experts,):
-    raise ValueError(f"weight gradient group_sizes must be [{num_experts}]; got {group_sizes.shape}")
+    raise ValueError(
+        f"weight gradient group_sizes must be [{num_experts}]; got {group_sizes.shape}")
   group_rows = routing.group_row_ranges(group_offsets, group_sizes)
   lhs, gather_index = row_gather.gather_off_gpu(lhs, gather_index)
   if gather_index is not None:
@@ -78,8 +72,8 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, out_dtype,
     def _work_item(info):
       e = info.index[0]
       mi, ni = info.index[1] // grid_n, info.index[1] % grid_n
-      start, num_steps = _expert_k_steps(group_rows_ref, e, bk)
-      rows = pl.ds(pl.multiple_of(start, bk), num_slots)  # only the first num_steps blocks are read
+      first_step, num_steps = routing.group_row_steps(group_rows_ref, e, bk)
+      rows = pl.ds(pl.multiple_of(first_step * bk, bk), num_slots)  # only the first num_steps blocks are read
 
       def acc_scope(acc_ref):
         def step(_, lhs_smem, rhs_smem):
@@ -136,8 +130,8 @@ def _gathered_weight_grad(source, rhs, gather_index, group_rows, num_experts, ou
     def _work_item(info):
       e = info.index[0]
       mi, ni = info.index[1] // grid_n, info.index[1] % grid_n
-      start, num_steps = _expert_k_steps(group_rows_ref, e, bk)
-      start = pl.multiple_of(start, bk)
+      first_step, num_steps = routing.group_row_steps(group_rows_ref, e, bk)
+      start = pl.multiple_of(first_step * bk, bk)
 
       def gather(kk):
         """Step kk's rows into ring slot kk % ring: num_blocks cp.async groups, one per

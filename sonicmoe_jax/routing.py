@@ -260,6 +260,16 @@ def group_row_ranges(group_offsets, group_sizes=None):
   return jnp.stack([first, end], axis=1).reshape(-1)
 
 
+def group_row_steps(group_rows, expert, rows_per_step: int):
+  """(first step, steps) of expert's rows in group_rows (group_row_ranges), in steps of
+  rows_per_step slots (its first slot a multiple of it): up to the step holding its last row
+  (which may reach into the group's padding; the steps wholly past it are left out). Plain
+  arithmetic: a kernel reads it from its operand (a Pallas ref, a CuTe tensor), tests from
+  integers."""
+  first, end = group_rows[2 * expert], group_rows[2 * expert + 1]
+  return first // rows_per_step, (end - first + rows_per_step - 1) // rows_per_step
+
+
 def _topk_plan(topk_scores, topk_experts, num_experts: int, align: int,
                method: Optional[str] = None) -> RoutingPlan:
   """The plan of plain top-K routing from each token's K distinct experts and their scores,

@@ -73,6 +73,34 @@ def make_inputs(seed, T, d, n, E, dtype=jnp.float32, dead_experts=0):
   return x.astype(dtype), router_w, w1.astype(dtype), w2.astype(dtype)
 
 
+class PaddingSteps:
+  """Weight-gradient rows for the padding-skip tests: groups of slots laid end to end, expert
+  e's `sizes[e]` rows first in its group. kind per slot: 0 a row of the expert, 1 padding in a
+  step of `step` rows that holds one of them, 2 padding in a step wholly past them (the one a
+  kernel given the sizes must skip)."""
+
+  def __init__(self, sizes, groups, step):
+    self.kind = np.zeros(sum(groups), np.int32)
+    first = 0
+    for size, group in zip(sizes, groups):
+      self.kind[first + size:first + group] = 1
+      self.kind[first + -(-size // step) * step:first + group] = 2
+      first += group
+
+  def fill(self, values):
+    """values [P, C] in bf16, with the kind-1 rows zeros and the kind-2 rows NaN."""
+    kind = self.kind[:, None]
+    return jnp.where(kind == 1, 0.0, jnp.where(kind == 2, jnp.nan, values)).astype(jnp.bfloat16)
+
+  def gather_source(self, x_key, index_key, num_rows: int, cols: int):
+    """(x [num_rows + 1, cols] bf16 whose last row is NaN, index [P]): the experts' slots read
+    random rows of the others, kind-1 slots read past x's end (zeros), kind-2 ones the NaN row."""
+    x = jax.random.normal(x_key, (num_rows + 1, cols)).at[num_rows].set(jnp.nan)
+    real = jax.random.randint(index_key, self.kind.shape, 0, num_rows)
+    index = jnp.where(self.kind == 0, real, jnp.where(self.kind == 1, num_rows + 1, num_rows))
+    return x.astype(jnp.bfloat16), index
+
+
 def oracle_moe(x, router_w, w1, w2, *, k, score_fn="softmax_topk", renormalize=False, member=None):
   """Dense float32 MoE by plain autodiff: every expert on every token, weighted by a [T, E]
   score matrix that is zero outside the routed pairs (`member`, default the top-K set)."""

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import sonicmoe_jax as sm
-from conftest import make_inputs, rel_err
+from conftest import PaddingSteps, make_inputs, rel_err
 
 
 def _have_cute():
@@ -914,24 +914,15 @@ def test_cute_weight_grad_skips_padding_steps_on_gpu(kernel, gather, transpose_o
   sizes, groups = [200, 0, 640, 1, 1100], [256, 0, 640, 128, 1152]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(groups)]), jnp.int32)
   T, P, M, N, E = 1000, sum(groups), 384, 512, len(sizes)
-  step = grouped_gemm.BLOCK_K
-  row_kind = np.zeros(P, np.int32)   # 0 real, 1 padding in a real row's step, 2 skipped
-  for e, size in enumerate(sizes):
-    first, last = int(offsets[e]), int(offsets[e + 1])
-    row_kind[first + size:last] = 1
-    row_kind[first + -(-size // step) * step:last] = 2
-  assert np.any(row_kind == 2) and np.any(row_kind == 1)
+  steps = PaddingSteps(sizes, groups, grouped_gemm.BLOCK_K)
+  assert np.any(steps.kind == 2) and np.any(steps.kind == 1)
   keys = jax.random.split(jax.random.key(91), 3)
-  fill = lambda v: jnp.where((row_kind == 1)[:, None], 0.0, jnp.where(
-      (row_kind == 2)[:, None], jnp.nan, v)).astype(jnp.bfloat16)
-  rhs = fill(jax.random.normal(keys[0], (P, N)))
-  if gather:   # padding slots read no row (index T: zeros), the skipped ones a NaN row
-    x = jax.random.normal(keys[1], (T + 1, M)).at[T].set(jnp.nan).astype(jnp.bfloat16)
-    real = jax.random.randint(keys[2], (P,), 0, T)
-    index = jnp.where(row_kind == 0, real, jnp.where(row_kind == 1, T + 1, T))
+  rhs = steps.fill(jax.random.normal(keys[0], (P, N)))
+  if gather:
+    x, index = steps.gather_source(keys[1], keys[2], T, M)
     rows = x.at[index].get(mode="fill", fill_value=0)
   else:
-    rows = fill(jax.random.normal(keys[1], (P, M)))
+    rows = steps.fill(jax.random.normal(keys[1], (P, M)))
   kw = dict(block_n=256, transpose_out=transpose_out, group_sizes=jnp.array(sizes, jnp.int32))
   if kernel == "persistent":
     got = jax.jit(lambda: persistent.weight_grad(x, rhs, offsets, E, index, **kw))()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import sonicmoe_jax as sm
-from conftest import make_inputs, oracle_moe, rel_err
+from conftest import PaddingSteps, make_inputs, oracle_moe, rel_err
 from pallas_kernels import config
 
 # (T, d, n, E, K, dead experts, rounding, tile): every case has tiles past the last group
@@ -174,23 +174,16 @@ def _assert_weight_grad_skips_padding_steps(gather: bool):
   from pallas_kernels import weight_grad
   sizes, group, bk = [100, 1, 0], 128, config.WEIGHT_GRAD.block_k
   E, P, m, n, T = len(sizes), len(sizes) * group, 128, 128, 200
-  kind = np.zeros(P, np.int32)   # 0 real, 1 padding in a step that runs, 2 in a skipped step
-  for e, size in enumerate(sizes):
-    kind[e * group + size:(e + 1) * group] = 1
-    kind[e * group + -(-size // bk) * bk:(e + 1) * group] = 2
-  fill = lambda v: jnp.where((kind == 1)[:, None], 0.0, jnp.where(
-      (kind == 2)[:, None], jnp.nan, v)).astype(jnp.bfloat16)
-  rhs = fill(jax.random.normal(jax.random.key(2), (P, n)))
+  steps = PaddingSteps(sizes, [group] * E, bk)
+  rhs = steps.fill(jax.random.normal(jax.random.key(2), (P, n)))
   offsets = jnp.arange(E + 1, dtype=jnp.int32) * group
   kw = dict(group_sizes=jnp.array(sizes, jnp.int32))
-  if gather:   # padding rows read past x's end (zeros), skipped ones its NaN row T
-    x = jax.random.normal(jax.random.key(1), (T + 1, m)).at[T].set(jnp.nan).astype(jnp.bfloat16)
-    index = jnp.where(kind == 0, jax.random.randint(jax.random.key(3), (P,), 0, T),
-                      jnp.where(kind == 1, T + 1, T))
+  if gather:
+    x, index = steps.gather_source(jax.random.key(1), jax.random.key(3), T, m)
     lhs, kw["gather_index"] = x, index
     rows = x.at[index].get(mode="fill", fill_value=0)
   else:
-    lhs = rows = fill(jax.random.normal(jax.random.key(1), (P, m)))
+    lhs = rows = steps.fill(jax.random.normal(jax.random.key(1), (P, m)))
   out = jax.jit(lambda: weight_grad.weight_grad(lhs, rhs, offsets, E, jnp.float32, **kw))()
   for e, size in enumerate(sizes):
     assert np.all(np.isfinite(np.asarray(out[e]))), f"expert {e}: a skipped row counted"
