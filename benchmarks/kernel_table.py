@@ -1,15 +1,17 @@
 """Per-kernel side by side from a bench.py JSON: for each config, every impl's GPU kernels of a
 forward+backward step (their profilers' per-step times, longest first), in columns; or with
---by-op their sums per op of the layer (op_of).
+--by-op their sums per op of the layer (op_of); or with --by-gemm each of the six GEMMs,
+the median over rounds when given several files of one side-by-side run (by_gemm).
 
-  python -m benchmarks.kernel_table benchmarks/results/<run>/bench.json [--top 12] [--fwd] [--order]
-      [--min-ms 0.05] [--by-op]
+  python -m benchmarks.kernel_table benchmarks/results/<run>/bench.json [more.json ...] [--top 12]
+      [--fwd] [--order] [--min-ms 0.05] [--by-op | --by-gemm]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import re
+import statistics
 
 NAME_WIDTH = 52
 
@@ -77,6 +79,68 @@ def by_op(record, key: str = "kernels_fwd_bwd") -> dict:
   return sums
 
 
+# the layer's six GEMMs, as one step launches them
+GEMMS = ("up-proj", "down-proj", "dH", "dX~", "dW1", "dW2")
+
+
+def by_gemm(record, key: str = "kernels_fwd_bwd") -> dict:
+  """{gemm: ms} of a record's six GEMMs (GEMMS; a GEMM made in column windows: their sum),
+  from its launches. Ours by label: a store GEMM ('matmul') before dH is the down-projection,
+  after it dX~; of the two weight gradients dW1 is the longer (twice dW2's FLOPs). The PyTorch
+  SonicMoE's by epilogue: its plain GEMM before dH is the down-projection, after it dW2, dX~,
+  dW1 in that order. GEMMs the record lacks are absent."""
+  sums: dict = {}
+  after_dh, plain_after_dh, weight_grads = False, [], []
+  for name, ms in in_launch_order(record, key):
+    op = op_of(name, after_store=False)
+    if op == OPS[0]:
+      gemm = "up-proj"
+    elif op == OPS[1]:
+      gemm, after_dh = "dH", True
+    elif "weight_grad" in name:
+      weight_grads.append(ms)
+      continue
+    elif "matmul" in name:
+      gemm = "dX~" if after_dh else "down-proj"
+    elif "GemmDefault" in name:
+      if not after_dh:
+        gemm = "down-proj"
+      else:
+        plain_after_dh.append(ms)
+        continue
+    else:
+      continue
+    sums[gemm] = sums.get(gemm, 0.0) + ms
+  if len(weight_grads) == 2:
+    sums["dW2"], sums["dW1"] = sorted(weight_grads)
+  if len(plain_after_dh) == 3:
+    sums["dW2"], sums["dX~"], sums["dW1"] = plain_after_dh
+  return {gemm: sums[gemm] for gemm in GEMMS if gemm in sums}
+
+
+def gemm_table(records, key: str = "kernels_fwd_bwd") -> str:
+  """Text table: per config and impl, each GEMM's ms (by_gemm), the median over the records
+  of that config and impl (rounds of one side-by-side run); under each impl after a config's
+  first, its medians divided by the first impl's."""
+  groups: dict = {}
+  for r in records:
+    if r.get(key):
+      groups.setdefault((r["config"], r["impl"]), []).append(by_gemm(r, key))
+  lines = [f"{'config':12s} {'impl':15s} {'rounds':>6s} " + " ".join(f"{g:>9s}" for g in GEMMS)]
+  first: dict = {}
+  for (config, impl), rounds in groups.items():
+    medians = {g: statistics.median(r[g] for r in rounds) for g in GEMMS
+               if all(g in r for r in rounds)}
+    lines.append(f"{config:12s} {impl:15s} {len(rounds):6d} "
+                 + " ".join(f"{medians[g]:9.3f}" if g in medians else f"{'-':>9s}" for g in GEMMS))
+    base = first.setdefault(config, medians)
+    if base is not medians:
+      lines.append(f"{'':12s} {'/ the first':15s} {'':6s} " + " ".join(
+          f"{medians[g] / base[g]:9.3f}" if g in medians and g in base else f"{'-':>9s}"
+          for g in GEMMS))
+  return "\n".join(lines)
+
+
 def op_table(records, key: str = "kernels_fwd_bwd") -> str:
   """Text table: per config and impl, its kernels' ms per op (by_op) and their total."""
   lines = [f"{'config':12s} {'impl':15s} " + " ".join(f"{op:>13s}" for op in OPS)
@@ -114,7 +178,7 @@ def table(records, top: int = 12, key: str = "kernels_fwd_bwd", launch_order: bo
 
 def main(argv=None):
   p = argparse.ArgumentParser()
-  p.add_argument("bench_json")
+  p.add_argument("bench_json", nargs="+", help="one or more (rounds of one run: --by-gemm)")
   p.add_argument("--top", type=int, default=12)
   p.add_argument("--fwd", action="store_true", help="the forward's kernels instead")
   p.add_argument("--order", action="store_true",
@@ -122,11 +186,20 @@ def main(argv=None):
                       "sessions 16-17: each kernel once, at its first launch)")
   p.add_argument("--min-ms", type=float, default=0.0, help="leave out kernels shorter than this")
   p.add_argument("--by-op", action="store_true", help="each impl's kernels summed per op (op_of)")
+  p.add_argument("--by-gemm", action="store_true",
+                 help="each impl's six GEMMs (by_gemm), medians over the files' records")
   a = p.parse_args(argv)
-  with open(a.bench_json) as f:
-    records = json.load(f)
+  records = []
+  for path in a.bench_json:
+    with open(path) as f:
+      records += json.load(f)
   key = "kernels_fwd" if a.fwd else "kernels_fwd_bwd"
-  text = op_table(records, key) if a.by_op else table(records, a.top, key, a.order, a.min_ms)
+  if a.by_gemm:
+    text = gemm_table(records, key)
+  elif a.by_op:
+    text = op_table(records, key)
+  else:
+    text = table(records, a.top, key, a.order, a.min_ms)
   print(text)
   return text
 

@@ -195,6 +195,37 @@ def test_kernel_table_sums_kernels_per_op(tmp_path):
   assert lines[1].split()[:2] == ["7B", "auto"] and lines[1].split()[-1] == "3.360"
 
 
+def test_kernel_table_names_the_six_gemms(tmp_path):
+  """--by-gemm: ours by label (store GEMMs before dH: down-projection windows summed, after it:
+  dX~; the longer weight gradient is dW1), theirs by epilogue and launch order (dW2, dX~, dW1
+  after dH); medians over rounds, and each impl against the first."""
+  from benchmarks import kernel_table
+  quack = "kernel_cutlass_kernel_quackgemm_{}Sm90_object_at__x"
+  def ours(scale):
+    return dict(config="7B", impl="auto", kernels_fwd_bwd=[["x", 0]], kernel_launches_fwd_bwd=[
+        ["sonicmoe_up_proj_gather_kernel__k", 1.0 * scale], ["sonicmoe_pingpong_matmul_kernel__k", 0.25],
+        ["loop_reduce_fusion", 0.2], ["sonicmoe_pingpong_matmul_kernel__k", 0.25],
+        ["sonicmoe_dh_gather_kernel__k", 0.7], ["sonicmoe_persistent_weight_grad_gather_kernel__k", 0.3],
+        ["sonicmoe_persistent_matmul_kernel__k", 0.8],
+        ["sonicmoe_persistent_weight_grad_gather_kernel__k", 0.9]])
+  theirs = dict(config="7B", impl="torch_sonicmoe", kernels_fwd_bwd=[["x", 0]], kernel_launches_fwd_bwd=[
+      [quack.format("actGemmGated"), 1.2], [quack.format("default_epiGemmDefault"), 0.4],
+      ["token_gather_sum_kernel", 0.3], [quack.format("dactGemmDGated"), 0.6],
+      [quack.format("default_epiGemmDefault"), 0.35], [quack.format("default_epiGemmDefault"), 0.85],
+      [quack.format("default_epiGemmDefault"), 0.95]])
+  assert kernel_table.by_gemm(ours(1.0)) == pytest.approx(
+      {"up-proj": 1.0, "down-proj": 0.5, "dH": 0.7, "dX~": 0.8, "dW1": 0.9, "dW2": 0.3})
+  assert kernel_table.by_gemm(theirs) == pytest.approx(
+      {"up-proj": 1.2, "down-proj": 0.4, "dH": 0.6, "dX~": 0.85, "dW1": 0.95, "dW2": 0.35})
+  rounds = [tmp_path / f"round{i}.json" for i in range(3)]
+  for path, scale in zip(rounds, (1.0, 1.2, 0.9)):
+    path.write_text(json.dumps([ours(scale), theirs]))
+  lines = kernel_table.main([*map(str, rounds), "--by-gemm"]).splitlines()
+  assert lines[1].split()[:4] == ["7B", "auto", "3", "1.000"]   # the median of 1.0, 1.2, 0.9
+  assert lines[2].split()[:3] == ["7B", "torch_sonicmoe", "3"]
+  assert lines[3].split()[-6:] == ["1.200", "0.800", "0.857", "1.062", "1.056", "1.167"]
+
+
 def test_kernel_table_puts_impls_side_by_side(tmp_path):
   """benchmarks.kernel_table lists each impl's kernels per config in columns, longest first,
   skipping rows without profiles (and the torch session-10 JSON reads back)."""
