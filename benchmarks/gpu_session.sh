@@ -64,6 +64,8 @@
 #           staging)                                                                   (~7 min)
 #   pair  : one config side by side in one call, ours then the PyTorch SonicMoE's first run
 #           and timed loop (PAIR_CONFIG; after cute and upstream staging)            (~10 min)
+#   pair_rounds: after `pair` at those configs: ours and theirs in turn, PAIR_ROUNDS rounds at
+#           PAIR_CONFIGS, each GEMM's median over the rounds (kernel_table --by-gemm) (~1.5 min/round)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
 #           staging the upstream wheels                                                (~9 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
@@ -347,6 +349,26 @@ import json, sys
 rows = json.load(open(sys.argv[1])) + [json.loads(l) for l in open(sys.argv[2]) if l.strip()]
 json.dump(rows, open(sys.argv[3], 'w'))" "$OUT/pair_ours.json" "$OUT/pair_torch.jsonl" "$OUT/pair.json" \
         && python3 -m benchmarks.kernel_table "$OUT/pair.json" --by-op ;;
+    pair_rounds)  # after `pair` (or torch_warm) at the same configs on this machine: ours and
+                  # the PyTorch SonicMoE in turn, PAIR_ROUNDS rounds (default 3) at each of
+                  # PAIR_CONFIGS (default PAIR_CONFIG), each in its own process; each GEMM's
+                  # median over the rounds (kernel_table --by-gemm): the processes' clock
+                  # drift shared out between both sides                               (~1.5 min a round)
+      tp=$(torch_pythonpath); configs=${PAIR_CONFIGS:-${PAIR_CONFIG:-olmoe}}
+      for r in $(seq "${PAIR_ROUNDS:-3}"); do
+        timeout 200 python3 -m benchmarks.bench --impls auto --configs "$configs" --iters 5 --reps 3 \
+          --out "$OUT/rounds_ours_$r" > "$OUT/rounds_ours.log" 2>&1 || echo "ours, round $r: rc $?"
+        rm -f "$OUT"/rounds_ours_"$r"*.png
+        PYTHONPATH=$tp timeout 240 python3 benchmarks/torch_sonicmoe.py "$(python3 -c \
+          'from benchmarks import configs as C; import json, sys
+print(json.dumps({k: C.ANCHORS[k] for k in sys.argv[1].split(",")}))' "$configs")" \
+          > "$OUT/rounds_torch_$r.jsonl" 2>> "$OUT/rounds_torch.log" || echo "torch, round $r: rc $?"
+        python3 -c "
+import json, sys
+json.dump([json.loads(l) for l in open(sys.argv[1]) if l.strip()], open(sys.argv[2], 'w'))" \
+          "$OUT/rounds_torch_$r.jsonl" "$OUT/rounds_torch_$r.json" && rm "$OUT/rounds_torch_$r.jsonl"
+      done
+      python3 -m benchmarks.kernel_table --by-gemm "$OUT"/rounds_ours_*.json "$OUT"/rounds_torch_*.json ;;
     torch_warm)  # the PyTorch SonicMoE's first runs at the anchors (TORCH_CONFIGS, default all
                  # five; its CuTe compiles and autotuning, cached on its disk for `bench`: > 570 s
                  # for all five on a fresh machine in session 10, 7B-n256 then took 44 s)
