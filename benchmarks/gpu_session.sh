@@ -351,13 +351,14 @@ json.dump(rows, open(sys.argv[3], 'w'))" "$OUT/pair_ours.json" "$OUT/pair_torch.
         && python3 -m benchmarks.kernel_table "$OUT/pair.json" --by-op ;;
     pair_rounds)  # after `pair` (or torch_warm) at the same configs on this machine: ours and
                   # the PyTorch SonicMoE in turn, PAIR_ROUNDS rounds (default 3) at each of
-                  # PAIR_CONFIGS (default PAIR_CONFIG), each in its own process; each GEMM's
+                  # PAIR_CONFIGS (default PAIR_CONFIG), ours as PAIR_IMPLS (default auto; e.g.
+                  # auto,auto/w1: one window too), each in its own process; each GEMM's
                   # median over the rounds (kernel_table --by-gemm): the processes' clock
                   # drift shared out between both sides                               (~1.5 min a round)
       tp=$(torch_pythonpath); configs=${PAIR_CONFIGS:-${PAIR_CONFIG:-olmoe}}
       for r in $(seq "${PAIR_ROUNDS:-3}"); do
-        timeout 200 python3 -m benchmarks.bench --impls auto --configs "$configs" --iters 5 --reps 3 \
-          --out "$OUT/rounds_ours_$r" > "$OUT/rounds_ours.log" 2>&1 || echo "ours, round $r: rc $?"
+        timeout 200 python3 -m benchmarks.bench --impls "${PAIR_IMPLS:-auto}" --configs "$configs" \
+          --iters 5 --reps 3 --out "$OUT/rounds_ours_$r" > "$OUT/rounds_ours.log" 2>&1 || echo "ours, round $r: rc $?"
         rm -f "$OUT"/rounds_ours_"$r"*.png
         PYTHONPATH=$tp timeout 240 python3 benchmarks/torch_sonicmoe.py "$(python3 -c \
           'from benchmarks import configs as C; import json, sys
