@@ -65,7 +65,7 @@
 #   pair  : one config side by side in one call, ours then the PyTorch SonicMoE's first run
 #           and timed loop (PAIR_CONFIG; after cute and upstream staging)            (~10 min)
 #   pair_rounds: after `pair` at those configs: ours and theirs in turn, PAIR_ROUNDS rounds at
-#           PAIR_CONFIGS, each GEMM's median over the rounds (kernel_table --by-gemm) (~1.5 min/round)
+#           PAIR_CONFIGS, each GEMM's median over the rounds (kernel_table --by-gemm) (~1.5 min a config a round)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
 #           staging the upstream wheels                                                (~9 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
@@ -354,11 +354,12 @@ json.dump(rows, open(sys.argv[3], 'w'))" "$OUT/pair_ours.json" "$OUT/pair_torch.
                   # PAIR_CONFIGS (default PAIR_CONFIG), ours as PAIR_IMPLS (default auto; e.g.
                   # auto,auto/w1: one window too), each in its own process; each GEMM's
                   # median over the rounds (kernel_table --by-gemm): the processes' clock
-                  # drift shared out between both sides                               (~1.5 min a round)
+                  # drift shared out between both sides (~1.5 min a config a round; the
+                  # files of several calls merge: kernel_table --by-gemm FILES...)
       tp=$(torch_pythonpath); configs=${PAIR_CONFIGS:-${PAIR_CONFIG:-olmoe}}
       for r in $(seq "${PAIR_ROUNDS:-3}"); do
-        timeout 200 python3 -m benchmarks.bench --impls "${PAIR_IMPLS:-auto}" --configs "$configs" \
-          --iters 5 --reps 3 --out "$OUT/rounds_ours_$r" > "$OUT/rounds_ours.log" 2>&1 || echo "ours, round $r: rc $?"
+        timeout 400 python3 -m benchmarks.bench --impls "${PAIR_IMPLS:-auto}" --configs "$configs" \
+          --iters 5 --reps 3 --out "$OUT/rounds_ours_$r" >> "$OUT/rounds_ours.log" 2>&1 || echo "ours, round $r: rc $?"
         rm -f "$OUT"/rounds_ours_"$r"*.png
         PYTHONPATH=$tp timeout 240 python3 benchmarks/torch_sonicmoe.py "$(python3 -c \
           'from benchmarks import configs as C; import json, sys
