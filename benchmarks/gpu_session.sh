@@ -66,6 +66,8 @@
 #           and timed loop (PAIR_CONFIG; after cute and upstream staging)            (~10 min)
 #   pair_rounds: after `pair` at those configs: ours and theirs in turn, PAIR_ROUNDS rounds at
 #           PAIR_CONFIGS, each GEMM's median over the rounds (kernel_table --by-gemm) (~1.5 min a config a round)
+#   torch_cache_save: the PyTorch SonicMoE's autotuning results and compiled kernels into $OUT
+#           (kept here in .devcache/; carried, the next machine restores them at the start) (~10 s)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
 #           staging the upstream wheels                                                (~9 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
@@ -83,6 +85,21 @@ export SONICMOE_CUTE_CACHE=${SONICMOE_CUTE_CACHE:-/tmp/cute-cache}   # shared by
 # the PyTorch SonicMoE's PYTHONPATH: its staged wheels alone (it pins an older
 # nvidia-cutlass-dsl than the cute backend's, which this process's PYTHONPATH may carry)
 torch_pythonpath() { [ -f /tmp/devsite-upstream/env.sh ] && (unset PYTHONPATH; . /tmp/devsite-upstream/env.sh; echo "$PYTHONPATH"); }
+# the PyTorch SonicMoE's caches from an earlier machine (torch_cache_save's files, carried in
+# .devcache/): quack's autotuning results (~/.quack: the config each GEMM shape runs; with
+# them it tunes nothing) and its compiled kernels (quack_cache under the temp folder; with
+# them it compiles nothing). Without them its first run took 447-472 s at 30B-n256 and
+# 120B-n1024 on a fresh machine. Restored once per machine, before any mode runs.
+quack_kernels_dir() { python3 -c 'import getpass, os, tempfile; print(os.path.join(tempfile.gettempdir(), getpass.getuser(), "quack_cache"))'; }
+if [ -d .devcache ] && [ ! -e /tmp/.quack-restored ]; then
+  [ -f .devcache/quack_autotune.tgz ] && tar xzf .devcache/quack_autotune.tgz -C "$HOME"
+  if ls .devcache/quack_kernels.tgz.part* > /dev/null 2>&1; then
+    mkdir -p "$(dirname "$(quack_kernels_dir)")"
+    cat .devcache/quack_kernels.tgz.part* | tar xzf - -C "$(dirname "$(quack_kernels_dir)")"
+  fi
+  touch /tmp/.quack-restored
+  echo "restored the PyTorch SonicMoE's caches: $(find "$HOME/.quack" -name '*.autotune.json' 2>/dev/null | wc -l) autotuning results, $(find "$(quack_kernels_dir)" -type f 2>/dev/null | wc -l) kernel files"
+fi
 for mode in "$@"; do
   case "$mode" in
     check)
@@ -371,6 +388,18 @@ json.dump([json.loads(l) for l in open(sys.argv[1]) if l.strip()], open(sys.argv
           "$OUT/rounds_torch_$r.jsonl" "$OUT/rounds_torch_$r.json" && rm "$OUT/rounds_torch_$r.jsonl"
       done
       python3 -m benchmarks.kernel_table --by-gemm "$OUT"/rounds_ours_*.json "$OUT"/rounds_torch_*.json ;;
+    torch_cache_save)  # after the PyTorch SonicMoE ran on this machine: its autotuning results
+                       # and compiled kernels into $OUT (the kernels in 15 MiB parts, at most
+                       # 4), for .devcache/ here and a carry on the next machine   (~10 s)
+      tar czf "$OUT/quack_autotune.tgz" -C "$HOME" .quack && ls -l "$OUT/quack_autotune.tgz"
+      kernels=$(quack_kernels_dir)
+      tar czf /tmp/quack_kernels.tgz -C "$(dirname "$kernels")" "$(basename "$kernels")"
+      size=$(stat -c %s /tmp/quack_kernels.tgz); echo "quack_kernels.tgz: $size bytes"
+      if [ "$size" -le $((60 * 1024 * 1024)) ]; then
+        split -b 15m -d /tmp/quack_kernels.tgz "$OUT/quack_kernels.tgz.part"
+      else
+        echo "the compiled kernels do not fit 4 parts: only the autotuning results saved"
+      fi ;;
     torch_warm)  # the PyTorch SonicMoE's first runs at the anchors (TORCH_CONFIGS, default all
                  # five; its CuTe compiles and autotuning, cached on its disk for `bench`: > 570 s
                  # for all five on a fresh machine in session 10, 7B-n256 then took 44 s)
