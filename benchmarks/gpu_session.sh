@@ -371,23 +371,29 @@ json.dump(rows, open(sys.argv[3], 'w'))" "$OUT/pair_ours.json" "$OUT/pair_torch.
                   # PAIR_CONFIGS (default PAIR_CONFIG), ours as PAIR_IMPLS (default auto; e.g.
                   # auto,auto/w1: one window too), each in its own process; each GEMM's
                   # median over the rounds (kernel_table --by-gemm): the processes' clock
-                  # drift shared out between both sides (~1.5 min a config a round; the
-                  # files of several calls merge: kernel_table --by-gemm FILES...)
+                  # drift shared out between both sides (~1.5 min a config a round; all in
+                  # $OUT/rounds.json, several calls' files merge: kernel_table --by-gemm FILES...)
       tp=$(torch_pythonpath); configs=${PAIR_CONFIGS:-${PAIR_CONFIG:-olmoe}}
       for r in $(seq "${PAIR_ROUNDS:-3}"); do
         timeout 400 python3 -m benchmarks.bench --impls "${PAIR_IMPLS:-auto}" --configs "$configs" \
-          --iters 5 --reps 3 --out "$OUT/rounds_ours_$r" >> "$OUT/rounds_ours.log" 2>&1 || echo "ours, round $r: rc $?"
-        rm -f "$OUT"/rounds_ours_"$r"*.png
+          --iters 5 --reps 3 --out /tmp/rounds_ours >> "$OUT/rounds_ours.log" 2>&1 || echo "ours, round $r: rc $?"
         PYTHONPATH=$tp timeout 240 python3 benchmarks/torch_sonicmoe.py "$(python3 -c \
           'from benchmarks import configs as C; import json, sys
 print(json.dumps({k: C.ANCHORS[k] for k in sys.argv[1].split(",")}))' "$configs")" \
-          > "$OUT/rounds_torch_$r.jsonl" 2>> "$OUT/rounds_torch.log" || echo "torch, round $r: rc $?"
+          > /tmp/rounds_torch.jsonl 2>> "$OUT/rounds_torch.log" || echo "torch, round $r: rc $?"
+        # every round's records, ours then theirs, appended to one list (a round that failed
+        # adds what it wrote; $OUT returns at most 8 files)
         python3 -c "
-import json, sys
-json.dump([json.loads(l) for l in open(sys.argv[1]) if l.strip()], open(sys.argv[2], 'w'))" \
-          "$OUT/rounds_torch_$r.jsonl" "$OUT/rounds_torch_$r.json" && rm "$OUT/rounds_torch_$r.jsonl"
+import json, os, sys
+out, ours, theirs, r = sys.argv[1:]
+rows = json.load(open(out)) if os.path.exists(out) else []
+new = (json.load(open(ours)) if os.path.exists(ours) else []) + (
+    [json.loads(l) for l in open(theirs) if l.strip()] if os.path.exists(theirs) else [])
+json.dump(rows + [dict(x, round=int(r)) for x in new], open(out, 'w'))" \
+          "$OUT/rounds.json" /tmp/rounds_ours.json /tmp/rounds_torch.jsonl "$r"
+        rm -f /tmp/rounds_ours.json /tmp/rounds_ours.png /tmp/rounds_torch.jsonl
       done
-      python3 -m benchmarks.kernel_table --by-gemm "$OUT"/rounds_ours_*.json "$OUT"/rounds_torch_*.json ;;
+      python3 -m benchmarks.kernel_table --by-gemm "$OUT/rounds.json" ;;
     torch_cache_save)  # after the PyTorch SonicMoE ran on this machine: its autotuning results
                        # and compiled kernels into $OUT (the kernels in 15 MiB parts, at most
                        # 4), for .devcache/ here and a carry on the next machine   (~10 s)
