@@ -91,13 +91,13 @@ torch_pythonpath() { [ -f /tmp/devsite-upstream/env.sh ] && (unset PYTHONPATH; .
 # them it compiles nothing). Without them its first run took 447-472 s at 30B-n256 and
 # 120B-n1024 on a fresh machine. Restored once per machine, before any mode runs.
 quack_kernels_dir() { python3 -c 'import getpass, os, tempfile; print(os.path.join(tempfile.gettempdir(), getpass.getuser(), "quack_cache"))'; }
-if [ -d .devcache ] && [ ! -e /tmp/.quack-restored ]; then
+if [ -d .devcache ] && [ ! -e "${TMPDIR:-/tmp}/.quack-restored" ]; then
   [ -f .devcache/quack_autotune.tgz ] && tar xzf .devcache/quack_autotune.tgz -C "$HOME"
   if ls .devcache/quack_kernels.tgz.part* > /dev/null 2>&1; then
     mkdir -p "$(dirname "$(quack_kernels_dir)")"
     cat .devcache/quack_kernels.tgz.part* | tar xzf - -C "$(dirname "$(quack_kernels_dir)")"
   fi
-  touch /tmp/.quack-restored
+  touch "${TMPDIR:-/tmp}/.quack-restored"
   echo "restored the PyTorch SonicMoE's caches: $(find "$HOME/.quack" -name '*.autotune.json' 2>/dev/null | wc -l) autotuning results, $(find "$(quack_kernels_dir)" -type f 2>/dev/null | wc -l) kernel files"
 fi
 for mode in "$@"; do
@@ -397,15 +397,20 @@ json.dump(rows + [dict(x, round=int(r)) for x in new], open(out, 'w'))" \
     torch_cache_save)  # after the PyTorch SonicMoE ran on this machine: its autotuning results
                        # and compiled kernels into $OUT (the kernels in 15 MiB parts, at most
                        # 4), for .devcache/ here and a carry on the next machine   (~10 s)
-      tar czf "$OUT/quack_autotune.tgz" -C "$HOME" .quack && ls -l "$OUT/quack_autotune.tgz"
-      kernels=$(quack_kernels_dir)
-      tar czf /tmp/quack_kernels.tgz -C "$(dirname "$kernels")" "$(basename "$kernels")"
-      size=$(stat -c %s /tmp/quack_kernels.tgz); echo "quack_kernels.tgz: $size bytes"
-      if [ "$size" -le $((60 * 1024 * 1024)) ]; then
-        split -b 15m -d /tmp/quack_kernels.tgz "$OUT/quack_kernels.tgz.part"
-      else
-        echo "the compiled kernels do not fit 4 parts: only the autotuning results saved"
-      fi ;;
+      if [ -d "$HOME/.quack" ]; then
+        tar czf "$OUT/quack_autotune.tgz" -C "$HOME" .quack && echo "quack_autotune.tgz saved"
+      else echo "autotuning results not saved: no $HOME/.quack"; fi
+      kernels=$(quack_kernels_dir); packed=${TMPDIR:-/tmp}/quack_kernels.tgz
+      if [ -d "$kernels" ]; then
+        tar czf "$packed" -C "$(dirname "$kernels")" "$(basename "$kernels")"
+        size=$(stat -c %s "$packed")
+        if [ "$size" -le $((60 * 1024 * 1024)) ]; then
+          split -b 15m -d "$packed" "$OUT/quack_kernels.tgz.part" && echo "quack_kernels.tgz saved: $size bytes"
+        else
+          echo "compiled kernels not saved: $size bytes compressed, more than 4 parts of 15 MiB"
+        fi
+        rm -f "$packed"
+      else echo "compiled kernels not saved: no $kernels"; fi ;;
     torch_warm)  # the PyTorch SonicMoE's first runs at the anchors (TORCH_CONFIGS, default all
                  # five; its CuTe compiles and autotuning, cached on its disk for `bench`: > 570 s
                  # for all five on a fresh machine in session 10, 7B-n256 then took 44 s)

@@ -1,0 +1,76 @@
+"""benchmarks/gpu_session.sh, the device calls' script: it parses, documents every mode, and
+carries the PyTorch SonicMoE's caches from one machine to the next (torch_cache_save, then the
+restore at the start of a later run). Runs on the CPU: no mode here needs a GPU."""
+import os
+import pathlib
+import re
+import subprocess
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh"
+
+
+def test_gpu_session_parses_and_documents_every_mode():
+  subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+  text = SCRIPT.read_text()
+  header = text.split("set -uo pipefail")[0]
+  modes = re.findall(r"^    ([a-z_0-9]+)\)", text, re.M)
+  documented = re.findall(r"^#   ([a-z_0-9]+)\s*:", header, re.M)
+  assert len(modes) > 30 and "pair_rounds" in modes and "torch_cache_save" in modes
+  assert sorted(modes) == sorted(documented)
+
+
+def _run(cwd, home, tmp, out, *modes):
+  env = dict(os.environ, HOME=str(home), TMPDIR=str(tmp), OUT=str(out))
+  return subprocess.run(["bash", str(SCRIPT), *modes], cwd=cwd, env=env, capture_output=True,
+                        text=True, timeout=120)
+
+
+def test_torch_caches_saved_then_restored_on_a_fresh_machine(tmp_path):
+  """torch_cache_save writes quack's autotuning results (~/.quack) and its compiled kernels (the
+  temp folder's <user>/quack_cache, split into 15 MiB parts) under $OUT; with those files in
+  .devcache/ a later run restores both, byte for byte, once per machine."""
+  import getpass
+  user = getpass.getuser()
+  old_home, old_tmp = tmp_path / "home1", tmp_path / "tmp1"
+  tuned = old_home / ".quack" / "cache" / "KEY" / "gemm.autotune.json"
+  tuned.parent.mkdir(parents=True)
+  tuned.write_text('{"key": ["2048"], "configs_timings": []}')
+  kernels = old_tmp / user / "quack_cache"
+  kernels.mkdir(parents=True)
+  big = os.urandom(17 * 2**20)   # more than one 15 MiB part
+  (kernels / "gemm.o").write_bytes(big)
+  out = tmp_path / "out"
+  saved = _run(tmp_path, old_home, old_tmp, out, "torch_cache_save")
+  assert saved.returncode == 0, saved.stderr
+  parts = sorted(p.name for p in out.glob("quack_kernels.tgz.part*"))
+  assert parts == ["quack_kernels.tgz.part00", "quack_kernels.tgz.part01"]
+
+  repo = tmp_path / "repo"
+  (repo / ".devcache").mkdir(parents=True)
+  for f in out.glob("quack_*"):
+    (repo / ".devcache" / f.name).write_bytes(f.read_bytes())
+  new_home, new_tmp = tmp_path / "home2", tmp_path / "tmp2"
+  new_home.mkdir()
+  new_tmp.mkdir()
+  restored = _run(repo, new_home, new_tmp, tmp_path / "out2")
+  assert restored.returncode == 0, restored.stderr
+  assert "1 autotuning results, 1 kernel files" in restored.stdout
+  assert (new_home / ".quack" / "cache" / "KEY" / "gemm.autotune.json").read_text() == tuned.read_text()
+  assert (new_tmp / user / "quack_cache" / "gemm.o").read_bytes() == big
+  # once per machine: a second run leaves a changed cache alone
+  (new_tmp / user / "quack_cache" / "gemm.o").write_bytes(b"newer")
+  again = _run(repo, new_home, new_tmp, tmp_path / "out3")
+  assert "restored" not in again.stdout
+  assert (new_tmp / user / "quack_cache" / "gemm.o").read_bytes() == b"newer"
+
+
+def test_unknown_mode_fails(tmp_path):
+  result = _run(tmp_path, tmp_path, tmp_path, tmp_path / "out", "no_such_mode")
+  assert result.returncode == 2 and "unknown mode no_such_mode" in result.stderr
+
+
+def test_torch_cache_save_without_caches_says_so(tmp_path):
+  """On a machine where the PyTorch SonicMoE never ran there is nothing to save: no files."""
+  result = _run(tmp_path, tmp_path / "empty_home", tmp_path, tmp_path / "out", "torch_cache_save")
+  assert not list((tmp_path / "out").glob("quack_*"))
+  assert "not saved" in result.stdout + result.stderr
