@@ -1196,9 +1196,7 @@ def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, grou
     return f"rhs columns N={rhs.shape[1]} must be a multiple of block_n={block_n} (itself of {EPI_TILE[1]})"
   if group_offsets.shape != (num_experts + 1,):
     return f"group_offsets must be [{num_experts + 1}]; got {group_offsets.shape}"
-  if group_sizes is not None and group_sizes.shape != (num_experts,):
-    return f"group_sizes must be [{num_experts}]; got {group_sizes.shape}"
-  return None
+  return routing.group_sizes_mismatch(group_sizes, num_experts)
 
 
 def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,

@@ -48,9 +48,9 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, out_dtype,
   (the plan's): expert e's rows end at group_offsets[e] + group_sizes[e] (clamped to its
   group) and the k steps wholly past that end, its padding, are skipped (the padding rows of
   the last step it runs must be zeros, as the plan's)."""
-  if group_sizes is not None and group_sizes.shape != (num_experts,):
-    raise ValueError(
-        f"weight gradient group_sizes must be [{num_experts}]; got {group_sizes.shape}")
+  reason = routing.group_sizes_mismatch(group_sizes, num_experts)
+  if reason:
+    raise ValueError(f"weight gradient {reason}")
   group_rows = routing.group_row_ranges(group_offsets, group_sizes)
   lhs, gather_index = row_gather.gather_off_gpu(lhs, gather_index)
   if gather_index is not None:

@@ -247,6 +247,14 @@ COUNT_MAX_EXPERTS = 1024
 COUNT_BLOCK = 128   # rows per block of the blocked prefix count (one lower-triangular matmul)
 
 
+def group_sizes_mismatch(group_sizes, num_experts: int):
+  """Why group_sizes cannot go with num_experts experts (a sentence naming the expected shape),
+  or None (also for None: the kernels then run each group to its end)."""
+  if group_sizes is not None and group_sizes.shape != (num_experts,):
+    return f"group_sizes must be [{num_experts}]; got {group_sizes.shape}"
+  return None
+
+
 def group_row_ranges(group_offsets, group_sizes=None):
   """Each expert's rows as (first slot, end), [2 E] int32, for the varlen-K weight gradients:
   expert e's first slot group_offsets[e] and its end group_offsets[e] + group_sizes[e],
