@@ -85,6 +85,11 @@ export SONICMOE_CUTE_CACHE=${SONICMOE_CUTE_CACHE:-/tmp/cute-cache}   # shared by
 # the PyTorch SonicMoE's PYTHONPATH: its staged wheels alone (it pins an older
 # nvidia-cutlass-dsl than the cute backend's, which this process's PYTHONPATH may carry)
 torch_pythonpath() { [ -f /tmp/devsite-upstream/env.sh ] && (unset PYTHONPATH; . /tmp/devsite-upstream/env.sh; echo "$PYTHONPATH"); }
+# the PyTorch SonicMoE's argument: {name: [T, d, n, E, K]} of the anchors named in a comma list
+# (empty: all five)
+anchors_json() { python3 -c 'from benchmarks import configs as C; import json, sys
+names = sys.argv[1].split(",") if sys.argv[1] else list(C.ANCHORS)
+print(json.dumps({k: C.ANCHORS[k] for k in names}))' "${1:-}"; }
 # the PyTorch SonicMoE's caches from an earlier machine (torch_cache_save's files, carried in
 # .devcache/): quack's autotuning results (~/.quack: the config each GEMM shape runs; with
 # them it tunes nothing) and its compiled kernels (quack_cache under the temp folder; with
@@ -316,8 +321,7 @@ PY
         --launch-count 10 "${sections[@]}" python3 -m benchmarks.ncu_step --no-profiler \
         --config "$cfg" --impl auto > "$OUT/ncu_ours_$cfg.txt" 2>&1; echo "ncu ours: rc $?"
       PYTHONPATH=$tp timeout 250 ncu --profile-from-start off --clock-control none \
-        -k regex:quackgemm "${sections[@]}" python3 benchmarks/torch_sonicmoe.py "$(python3 -c \
-        "from benchmarks import configs as C; import json; print(json.dumps({'$cfg': C.ANCHORS['$cfg']}))")" \
+        -k regex:quackgemm "${sections[@]}" python3 benchmarks/torch_sonicmoe.py "$(anchors_json "$cfg")" \
         --profile-one-step > "$OUT/ncu_torch_$cfg.txt" 2>&1; echo "ncu torch: rc $?"
       for side in ours torch; do
         grep -E "^  [a-zA-Z_]+.*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|L2 Cache Throughput|Registers Per|Achieved Occupancy|Grid Size|Block Size|Issue Slots Busy|No Eligible" \
@@ -358,8 +362,7 @@ PY
         --out "$OUT/pair_ours" 2>&1 | tail -4
       left=$((590 - (SECONDS - start) - ${PAIR_MARGIN_S:-25}))
       echo "the PyTorch SonicMoE: ${left} s"
-      PYTHONPATH=$tp timeout "$left" python3 benchmarks/torch_sonicmoe.py "$(python3 -c \
-        'from benchmarks import configs as C; import json, sys; print(json.dumps({sys.argv[1]: C.ANCHORS[sys.argv[1]]}))' "$cfg")" \
+      PYTHONPATH=$tp timeout "$left" python3 benchmarks/torch_sonicmoe.py "$(anchors_json "$cfg")" \
         > "$OUT/pair_torch.jsonl" 2> "$OUT/pair_torch.log"; echo "torch: rc $?"
       python3 -c "
 import json, sys
@@ -377,9 +380,7 @@ json.dump(rows, open(sys.argv[3], 'w'))" "$OUT/pair_ours.json" "$OUT/pair_torch.
       for r in $(seq "${PAIR_ROUNDS:-3}"); do
         timeout 400 python3 -m benchmarks.bench --impls "${PAIR_IMPLS:-auto}" --configs "$configs" \
           --iters 5 --reps 3 --out /tmp/rounds_ours >> "$OUT/rounds_ours.log" 2>&1 || echo "ours, round $r: rc $?"
-        PYTHONPATH=$tp timeout 240 python3 benchmarks/torch_sonicmoe.py "$(python3 -c \
-          'from benchmarks import configs as C; import json, sys
-print(json.dumps({k: C.ANCHORS[k] for k in sys.argv[1].split(",")}))' "$configs")" \
+        PYTHONPATH=$tp timeout 240 python3 benchmarks/torch_sonicmoe.py "$(anchors_json "$configs")" \
           > /tmp/rounds_torch.jsonl 2>> "$OUT/rounds_torch.log" || echo "torch, round $r: rc $?"
         # every round's records, ours then theirs, appended to one list (a round that failed
         # adds what it wrote; $OUT returns at most 8 files)
@@ -415,9 +416,7 @@ json.dump(rows + [dict(x, round=int(r)) for x in new], open(out, 'w'))" \
                  # five; its CuTe compiles and autotuning, cached on its disk for `bench`: > 570 s
                  # for all five on a fresh machine in session 10, 7B-n256 then took 44 s)
       tp=$(torch_pythonpath)
-      PYTHONPATH=$tp timeout 570 python3 benchmarks/torch_sonicmoe.py "$(python3 -c \
-        'from benchmarks import configs as C; import json, os; names = os.environ.get("TORCH_CONFIGS");
-print(json.dumps({k: v for k, v in C.ANCHORS.items() if not names or k in names.split(",")}))')" \
+      PYTHONPATH=$tp timeout 570 python3 benchmarks/torch_sonicmoe.py "$(anchors_json "${TORCH_CONFIGS:-}")" \
         > "$OUT/torch_warm.jsonl" 2> "$OUT/torch_warm.log"; echo "torch_warm: rc $?"
       grep "first forward" "$OUT/torch_warm.log" ;;
     bench)  # BENCH_CONFIGS / BENCH_IMPLS (comma lists) narrow it: all five anchors with every
