@@ -322,3 +322,44 @@ def test_ncu_sass_top_orders_instructions_by_samples_with_their_context(tmp_path
   other.write_text('"a","b"\n"c","d"\n"e","f"\n')
   with pytest.raises(ValueError, match="not an ncu source page"):
     ncu_sass_top.top_lines(str(other))
+
+
+def _autotune_result(shapes, timings):
+  """One quack autotuning result: its key's tensor shapes and {GemmConfig text: times}."""
+  key = ["False"] + [f"torch.Size({list(s)})" for s in shapes]
+  return {"key": key, "configs_timings": [[f"config: GemmConfig({c})", t] for c, t in timings.items()]}
+
+
+def test_torch_autotune_names_each_gemm_and_ranks_by_median(tmp_path):
+  import tarfile
+  from benchmarks import torch_autotune
+  T, d, n, E, K = 32768, 4096, 256, 256, 16   # 30B-n256
+  tk = T * K
+  pp = "tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2, swap_ab=False"
+  coop = "tile_m=256, tile_n=128, pingpong=False, cluster_m=2, cluster_n=1, swap_ab=False"
+  files = {  # file name: the key's shapes as quack orders them
+      "up/gemm_gated_tuned": [(T, d), (E, d, 2 * n), (tk, 2 * n), (tk, n)],
+      "down/gemm_tuned": [(tk, n), (E, n, d), (tk, d)],
+      "dh/gemm_dgated_tuned": [(T, d), (E, d, n), (tk, 2 * n), (tk, n)],
+      "dx/gemm_tuned": [(tk, 2 * n), (E, 2 * n, d), (tk, d)],
+      "dw1/gemm_tuned": [(d, T), (tk, 2 * n), (E, d, 2 * n)],
+      "dw2/gemm_tuned": [(d, T), (tk, n), (E, d, n)],
+      "other/gemm_tuned": [(d, T), (tk, n), (E + 1, d, n)],   # no anchor: left out
+  }
+  for i, (name, shapes) in enumerate(files.items()):
+    path = tmp_path / ".quack" / f"{name}.autotune.json"
+    path.parent.mkdir(parents=True)
+    # the median decides: pp's [1, 9, 2] (median 2) beats coop's [3, 3, 0.5] (median 3)
+    timings = {pp: [1.0 + i, 9.0 + i, 2.0 + i], coop: [3.0 + i, 3.0 + i, 0.5]}
+    path.write_text(json.dumps(_autotune_result(shapes, timings)))
+  with tarfile.open(tmp_path / "quack_autotune.tgz", "w:gz") as tar:
+    tar.add(tmp_path / ".quack", arcname=".quack")
+  for source in (tmp_path / ".quack", tmp_path / "quack_autotune.tgz"):
+    results = torch_autotune.read_results(str(source))
+    assert len(results) == len(files)
+    lines = torch_autotune.table(results, top=2).splitlines()[1:]
+    assert [line.split()[1] for line in lines] == list(torch_autotune.GEMMS)
+    assert all(line.split()[0] == "30B-n256" for line in lines)
+    up = lines[0]
+    assert "128x128 pp 1x2 2.000" in up and "256x128 coop 2x1 3.000" in up
+    assert up.index("pp") < up.index("coop")
