@@ -2,9 +2,11 @@
 gpu_session.sh returns it: quack_autotune.tgz) as a table: for each anchor config and GEMM,
 the tile configs it timed, fastest first (the median of its timings, ms). Its autotuner picks
 per machine, so two machines may run different kernels for one GEMM: this shows what it chose
-and by how much.
+and by how much. --force edits a restored cache so that its next process runs a chosen tile
+for one GEMM (their step with another of their kernels: an experiment, said so where used).
 
   python -m benchmarks.torch_autotune .devcache/quack_autotune.tgz [--top 3]
+  python -m benchmarks.torch_autotune ~/.quack --force 30B-n256 'dX~' '192x128 pp 1x2'
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import io
 import json
 import os
 import re
-import statistics
 import tarfile
 
 from benchmarks import configs
@@ -28,11 +29,9 @@ def read_results(path: str) -> list[tuple[str, dict]]:
   stem (gemm_tuned, gemm_gated_tuned: the up-projection, gemm_dgated_tuned: dH)."""
   found = []
   if os.path.isdir(path):
-    for root, _, files in os.walk(path):
-      for name in files:
-        if name.endswith(".autotune.json"):
-          with open(os.path.join(root, name)) as f:
-            found.append((name.split(".")[0], json.load(f)))
+    for file, kind in _result_files(path):
+      with open(file) as f:
+        found.append((kind, json.load(f)))
   else:
     with tarfile.open(path) as tar:
       for member in tar.getmembers():
@@ -40,6 +39,36 @@ def read_results(path: str) -> list[tuple[str, dict]]:
           text = tar.extractfile(member).read().decode()
           found.append((os.path.basename(member.name).split(".")[0], json.load(io.StringIO(text))))
   return found
+
+
+def _result_files(folder: str):
+  """(path, kind) of every *.autotune.json under a folder."""
+  for root, _, files in os.walk(folder):
+    for name in sorted(files):
+      if name.endswith(".autotune.json"):
+        yield os.path.join(root, name), name.split(".")[0]
+
+
+def force(folder: str, config: str, gemm: str, tile: str) -> str:
+  """Makes quack run `tile` (as describe() writes it, e.g. '192x128 pp 1x2') for one anchor
+  config's GEMM: its cached timings in `folder` (~/.quack, after gpu_session.sh restored
+  them) become [0, 0, 0], so the next process picks it. Returns the file it changed; the
+  table then shows it at 0.000 ms."""
+  for file, kind in _result_files(folder):
+    with open(file) as f:
+      result = json.load(f)
+    if classify(kind, shapes_of(result["key"])) != (config, gemm):
+      continue
+    tiles = [describe(cfg) for cfg, _ in result["configs_timings"]]
+    if tile not in tiles:
+      raise ValueError(f"tile: {config} {gemm} timed no {tile!r}; it timed {sorted(set(tiles))}")
+    for entry in result["configs_timings"]:
+      if describe(entry[0]) == tile:
+        entry[1] = [0.0, 0.0, 0.0]
+    with open(file, "w") as f:
+      json.dump(result, f)
+    return file
+  raise ValueError(f"config, gemm: no autotuning result for {config} {gemm} under {folder}")
 
 
 def shapes_of(key: list[str]) -> list[tuple[int, ...]]:
@@ -89,8 +118,9 @@ def describe(config_text: str) -> str:
 
 
 def ranked(result: dict) -> list[tuple[float, str]]:
-  """(median ms, config) of every config it timed, fastest first."""
-  rows = [(statistics.median(times), describe(cfg)) for cfg, times in result["configs_timings"]]
+  """(median ms, config) of every config it timed, fastest first: each config's timings are
+  quack's do_bench quantiles (0.5, 0.2, 0.8), and it runs the config of the least median."""
+  rows = [(times[0], describe(cfg)) for cfg, times in result["configs_timings"]]
   return sorted(rows)
 
 
@@ -113,7 +143,14 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("paths", nargs="+", help="quack_autotune.tgz files or ~/.quack folders")
   parser.add_argument("--top", type=int, default=3, help="configs shown per GEMM")
+  parser.add_argument("--force", nargs=3, metavar=("CONFIG", "GEMM", "TILE"),
+                      help="in the one folder given: make quack run TILE (e.g. '192x128 pp 1x2') "
+                           "for CONFIG's GEMM (one of " + ", ".join(GEMMS) + ")")
   args = parser.parse_args()
+  if args.force:
+    if len(args.paths) != 1 or not os.path.isdir(args.paths[0]):
+      parser.error("--force changes one folder's results (~/.quack): give that folder alone")
+    print("forced:", force(args.paths[0], *args.force))
   for path in args.paths:
     print(f"== {path}")
     print(table(read_results(path), args.top))

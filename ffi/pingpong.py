@@ -70,7 +70,9 @@ THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 REGISTERS = {False: (40, 232),
              True: (grouped_gemm.PRODUCER_REGISTERS, grouped_gemm.MMA_REGISTERS)}
 # dh's SMEM epilogue (tma_store) with a gathering producer: its consumers spilled 92 bytes at
-# 224 (sm_90a cubin, block_n 128); at 232 none. Every ping-pong kernel is launched with
+# 224 (sm_90a cubin, block_n 128); at 232 none (40 bytes since session 24's approximate
+# sigmoid). (24, 240) spills 8 bytes but ran slower on the H200 (session 31, ms at 7B-n256 /
+# 7B-n1024: 0.495 / 0.475 against 0.490 / 0.452). Every ping-pong kernel is launched with
 # min_blocks_per_mp 1 (PTX .minnctapersm): without it ptxas ignored setmaxnreg in a SwiGLU
 # kernel (warning C7508, session 17)
 SMEM_EPILOGUE_GATHER_REGISTERS = (40, 232)

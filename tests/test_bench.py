@@ -349,8 +349,8 @@ def test_torch_autotune_names_each_gemm_and_ranks_by_median(tmp_path):
   for i, (name, shapes) in enumerate(files.items()):
     path = tmp_path / ".quack" / f"{name}.autotune.json"
     path.parent.mkdir(parents=True)
-    # the median decides: pp's [1, 9, 2] (median 2) beats coop's [3, 3, 0.5] (median 3)
-    timings = {pp: [1.0 + i, 9.0 + i, 2.0 + i], coop: [3.0 + i, 3.0 + i, 0.5]}
+    # quack's quantiles (0.5, 0.2, 0.8): the median, first, decides; pp's 2 beats coop's 3
+    timings = {pp: [2.0 + i, 1.0, 9.0 + i], coop: [3.0 + i, 0.5, 3.0 + i]}
     path.write_text(json.dumps(_autotune_result(shapes, timings)))
   with tarfile.open(tmp_path / "quack_autotune.tgz", "w:gz") as tar:
     tar.add(tmp_path / ".quack", arcname=".quack")
@@ -363,3 +363,13 @@ def test_torch_autotune_names_each_gemm_and_ranks_by_median(tmp_path):
     up = lines[0]
     assert "128x128 pp 1x2 2.000" in up and "256x128 coop 2x1 3.000" in up
     assert up.index("pp") < up.index("coop")
+  # --force: the next process runs coop for 30B-n256's dX~, and says so in the table
+  changed = torch_autotune.force(str(tmp_path / ".quack"), "30B-n256", "dX~", "256x128 coop 2x1")
+  assert changed.endswith("dx/gemm_tuned.autotune.json")
+  lines = torch_autotune.table(torch_autotune.read_results(str(tmp_path / ".quack"))).splitlines()
+  assert "dX~        256x128 coop 2x1 0.000  128x128 pp 1x2" in lines[4]
+  assert "pp 1x2 2.000" in lines[1]   # the others unchanged
+  with pytest.raises(ValueError, match="tile: 30B-n256 dW1 timed no '64x64 pp 1x1'"):
+    torch_autotune.force(str(tmp_path / ".quack"), "30B-n256", "dW1", "64x64 pp 1x1")
+  with pytest.raises(ValueError, match="config, gemm: no autotuning result for olmoe dW1"):
+    torch_autotune.force(str(tmp_path / ".quack"), "olmoe", "dW1", "256x128 coop 2x1")
