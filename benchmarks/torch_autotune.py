@@ -11,7 +11,6 @@ for one GEMM (their step with another of their kernels: an experiment, said so w
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import re
@@ -36,8 +35,8 @@ def read_results(path: str) -> list[tuple[str, dict]]:
     with tarfile.open(path) as tar:
       for member in tar.getmembers():
         if member.isfile() and member.name.endswith(".autotune.json"):
-          text = tar.extractfile(member).read().decode()
-          found.append((os.path.basename(member.name).split(".")[0], json.load(io.StringIO(text))))
+          kind = os.path.basename(member.name).split(".")[0]
+          found.append((kind, json.loads(tar.extractfile(member).read())))
   return found
 
 
