@@ -90,6 +90,16 @@ torch_pythonpath() { [ -f /tmp/devsite-upstream/env.sh ] && (unset PYTHONPATH; .
 anchors_json() { python3 -c 'from benchmarks import configs as C; import json, sys
 names = sys.argv[1].split(",") if sys.argv[1] else list(C.ANCHORS)
 print(json.dumps({k: C.ANCHORS[k] for k in names}))' "${1:-}"; }
+# join_records OUT OURS THEIRS [ROUND]: ours (bench.py's JSON list) then theirs
+# (torch_sonicmoe.py's JSON lines) into the list OUT; with ROUND, each record tagged with it and
+# appended to OUT's (rounds of one run). A file that is missing adds nothing (a failed run).
+join_records() { python3 -c "
+import json, os, sys
+out, ours, theirs, r = (sys.argv[1:] + [''])[:4]
+rows = json.load(open(out)) if r and os.path.exists(out) else []
+new = (json.load(open(ours)) if os.path.exists(ours) else []) + (
+    [json.loads(l) for l in open(theirs) if l.strip()] if os.path.exists(theirs) else [])
+json.dump(rows + [dict(x, round=int(r)) if r else x for x in new], open(out, 'w'))" "$@"; }
 # the PyTorch SonicMoE's caches from an earlier machine (torch_cache_save's files, carried in
 # .devcache/): quack's autotuning results (~/.quack: the config each GEMM shape runs; with
 # them it tunes nothing) and its compiled kernels (quack_cache under the temp folder; with
@@ -364,10 +374,7 @@ PY
       echo "the PyTorch SonicMoE: ${left} s"
       PYTHONPATH=$tp timeout "$left" python3 benchmarks/torch_sonicmoe.py "$(anchors_json "$cfg")" \
         > "$OUT/pair_torch.jsonl" 2> "$OUT/pair_torch.log"; echo "torch: rc $?"
-      python3 -c "
-import json, sys
-rows = json.load(open(sys.argv[1])) + [json.loads(l) for l in open(sys.argv[2]) if l.strip()]
-json.dump(rows, open(sys.argv[3], 'w'))" "$OUT/pair_ours.json" "$OUT/pair_torch.jsonl" "$OUT/pair.json" \
+      join_records "$OUT/pair.json" "$OUT/pair_ours.json" "$OUT/pair_torch.jsonl" \
         && python3 -m benchmarks.kernel_table "$OUT/pair.json" --by-op ;;
     pair_rounds)  # after `pair` (or torch_warm) at the same configs on this machine: ours and
                   # the PyTorch SonicMoE in turn, PAIR_ROUNDS rounds (default 3) at each of
@@ -382,16 +389,8 @@ json.dump(rows, open(sys.argv[3], 'w'))" "$OUT/pair_ours.json" "$OUT/pair_torch.
           --iters 5 --reps 3 --out /tmp/rounds_ours >> "$OUT/rounds_ours.log" 2>&1 || echo "ours, round $r: rc $?"
         PYTHONPATH=$tp timeout 240 python3 benchmarks/torch_sonicmoe.py "$(anchors_json "$configs")" \
           > /tmp/rounds_torch.jsonl 2>> "$OUT/rounds_torch.log" || echo "torch, round $r: rc $?"
-        # every round's records, ours then theirs, appended to one list (a round that failed
-        # adds what it wrote; $OUT returns at most 8 files)
-        python3 -c "
-import json, os, sys
-out, ours, theirs, r = sys.argv[1:]
-rows = json.load(open(out)) if os.path.exists(out) else []
-new = (json.load(open(ours)) if os.path.exists(ours) else []) + (
-    [json.loads(l) for l in open(theirs) if l.strip()] if os.path.exists(theirs) else [])
-json.dump(rows + [dict(x, round=int(r)) for x in new], open(out, 'w'))" \
-          "$OUT/rounds.json" /tmp/rounds_ours.json /tmp/rounds_torch.jsonl "$r"
+        # every round's records appended to one list ($OUT returns at most 8 files)
+        join_records "$OUT/rounds.json" /tmp/rounds_ours.json /tmp/rounds_torch.jsonl "$r"
         rm -f /tmp/rounds_ours.json /tmp/rounds_ours.png /tmp/rounds_torch.jsonl
       done
       python3 -m benchmarks.kernel_table --by-gemm "$OUT/rounds.json" ;;

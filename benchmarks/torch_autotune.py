@@ -17,8 +17,7 @@ import re
 import tarfile
 
 from benchmarks import configs
-
-GEMMS = ("up-proj", "down-proj", "dH", "dX~", "dW1", "dW2")
+from benchmarks.kernel_table import GEMMS
 _SIZE = re.compile(r"torch\.Size\(\[([\d, ]*)\]\)")
 _FIELD = re.compile(r"(\w+)=([\w.]+)")
 

@@ -74,3 +74,20 @@ def test_torch_cache_save_without_caches_says_so(tmp_path):
   result = _run(tmp_path, tmp_path / "empty_home", tmp_path, tmp_path / "out", "torch_cache_save")
   assert not list((tmp_path / "out").glob("quack_*"))
   assert "not saved" in result.stdout + result.stderr
+
+
+def test_join_records_writes_a_pair_and_appends_rounds(tmp_path):
+  """pair's and pair_rounds' join of ours (a JSON list) and theirs (JSON lines): a pair
+  overwrites its file; rounds append, each record tagged; a missing file adds nothing."""
+  import json
+  body = re.search(r"^join_records\(\) \{.*?\"\$@\"; \}$", SCRIPT.read_text(), re.M | re.S).group(0)
+  (tmp_path / "ours.json").write_text('[{"impl": "auto"}]')
+  (tmp_path / "theirs.jsonl").write_text('{"impl": "torch"}\n\n')
+  calls = ["join_records pair.json ours.json theirs.jsonl",
+           "join_records pair.json ours.json theirs.jsonl",
+           "join_records rounds.json ours.json theirs.jsonl 1",
+           "join_records rounds.json ours.json missing.jsonl 2"]
+  subprocess.run(["bash", "-c", body + "\n" + "\n".join(calls)], cwd=tmp_path, check=True)
+  assert json.loads((tmp_path / "pair.json").read_text()) == [{"impl": "auto"}, {"impl": "torch"}]
+  assert json.loads((tmp_path / "rounds.json").read_text()) == [
+      {"impl": "auto", "round": 1}, {"impl": "torch", "round": 1}, {"impl": "auto", "round": 2}]
