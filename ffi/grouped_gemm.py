@@ -1000,9 +1000,11 @@ def _dtype_unsupported(lhs, rhs):
   return None
 
 
-def unsupported(lhs, rhs, block_n: int, cols=None):
+def unsupported(lhs, rhs, block_n: int, cols=None, clipped_last_tile: bool = False):
   """Why these operands cannot run (a sentence naming the limit), or None; cols=(lo, hi): the
-  window of output columns made (grouped_matmul's)."""
+  window of output columns made (grouped_matmul's). clipped_last_tile: the kernel's last
+  column tile may reach past the output columns (TMA zero-fills its loads and clips its
+  stores there), which need then only be a multiple of EPI_TILE's columns."""
   reason = _dtype_unsupported(lhs, rhs)
   if reason:
     return reason
@@ -1017,7 +1019,9 @@ def unsupported(lhs, rhs, block_n: int, cols=None):
   if not (0 <= lo < hi <= rhs.shape[2] and lo % col_align == 0):
     return (f"cols={cols} must be a range within the {rhs.shape[2]} output columns starting at a "
             f"multiple of {col_align}")
-  if (hi - lo) % block_n:
+  if clipped_last_tile and (hi - lo) % EPI_TILE[1]:
+    return f"output columns N={hi - lo} must be a multiple of {EPI_TILE[1]}"
+  if not clipped_last_tile and (hi - lo) % block_n:
     return f"output columns N={hi - lo} must be a multiple of block_n={block_n}"
   if block_n % EPI_TILE[1]:
     return f"block_n={block_n} must be a multiple of {EPI_TILE[1]}"

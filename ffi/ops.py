@@ -124,6 +124,17 @@ STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
 # / 2.544 vs 2.504 / 2.509.
 STORE_BLOCK_N = 192
 STORE_BLOCK_NS = (128, 192)
+# With TMA stores the ping-pong store kernels take STORE_BLOCK_N also where it does not divide
+# the window's columns (the last tile clipped: pingpong.column_tiles) if the columns computed
+# past the window's are at most this share of them (30B-n256's 2048-column windows: 64 of
+# 2048; a 640-column window's 128 are not).
+STORE_MAX_CLIPPED_SHARE = 1 / 16
+
+
+def _clip_pays(width: int, block_n: int) -> bool:
+  """Whether block_n-wide tiles with the last one clipped compute few enough columns past
+  width (STORE_MAX_CLIPPED_SHARE)."""
+  return -width % block_n <= STORE_MAX_CLIPPED_SHARE * width
 # The weight gradients' kernel where they gather rows (dw1's X, dw2's dO): "grouped"
 # (grouped_gemm.weight_grad, one CTA per output tile) or "persistent" (persistent.py:
 # CTAs looping over tiles, the producer filling the next tile's stages under the epilogue;
@@ -242,7 +253,8 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   their TMA loads by a producer warp from STORE_WIDE_WS_MIN_N). n_out: the product's columns
   (they pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the kernels read rhs
   from column lo: no copy), their tile's width halved until it divides them (the ping-pong
-  kernels' 192 wide where STORE_BLOCK_N asks and it divides them)."""
+  kernels' 192 wide where STORE_BLOCK_N asks and it divides them, or with TMA stores where a
+  clipped last tile pays: _clip_pays)."""
   _setting("STORE_KERNEL", STORE_KERNEL, STORE_KERNELS)
   width = n_out if cols is None else cols[1] - cols[0]
   wide_kernel = _setting("STORE_WIDE_KERNEL", STORE_WIDE_KERNEL, STORE_WIDE_KERNELS)
@@ -256,10 +268,11 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   block_n = _wide_tile(width, 128)
   if STORE_KERNEL.startswith("pingpong"):
     widest = _setting("STORE_BLOCK_N", STORE_BLOCK_N, STORE_BLOCK_NS)
-    block_n = widest if width % widest == 0 else block_n
     # an out past the register stores' 32-bit offsets takes the TMA stores
     tma_store = (STORE_KERNEL == "pingpong_tma"
                  or not pingpong.register_stores_fit(lhs.shape[0], width))
+    if width % widest == 0 or (tma_store and _clip_pays(width, widest)):
+      block_n = widest
     return pingpong.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                    block_n=block_n, tma_store=tma_store, cols=cols)
   return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,

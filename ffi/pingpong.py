@@ -10,7 +10,8 @@ epilogue runs while the other's mainloop does, and a producer warpgroup does all
 
 Schedule:
   work tile : TILE_M (128: one M tile of the plan, one expert) rows x block_n columns of the
-              GEMM (and so of dH's or H's gate and up columns and of A' or A), all of it one
+              GEMM (and so of dH's or H's gate and up columns and of A' or A; the store
+              kernels' last one clipped where block_n does not divide N), all of it one
               consumer warpgroup's (two m64 wgmmas per 16-deep k slice; accumulators of
               TILE_M x block_n / 128 fp32 registers per thread each: block_n <= 192 for the
               store kernels' one, <= 128 for dh's, <= 64 for SwiGLU's two:
@@ -108,6 +109,13 @@ def widest_block_n(num_rhs: int, kind: str) -> int:
   """The widest block_n whose num_rhs accumulators (TILE_M x block_n fp32, over a
   warpgroup's 128 threads) fit in kind's MAX_ACCUMULATOR_REGISTERS per thread."""
   return MAX_ACCUMULATOR_REGISTERS[kind] * 128 // (num_rhs * TILE_M)
+
+
+def column_tiles(num_cols, block_n: int):
+  """The column tiles of an output num_cols wide: the last one clipped where block_n does not
+  divide num_cols (the store kernels' TMA-store epilogue only: grouped_matmul; its loads past
+  the columns fill zeros, its stores past them write nothing)."""
+  return (num_cols + block_n - 1) // block_n
 
 
 @cute.jit
@@ -244,7 +252,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   num_ctas = cute.arch.grid_dim()[0]
   role = cute.arch.make_warp_uniform(tidx // 128)   # 0 producer, 1 and 2 consumers
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-  num_n_tiles = cute.size(m_out2, mode=[1]) // block_n
+  num_n_tiles = column_tiles(cute.size(m_out2, mode=[1]), block_n)
   num_tiles = cute.size(m_out2, mode=[0]) // TILE_M * num_n_tiles
   my_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
   k_steps = cute.size(m_a, mode=[1]) // BLOCK_K
@@ -410,7 +418,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   tx_bytes = (2 if swiglu else 1) * rhs_bytes
   if cutlass.const_expr(not gather):
     tx_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
-  num_tiles = cute.size(out2, mode=[0]) // TILE_M * (cute.size(out2, mode=[1]) // block_n)
+  num_tiles = (cute.size(out2, mode=[0]) // TILE_M
+               * column_tiles(cute.size(out2, mode=[1]), block_n))
   # (the TMA-store epilogue's buffers: the store kernels' and dh's with tma_store; dh's H
   # barriers, one per consumer)
   storage = grouped_gemm.shared_storage(
@@ -501,9 +510,11 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   down_proj and dx_tilde on it with STORE_KERNEL = "pingpong" / "pingpong_tma". On an H200
   both give grouped_matmul's bits (sessions 10, 11); the TMA stores are the default, 20-25%
   faster than grouped_matmul (session 11). The register stores' 32-bit offsets cannot address
-  an out past 2^31 elements (refused). cols: a window of the product, as grouped_matmul's."""
+  an out past 2^31 elements (refused). cols: a window of the product, as grouped_matmul's.
+  With tma_store block_n need not divide out's columns (a multiple of 64): the last column
+  tile is clipped (column_tiles)."""
   rhs_ekn = grouped_gemm.rhs_as_ekn(rhs, transpose_rhs)
-  reason = grouped_gemm.unsupported(lhs, rhs_ekn, block_n, cols)
+  reason = grouped_gemm.unsupported(lhs, rhs_ekn, block_n, cols, clipped_last_tile=tma_store)
   out_cols = rhs_ekn.shape[2] if cols is None else cols[1] - cols[0]
   if not reason and not tma_store and not register_stores_fit(lhs.shape[0], out_cols):
     reason = (f"out [{lhs.shape[0]}, {out_cols}] has more than "

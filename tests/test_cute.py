@@ -651,6 +651,16 @@ def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs, tma_store, block_
   with pytest.raises(ValueError, match="grouped_matmul: block_n=256 is wider than 192"):
     jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(
         a, b, t, transpose_rhs=transpose_rhs, block_n=256), *shapes)
+  # 640 columns: 192-wide tiles clip the last one with TMA stores; register stores refuse it
+  clipped = [shapes[0], jax.ShapeDtypeStruct((E, 640, K) if transpose_rhs else (E, K, 640),
+                                             jnp.bfloat16), shapes[2]]
+  fn = lambda a, b, t: pingpong.grouped_matmul(a, b, t, transpose_rhs=transpose_rhs,
+                                               tma_store=tma_store, block_n=192)
+  if tma_store:
+    assert jax.eval_shape(fn, *clipped).shape == (P, 640)
+  else:
+    with pytest.raises(ValueError, match="N=640 must be a multiple of block_n=192"):
+      jax.eval_shape(fn, *clipped)
   # register stores address out by 32-bit offsets: 2^20 x 4096 (30B-n256's size) is refused
   big = [jax.ShapeDtypeStruct((2**20, K), jnp.bfloat16),
          jax.ShapeDtypeStruct((E, 4096, K) if transpose_rhs else (E, K, 4096), jnp.bfloat16),
@@ -685,18 +695,22 @@ def test_cute_pingpong_up_proj_compiles_for_cuda(block_n, stages):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("num_tiles,transpose_rhs,tma_store,block_n", [
-    (1, False, False, 128), (4, True, False, 128), (81, False, False, 128),
-    (81, True, False, 128), (1, True, True, 128), (4, False, True, 128), (81, True, True, 128),
-    (4, False, True, 192), (81, True, True, 192), (300, False, True, 192),
-    (81, False, False, 192)])
+@pytest.mark.parametrize("num_tiles,transpose_rhs,tma_store,block_n,N", [
+    (1, False, False, 128, 768), (4, True, False, 128, 768), (81, False, False, 128, 768),
+    (81, True, False, 128, 768), (1, True, True, 128, 768), (4, False, True, 128, 768),
+    (81, True, True, 128, 768), (4, False, True, 192, 768), (81, True, True, 192, 768),
+    (300, False, True, 192, 768), (81, False, False, 192, 768),
+    # the last column tile clipped: 64 or 128 of its 192 columns in the output
+    (81, True, True, 192, 640), (81, False, True, 192, 1024), (300, True, True, 192, 896),
+    (1, False, True, 192, 128)])
 def test_cute_pingpong_matmul_matches_grouped_matmul_on_gpu(num_tiles, transpose_rhs,
-                                                            tma_store, block_n):
-  """The ping-pong grouped_matmul, storing from registers or by TMA, 128 or 192 wide, gives
+                                                            tma_store, block_n, N):
+  """The ping-pong grouped_matmul, storing from registers or by TMA, 128 or 192 wide (with TMA
+  stores also where 192 does not divide N: the last tile clipped), gives
   grouped_gemm.grouped_matmul's bits (experts without rows, tiles past the last group: zeros;
   one tile, and several per CTA)."""
   from ffi import grouped_gemm, pingpong
-  E, K, N = 5, 384, 768
+  E, K = 5, 384
   tile_expert = jnp.sort(jax.random.randint(jax.random.key(81), (num_tiles,), 0, E + 1))
   tile_expert = tile_expert.at[tile_expert == 1].set(2).astype(jnp.int32)
   P = num_tiles * grouped_gemm.BLOCK_M
@@ -823,12 +837,14 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
 
 
 @needs_cute
-def test_cute_store_block_n_setting_lowers_to_its_own_kernels(monkeypatch):
+@pytest.mark.parametrize("d,takes_192", [(384, True), (2048, True), (640, False)])
+def test_cute_store_block_n_setting_lowers_to_its_own_kernels(monkeypatch, d, takes_192):
   """STORE_BLOCK_N 192 lowers (for CUDA) down_proj and dx_tilde to other kernels than 128
   where 192 divides their columns (d = 384, one window; the loss's value keeps the forward's
-  down_proj)."""
+  down_proj) or the clipped last tile computes few columns past them (d = 2048: 64 of 2048,
+  ops._clip_pays), and to the same ones where it would compute many (d = 640: 128)."""
   cute_ops = importlib.import_module("ffi.ops")
-  args = make_inputs(9, 256, 384, 128, 4, jnp.bfloat16)
+  args = make_inputs(9, 256, d, 128, 4, jnp.bfloat16)
   targets = {}
   for block_n in (128, 192):
     monkeypatch.setattr(cute_ops, "STORE_BLOCK_N", block_n)
@@ -838,7 +854,10 @@ def test_cute_store_block_n_setting_lowers_to_its_own_kernels(monkeypatch):
             jnp.float32)))(*a)
     targets[block_n] = set(re.findall(r"@(sonicmoe_cute_\w+)", _cuda_module(grad, *args)))
   assert len(targets[128]) == len(targets[192]) == 2
-  assert targets[128].isdisjoint(targets[192])
+  if takes_192:
+    assert targets[128].isdisjoint(targets[192])
+  else:
+    assert targets[128] == targets[192]
 
 
 @pytest.mark.gpu
@@ -1628,15 +1647,18 @@ def test_ffi_call_rejects_bad_modes_and_dtypes():
     xla_call._fake(jax.ShapeDtypeStruct((4,), jnp.int8))
 
 
-WINDOW_KERNELS = ["pingpong_tma", "pingpong", "grouped", "grouped_ws"]
+# (pingpong_tma_192: 192-wide tiles, the last one of a window clipped where 192 does not
+# divide its columns)
+WINDOW_KERNELS = ["pingpong_tma", "pingpong_tma_192", "pingpong", "grouped", "grouped_ws"]
 
 
 def _windowed_matmul(kernel, transpose_rhs, cols):
   """The store GEMM `kernel` (ffi.ops' variants) as fn(lhs, rhs, tile_expert), cols a window."""
   from ffi import grouped_gemm, pingpong
   if kernel.startswith("pingpong"):
-    return lambda a, b, t: pingpong.grouped_matmul(a, b, t, transpose_rhs=transpose_rhs,
-                                                   tma_store=kernel == "pingpong_tma", cols=cols)
+    return lambda a, b, t: pingpong.grouped_matmul(
+        a, b, t, transpose_rhs=transpose_rhs, tma_store=kernel.startswith("pingpong_tma"),
+        block_n=192 if kernel.endswith("192") else 128, cols=cols)
   return lambda a, b, t: grouped_gemm.grouped_matmul(
       a, b, t, transpose_rhs=transpose_rhs, block_n=256 if kernel == "grouped_ws" else 128,
       warp_specialized=kernel == "grouped_ws", cols=cols)
@@ -1659,7 +1681,7 @@ def test_cute_windowed_store_matmuls_compile_for_cuda(kernel):
   assert jax.eval_shape(fn, *shapes).shape == (P, 512)
   with pytest.raises(ValueError, match="starting at a multiple of 8"):
     jax.eval_shape(_windowed_matmul(kernel, True, (100, 612)), *shapes)
-  with pytest.raises(ValueError, match="multiple of block_n"):
+  with pytest.raises(ValueError, match="N=200 must be a multiple of (block_n=|64)"):
     jax.eval_shape(_windowed_matmul(kernel, True, (0, 200)), *shapes)
 
 
