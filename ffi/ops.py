@@ -126,15 +126,20 @@ STORE_BLOCK_N = 192
 STORE_BLOCK_NS = (128, 192)
 # With TMA stores the ping-pong store kernels take STORE_BLOCK_N also where it does not divide
 # the window's columns (the last tile clipped: pingpong.column_tiles) if the columns computed
-# past the window's are at most this share of them (30B-n256's 2048-column windows: 64 of
-# 2048; a 640-column window's 128 are not).
+# past the window's are at most STORE_MAX_CLIPPED_SHARE of them (30B-n256's 2048-column
+# windows: 64 of 2048; a 640-column window's 128 are not) and the contraction is at least
+# STORE_CLIPPED_MIN_K long. H200 session 32 (results/2026-12-03-h200-session32, calls 10-11),
+# 30B-n256, ms, 128 vs 192 clipped: alone at full width dx_tilde (K = 512) 3.762 vs 3.660,
+# down_proj (K = 256) 2.247 vs 2.304; in the step (two windows, medians of two rounds) 3.630
+# vs 3.485 and 1.948 vs 1.994.
 STORE_MAX_CLIPPED_SHARE = 1 / 16
+STORE_CLIPPED_MIN_K = 512
 
 
-def _clip_pays(width: int, block_n: int) -> bool:
+def _clip_pays(width: int, block_n: int, k: int) -> bool:
   """Whether block_n-wide tiles with the last one clipped compute few enough columns past
-  width (STORE_MAX_CLIPPED_SHARE)."""
-  return -width % block_n <= STORE_MAX_CLIPPED_SHARE * width
+  width (STORE_MAX_CLIPPED_SHARE) over a long enough contraction k (STORE_CLIPPED_MIN_K)."""
+  return k >= STORE_CLIPPED_MIN_K and -width % block_n <= STORE_MAX_CLIPPED_SHARE * width
 # The weight gradients' kernel where they gather rows (dw1's X, dw2's dO): "grouped"
 # (grouped_gemm.weight_grad, one CTA per output tile) or "persistent" (persistent.py:
 # CTAs looping over tiles, the producer filling the next tile's stages under the epilogue;
@@ -271,7 +276,7 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
     # an out past the register stores' 32-bit offsets takes the TMA stores
     tma_store = (STORE_KERNEL == "pingpong_tma"
                  or not pingpong.register_stores_fit(lhs.shape[0], width))
-    if width % widest == 0 or (tma_store and _clip_pays(width, widest)):
+    if width % widest == 0 or (tma_store and _clip_pays(width, widest, lhs.shape[1])):
       block_n = widest
     return pingpong.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                    block_n=block_n, tma_store=tma_store, cols=cols)
