@@ -128,10 +128,10 @@ STORE_BLOCK_NS = (128, 192)
 # the window's columns (the last tile clipped: pingpong.column_tiles) if the columns computed
 # past the window's are at most STORE_MAX_CLIPPED_SHARE of them (30B-n256's 2048-column
 # windows: 64 of 2048; a 640-column window's 128 are not) and the contraction is at least
-# STORE_CLIPPED_MIN_K long. H200 session 32 (results/2026-12-03-h200-session32, calls 10-11),
+# STORE_CLIPPED_MIN_K long. H200 session 32 (results/2026-12-03-h200-session32, calls 10-13),
 # 30B-n256, ms, 128 vs 192 clipped: alone at full width dx_tilde (K = 512) 3.762 vs 3.660,
 # down_proj (K = 256) 2.247 vs 2.304; in the step (two windows, medians of two rounds) 3.630
-# vs 3.485 and 1.948 vs 1.994.
+# vs 3.485 and 1.948 vs 1.994 on one machine; dx_tilde 3.327 vs 3.336 on another (level).
 STORE_MAX_CLIPPED_SHARE = 1 / 16
 STORE_CLIPPED_MIN_K = 512
 
