@@ -66,6 +66,11 @@
 #           and timed loop (PAIR_CONFIG; after cute and upstream staging)            (~10 min)
 #   pair_rounds: after `pair` at those configs: ours and theirs in turn, PAIR_ROUNDS rounds at
 #           PAIR_CONFIGS, each GEMM's median over the rounds (kernel_table --by-gemm) (~1.5 min a config a round)
+#   torch_forced: the PyTorch SonicMoE at FORCE_CONFIG (default 30B-n256) with one GEMM
+#           (FORCE_GEMM, default dX~) forced to each of FORCE_TILES ('|' between; torch_autotune's
+#           names, e.g. "192x128 pp 1x2|128x128 pp 1x2") in turn, one process each, after
+#           upstream staging with .devcache carried; each run's GEMMs (kernel_table --by-gemm)
+#                                                                   (~1.5 min a tile)
 #   torch_cache_save: the PyTorch SonicMoE's autotuning results and compiled kernels into $OUT
 #           (kept here in .devcache/; carried, the next machine restores them at the start) (~10 s)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
@@ -394,6 +399,19 @@ PY
         rm -f /tmp/rounds_ours.json /tmp/rounds_ours.png /tmp/rounds_torch.jsonl
       done
       python3 -m benchmarks.kernel_table --by-gemm "$OUT/rounds.json" ;;
+    torch_forced)  # after upstream staging, .devcache carried (its autotuning results)
+      tp=$(torch_pythonpath); cfg=${FORCE_CONFIG:-30B-n256}; i=0
+      IFS='|' read -r -a tiles <<< "${FORCE_TILES:?FORCE_TILES: torch_autotune tiles, '|' between}"
+      for tile in "${tiles[@]}"; do
+        i=$((i + 1))
+        python3 -m benchmarks.torch_autotune "$HOME/.quack" --force "$cfg" "${FORCE_GEMM:-dX~}" \
+          "$tile" | grep forced || { echo "torch_forced: $tile not forced"; continue; }
+        PYTHONPATH=$tp timeout 240 python3 benchmarks/torch_sonicmoe.py "$(anchors_json "$cfg")" \
+          > "$OUT/forced_$i.jsonl" 2>> "$OUT/forced.log" || echo "torch, $tile: rc $?"
+        echo "== ${FORCE_GEMM:-dX~} forced to $tile"
+        join_records "$OUT/forced_$i.json" "$OUT/no_ours.json" "$OUT/forced_$i.jsonl" \
+          && python3 -m benchmarks.kernel_table --by-gemm "$OUT/forced_$i.json"
+      done ;;
     torch_cache_save)  # after the PyTorch SonicMoE ran on this machine: its autotuning results
                        # and compiled kernels into $OUT (the kernels in 15 MiB parts, at most
                        # 4), for .devcache/ here and a carry on the next machine   (~10 s)

@@ -47,11 +47,15 @@ def _result_files(folder: str):
         yield os.path.join(root, name), name.split(".")[0]
 
 
+UNFORCED_MS = 1e6   # the timings force() gives a tile it forced before: never picked
+
+
 def force(folder: str, config: str, gemm: str, tile: str) -> str:
   """Makes quack run `tile` (as describe() writes it, e.g. '192x128 pp 1x2') for one anchor
   config's GEMM: its cached timings in `folder` (~/.quack, after gpu_session.sh restored
-  them) become [0, 0, 0], so the next process picks it. Returns the file it changed; the
-  table then shows it at 0.000 ms."""
+  them) become [0, 0, 0], so the next process picks it; a tile an earlier call forced (its
+  timings [0, 0, 0]) gets UNFORCED_MS, so that forcing tiles one after another runs each.
+  Returns the file it changed; the table then shows it at 0.000 ms."""
   for file, kind in _result_files(folder):
     with open(file) as f:
       result = json.load(f)
@@ -63,6 +67,8 @@ def force(folder: str, config: str, gemm: str, tile: str) -> str:
     for entry in result["configs_timings"]:
       if describe(entry[0]) == tile:
         entry[1] = [0.0, 0.0, 0.0]
+      elif entry[1] == [0.0, 0.0, 0.0]:
+        entry[1] = [UNFORCED_MS] * 3
     with open(file, "w") as f:
       json.dump(result, f)
     return file

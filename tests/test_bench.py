@@ -369,6 +369,10 @@ def test_torch_autotune_names_each_gemm_and_ranks_by_median(tmp_path):
   lines = torch_autotune.table(torch_autotune.read_results(str(tmp_path / ".quack"))).splitlines()
   assert "dX~        256x128 coop 2x1 0.000  128x128 pp 1x2" in lines[4]
   assert "pp 1x2 2.000" in lines[1]   # the others unchanged
+  # forcing another tile of the same GEMM runs that one: the first forced is never picked
+  torch_autotune.force(str(tmp_path / ".quack"), "30B-n256", "dX~", "128x128 pp 1x2")
+  lines = torch_autotune.table(torch_autotune.read_results(str(tmp_path / ".quack"))).splitlines()
+  assert "dX~        128x128 pp 1x2 0.000  256x128 coop 2x1 1000000.000" in lines[4]
   with pytest.raises(ValueError, match="tile: 30B-n256 dW1 timed no '64x64 pp 1x1'"):
     torch_autotune.force(str(tmp_path / ".quack"), "30B-n256", "dW1", "64x64 pp 1x1")
   with pytest.raises(ValueError, match="config, gemm: no autotuning result for olmoe dW1"):
