@@ -48,6 +48,7 @@ VARIANTS = [
     ("store pingpong bn128 fit", "matmul_pingpong", 128, 0),
     ("store pingpong tma bn128 fit", "matmul_pingpong_tma", 128, 0),
     ("store pingpong tma bn192 fit", "matmul_pingpong_tma", 192, 0),
+    ("store pingpong tma 192-row bn128 fit", "matmul_pingpong_tma_rows192", 128, 0),
     ("dh pingpong bn128 fit", "dh_pingpong", 128, 0), ("dh pingpong bn64 fit", "dh_pingpong", 64, 0),
     ("dh pingpong gather bn128 fit", "dh_pingpong_gather", 128, 0),
     ("dh pingpong gather tma bn128 fit", "dh_pingpong_gather_tma", 128, 0),   # d <= 1536
@@ -93,6 +94,9 @@ fn, args = {
                         (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "matmul_pingpong_tma": (lambda a, b, t: pp.grouped_matmul(a, b, t, tma_store=True, **kw),
                             (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
+    "matmul_pingpong_tma_rows192": (  # 192-row tiles: schedule.row_tiles' table
+        lambda a, b, t: pp.grouped_matmul(a, b, t, tma_store=True, tile_m=192, **kw),
+        (sds(P, K), sds(E, K, N), sds(3 * (-(-P // 192) + E + 1), dt=jnp.int32))),
     "dh_pingpong": (lambda a, w, h, s, t: pp.dh(a, w, h, s, t, **kw),
                     (sds(P, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32), sds(P // 128, dt=jnp.int32))),
     "dh_pingpong_gather": (lambda a, w, h, s, t, i: pp.dh(a, w, h, s, t, gather_index=i, **kw),
@@ -166,11 +170,12 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
     depth = stages or min(pw.stages_that_fit(block_n, 2), K_STEPS)
     return g.smem_bytes(block_n, 1, 2, depth) + pw.epilogue_bytes(2)
   if "pingpong" in kernel:
-    tma_store = kernel.endswith("_tma")
+    tile_m = pp.ROW_TILE_M if kernel.endswith("_rows192") else pp.TILE_M
+    tma_store = kernel.removesuffix("_rows192").endswith("_tma")
     kind = "dh" if kernel.startswith("dh") else "store"
-    depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store, kind)
-    return (g.smem_bytes(block_n, num_rhs, 2, depth, rows=pp.TILE_M)
-            + (pp.epilogue_bytes(2, kind) if tma_store else 0))
+    depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store, kind, tile_m)
+    return (g.smem_bytes(block_n, num_rhs, 2, depth, rows=tile_m)
+            + (pp.epilogue_bytes(2, kind, tile_m) if tma_store else 0))
   depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None)
   return g.smem_bytes(block_n, num_rhs, 2, depth)
 

@@ -126,11 +126,12 @@ def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, sta
   return stages
 
 
-def epi_tma_views(atom, s_epi, tile):
-  """(SMEM part, global part) of a TMA atom over EPI_TILE buffers s_epi (indexed [None, buffer])
-  and a tile of its TMA tensor cut into EPI_TILE chunks (indexed [None, (0, chunk)])."""
+def epi_tma_views(atom, s_epi, tile, epi_tile=EPI_TILE):
+  """(SMEM part, global part) of a TMA atom over epi_tile buffers s_epi (indexed [None,
+  buffer]) and a tile of its TMA tensor cut into epi_tile chunks (indexed [None, (row block,
+  chunk)]: (0, chunk) where the buffers span the tile's rows)."""
   return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_epi, 0, 2),
-                               cute.zipped_divide(tile, EPI_TILE))
+                               cute.zipped_divide(tile, epi_tile))
 
 
 @cute.jit
@@ -404,8 +405,9 @@ def _store_tiles_tma(stores, chunks: cutlass.Constexpr):
 def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutlass.Constexpr,
                         barrier_id: cutlass.Constexpr = EPILOGUE_BARRIER,
                         threads: cutlass.Constexpr = THREADS, first_buffer=0,
-                        m_major: cutlass.Constexpr = False, rolling: cutlass.Constexpr = False):
-  """The output tiles through SMEM: EPI_TILE column slices at a time, each thread writes its
+                        m_major: cutlass.Constexpr = False, rolling: cutlass.Constexpr = False,
+                        epi_tile: cutlass.Constexpr = EPI_TILE, row_limit=None):
+  """The output tiles through SMEM: epi_tile column slices at a time, each thread writes its
   fragments' outputs to an SMEM buffer (stmatrix, swizzled; EPI_STAGES buffers of s_c from
   first_buffer: here over A's stages), then the leader warp (warp 0) stores the buffer by TMA
   and waits before a buffer is reused. stores: (TMA atom, that output's (BLOCK_M, block_n)
@@ -415,7 +417,11 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutl
   epilogue, its tiles' chunks a multiple of EPI_STAGES): the leader waits for a buffer's last
   store right before the buffer is written again, not after each store, and not for the tile's
   last stores, which read on under the CTA's next tile; it waits for them once (store_tail)
-  before the CTA exits."""
+  before the CTA exits. epi_tile: the buffers' shape, EPI_TILE, or fewer rows than the tile
+  (the ping-pong kernel's 192-row tiles: (64, 64)), which are then stored one row block at a
+  time down each column slice, and with row_limit (a count of rows) only the row blocks
+  starting above it (the later ones are the tile's rows past its group: not stored, and,
+  skipped last, never leave a buffer written under a store still reading it)."""
   dtype = s_c.element_type
   layout = LayoutEnum.COL_MAJOR if m_major else LayoutEnum.ROW_MAJOR
   r2s = cute.make_tiled_copy_S(
@@ -430,37 +436,44 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutl
   chunk_vals, chunk_m, chunk_n = (cute.size(chunk_layout, mode=[i]) for i in range(3))
   # accumulators (or dh's bf16/f16 outputs) seen as ((R2S values, 16-column groups), MMA_M, 1)
   acc_views = [r2s.retile(acc) for acc in accs]
-  gmem_parts = [epi_tma_views(atom, s_c, tile) for atom, tile in stores]
+  gmem_parts = [epi_tma_views(atom, s_c, tile, epi_tile) for atom, tile in stores]
   buffers = pipeline.PipelineTmaStore.create(
       num_stages=EPI_STAGES,
       producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, threads))
-  for chunk in cutlass.range_constexpr(cute.size(stores[0][1], mode=[1]) // EPI_TILE[1]):
-    vals = []
-    for view in acc_views:
-      frag = cute.make_rmem_tensor_like(chunk_layout, view.element_type)
-      for v in cutlass.range_constexpr(chunk_size):
-        frag[v] = view[_acc_coord(v, chunk, chunk_vals, chunk_m, chunk_n)]
-      vals.append(frag.load().to(cutlass.Float32))
-    outs = _epilogue_values(vals, swiglu)
-    for j in cutlass.range_constexpr(len(stores)):
-      buf = first_buffer + (chunk * len(stores) + j) % EPI_STAGES
-      if cutlass.const_expr(rolling):
-        if leader:
-          buffers.producer_acquire()   # this buffer's last store (maybe the last tile's) read it
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
-      frag = cute.make_rmem_tensor_like(chunk_layout, dtype)
-      frag.store(outs[j].to(dtype))
-      cute.copy(r2s, frag, s_dst[None, None, None, buf])
-      cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA engine
-      cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
-      if leader:
-        s_part, g_part = gmem_parts[j]
-        cute.copy(stores[j][0], s_part[None, buf], g_part[None, (0, chunk)])
-        buffers.producer_commit()
-        if cutlass.const_expr(not rolling):
-          buffers.producer_acquire()   # the next buffer's last store has read it
-      if cutlass.const_expr(not rolling):
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+  chunks = cute.size(stores[0][1], mode=[1]) // epi_tile[1]
+  # the buffers down the tile's rows: 1 where a buffer spans them, else one per row block
+  row_steps = cute.size(acc_views[0], mode=[1]) // chunk_m
+  rows = row_steps * epi_tile[0] if row_limit is None else row_limit   # those stored
+  for row_step in cutlass.range_constexpr(row_steps):
+    for chunk in cutlass.range_constexpr(chunks):
+      if rows > row_step * epi_tile[0]:
+        step = row_step * chunks + chunk
+        vals = []
+        for view in acc_views:
+          frag = cute.make_rmem_tensor_like(chunk_layout, view.element_type)
+          for v in cutlass.range_constexpr(chunk_size):
+            frag[v] = view[_acc_coord(v, chunk, chunk_vals, chunk_m, chunk_n, row_step * chunk_m)]
+          vals.append(frag.load().to(cutlass.Float32))
+        outs = _epilogue_values(vals, swiglu)
+        for j in cutlass.range_constexpr(len(stores)):
+          buf = first_buffer + (step * len(stores) + j) % EPI_STAGES
+          if cutlass.const_expr(rolling):
+            if leader:
+              buffers.producer_acquire()   # this buffer's last store (maybe the last tile's) read it
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+          frag = cute.make_rmem_tensor_like(chunk_layout, dtype)
+          frag.store(outs[j].to(dtype))
+          cute.copy(r2s, frag, s_dst[None, None, None, buf])
+          cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA engine
+          cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+          if leader:
+            s_part, g_part = gmem_parts[j]
+            cute.copy(stores[j][0], s_part[None, buf], g_part[None, (row_step, chunk)])
+            buffers.producer_commit()
+            if cutlass.const_expr(not rolling):
+              buffers.producer_acquire()   # the next buffer's last store has read it
+          if cutlass.const_expr(not rolling):
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
   if cutlass.const_expr(not rolling):
     store_tail(leader)
 
@@ -473,13 +486,15 @@ def store_tail(leader):
     cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
-def _acc_coord(v: int, chunk: int, chunk_vals: int, chunk_m: int, chunk_n: int):
+def _acc_coord(v: int, chunk: int, chunk_vals: int, chunk_m: int, chunk_n: int,
+               first_row_block: int = 0):
   """The accumulator view's coordinate ((value, column group), row block, 0) of element v of
   epilogue chunk `chunk`'s fragment (chunk_layout: values fastest, then row blocks, then column
-  groups). The view orders column groups before row blocks, so with several row blocks (the
-  ping-pong kernel's two m64 wgmmas) a chunk is not a contiguous range of it."""
+  groups), its row blocks first_row_block onwards. The view orders column groups before row
+  blocks, so with several row blocks (the ping-pong kernel's two m64 wgmmas) a chunk is not a
+  contiguous range of it."""
   value, m, group = v % chunk_vals, v // chunk_vals % chunk_m, v // (chunk_vals * chunk_m)
-  return ((value, chunk * chunk_n + group), m, 0)
+  return ((value, chunk * chunk_n + group), first_row_block + m, 0)
 
 
 @cute.jit

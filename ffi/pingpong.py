@@ -53,9 +53,17 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ffi import grouped_gemm
 from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE
+from pallas_kernels import schedule
 
 TILE_M = BLOCK_M            # a work tile's rows: one M tile of the plan (one expert's rows)
 MMA_M = 64                  # one wgmma's rows: a consumer warpgroup covers TILE_M in TILE_M / 64
+# The store kernels' other work tile: ROW_TILE_M rows from any multiple of MMA_M (three m64
+# wgmmas per k slice), read from a table of row tiles (schedule.row_tiles: first row, expert,
+# rows to store) instead of the plan's M tiles; its epilogue buffers hold one wgmma's rows
+# (ROW_TILE_EPI) and store a tile's row blocks down to its rows to store
+ROW_TILE_M = 192
+ROW_TILE_EPI = (MMA_M, EPI_TILE[1])
+TILE_MS = (TILE_M, ROW_TILE_M)
 # fp32 accumulator registers per consumer thread (of its 232), all its accumulators', by kernel
 # kind: the store kernels' epilogue converts and stores one EPI_TILE column chunk at a time, so
 # 192 (block_n 192) compile without stack, register or TMA stores (sm_90a cubins, session 27);
@@ -91,24 +99,59 @@ def epilogue_buffers(kind: str) -> int:
   return OUTPUT_BUFFERS if kind == "dh" else grouped_gemm.EPI_STAGES
 
 
-def epilogue_bytes(itemsize: int, kind: str = "store") -> int:
-  """SMEM of the TMA-store epilogue: epilogue_buffers(kind) EPI_TILE buffers per consumer."""
-  return 2 * epilogue_buffers(kind) * EPI_TILE[0] * EPI_TILE[1] * itemsize
+def epi_tile(tile_m: int):
+  """The TMA-store epilogue's buffer shape for tile_m-row tiles."""
+  return EPI_TILE if tile_m == TILE_M else ROW_TILE_EPI
+
+
+def epilogue_bytes(itemsize: int, kind: str = "store", tile_m: int = TILE_M) -> int:
+  """SMEM of the TMA-store epilogue: epilogue_buffers(kind) epi_tile(tile_m) buffers per
+  consumer."""
+  rows, cols = epi_tile(tile_m)
+  return 2 * epilogue_buffers(kind) * rows * cols * itemsize
 
 
 def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1, tma_store: bool = False,
-                    kind: str = "store") -> int:
-  """The ring's deepest: stages of a [TILE_M, BLOCK_K] lhs tile and num_rhs [block_n,
+                    kind: str = "store", tile_m: int = TILE_M) -> int:
+  """The ring's deepest: stages of a [tile_m, BLOCK_K] lhs tile and num_rhs [block_n,
   BLOCK_K] rhs tiles that fit in SMEM (beside the epilogue's buffers with tma_store), at most
   MAX_STAGES."""
-  return min(MAX_STAGES, grouped_gemm._stages_that_fit(
-      block_n, num_rhs, itemsize, TILE_M, epilogue_bytes(itemsize, kind) if tma_store else 0))
+  reserved = epilogue_bytes(itemsize, kind, tile_m) if tma_store else 0
+  return min(MAX_STAGES, grouped_gemm._stages_that_fit(block_n, num_rhs, itemsize, tile_m,
+                                                       reserved))
 
 
-def widest_block_n(num_rhs: int, kind: str) -> int:
-  """The widest block_n whose num_rhs accumulators (TILE_M x block_n fp32, over a
+def widest_block_n(num_rhs: int, kind: str, tile_m: int = TILE_M) -> int:
+  """The widest block_n whose num_rhs accumulators (tile_m x block_n fp32, over a
   warpgroup's 128 threads) fit in kind's MAX_ACCUMULATOR_REGISTERS per thread."""
-  return MAX_ACCUMULATOR_REGISTERS[kind] * 128 // (num_rhs * TILE_M)
+  return MAX_ACCUMULATOR_REGISTERS[kind] * 128 // (num_rhs * tile_m)
+
+
+@cute.jit
+def row_tile(tiles, r, tile_m: cutlass.Constexpr):
+  """(first row, expert, rows to store) of row tile r: M tile r of the plan (tiles:
+  tile_expert) or, for ROW_TILE_M rows, entry r of schedule.row_tiles' table (tiles)."""
+  if cutlass.const_expr(tile_m == TILE_M):
+    return r * TILE_M, tiles[r], TILE_M
+  fields = schedule.ROW_TILE_FIELDS
+  return tiles[fields * r], tiles[fields * r + 1], tiles[fields * r + 2]
+
+
+def tile_at(m, tile_mnk, r, first_row, c, proj):
+  """Row tile r's tile (tile_mnk, projected by proj) of an operand m (P, C, 1) with out's rows,
+  at column tile c: from row first_row for ROW_TILE_M rows (TMA fills rows past P with zeros
+  and clips stores there), else M tile r."""
+  if tile_mnk[0] == TILE_M:
+    return cute.local_tile(m, tile_mnk, (r, c, None, 0), proj=proj)
+  return cute.local_tile(cute.domain_offset((first_row, 0, 0), m), tile_mnk, (0, c, None, 0),
+                         proj=proj)
+
+
+def row_tiles_of(tiles, out, tile_m: int):
+  """How many row tiles the kernel walks: out's M tiles, or the table's entries."""
+  if tile_m == TILE_M:
+    return cute.size(out, mode=[0]) // TILE_M
+  return cute.size(tiles) // schedule.ROW_TILE_FIELDS
 
 
 def column_tiles(num_cols, block_n: int):
@@ -235,7 +278,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             c_smem_staged: cute.ComposedLayout, smem_epilogue, num_experts: cutlass.Int32,
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, tx_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr):
+            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr,
+            tile_m: cutlass.Constexpr):
   """kind "dh": m_a dOg (P, d, 1) by TMA, or with gather dO (T, d, 1) gathered by
   gather_index; m_b W2 (n, d, E), m_out dH, m_out2 A', m_h H, m_scores, m_ds dS parts. kind
   "swiglu" (gather always): m_a X (T, d, 1) gathered by gather_index, m_b W1 (2n, d, E) (its
@@ -245,7 +289,9 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   consumers' epilogue buffers). kind "dh" with tma_store: its SMEM epilogue
   (_dh_smem_epilogue; tma_out, m_out_tma dH's), smem_epilogue = (A''s TMA atom and tensor,
   H's TMA atom and tensor, the wgmma on EPI_TILE's columns); () otherwise. (Unused operands:
-  m_h, m_scores, m_ds outside dh; tma_out, m_out_tma, c_smem_staged without tma_store.)"""
+  m_h, m_scores, m_ds outside dh; tma_out, m_out_tma, c_smem_staged without tma_store.)
+  tile_m: TILE_M, or (kind "store" with tma_store) ROW_TILE_M rows a tile, tile_expert then
+  schedule.row_tiles' table (row_tile)."""
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -253,10 +299,10 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   role = cute.arch.make_warp_uniform(tidx // 128)   # 0 producer, 1 and 2 consumers
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
   num_n_tiles = column_tiles(cute.size(m_out2, mode=[1]), block_n)
-  num_tiles = cute.size(m_out2, mode=[0]) // TILE_M * num_n_tiles
+  num_tiles = row_tiles_of(tile_expert, m_out2, tile_m) * num_n_tiles
   my_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
   k_steps = cute.size(m_a, mode=[1]) // BLOCK_K
-  tile_mnk = (TILE_M, block_n, BLOCK_K)
+  tile_mnk = (tile_m, block_n, BLOCK_K)
   dh_smem_epilogue = kind == "dh" and tma_store   # its OUTPUT_BUFFERS epilogue
   producer_regs, consumer_regs = REGISTERS[gather]
   if cutlass.const_expr(dh_smem_epilogue and gather):
@@ -281,7 +327,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
       for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
         rows, cols = t // num_n_tiles, t % num_n_tiles
-        owner = tile_expert[rows]
+        first_row, owner, _ = row_tile(tile_expert, rows, tile_m)
         if owner < num_experts:
           rhs_cols = [cols, cols + num_n_tiles] if cutlass.const_expr(swiglu) else [cols]
           operands = [grouped_gemm.tma_operand(tma_b, sb, cute.local_tile(
@@ -297,7 +343,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
                                         kind)
               produce.advance()
           else:
-            g_a = cute.local_tile(m_a, tile_mnk, (rows, cols, None, 0), proj=(1, None, 1))
+            g_a = tile_at(m_a, tile_mnk, rows, first_row, cols, (1, None, 1))
             operands = [grouped_gemm.tma_operand(tma_a, s_a, g_a)] + operands
             for k in cutlass.range(k_steps, unroll=1):
               grouped_gemm.load_stage(loads, produce, operands, k)
@@ -311,7 +357,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     thr_mma = tiled_mma.get_slice(wg_tidx)
     frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
     frag_bs = [tiled_mma.make_fragment_B(thr_mma.partition_B(sb)) for sb in s_bs]
-    accs = [cute.make_rmem_tensor(tiled_mma.partition_shape_C((TILE_M, block_n)),
+    accs = [cute.make_rmem_tensor(tiled_mma.partition_shape_C((tile_m, block_n)),
                                   cutlass.Float32) for _ in s_bs]
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     # (dh) each row's score broadcast along the tile's columns (stride 0)
@@ -322,8 +368,9 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     i = cutlass.Int32(0)   # the tile's place among the CTA's tiles
     for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
       rows, cols = t // num_n_tiles, t % num_n_tiles
+      first_row, owner, rows_stored = row_tile(tile_expert, rows, tile_m)
       num_k = cutlass.Int32(0)   # none for a tile past the last group
-      if tile_expert[rows] < num_experts:
+      if owner < num_experts:
         num_k = k_steps
       if i % 2 != me:
         consume, release = skip_tile(consume, release, num_k)
@@ -333,11 +380,12 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
                                                      frag_a, frag_bs, num_k, gather)
         pass_turn(me, i, my_tiles)
         release = grouped_gemm.release_last_stage(loads, release, num_k)
-        tile_of = lambda m, c: cute.local_tile(m, tile_mnk, (rows, c, None, 0), proj=(1, 1, None))
+        tile_of = lambda m, c: tile_at(m, tile_mnk, rows, first_row, c, (1, 1, None))
         if cutlass.const_expr(kind == "store" and tma_store):
           grouped_gemm._tma_store_epilogue(
               accs, [(tma_out, tile_of(m_out_tma, cols))], s_c, tiled_mma, wg_tidx, warp % 4 == 0,
-              False, EPILOGUE_BARRIER + me, 128, me * grouped_gemm.EPI_STAGES)
+              False, EPILOGUE_BARRIER + me, 128, me * grouped_gemm.EPI_STAGES,
+              epi_tile=epi_tile(tile_m), row_limit=None if tile_m == TILE_M else rows_stored)
         elif cutlass.const_expr(kind == "store"):
           _register_outputs(accs, [tile_of(m_out, cols)], thr_mma, m_out.element_type, block_n,
                             False)
@@ -372,14 +420,15 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
-            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr = False):
+            gather: cutlass.Constexpr, tma_store: cutlass.Constexpr = False,
+            tile_m: cutlass.Constexpr = TILE_M):
   """The persistent grid and the kernel's static configuration (see _kernel's operands)."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
   m_h, m_scores, m_ds = dh_inputs if kind == "dh" else (out, tile_expert, out)   # (unused)
   a_major, b_major = LayoutEnum.from_tensor(lhs), LayoutEnum.from_tensor(rhs)
-  tile_mnk = (TILE_M, block_n, BLOCK_K)
-  # one warpgroup's wgmma (MMA_M rows); partitioned over TILE_M rows, it repeats along M
+  tile_mnk = (tile_m, block_n, BLOCK_K)
+  # one warpgroup's wgmma (MMA_M rows); partitioned over tile_m rows, it repeats along M
   tiled_mma = sm90_utils.make_trivial_tiled_mma(
       dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
       cutlass.Float32, (1, 1, 1), tiler_mn=(MMA_M, block_n))
@@ -392,15 +441,15 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   if cutlass.const_expr(not gather):
     tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), lhs,
                                              cute.slice_(a_smem_staged, (None, None, 0)),
-                                             (TILE_M, BLOCK_K))
+                                             (tile_m, BLOCK_K))
   a_elems, b_elems = cute.cosize(a_smem_staged), cute.cosize(b_smem_staged)
   # the TMA-store epilogue (kind "store" or "dh" with tma_store): epilogue_buffers(kind) per
   # consumer and out's TMA atom (made for every kind: the kernel takes them, unused elsewhere)
-  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, EPI_TILE,
+  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, epi_tile(tile_m),
                                                   2 * epilogue_buffers(kind))
   c_tile = cute.slice_(c_smem_staged, (None, None, 0))
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out, c_tile,
-                                                   EPI_TILE)
+                                                   epi_tile(tile_m))
   # (dh with tma_store) A''s and H's TMA atoms and the wgmma on a chunk's columns
   smem_epilogue = ()
   if cutlass.const_expr(kind == "dh" and tma_store):
@@ -418,7 +467,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   tx_bytes = (2 if swiglu else 1) * rhs_bytes
   if cutlass.const_expr(not gather):
     tx_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
-  num_tiles = (cute.size(out2, mode=[0]) // TILE_M
+  num_tiles = (row_tiles_of(tile_expert, out2, tile_m)
                * column_tiles(cute.size(out2, mode=[1]), block_n))
   # (the TMA-store epilogue's buffers: the store kernels' and dh's with tma_store; dh's H
   # barriers, one per consumer)
@@ -430,7 +479,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   _kernel(tma_a, m_a, tma_b, m_b, out, out2, m_h, m_scores, m_ds, tile_expert, gather_index,
           tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma, c_smem_staged, smem_epilogue,
           cute.size(rhs, mode=[2]), storage, block_n, stages, tx_bytes, kind, gather,
-          tma_store).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
+          tma_store, tile_m).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
                        stream=stream, min_blocks_per_mp=1)
 
 
@@ -460,11 +509,13 @@ def _gathered_dh_pingpong(stream, dout: cute.Tensor, w2: cute.Tensor, tile_exper
 @cute.jit
 def _matmul_pingpong(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
                      out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                     tma_store: cutlass.Constexpr, first_col: cutlass.Constexpr = 0):
+                     tma_store: cutlass.Constexpr, first_col: cutlass.Constexpr = 0,
+                     tile_m: cutlass.Constexpr = TILE_M):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, W, 1): the operands of
-  grouped_gemm._matmul (first_col as its)."""
+  grouped_gemm._matmul (first_col as its); with tile_m ROW_TILE_M tile_expert is
+  schedule.row_tiles' table."""
   _launch(stream, lhs, grouped_gemm.rhs_window(rhs, out, first_col), tile_expert, tile_expert,
-          out, out, None, block_n, stages, "store", False, tma_store)
+          out, out, None, block_n, stages, "store", False, tma_store, tile_m)
 
 
 @cute.jit
@@ -477,16 +528,16 @@ def _up_proj_pingpong(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute
 
 
 def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str,
-                tma_store: bool = False, kind: str = "store") -> int:
+                tma_store: bool = False, kind: str = "store", tile_m: int = TILE_M) -> int:
   """block_n within the accumulators' registers (widest_block_n) and the ring's depth:
   `stages`, or as many as fit (beside the TMA-store epilogue's buffers with tma_store);
   ValueError naming the limit."""
-  widest = widest_block_n(num_rhs, kind)
+  widest = widest_block_n(num_rhs, kind, tile_m)
   if block_n > widest:
     raise ValueError(f"cute ping-pong {name}: block_n={block_n} is wider than {widest} (its "
-                     f"{num_rhs} accumulator(s) of {TILE_M} x block_n fp32 in "
+                     f"{num_rhs} accumulator(s) of {tile_m} x block_n fp32 in "
                      f"{MAX_ACCUMULATOR_REGISTERS[kind]} registers per consumer thread)")
-  fit = stages_that_fit(block_n, itemsize, num_rhs, tma_store, kind)
+  fit = stages_that_fit(block_n, itemsize, num_rhs, tma_store, kind, tile_m)
   if stages is None:
     return fit
   if not 2 <= stages <= fit:
@@ -501,7 +552,8 @@ def register_stores_fit(num_rows: int, num_cols: int) -> bool:
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
-                   stages: int | None = None, tma_store: bool = False, cols=None):
+                   stages: int | None = None, tma_store: bool = False, cols=None,
+                   tile_m: int = TILE_M):
   """grouped_gemm.grouped_matmul on the ping-pong schedule: out [P, N] = lhs_e rhs_e per M
   tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major. out is stored from
   registers, or with tma_store through SMEM buffers of each consumer's own and TMA stores
@@ -512,9 +564,19 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   faster than grouped_matmul (session 11). The register stores' 32-bit offsets cannot address
   an out past 2^31 elements (refused). cols: a window of the product, as grouped_matmul's.
   With tma_store block_n need not divide out's columns (a multiple of 64): the last column
-  tile is clipped (column_tiles)."""
+  tile is clipped (column_tiles). tile_m: TILE_M rows a tile (the plan's M tiles: tile_expert
+  [P / 128]), or with tma_store ROW_TILE_M (three m64 wgmmas per consumer, block_n at most
+  128): tile_expert is then schedule.row_tiles(group_offsets, P, ROW_TILE_M)'s table."""
   rhs_ekn = grouped_gemm.rhs_as_ekn(rhs, transpose_rhs)
   reason = grouped_gemm.unsupported(lhs, rhs_ekn, block_n, cols, clipped_last_tile=tma_store)
+  if not reason and tile_m not in TILE_MS:
+    reason = f"tile_m={tile_m} must be one of {TILE_MS}"
+  if not reason and tile_m != TILE_M and not tma_store:
+    reason = f"tile_m={tile_m} stores its rows by TMA only: use tma_store=True"
+  if not reason and tile_m != TILE_M and (
+      tile_expert.ndim != 1 or tile_expert.shape[0] % schedule.ROW_TILE_FIELDS):
+    reason = (f"tile_m={tile_m} takes schedule.row_tiles' table ({schedule.ROW_TILE_FIELDS} "
+              f"entries a tile) as tile_expert; got shape {tile_expert.shape}")
   out_cols = rhs_ekn.shape[2] if cols is None else cols[1] - cols[0]
   if not reason and not tma_store and not register_stores_fit(lhs.shape[0], out_cols):
     reason = (f"out [{lhs.shape[0]}, {out_cols}] has more than "
@@ -522,9 +584,11 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
               f"offsets: use tma_store=True")
   if reason:
     raise ValueError(f"cute ping-pong grouped_matmul: {reason}")
-  stages = _check_tile(block_n, lhs.dtype.itemsize, 1, stages, "grouped_matmul", tma_store)
+  stages = _check_tile(block_n, lhs.dtype.itemsize, 1, stages, "grouped_matmul", tma_store,
+                       tile_m=tile_m)
+  option = dict(tile_m=tile_m) if tile_m != TILE_M else {}   # (the default: left out)
   return grouped_gemm.matmul_call(_matmul_pingpong, lhs, rhs, tile_expert, transpose_rhs, cols,
-                                  block_n=block_n, stages=stages, tma_store=tma_store)
+                                  block_n=block_n, stages=stages, tma_store=tma_store, **option)
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None,

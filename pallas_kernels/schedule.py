@@ -21,3 +21,29 @@ def tile_experts(plan, block_m: int):
   if plan.align % block_m:
     raise ValueError(f"plan rows must be aligned to the kernel tile {block_m}; got align={plan.align}")
   return tile_owners(plan.group_offsets, plan.num_slots, block_m)
+
+
+ROW_TILE_FIELDS = 3   # a row tile's entry: (first row, group, rows to store)
+
+
+def row_tiles(group_offsets, num_rows: int, tile_m: int):
+  """Tiles of tile_m rows that need not start on a multiple of tile_m: each group's rows
+  (group_offsets[g] .. group_offsets[g+1]) cut from its start, then the rows past the last
+  group (group G: the kernels store zeros there), the last tile of each clipped at its end.
+  Returns [ROW_TILE_FIELDS * (ceil(num_rows / tile_m) + G + 1)] int32, tile i's (first row,
+  group, rows to store) at 3 i .. 3 i + 2; entries past the last tile have group G and 0 rows
+  (nothing to load or store)."""
+  num_groups = group_offsets.shape[0] - 1
+  starts = group_offsets.astype(jnp.int32)                        # G + 1: the tail's start last
+  ends = jnp.concatenate([starts[1:], jnp.full((1,), num_rows, jnp.int32)])
+  sizes = ends - starts
+  counts = (sizes + tile_m - 1) // tile_m                         # each part's tiles
+  tile_ends = jnp.cumsum(counts)
+  tile = jnp.arange(-(-num_rows // tile_m) + num_groups + 1, dtype=jnp.int32)
+  part = routing.count_below(tile_ends, tile, inclusive=True)     # G + 1: past the last tile
+  used = part <= num_groups
+  part = jnp.minimum(part, num_groups)
+  row0 = (tile - (tile_ends - counts)[part]) * tile_m             # in its part
+  first_row = jnp.where(used, starts[part] + row0, 0)
+  rows = jnp.where(used, jnp.minimum(sizes[part] - row0, tile_m), 0)
+  return jnp.stack([first_row, part, rows], axis=1).reshape(-1).astype(jnp.int32)
