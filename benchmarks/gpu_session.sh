@@ -59,9 +59,9 @@
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
 #           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
-#   store192: the ping-pong store kernels 192 wide (d = 1536): their bitwise GPU tests, then
-#           sweep rows at 128 and 192 and the layer at both at the 7B configs (after cute
-#           staging)                                                                   (~7 min)
+#   rows192: the ping-pong store GEMMs on 192-row tiles against 128-row ones (ROWS192_CONFIGS,
+#           default 30B-n256,7B-n256): bitwise GPU tests, interleaved sweep rows, the step's
+#           kernels two rounds each (after cute staging)                            (~8 min)
 #   pair  : one config side by side in one call, ours then the PyTorch SonicMoE's first run
 #           and timed loop (PAIR_CONFIG; after cute and upstream staging)            (~10 min)
 #   pair_rounds: after `pair` at those configs: ours and theirs in turn, PAIR_ROUNDS rounds at
@@ -349,22 +349,23 @@ PY
       timeout 120 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,olmoe \
         --stages 0 --block-n 128,256 --kernels dh_gather,dh_pingpong,dh_pingpong_gather \
         --out "$OUT/sweep_dh_pingpong.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
-    store192)  # after cute staging: ffi/ops.py STORE_BLOCK_N 192 against 128 (the 7B configs,
-               # where 192 divides d = 1536): the ping-pong store kernels' bitwise GPU tests
-               # (rc 124: a hang), the sweep rows, then the layer, interleaved      (~7 min)
-      timeout 150 python3 -m pytest -m gpu tests/test_cute.py -p no:cacheprovider -rA \
-        -k "pingpong_matmul_matches" > "$OUT/pytest_store192.log" 2>&1
+    rows192)  # after cute staging: the ping-pong store GEMMs on 192-row tiles (ffi/ops.py
+              # STORE_TILE_M) against 128: their bitwise GPU tests (rc 124: a hang), the sweep
+              # rows (three rounds interleaved), then the step, two rounds in turn  (~8 min)
+      timeout 180 python3 -m pytest -m gpu tests/test_cute.py -p no:cacheprovider -rA \
+        -k "192_row" > "$OUT/pytest_rows192.log" 2>&1
       rc=$?; echo "tests: rc $rc"
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_store192.log" | cut -c1-160 | tail -8
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_rows192.log" | cut -c1-160 | tail -8
       [ "$rc" = 0 ] || continue
-      timeout 100 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 128,192 \
-        --configs 7B-n256,7B-n1024 --kernels down_proj_pingpong_tma,dx_tilde_pingpong_tma \
-        --out "$OUT/sweep_store192.json" 2>&1 | grep -v '^{' | grep -v "^config"
+      timeout 150 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 128 \
+        --configs "${ROWS192_CONFIGS:-30B-n256,7B-n256}" --interleave 3 \
+        --kernels down_proj_pingpong_tma,down_proj_pingpong_tma_rows192,dx_tilde_pingpong_tma,dx_tilde_pingpong_tma_rows192 \
+        --out "$OUT/sweep_rows192.json" 2>&1 | grep -v '^{' | grep -v "^config"
       for round in 1 2; do
-        for bn in 128 192; do
-          timeout 75 python3 -m benchmarks.bench --impls auto --iters 5 --reps 3 \
-            --configs 7B-n256,7B-n1024 --cute-store-block-n "$bn" \
-            --out "$OUT/bench_store${bn}_$round" 2>&1 | grep -E "^7B|its kernels"
+        for tile_m in 128 192; do
+          timeout 80 python3 -m benchmarks.bench --impls auto --iters 5 --reps 3 \
+            --configs "${ROWS192_CONFIGS:-30B-n256,7B-n256}" --cute-store-tile-m "$tile_m" \
+            --out "$OUT/bench_rows${tile_m}_$round" 2>&1 | grep -E "its kernels"
         done
       done ;;
     pair)  # after cute and upstream staging: one config (PAIR_CONFIG, default olmoe) side by

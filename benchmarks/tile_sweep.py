@@ -93,7 +93,8 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
     (_tma: and storing its outputs through it); dh_gemm: dh's GEMM without its epilogue math;
   - the ping-pong kernels (ffi/pingpong.py): up_proj_pingpong, dh_pingpong,
     dh_pingpong_gather (gathering dO), dh_pingpong_gather_tma (with its SMEM epilogue),
-    down_proj_pingpong and dx_tilde_pingpong (_tma: with the TMA-store epilogue);
+    down_proj_pingpong and dx_tilde_pingpong (_tma: with the TMA-store epilogue; _tma_rows192:
+    on 192-row tiles);
   - dw1, dw1_gather: dW1 gathering X's rows in the kernel; dw2, dw2_gather: dW2 transposed
     gathering dO's rows; dw1_gather_persistent, dw2_gather_persistent, down_proj_persistent,
     dx_tilde_persistent: the same on persistent CTAs (ffi/persistent.py);
@@ -125,6 +126,7 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dh_pingpong"] = (jax.jit(lambda c, dg, w2, h, s, t: pingpong.dh(   # the same operands
       dg, w2, h, s, t, over_h=False, **dataclasses.asdict(c)), static_argnums=0),
       dh_args, dh_flops, dh_n)
+  row_tiles = schedule.row_tiles(plan.group_offsets, plan.num_slots, pingpong.ROW_TILE_M)
   for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands
     _, mm_args, mm_flops, mm_n = rows[name]
     for suffix, tma_store in [("", False), ("_tma", True)]:
@@ -132,6 +134,11 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
           lambda c, lhs, rhs, t, tr=transpose_rhs, tma=tma_store: pingpong.grouped_matmul(
               lhs, rhs, t, transpose_rhs=tr, tma_store=tma, **dataclasses.asdict(c)),
           static_argnums=0), mm_args, mm_flops, mm_n)
+    # on 192-row tiles from each expert's start (their table instead of tile_expert)
+    rows[f"{name}_pingpong_tma_rows192"] = (jax.jit(
+        lambda c, lhs, rhs, t, tr=transpose_rhs: pingpong.grouped_matmul(
+            lhs, rhs, t, transpose_rhs=tr, tma_store=True, tile_m=pingpong.ROW_TILE_M,
+            **dataclasses.asdict(c)), static_argnums=0), (*mm_args[:2], row_tiles), mm_flops, mm_n)
   # dO's rows gathered too
   rows["dh_pingpong_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: pingpong.dh(
       g, w2, h, s, t, gather_index=i, over_h=False, **dataclasses.asdict(c)), static_argnums=0),

@@ -134,12 +134,21 @@ STORE_BLOCK_NS = (128, 192)
 # vs 3.485 and 1.948 vs 1.994 on one machine; dx_tilde 3.327 vs 3.336 on another (level).
 STORE_MAX_CLIPPED_SHARE = 1 / 16
 STORE_CLIPPED_MIN_K = 512
+# The ping-pong store kernels' rows a tile (with TMA stores): the plan's 128-row M tiles, or
+# 192 rows from each expert's start (pingpong.ROW_TILE_M: three m64 wgmmas per consumer on
+# 128-wide column tiles, the tile shape quack's 192x128 ping-pong runs; a table of row tiles,
+# schedule.row_tiles). Session 32 on the H200 (results/2026-12-03-h200-session32, calls
+# 17-18): quack's dX~ at 30B-n256 took 3.212 ms on its 192x128 tile against 3.503 on its
+# 128x128; ours at 128 rows 3.327-3.451. Not yet run on a GPU: 128 until measured.
+STORE_TILE_M = 128
 
 
 def _clip_pays(width: int, block_n: int, k: int) -> bool:
   """Whether block_n-wide tiles with the last one clipped compute few enough columns past
   width (STORE_MAX_CLIPPED_SHARE) over a long enough contraction k (STORE_CLIPPED_MIN_K)."""
   return k >= STORE_CLIPPED_MIN_K and -width % block_n <= STORE_MAX_CLIPPED_SHARE * width
+
+
 # The weight gradients' kernel where they gather rows (dw1's X, dw2's dO): "grouped"
 # (grouped_gemm.weight_grad, one CTA per output tile) or "persistent" (persistent.py:
 # CTAs looping over tiles, the producer filling the next tile's stages under the epilogue;
@@ -259,7 +268,8 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   (they pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the kernels read rhs
   from column lo: no copy), their tile's width halved until it divides them (the ping-pong
   kernels' 192 wide where STORE_BLOCK_N asks and it divides them, or with TMA stores where a
-  clipped last tile pays: _clip_pays)."""
+  clipped last tile pays: _clip_pays; or their 192-row tiles, 128 wide, where STORE_TILE_M
+  asks)."""
   _setting("STORE_KERNEL", STORE_KERNEL, STORE_KERNELS)
   width = n_out if cols is None else cols[1] - cols[0]
   wide_kernel = _setting("STORE_WIDE_KERNEL", STORE_WIDE_KERNEL, STORE_WIDE_KERNELS)
@@ -276,6 +286,11 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
     # an out past the register stores' 32-bit offsets takes the TMA stores
     tma_store = (STORE_KERNEL == "pingpong_tma"
                  or not pingpong.register_stores_fit(lhs.shape[0], width))
+    tile_m = _setting("STORE_TILE_M", STORE_TILE_M, pingpong.TILE_MS)
+    if tma_store and tile_m == pingpong.ROW_TILE_M:   # (its widest column tile: 128)
+      return pingpong.grouped_matmul(
+          lhs, rhs, schedule.row_tiles(plan.group_offsets, plan.num_slots, tile_m),
+          transpose_rhs=transpose_rhs, block_n=block_n, tma_store=True, cols=cols, tile_m=tile_m)
     if width % widest == 0 or (tma_store and _clip_pays(width, widest, lhs.shape[1])):
       block_n = widest
     return pingpong.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,

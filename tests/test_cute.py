@@ -651,6 +651,21 @@ def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs, tma_store, block_
   with pytest.raises(ValueError, match="grouped_matmul: block_n=256 is wider than 192"):
     jax.eval_shape(lambda a, b, t: pingpong.grouped_matmul(
         a, b, t, transpose_rhs=transpose_rhs, block_n=256), *shapes)
+  # 192-row tiles: block_n up to 128, TMA stores, schedule.row_tiles' table
+  table = jax.ShapeDtypeStruct((3 * (-(-P // 192) + E + 1),), jnp.int32)
+  rows192 = lambda **kw: (lambda a, b, t: pingpong.grouped_matmul(
+      a, b, t, transpose_rhs=transpose_rhs, **{"tile_m": 192, **kw}))
+  if tma_store and block_n == 128:
+    assert FFI_TARGET in _cuda_module(rows192(tma_store=True), shapes[0], shapes[1], table)
+    assert pingpong.stages_that_fit(128, 2, 1, True, "store", 192) == 4   # 40 KiB + 32 KiB
+  with pytest.raises(ValueError, match="block_n=192 is wider than 128 .* of 192 x block_n"):
+    jax.eval_shape(rows192(tma_store=True, block_n=192), shapes[0], shapes[1], table)
+  with pytest.raises(ValueError, match="tile_m=192 stores its rows by TMA only"):
+    jax.eval_shape(rows192(), shapes[0], shapes[1], table)
+  with pytest.raises(ValueError, match=r"takes schedule.row_tiles' table .* got shape \(8,\)"):
+    jax.eval_shape(rows192(tma_store=True), *shapes)
+  with pytest.raises(ValueError, match=r"tile_m=256 must be one of \(128, 192\)"):
+    jax.eval_shape(rows192(tma_store=True, tile_m=256), *shapes)
   # 640 columns: 192-wide tiles clip the last one with TMA stores; register stores refuse it
   clipped = [shapes[0], jax.ShapeDtypeStruct((E, 640, K) if transpose_rhs else (E, K, 640),
                                              jnp.bfloat16), shapes[2]]
@@ -728,6 +743,38 @@ def test_cute_pingpong_matmul_matches_grouped_matmul_on_gpu(num_tiles, transpose
 
 @pytest.mark.gpu
 @needs_cute
+@pytest.mark.parametrize("transpose_rhs,N,cols", [
+    (True, 768, None), (False, 768, None), (True, 640, None), (False, 1024, (256, 768)),
+    (True, 1024, (136, 392))])
+def test_cute_pingpong_matmul_on_192_row_tiles_matches_grouped_matmul_on_gpu(transpose_rhs, N,
+                                                                              cols):
+  """The ping-pong grouped_matmul on 192-row tiles (schedule.row_tiles: tiles from each
+  group's start, a group's last one stored down to its end) gives grouped_gemm.grouped_matmul's
+  bits on every row: groups of 0, 128 (one clipped tile), 256, 384 (two full), 1920 and 2048
+  rows, zeros past the last group, columns clipped (640) or a window; its output written over
+  a freed buffer of NaN first, so a row it did not store shows."""
+  from ffi import grouped_gemm, pingpong
+  from pallas_kernels import schedule
+  sizes = np.array([128, 0, 256, 384, 1920, 0, 2048, 128])
+  offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
+  E, K, P = len(sizes), 384, int(sizes.sum()) + 3 * 128
+  tile_expert = schedule.tile_owners(offsets, P, 128)
+  row_tiles = schedule.row_tiles(offsets, P, pingpong.ROW_TILE_M)
+  lhs = jax.random.normal(jax.random.key(84), (P, K)).astype(jnp.bfloat16)
+  rhs = (jax.random.normal(jax.random.key(85), (E, N, K) if transpose_rhs else (E, K, N))
+         / 8).astype(jnp.bfloat16)
+  jax.block_until_ready(jnp.full((P, N), jnp.nan, jnp.bfloat16)).delete()
+  got = jax.jit(lambda *a: pingpong.grouped_matmul(*a, transpose_rhs=transpose_rhs, tma_store=True,
+                                                   cols=cols, tile_m=pingpong.ROW_TILE_M))(
+      lhs, rhs, row_tiles)
+  want = jax.jit(lambda *a: grouped_gemm.grouped_matmul(*a, transpose_rhs=transpose_rhs,
+                                                        cols=cols))(lhs, rhs, tile_expert)
+  np.testing.assert_array_equal(got, want)
+  assert not np.any(np.asarray(got, np.float32)[int(offsets[-1]):])
+
+
+@pytest.mark.gpu
+@needs_cute
 @pytest.mark.parametrize("num_tiles", [1, 4, 81, 300])
 def test_cute_pingpong_up_proj_matches_up_proj_on_gpu(num_tiles):
   """The ping-pong up-projection gives grouped_gemm.up_proj's H bit for bit and its A to
@@ -771,6 +818,45 @@ def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(dh_kernel, monkeypa
 
 
 @needs_cute
+def test_cute_store_tile_m_setting_lowers_the_store_gemms_to_192_row_kernels(monkeypatch):
+  """STORE_TILE_M 192 lowers (for CUDA) down_proj and dx_tilde to kernels of their own (the
+  192-row ping-pong tiles, taking schedule.row_tiles' table) in each of the default's two
+  column windows, the other ops' kernels unchanged."""
+  cute_ops = importlib.import_module("ffi.ops")
+  args = make_inputs(9, 256, 384, 128, 4, jnp.bfloat16)
+  targets = {}
+  for tile_m in (128, 192):
+    monkeypatch.setattr(cute_ops, "STORE_TILE_M", tile_m)
+    grad = lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
+        *b, k=2, backend="cute").out.astype(jnp.float32)))(*a)
+    targets[tile_m] = set(re.findall(r"@(sonicmoe_cute_\w+)", _cuda_module(grad, *args)))
+  # (two column windows at d = 3n: each GEMM's windows are two targets)
+  assert len(targets[192] - targets[128]) == len(targets[128] - targets[192]) == 4
+  assert targets[128] & targets[192]   # the other ops' kernels
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("shape", [(4096, 1536, 256, 128, 8), (2048, 2048, 256, 16, 2)])
+def test_cute_layer_with_192_row_store_tiles_matches_128_on_gpu(shape, monkeypatch):
+  """The default layer with its store GEMMs on 192-row tiles (STORE_TILE_M) gives the same
+  bits as on 128-row tiles: output and every gradient (two column windows; a 1024-column
+  window at d = 2048 in 128-wide tiles)."""
+  cute_ops = importlib.import_module("ffi.ops")
+  T, d, n, E, K = shape
+  args = make_inputs(5, T, d, n, E, jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(6), (T, d))
+  results = {}
+  for tile_m in (192, 128):
+    monkeypatch.setattr(cute_ops, "STORE_TILE_M", tile_m)
+    # (a new function each time: jit would reuse the first one's trace)
+    results[tile_m] = jax.jit(lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
+        *b, k=K, backend="cute").out.astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(*a))(*args)
+  for got, want in zip(jax.tree.leaves(results[192]), jax.tree.leaves(results[128])):
+    np.testing.assert_array_equal(got, want)
+
+
+@needs_cute
 def test_setmaxnreg_budgets_fit_what_the_cta_gets_at_launch():
   """Every warp-specialized kernel's (producer, MMA warpgroups) register budgets fit the
   384-thread CTA's launch allocation (168 registers a thread): a consumer's setmaxnreg
@@ -803,8 +889,8 @@ def test_cute_dh_kernel_auto_follows_the_model_width(monkeypatch):
 
 @needs_cute
 def test_cute_kernel_settings_are_checked(monkeypatch):
-  """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL, STORE_KERNEL, STORE_WIDE_KERNEL, STORE_BLOCK_N or
-  WGRAD_KERNEL outside its list is refused by name (runs on CPU: the error comes before any
+  """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL, STORE_KERNEL, STORE_WIDE_KERNEL, STORE_BLOCK_N,
+  STORE_TILE_M or WGRAD_KERNEL outside its list is refused by name (runs on CPU: the error comes before any
   kernel)."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(6, 256, 128, 64, 4, jnp.bfloat16)
@@ -829,6 +915,10 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
   monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "persistent")
   monkeypatch.setattr(cute_ops, "STORE_BLOCK_N", 256)
   with pytest.raises(ValueError, match=r"STORE_BLOCK_N must be one of \(128, 192\); got 256"):
+    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
+  monkeypatch.setattr(cute_ops, "STORE_BLOCK_N", 192)
+  monkeypatch.setattr(cute_ops, "STORE_TILE_M", 256)
+  with pytest.raises(ValueError, match=r"STORE_TILE_M must be one of \(128, 192\); got 256"):
     sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
   monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"WGRAD_KERNEL must be one of .*'fast'"):

@@ -451,3 +451,36 @@ def test_tile_owners_match_a_search_and_have_no_device_loop(num_groups):
   text = jax.jit(lambda o: schedule.tile_owners(o, num_rows, 128)).lower(
       jnp.asarray(offsets)).as_text()
   assert "stablehlo.while" not in text
+
+
+@pytest.mark.parametrize("num_groups,tail_tiles", [(1, 0), (5, 3), (128, 1), (300, 0)])
+def test_row_tiles_cover_each_row_once_from_each_groups_start(num_groups, tail_tiles):
+  """schedule.row_tiles at 192 rows (the ping-pong store kernels'): the used tiles cover every
+  row 0 .. P - 1 once, each inside one group (or the rows past the last, group G), starting at
+  its group's start plus a multiple of 192, every tile full but a group's last; the rest of
+  the table is group G with no rows; no device loop."""
+  from pallas_kernels import schedule
+  rng = np.random.default_rng(num_groups)
+  sizes = rng.integers(0, 20, num_groups) * 128          # 0 .. 19 M tiles: 192 divides some
+  sizes[::3] = 0
+  offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+  num_rows = int(offsets[-1]) + tail_tiles * 128
+  table = np.asarray(schedule.row_tiles(jnp.asarray(offsets), num_rows, 192)).reshape(-1, 3)
+  assert table.shape[0] == -(-num_rows // 192) + num_groups + 1
+  group_of_row = np.searchsorted(offsets[1:], np.arange(num_rows), side="right")
+  covered = np.zeros(num_rows, int)
+  ends = np.append(offsets[1:], num_rows)
+  for first, group, rows in table:
+    if rows == 0:
+      assert group == num_groups
+      continue
+    assert 0 < rows <= 192 and (first - offsets[group]) % 192 == 0
+    assert rows == 192 or first + rows == ends[group]      # a group's last tile is clipped
+    assert (group_of_row[first:first + rows] == group).all()
+    covered[first:first + rows] += 1
+  assert (covered == 1).all()
+  used = table[:, 2] > 0
+  assert used[:used.sum()].all()                          # the used tiles first
+  text = jax.jit(lambda o: schedule.row_tiles(o, num_rows, 192)).lower(
+      jnp.asarray(offsets)).as_text()
+  assert "stablehlo.while" not in text
