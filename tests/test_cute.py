@@ -625,6 +625,24 @@ def test_tma_store_epilogue_reads_each_accumulator_element_once(row_blocks, bloc
 
 
 @needs_cute
+def test_tma_store_epilogue_reads_192_row_tiles_one_row_block_a_buffer():
+  """The 192-row ping-pong tiles' epilogue (buffers of one m64 row block: pingpong.ROW_TILE_EPI)
+  reads row block r's values of each 64-column chunk from the accumulator view's row block r:
+  over the three row blocks and the chunks, every element once."""
+  from ffi.grouped_gemm import _acc_coord
+  from ffi.pingpong import MMA_M, ROW_TILE_EPI, ROW_TILE_M
+  values, groups, chunks = 8, ROW_TILE_EPI[1] // 16, 128 // ROW_TILE_EPI[1]
+  seen = set()
+  for row_block in range(ROW_TILE_M // MMA_M):
+    for chunk in range(chunks):
+      for v in range(values * groups):
+        (value, group), m, _ = _acc_coord(v, chunk, values, 1, groups, row_block)
+        assert m == row_block and group // groups == chunk
+        seen.add((value, group, m))
+  assert len(seen) == values * groups * chunks * ROW_TILE_M // MMA_M
+
+
+@needs_cute
 @pytest.mark.parametrize("transpose_rhs,tma_store,block_n", [
     (False, False, 128), (True, True, 128), (False, True, 192), (True, False, 192)])
 def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs, tma_store, block_n):
