@@ -459,7 +459,7 @@ def _tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutl
           buf = first_buffer + (step * len(stores) + j) % EPI_STAGES
           if cutlass.const_expr(rolling):
             if leader:
-              buffers.producer_acquire()   # this buffer's last store (maybe the last tile's) read it
+              buffers.producer_acquire()   # its last store (maybe the last tile's) read it
             cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
           frag = cute.make_rmem_tensor_like(chunk_layout, dtype)
           frag.store(outs[j].to(dtype))
