@@ -17,7 +17,10 @@ Schedule:
               store kernels' one, <= 128 for dh's, <= 64 for SwiGLU's two:
               MAX_ACCUMULATOR_REGISTERS); tile t is M tile t // (n / block_n), column block
               t % (n / block_n): an M tile's column tiles run next to each other, on
-              neighbouring CTAs (their shared rows from L2)
+              neighbouring CTAs (their shared rows from L2). The store kernels with TMA stores
+              also take ROW_TILE_M (192) rows a tile, 128 columns at most: three m64 wgmmas,
+              row tile r the r-th entry of schedule.row_tiles' table (tiles from each expert's
+              start, its last one stored down to the expert's end) in place of M tile r
   grid      : min(tiles, NUM_SMS) persistent CTAs; CTA c takes tiles c, c + grid, c + 2 grid..
   producer  : warpgroup 0, its registers lowered by setmaxnreg (REGISTERS), fills a
               `stages`-deep ring running ahead across tiles (tiles past the last group load
