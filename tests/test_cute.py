@@ -1723,7 +1723,8 @@ def test_kernel_resources_keep_the_tiles_ffi_ops_relies_on():
 
 # (kernel_resources variant, block_n, the stack frame in bytes it may have): the ping-pong
 # kernels at the tiles ffi/ops.py runs them with (dH 128, reading or gathering dO; up_proj 64;
-# the store GEMMs 128, and 192 with TMA stores: 192 accumulator registers) and the defaults
+# the store GEMMs 128, and 192 with TMA stores: 192 accumulator registers, as their 192-row
+# tiles at 128) and the defaults
 # (ffi/ops.py's choices) at their tiles. The ping-pong dH gathering dO with its SMEM epilogue
 # (the default where d <= 1536) has spilled 40 bytes (10 registers of its MMA warpgroups: at
 # the (56, 224) register split 80, at (24, 240) 8) since the SwiGLU sigmoid moved to
@@ -1732,6 +1733,7 @@ def test_kernel_resources_keep_the_tiles_ffi_ops_relies_on():
 KERNEL_SPILLS = [("dh_pingpong", 128, 0), ("dh_pingpong_gather", 128, 0),
                  ("up_proj_pingpong", 64, 0), ("matmul_pingpong", 128, 0),
                  ("matmul_pingpong_tma", 128, 0), ("matmul_pingpong_tma", 192, 0),
+                 ("matmul_pingpong_tma_rows192", 128, 0),
                  ("up_proj_gather", 128, 0), ("dh_gather_tma_h_smem", 256, 0),
                  ("dh_pingpong_gather_tma", 128, 40), ("wgrad_persistent_gather", 256, 0),
                  ("matmul_persistent", 256, 0)]
