@@ -357,7 +357,9 @@ PY
       rc=$?; echo "tests: rc $rc"
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_rows192.log" | cut -c1-160 | tail -8
       [ "$rc" = 0 ] || continue
-      timeout 150 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 128 \
+      # (128 and 192 wide: the 128-row kernels' tiles; the 192-row kernel's 192 rows are an
+      # error row, wider than its 128)
+      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 128,192 \
         --configs "${ROWS192_CONFIGS:-30B-n256,7B-n256}" --interleave 3 \
         --kernels down_proj_pingpong_tma,down_proj_pingpong_tma_rows192,dx_tilde_pingpong_tma,dx_tilde_pingpong_tma_rows192 \
         --out "$OUT/sweep_rows192.json" 2>&1 | grep -v '^{' | grep -v "^config"
