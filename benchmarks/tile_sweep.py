@@ -126,7 +126,7 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dh_pingpong"] = (jax.jit(lambda c, dg, w2, h, s, t: pingpong.dh(   # the same operands
       dg, w2, h, s, t, over_h=False, **dataclasses.asdict(c)), static_argnums=0),
       dh_args, dh_flops, dh_n)
-  row_tiles = schedule.row_tiles(plan.group_offsets, plan.num_slots, pingpong.ROW_TILE_M)
+  row_tiles = schedule.plan_row_tiles(plan, pingpong.ROW_TILE_M, pingpong.MMA_M)
   for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands
     _, mm_args, mm_flops, mm_n = rows[name]
     for suffix, tma_store in [("", False), ("_tma", True)]:

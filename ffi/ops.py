@@ -289,7 +289,7 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
     tile_m = _setting("STORE_TILE_M", STORE_TILE_M, pingpong.TILE_MS)
     if tma_store and tile_m == pingpong.ROW_TILE_M:   # (its widest column tile: 128)
       return pingpong.grouped_matmul(
-          lhs, rhs, schedule.row_tiles(plan.group_offsets, plan.num_slots, tile_m),
+          lhs, rhs, schedule.plan_row_tiles(plan, tile_m, pingpong.MMA_M),
           transpose_rhs=transpose_rhs, block_n=block_n, tma_store=True, cols=cols, tile_m=tile_m)
     if width % widest == 0 or (tma_store and _clip_pays(width, widest, lhs.shape[1])):
       block_n = widest

@@ -569,7 +569,8 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   With tma_store block_n need not divide out's columns (a multiple of 64): the last column
   tile is clipped (column_tiles). tile_m: TILE_M rows a tile (the plan's M tiles: tile_expert
   [P / 128]), or with tma_store ROW_TILE_M (three m64 wgmmas per consumer, block_n at most
-  128): tile_expert is then schedule.row_tiles(group_offsets, P, ROW_TILE_M)'s table."""
+  128): tile_expert is then schedule.row_tiles(group_offsets, P, ROW_TILE_M)'s table, the
+  groups starting on multiples of MMA_M (schedule.plan_row_tiles checks a plan's)."""
   rhs_ekn = grouped_gemm.rhs_as_ekn(rhs, transpose_rhs)
   reason = grouped_gemm.unsupported(lhs, rhs_ekn, block_n, cols, clipped_last_tile=tma_store)
   if not reason and tile_m not in TILE_MS:

@@ -32,7 +32,8 @@ def row_tiles(group_offsets, num_rows: int, tile_m: int):
   group (group G: the kernels store zeros there), the last tile of each clipped at its end.
   Returns [ROW_TILE_FIELDS * (ceil(num_rows / tile_m) + G + 1)] int32, tile i's (first row,
   group, rows to store) at 3 i .. 3 i + 2; entries past the last tile have group G and 0 rows
-  (nothing to load or store)."""
+  (nothing to load or store). A kernel storing blocks of rows needs the offsets and num_rows
+  multiples of its block (plan_row_tiles checks a plan's)."""
   num_groups = group_offsets.shape[0] - 1
   starts = group_offsets.astype(jnp.int32)                        # G + 1: the tail's start last
   ends = jnp.concatenate([starts[1:], jnp.full((1,), num_rows, jnp.int32)])
@@ -47,3 +48,13 @@ def row_tiles(group_offsets, num_rows: int, tile_m: int):
   first_row = jnp.where(used, starts[part] + row0, 0)
   rows = jnp.where(used, jnp.minimum(sizes[part] - row0, tile_m), 0)
   return jnp.stack([first_row, part, rows], axis=1).reshape(-1).astype(jnp.int32)
+
+
+def plan_row_tiles(plan, tile_m: int, row_block: int):
+  """row_tiles of a routing plan whose kernel stores blocks of row_block rows: the plan's
+  groups must start on multiples of row_block (else a group's last block would reach into the
+  next group's rows, which another tile stores)."""
+  if plan.align % row_block:
+    raise ValueError(f"plan rows must be aligned to the kernel's row block {row_block}; "
+                     f"got align={plan.align}")
+  return row_tiles(plan.group_offsets, plan.num_slots, tile_m)

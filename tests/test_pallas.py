@@ -484,3 +484,15 @@ def test_row_tiles_cover_each_row_once_from_each_groups_start(num_groups, tail_t
   text = jax.jit(lambda o: schedule.row_tiles(o, num_rows, 192)).lower(
       jnp.asarray(offsets)).as_text()
   assert "stablehlo.while" not in text
+
+
+def test_plan_row_tiles_need_groups_on_the_kernels_row_blocks():
+  """A plan whose groups start off the kernel's 64-row blocks is refused by name (its last
+  block would store into the next group's rows); an aligned plan gives row_tiles' table."""
+  from pallas_kernels import schedule
+  logits = jax.random.normal(jax.random.key(0), (100, 8))
+  with pytest.raises(ValueError, match="aligned to the kernel's row block 64; got align=32"):
+    schedule.plan_row_tiles(sm.route(logits, k=2, align=32)[0], 192, 64)
+  plan = sm.route(logits, k=2, align=128)[0]
+  np.testing.assert_array_equal(schedule.plan_row_tiles(plan, 192, 64), schedule.row_tiles(
+      plan.group_offsets, plan.num_slots, 192))
