@@ -97,7 +97,7 @@ names = sys.argv[1].split(",") if sys.argv[1] else list(C.ANCHORS)
 print(json.dumps({k: C.ANCHORS[k] for k in names}))' "${1:-}"; }
 # join_records OUT OURS THEIRS [ROUND]: ours (bench.py's JSON list) then theirs
 # (torch_sonicmoe.py's JSON lines) into the list OUT; with ROUND, each record tagged with it and
-# appended to OUT's (rounds of one run). A file that is missing adds nothing (a failed run).
+# appended to OUT's (rounds of one run). A file that is missing (or "") adds nothing.
 join_records() { python3 -c "
 import json, os, sys
 out, ours, theirs, r = (sys.argv[1:] + [''])[:4]
@@ -412,7 +412,7 @@ PY
         PYTHONPATH=$tp timeout 240 python3 benchmarks/torch_sonicmoe.py "$(anchors_json "$cfg")" \
           > "$OUT/forced_$i.jsonl" 2>> "$OUT/forced.log" || echo "torch, $tile: rc $?"
         echo "== ${FORCE_GEMM:-dX~} forced to $tile"
-        join_records "$OUT/forced_$i.json" "$OUT/no_ours.json" "$OUT/forced_$i.jsonl" \
+        join_records "$OUT/forced_$i.json" "" "$OUT/forced_$i.jsonl" \
           && python3 -m benchmarks.kernel_table --by-gemm "$OUT/forced_$i.json"
       done ;;
     torch_cache_save)  # after the PyTorch SonicMoE ran on this machine: its autotuning results

@@ -288,13 +288,13 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
                  or not pingpong.register_stores_fit(lhs.shape[0], width))
     tile_m = _setting("STORE_TILE_M", STORE_TILE_M, pingpong.TILE_MS)
     if tma_store and tile_m == pingpong.ROW_TILE_M:   # (its widest column tile: 128)
-      return pingpong.grouped_matmul(
-          lhs, rhs, schedule.plan_row_tiles(plan, tile_m, pingpong.MMA_M),
-          transpose_rhs=transpose_rhs, block_n=block_n, tma_store=True, cols=cols, tile_m=tile_m)
-    if width % widest == 0 or (tma_store and _clip_pays(width, widest, lhs.shape[1])):
-      block_n = widest
-    return pingpong.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                   block_n=block_n, tma_store=tma_store, cols=cols)
+      tiles = schedule.plan_row_tiles(plan, tile_m, pingpong.MMA_M)
+    else:   # the plan's 128-row M tiles (the register stores' only ones)
+      tile_m, tiles = pingpong.TILE_M, _tiles(plan)
+      if width % widest == 0 or (tma_store and _clip_pays(width, widest, lhs.shape[1])):
+        block_n = widest
+    return pingpong.grouped_matmul(lhs, rhs, tiles, transpose_rhs=transpose_rhs, block_n=block_n,
+                                   tma_store=tma_store, cols=cols, tile_m=tile_m)
   return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                      block_n=block_n, stages=STORE_STAGES, cols=cols)
 
