@@ -137,10 +137,15 @@ STORE_CLIPPED_MIN_K = 512
 # The ping-pong store kernels' rows a tile (with TMA stores): the plan's 128-row M tiles, or
 # 192 rows from each expert's start (pingpong.ROW_TILE_M: three m64 wgmmas per consumer on
 # 128-wide column tiles, the tile shape quack's 192x128 ping-pong runs; a table of row tiles,
-# schedule.row_tiles). Session 32 on the H200 (results/2026-12-03-h200-session32, calls
-# 17-18): quack's dX~ at 30B-n256 took 3.212 ms on its 192x128 tile against 3.503 on its
-# 128x128; ours at 128 rows 3.327-3.451. Not yet run on a GPU: 128 until measured.
-STORE_TILE_M = 128
+# schedule.row_tiles); "auto": 192 rows where STORE_BLOCK_N's 192-wide tile does not divide
+# the window's columns (30B-n256's 2048-column windows), else 128 rows (the 7B configs' 128 x
+# 192 tiles, level with 192 x 128 there). H200 session 33 (results/2026-12-03-h200-session33,
+# call 2), the step's GEMMs, two rounds, ms, 128 rows (dX~ on clipped 128 x 192 tiles) vs 192
+# rows: 30B-n256 dX~ 3.469 / 3.444 vs 3.250 / 3.239, down_proj 1.955 / 1.958 vs 1.939 /
+# 1.940; 7B-n256 dX~ 0.480 / 0.480 vs 0.481 / 0.483, down_proj 0.287 / 0.291 vs 0.289 /
+# 0.291. (quack's dX~ at 30B-n256, session 32: 3.212 ms on its 192x128 tile.)
+STORE_TILE_M = "auto"
+STORE_TILE_MS = ("auto",) + pingpong.TILE_MS
 
 
 def _clip_pays(width: int, block_n: int, k: int) -> bool:
@@ -269,7 +274,7 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   from column lo: no copy), their tile's width halved until it divides them (the ping-pong
   kernels' 192 wide where STORE_BLOCK_N asks and it divides them, or with TMA stores where a
   clipped last tile pays: _clip_pays; or their 192-row tiles, 128 wide, where STORE_TILE_M
-  asks)."""
+  asks: "auto" where 192 wide does not divide them)."""
   _setting("STORE_KERNEL", STORE_KERNEL, STORE_KERNELS)
   width = n_out if cols is None else cols[1] - cols[0]
   wide_kernel = _setting("STORE_WIDE_KERNEL", STORE_WIDE_KERNEL, STORE_WIDE_KERNELS)
@@ -286,7 +291,9 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
     # an out past the register stores' 32-bit offsets takes the TMA stores
     tma_store = (STORE_KERNEL == "pingpong_tma"
                  or not pingpong.register_stores_fit(lhs.shape[0], width))
-    tile_m = _setting("STORE_TILE_M", STORE_TILE_M, pingpong.TILE_MS)
+    tile_m = _setting("STORE_TILE_M", STORE_TILE_M, STORE_TILE_MS)
+    if tile_m == "auto":
+      tile_m = pingpong.TILE_M if width % widest == 0 else pingpong.ROW_TILE_M
     if tma_store and tile_m == pingpong.ROW_TILE_M:   # (its widest column tile: 128)
       tiles = schedule.plan_row_tiles(plan, tile_m, pingpong.MMA_M)
     else:   # the plan's 128-row M tiles (the register stores' only ones)

@@ -836,21 +836,26 @@ def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(dh_kernel, monkeypa
 
 
 @needs_cute
-def test_cute_store_tile_m_setting_lowers_the_store_gemms_to_192_row_kernels(monkeypatch):
+@pytest.mark.parametrize("d, auto_tile_m", [(768, 128), (384, 192)])
+def test_cute_store_tile_m_setting_lowers_the_store_gemms_to_192_row_kernels(
+    d, auto_tile_m, monkeypatch):
   """STORE_TILE_M 192 lowers (for CUDA) down_proj and dx_tilde to kernels of their own (the
   192-row ping-pong tiles, taking schedule.row_tiles' table) in each of the default's two
-  column windows, the other ops' kernels unchanged."""
+  column windows, the other ops' kernels unchanged; "auto" takes 128 rows where 192-wide
+  column tiles divide the windows (d = 768: 384 columns each) and 192 rows where they do not
+  (d = 384: 128 and 256 columns)."""
   cute_ops = importlib.import_module("ffi.ops")
-  args = make_inputs(9, 256, 384, 128, 4, jnp.bfloat16)
+  args = make_inputs(9, 256, d, 128, 4, jnp.bfloat16)
   targets = {}
-  for tile_m in (128, 192):
+  for tile_m in (128, 192, "auto"):
     monkeypatch.setattr(cute_ops, "STORE_TILE_M", tile_m)
     grad = lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
         *b, k=2, backend="cute").out.astype(jnp.float32)))(*a)
     targets[tile_m] = set(re.findall(r"@(sonicmoe_cute_\w+)", _cuda_module(grad, *args)))
-  # (two column windows at d = 3n: each GEMM's windows are two targets)
+  # (two column windows: each GEMM's windows are two targets)
   assert len(targets[192] - targets[128]) == len(targets[128] - targets[192]) == 4
   assert targets[128] & targets[192]   # the other ops' kernels
+  assert targets["auto"] == targets[auto_tile_m]
 
 
 @pytest.mark.gpu
@@ -936,7 +941,8 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
     sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
   monkeypatch.setattr(cute_ops, "STORE_BLOCK_N", 192)
   monkeypatch.setattr(cute_ops, "STORE_TILE_M", 256)
-  with pytest.raises(ValueError, match=r"STORE_TILE_M must be one of \(128, 192\); got 256"):
+  with pytest.raises(ValueError,
+                     match=r"STORE_TILE_M must be one of \('auto', 128, 192\); got 256"):
     sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
   monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"WGRAD_KERNEL must be one of .*'fast'"):
@@ -953,8 +959,10 @@ def test_cute_store_block_n_setting_lowers_to_its_own_kernels(monkeypatch, d, n,
   value keeps the forward's down_proj) or the clipped last tile computes few columns past them
   (d = 2048: 64 of 2048) over a contraction of at least 512 (dx_tilde's 2n at n = 256:
   ops._clip_pays), and to the same ones where it would compute many (d = 640: 128) or the
-  contraction is shorter."""
+  contraction is shorter. (On the 128-row tiles: STORE_TILE_M "auto" takes 192 rows, 128
+  wide, where 192 wide does not divide the columns.)"""
   cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "STORE_TILE_M", 128)
   args = make_inputs(9, 256, d, n, 4, jnp.bfloat16)
   targets = {}
   for block_n in (128, 192):
