@@ -124,16 +124,6 @@ STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
 # / 2.544 vs 2.504 / 2.509.
 STORE_BLOCK_N = 192
 STORE_BLOCK_NS = (128, 192)
-# With TMA stores the ping-pong store kernels take STORE_BLOCK_N also where it does not divide
-# the window's columns (the last tile clipped: pingpong.column_tiles) if the columns computed
-# past the window's are at most STORE_MAX_CLIPPED_SHARE of them (30B-n256's 2048-column
-# windows: 64 of 2048; a 640-column window's 128 are not) and the contraction is at least
-# STORE_CLIPPED_MIN_K long. H200 session 32 (results/2026-12-03-h200-session32, calls 10-13),
-# 30B-n256, ms, 128 vs 192 clipped: alone at full width dx_tilde (K = 512) 3.762 vs 3.660,
-# down_proj (K = 256) 2.247 vs 2.304; in the step (two windows, medians of two rounds) 3.630
-# vs 3.485 and 1.948 vs 1.994 on one machine; dx_tilde 3.327 vs 3.336 on another (level).
-STORE_MAX_CLIPPED_SHARE = 1 / 16
-STORE_CLIPPED_MIN_K = 512
 # The ping-pong store kernels' rows a tile (with TMA stores): the plan's 128-row M tiles, or
 # 192 rows from each expert's start (pingpong.ROW_TILE_M: three m64 wgmmas per consumer on
 # 128-wide column tiles, the tile shape quack's 192x128 ping-pong runs; a table of row tiles,
@@ -143,15 +133,12 @@ STORE_CLIPPED_MIN_K = 512
 # call 2), the step's GEMMs, two rounds, ms, 128 rows (dX~ on clipped 128 x 192 tiles) vs 192
 # rows: 30B-n256 dX~ 3.469 / 3.444 vs 3.250 / 3.239, down_proj 1.955 / 1.958 vs 1.939 /
 # 1.940; 7B-n256 dX~ 0.480 / 0.480 vs 0.481 / 0.483, down_proj 0.287 / 0.291 vs 0.289 /
-# 0.291. (quack's dX~ at 30B-n256, session 32: 3.212 ms on its 192x128 tile.)
+# 0.291. (quack's dX~ at 30B-n256, session 32: 3.212 ms on its 192x128 tile.) Session 32's
+# 128-row tiles 192 wide with the last one clipped (pingpong.column_tiles) had taken that dX~
+# to 3.485 from 3.630 on 128 x 128 (results/2026-12-03-h200-session32, calls 10-13); the
+# 192-row tiles replaced them.
 STORE_TILE_M = "auto"
 STORE_TILE_MS = ("auto",) + pingpong.TILE_MS
-
-
-def _clip_pays(width: int, block_n: int, k: int) -> bool:
-  """Whether block_n-wide tiles with the last one clipped compute few enough columns past
-  width (STORE_MAX_CLIPPED_SHARE) over a long enough contraction k (STORE_CLIPPED_MIN_K)."""
-  return k >= STORE_CLIPPED_MIN_K and -width % block_n <= STORE_MAX_CLIPPED_SHARE * width
 
 
 # The weight gradients' kernel where they gather rows (dw1's X, dw2's dO): "grouped"
@@ -272,9 +259,8 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   their TMA loads by a producer warp from STORE_WIDE_WS_MIN_N). n_out: the product's columns
   (they pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the kernels read rhs
   from column lo: no copy), their tile's width halved until it divides them (the ping-pong
-  kernels' 192 wide where STORE_BLOCK_N asks and it divides them, or with TMA stores where a
-  clipped last tile pays: _clip_pays; or their 192-row tiles, 128 wide, where STORE_TILE_M
-  asks: "auto" where 192 wide does not divide them)."""
+  kernels' 192 wide where STORE_BLOCK_N asks and it divides them; or their 192-row tiles, 128
+  wide, where STORE_TILE_M asks: "auto" where 192 wide does not divide them)."""
   _setting("STORE_KERNEL", STORE_KERNEL, STORE_KERNELS)
   width = n_out if cols is None else cols[1] - cols[0]
   wide_kernel = _setting("STORE_WIDE_KERNEL", STORE_WIDE_KERNEL, STORE_WIDE_KERNELS)
@@ -298,7 +284,7 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
       tiles = schedule.plan_row_tiles(plan, tile_m, pingpong.MMA_M)
     else:   # the plan's 128-row M tiles (the register stores' only ones)
       tile_m, tiles = pingpong.TILE_M, _tiles(plan)
-      if width % widest == 0 or (tma_store and _clip_pays(width, widest, lhs.shape[1])):
+      if width % widest == 0:
         block_n = widest
     return pingpong.grouped_matmul(lhs, rhs, tiles, transpose_rhs=transpose_rhs, block_n=block_n,
                                    tma_store=tma_store, cols=cols, tile_m=tile_m)

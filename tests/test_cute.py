@@ -951,16 +951,13 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
 
 
 @needs_cute
-@pytest.mark.parametrize("d,n,takes_192", [(384, 128, 2), (2048, 256, 1), (2048, 128, 0),
-                                             (640, 256, 0)])
+@pytest.mark.parametrize("d,n,takes_192", [(384, 128, 2), (640, 256, 0), (2048, 256, 0)])
 def test_cute_store_block_n_setting_lowers_to_its_own_kernels(monkeypatch, d, n, takes_192):
   """STORE_BLOCK_N 192 lowers (for CUDA) down_proj and dx_tilde (takes_192 of the two) to
   other kernels than 128 where 192 divides their columns (d = 384, one window; the loss's
-  value keeps the forward's down_proj) or the clipped last tile computes few columns past them
-  (d = 2048: 64 of 2048) over a contraction of at least 512 (dx_tilde's 2n at n = 256:
-  ops._clip_pays), and to the same ones where it would compute many (d = 640: 128) or the
-  contraction is shorter. (On the 128-row tiles: STORE_TILE_M "auto" takes 192 rows, 128
-  wide, where 192 wide does not divide the columns.)"""
+  value keeps the forward's down_proj), and to the same ones where it does not (d = 640 and
+  2048). (On the 128-row tiles: STORE_TILE_M "auto" takes 192 rows, 128 wide, where 192 wide
+  does not divide the columns.)"""
   cute_ops = importlib.import_module("ffi.ops")
   monkeypatch.setattr(cute_ops, "STORE_TILE_M", 128)
   args = make_inputs(9, 256, d, n, 4, jnp.bfloat16)
