@@ -172,10 +172,12 @@ def backend_spec(impl):
 
 def impl_fn(impl, K, rounding, tile):
   """The function an impl name runs; ours with "/w<W>" appended (e.g. "auto/w2", "auto/w1")
-  runs the layer with that many column windows (moe's `windows`; without: its default)."""
+  runs the layer with that many column windows (moe's `windows`; without: its default), with
+  "/w<F>-<B>" (e.g. "auto/w1-2") F in the forward and B in the backward."""
   impl, _, windows = impl.partition("/w")
   if impl in ("xla", "pallas", "cute", "auto") or "=" in impl:
-    return ours(backend_spec(impl), K, rounding, tile, int(windows) if windows else None)
+    counts = tuple(int(w) for w in windows.split("-")) if windows else (None,)
+    return ours(backend_spec(impl), K, rounding, tile, counts if len(counts) == 2 else counts[0])
   if impl == "lax_ragged_dot":
     return plain_autodiff(functools.partial(jax.lax.ragged_dot, preferred_element_type=None), K)
   if impl == "tokamax":

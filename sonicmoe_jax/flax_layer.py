@@ -47,7 +47,7 @@ def _apply(x, router_w, w1, w2, dtype, deterministic, rng, rounding, mesh=None, 
   args = (x.reshape(-1, d).astype(dtype), router_w, w1.astype(dtype), w2.astype(dtype))
   rounding = None if deterministic else rounding
   if mesh is not None:
-    if kw.pop("windows") not in (None, 1):
+    if kw.pop("windows") not in (None, 1, (1, 1)):
       raise ValueError("windows: the expert-parallel layer (mesh given) computes no column windows; "
                        "leave windows None (or 1) with a mesh")
     out, stats, _ = sharding.moe_expert_parallel(*args, mesh=mesh, data_axes=data_axes,
@@ -86,7 +86,7 @@ class SonicMoE(nnx.Module):
   def __init__(self, d_model: int, d_expert: int, num_experts: int, k: int, *,
                rounding: Optional[str] = "nearest", tile: int = 128,
                score_fn: str = "softmax_topk", renormalize: bool = False, backend="auto",
-               windows: Optional[int] = None, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+               windows: Optional[int | tuple[int, int]] = None, dtype=jnp.bfloat16, param_dtype=jnp.float32,
                mesh=None, data_axes=("data",), rngs: nnx.Rngs):
     _check_config(num_experts, k, rounding, tile)
     init_router, init_w1, init_w2 = _init_fns()
@@ -127,7 +127,7 @@ class SonicMoELinen(nn.Module):
   score_fn: str = "softmax_topk"
   renormalize: bool = False
   backend: str = "auto"
-  windows: Optional[int] = None
+  windows: Optional[int | tuple[int, int]] = None
   dtype: jnp.dtype = jnp.bfloat16
   param_dtype: jnp.dtype = jnp.float32
 

@@ -21,12 +21,13 @@ from sonicmoe_jax.routing import RouterStats, RoutingPlan
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
-def expert_mlp(ops: backends.Ops, x, scores, w1, w2, plan: RoutingPlan, windows: int = 1):
+def expert_mlp(ops: backends.Ops, x, scores, w1, w2, plan: RoutingPlan,
+               windows: int | tuple[int, int] = 1):
   """O = sum over each token's slots of score * SwiGLU-MLP_e(x); see module docstring.
 
   `plan`'s own `scores` field is ignored: the differentiable scores come in `scores`.
   windows: the [slots, d] products (Y; dX~ in the backward) are made and summed per token one
-  column window at a time (window_sum).
+  column window at a time (window_sum); a pair (forward, backward): Y's windows, dX~'s.
   """
   return _expert_mlp_fwd(ops, x, scores, w1, w2, plan, windows)[0]
 
@@ -59,6 +60,17 @@ def column_windows(num_cols: int, windows: int) -> list[tuple[int, int]]:
   return list(zip(cuts[:-1], cuts[1:]))
 
 
+def window_pair(windows) -> tuple[int, int]:
+  """moe's `windows` as (forward, backward): an int is both (only checked for being an int or
+  a pair here; column_windows checks each against d)."""
+  if isinstance(windows, tuple) and len(windows) == 2:
+    return windows
+  if isinstance(windows, int) and not isinstance(windows, bool):
+    return windows, windows
+  raise TypeError(f"windows must be a Python int or a pair (forward, backward) of them; got "
+                  f"{windows!r}")
+
+
 def window_sum(matmul, aggregate, lhs, rhs, scores, plan: RoutingPlan, windows: int,
                num_cols: int):
   """aggregate(matmul(lhs, rhs, plan), scores, plan), the [slots, num_cols] product made over
@@ -79,7 +91,8 @@ def window_sum(matmul, aggregate, lhs, rhs, scores, plan: RoutingPlan, windows: 
 
 def _expert_mlp_fwd(ops, x, scores, w1, w2, plan, windows):
   h, a = ops.up_proj(x, w1, plan)
-  out = window_sum(ops.down_proj, ops.aggregate, a, w2, scores, plan, windows, x.shape[1])
+  out = window_sum(ops.down_proj, ops.aggregate, a, w2, scores, plan, window_pair(windows)[0],
+                   x.shape[1])
   return out, (x, h, scores, w1, w2, plan)
 
 
@@ -89,7 +102,8 @@ def _expert_mlp_bwd(ops, windows, residuals, dout):
   dh, dscores, a_scaled = ops.dh(dout, w2, h, scores, plan)
   # dW2 first: A' (and dO's rows, where a backend gathers them in XLA) die before dX~ is made
   dw2 = ops.dw2(a_scaled, dout, plan).astype(w2.dtype)
-  dx = window_sum(ops.dx_tilde, ops.aggregate, dh, w1, None, plan, windows, x.shape[1])
+  dx = window_sum(ops.dx_tilde, ops.aggregate, dh, w1, None, plan, window_pair(windows)[1],
+                  x.shape[1])
   # The barrier keeps XLA from merging dW1's gather of X's rows with the forward's (when a
   # backend gathers them in XLA): merged, the gathered X [pairs, d] would be kept from the
   # forward to the backward, which is what this layer exists to avoid.
@@ -139,7 +153,8 @@ def _check_inputs(x, router_w, w1, w2):
 
 def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
         renormalize: bool = False, rounding: Optional[str] = None, tile: int = 128,
-        rng=None, backend: backends.BackendSpec = "auto", windows: Optional[int] = None) -> MoEOutput:
+        rng=None, backend: backends.BackendSpec = "auto",
+        windows: Optional[int | tuple[int, int]] = None) -> MoEOutput:
   """A SonicMoE layer: top-K routing, SwiGLU experts, minimal-memory backward.
 
   Args:
@@ -160,7 +175,8 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
       next is made: the layer's peak memory then holds one window of the [T*K, d] product
       instead of all of it, for one more GEMM launch per window and one more read of the
       GEMM's left operand (A [slots, n]; dH [slots, 2n]). 1: no windows. At most
-      d / WINDOW_COLUMN_ALIGN (128). None (default): the measured choice
+      d / WINDOW_COLUMN_ALIGN (128). A pair (forward, backward): Y's windows and dX~'s (the
+      step's peak is the larger of the two passes'). None (default): the measured choice
       (backends.default_windows: two where the store GEMMs run on cute and d >= 2n, else one;
       one where d is not a multiple of 128 or too narrow for them).
 
@@ -177,5 +193,8 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
   plan_arrays = dataclasses.replace(plan, scores=jax.lax.stop_gradient(plan.scores))
   if windows is None:
     windows = ops.windows if ops.windows <= max_column_windows(x.shape[1]) else 1
-  out = expert_mlp(ops, x, plan.scores, w1, w2, plan_arrays, windows)
+  forward, backward = window_pair(windows)
+  for count in (forward, backward):
+    column_windows(x.shape[1], count)   # (its errors name the limit)
+  out = expert_mlp(ops, x, plan.scores, w1, w2, plan_arrays, (forward, backward))
   return MoEOutput(out=out, plan=plan, stats=stats)

@@ -11,7 +11,7 @@ KEYS = {"impl", "config", "T", "d", "n", "E", "K", "fwd_ms", "bwd_ms", "fwd_bwd_
 
 def test_bench_tiny(tmp_path):
   out = tmp_path / "tiny"
-  records = bench.main(["--tiny", "--impls", "xla,xla/w2,lax_ragged_dot,dense,nosuch",
+  records = bench.main(["--tiny", "--impls", "xla,xla/w2,xla/w1-2,lax_ragged_dot,dense,nosuch",
                         "--iters", "1", "--reps", "1", "--out", str(out)])
   saved = json.loads((tmp_path / "tiny.json").read_text())
   assert saved == json.loads(json.dumps(records))
@@ -20,6 +20,7 @@ def test_bench_tiny(tmp_path):
     assert KEYS <= set(r)
   assert by_impl["xla"]["status"] == "ok" and by_impl["xla"]["fwd_ms"] > 0
   assert by_impl["xla/w2"]["status"] == "ok"   # the layer with two column windows
+  assert by_impl["xla/w1-2"]["status"] == "ok"   # two in the backward only
   assert by_impl["nosuch"]["status"].startswith("ValueError")  # a failure is a row
   # our layer keeps less for backward than plain autodiff of the same math
   assert by_impl["xla"]["act_bytes"] < by_impl["lax_ragged_dot"]["act_bytes"]

@@ -119,6 +119,39 @@ def test_moe_without_windows_takes_the_backends_default_where_d_fits_it(
   assert jaxpr.count("optimization_barrier") == barriers
 
 
+@pytest.mark.parametrize("windows,barriers", [((1, 2), (0, 1)), ((3, 1), (2, 0)),
+                                              ((2, 2), (1, 1)), (2, (1, 1))])
+def test_a_windows_pair_splits_the_forward_and_the_backward_apart(windows, barriers):
+  """windows=(forward, backward): Y's windows in the forward, dX~'s in the backward (one
+  barrier per window boundary in each), the layer's value and gradients as with one window."""
+  T, d, n, E, K = 128, 384, 16, 8, 4
+  x, router_w, w1, w2 = make_inputs(12, T, d, n, E, jnp.float32)
+  dout = jax.random.normal(jax.random.key(13), (T, d))
+  forward = lambda *a: sm.moe(*a, k=K, backend="xla", windows=windows).out
+  out, pullback = jax.vjp(forward, x, router_w, w1, w2)
+  assert str(jax.make_jaxpr(forward)(x, router_w, w1, w2)).count("optimization_barrier") == \
+      barriers[0]
+  # (the backward's barriers: dW1's one on X, then dX~'s windows)
+  backward_jaxpr = str(jax.make_jaxpr(pullback)(dout))
+  assert backward_jaxpr.count("optimization_barrier") == 1 + barriers[1]
+  whole, whole_pullback = jax.vjp(lambda *a: sm.moe(*a, k=K, backend="xla", windows=1).out,
+                                  x, router_w, w1, w2)
+  assert rel_err(out, whole) < 1e-5
+  for name, got, want in zip(("dx", "drouter_w", "dw1", "dw2"), pullback(dout),
+                             whole_pullback(dout)):
+    assert rel_err(got, want) < 1e-5, name
+
+
+@pytest.mark.parametrize("windows,error", [((1, 10_000), "windows must be between 1 and"),
+                                           ((1, 2, 3), "windows must be a Python int or a pair"),
+                                           ("2", "windows must be a Python int or a pair"),
+                                           ((2, 1.0), "windows must be a Python int;")])
+def test_moe_refuses_a_bad_windows_pair(windows, error):
+  x, router_w, w1, w2 = make_inputs(8, 64, 384, 8, 4, jnp.float32)
+  with pytest.raises((ValueError, TypeError), match=error):
+    sm.moe(x, router_w, w1, w2, k=2, backend="xla", windows=windows)
+
+
 def test_moe_names_the_windows_limit():
   x, router_w, w1, w2 = make_inputs(8, 64, 16, 8, 4, jnp.float32)
   with pytest.raises(ValueError, match="windows must be between 1 and"):
