@@ -1843,10 +1843,11 @@ def test_cute_windowed_store_matmuls_give_the_windows_columns_on_gpu(kernel, tra
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("windows", [2, 3])
+@pytest.mark.parametrize("windows", [2, 3, (1, 2)])
 def test_layer_with_windows_matches_without_on_gpu(windows):
-  """The default backend's layer with windows: forward and gradients as without (the same
-  kernels on column windows: each output column summed as without)."""
+  """The default backend's layer with windows (a pair: the forward's and the backward's):
+  forward and gradients as without (the same kernels on column windows: each output column
+  summed as without)."""
   T, d, n, E, K = 2048, 1024, 256, 32, 8
   args = make_inputs(7, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(8), (T, d))
