@@ -86,7 +86,8 @@ class SonicMoE(nnx.Module):
   def __init__(self, d_model: int, d_expert: int, num_experts: int, k: int, *,
                rounding: Optional[str] = "nearest", tile: int = 128,
                score_fn: str = "softmax_topk", renormalize: bool = False, backend="auto",
-               windows: Optional[int | tuple[int, int]] = None, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+               windows: Optional[int | tuple[int, int]] = None, dtype=jnp.bfloat16,
+               param_dtype=jnp.float32,
                mesh=None, data_axes=("data",), rngs: nnx.Rngs):
     _check_config(num_experts, k, rounding, tile)
     init_router, init_w1, init_w2 = _init_fns()

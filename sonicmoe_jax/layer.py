@@ -61,10 +61,10 @@ def column_windows(num_cols: int, windows: int) -> list[tuple[int, int]]:
 
 
 def window_pair(windows) -> tuple[int, int]:
-  """moe's `windows` as (forward, backward): an int is both (only checked for being an int or
-  a pair here; column_windows checks each against d)."""
-  if isinstance(windows, tuple) and len(windows) == 2:
-    return windows
+  """moe's `windows` as (forward, backward): an int is both, a pair (tuple or list) its two
+  (checked here for being one of those; column_windows checks each count against d)."""
+  if isinstance(windows, (tuple, list)) and len(windows) == 2:
+    return tuple(windows)
   if isinstance(windows, int) and not isinstance(windows, bool):
     return windows, windows
   raise TypeError(f"windows must be a Python int or a pair (forward, backward) of them; got "

@@ -120,7 +120,7 @@ def test_moe_without_windows_takes_the_backends_default_where_d_fits_it(
 
 
 @pytest.mark.parametrize("windows,barriers", [((1, 2), (0, 1)), ((3, 1), (2, 0)),
-                                              ((2, 2), (1, 1)), (2, (1, 1))])
+                                              ([2, 2], (1, 1)), (2, (1, 1))])
 def test_a_windows_pair_splits_the_forward_and_the_backward_apart(windows, barriers):
   """windows=(forward, backward): Y's windows in the forward, dX~'s in the backward (one
   barrier per window boundary in each), the layer's value and gradients as with one window."""
