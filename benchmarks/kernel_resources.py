@@ -65,6 +65,7 @@ import sys
 import ffi  # noqa: F401  (CUTE_DSL_ARCH=sm_90a off the GPU)
 import jax, jax.numpy as jnp
 from ffi import grouped_gemm as g, persistent as pw, pingpong as pp
+from pallas_kernels import schedule
 kernel, bn, stages, k_steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None, int(sys.argv[4])
 P = K = k_steps * g.BLOCK_K
 N, E = (768 if bn == 192 else 512), 4   # (192-wide tiles need N a multiple of 192)
@@ -96,7 +97,8 @@ fn, args = {
                             (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "matmul_pingpong_tma_rows192": (  # 192-row tiles: schedule.row_tiles' table
         lambda a, b, t: pp.grouped_matmul(a, b, t, tma_store=True, tile_m=192, **kw),
-        (sds(P, K), sds(E, K, N), sds(3 * (-(-P // 192) + E + 1), dt=jnp.int32))),
+        (sds(P, K), sds(E, K, N), sds(schedule.ROW_TILE_FIELDS * schedule.row_tile_entries(
+            P, E, pp.ROW_TILE_M), dt=jnp.int32))),
     "dh_pingpong": (lambda a, w, h, s, t: pp.dh(a, w, h, s, t, **kw),
                     (sds(P, K), sds(E, N // 2, K), sds(P, N), sds(P, dt=jnp.float32), sds(P // 128, dt=jnp.int32))),
     "dh_pingpong_gather": (lambda a, w, h, s, t, i: pp.dh(a, w, h, s, t, gather_index=i, **kw),

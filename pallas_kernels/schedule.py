@@ -16,21 +16,32 @@ def tile_owners(group_offsets, num_rows: int, block_m: int):
   return routing.count_below(group_offsets[1:], starts, inclusive=True)
 
 
+def _check_aligned(plan, rows: int, what: str):
+  """ValueError unless the plan's groups start on multiples of `rows` (the kernel's `what`)."""
+  if plan.align % rows:
+    raise ValueError(f"plan rows must be aligned to the {what} {rows}; got align={plan.align}")
+
+
 def tile_experts(plan, block_m: int):
   """tile_owners of a routing plan: the expert of each M tile, E past the last group."""
-  if plan.align % block_m:
-    raise ValueError(f"plan rows must be aligned to the kernel tile {block_m}; got align={plan.align}")
+  _check_aligned(plan, block_m, "kernel tile")
   return tile_owners(plan.group_offsets, plan.num_slots, block_m)
 
 
 ROW_TILE_FIELDS = 3   # a row tile's entry: (first row, group, rows to store)
 
 
+def row_tile_entries(num_rows: int, num_groups: int, tile_m: int) -> int:
+  """row_tiles' entries: enough for num_rows rows cut at tile_m and at each of num_groups + 1
+  part starts (each part's last tile may be partial)."""
+  return -(-num_rows // tile_m) + num_groups + 1
+
+
 def row_tiles(group_offsets, num_rows: int, tile_m: int):
   """Tiles of tile_m rows that need not start on a multiple of tile_m: each group's rows
   (group_offsets[g] .. group_offsets[g+1]) cut from its start, then the rows past the last
   group (group G: the kernels store zeros there), the last tile of each clipped at its end.
-  Returns [ROW_TILE_FIELDS * (ceil(num_rows / tile_m) + G + 1)] int32, tile i's (first row,
+  Returns [ROW_TILE_FIELDS * row_tile_entries(num_rows, G, tile_m)] int32, tile i's (first row,
   group, rows to store) at 3 i .. 3 i + 2; entries past the last tile have group G and 0 rows
   (nothing to load or store). A kernel storing blocks of rows needs the offsets and num_rows
   multiples of its block (plan_row_tiles checks a plan's)."""
@@ -40,7 +51,7 @@ def row_tiles(group_offsets, num_rows: int, tile_m: int):
   sizes = ends - starts
   counts = (sizes + tile_m - 1) // tile_m                         # each part's tiles
   tile_ends = jnp.cumsum(counts)
-  tile = jnp.arange(-(-num_rows // tile_m) + num_groups + 1, dtype=jnp.int32)
+  tile = jnp.arange(row_tile_entries(num_rows, num_groups, tile_m), dtype=jnp.int32)
   part = routing.count_below(tile_ends, tile, inclusive=True)     # G + 1: past the last tile
   used = part <= num_groups
   part = jnp.minimum(part, num_groups)
@@ -54,7 +65,5 @@ def plan_row_tiles(plan, tile_m: int, row_block: int):
   """row_tiles of a routing plan whose kernel stores blocks of row_block rows: the plan's
   groups must start on multiples of row_block (else a group's last block would reach into the
   next group's rows, which another tile stores)."""
-  if plan.align % row_block:
-    raise ValueError(f"plan rows must be aligned to the kernel's row block {row_block}; "
-                     f"got align={plan.align}")
+  _check_aligned(plan, row_block, "kernel's row block")
   return row_tiles(plan.group_offsets, plan.num_slots, tile_m)
