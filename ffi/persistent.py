@@ -8,6 +8,11 @@ its epilogue (BLOCK_M x block_n fp32 to bf16, stored by TMA) run with the tensor
 weight gradients' 9%"). Here each CTA loops over tiles and its producer runs on into the next
 tile's stages while the MMA warpgroups run the epilogue.
 
+Tiles: BLOCK_M x block_n (block_n a multiple of 128); the weight gradients also tile_m = 256
+rows (WGRAD_TILE_MS) and block_n up to 256 in 32-column steps that wgrad_epi_tile splits into
+epilogue chunks, the last column tile clipped where block_n does not divide the output's
+columns (TMA loads past them fill zeros, stores past them write nothing).
+
 Schedule:
   grid      : min(tiles, num_ctas) CTAs (num_ctas: the GPU's SMs); CTA c takes tiles c,
               c + grid, ...; kind "wgrad": tile t is expert t // (m_tiles n_tiles), then M
@@ -16,12 +21,13 @@ Schedule:
               on neighbouring CTAs: its lhs rows from L2)
   producer  : warpgroup 0 (grouped_gemm's PRODUCER_REGISTERS), its ring state running on
               across tiles: "wgrad", as grouped_gemm's gathering producer (gather_stage: each
-              k step's BLOCK_K rows gathered, the tile's BLOCK_M columns of them; an expert
+              k step's BLOCK_K rows gathered, the tile's tile_m columns of them; an expert
               without rows loads nothing); "store", its warp 0 TMA-loading the lhs and rhs
               tiles of every k step (a tile past the last group loads nothing)
-  MMA       : warpgroups 1 and 2 (BLOCK_M / 2 rows of a tile each), per tile: zero the
-              accumulators, the mainloop, release the tile's last stage, the epilogue through
-              SMEM buffers of its own (EPI_STAGES x EPI_TILE, not over the stages, which the
+  MMA       : warpgroups 1 and 2 (64 rows of each 128-row block of a tile), per tile: zero
+              the accumulators, the mainloop, release the tile's last stage, the epilogue
+              through SMEM buffers of its own (EPI_STAGES x EPI_TILE, or the weight gradient's
+              wgrad_epi_tile, 128 rows at a time; not over the stages, which the
               producer is refilling) and TMA stores (grouped_gemm._tma_store_epilogue, rolling:
               a tile's last stores read on under the next tile's mainloop; M-major for a
               transposed weight gradient); a tile without k steps stores zeros
