@@ -58,8 +58,6 @@ VARIANTS = [
     ("wgrad persistent gather bn128 fit", "wgrad_persistent_gather", 128, 0),
     ("wgrad persistent gather bn256 fit", "wgrad_persistent_gather", 256, 0),
     ("store persistent bn256 fit", "matmul_persistent", 256, 0),
-    ("wgrad persistent gather 256-row bn160 fit", "wgrad_persistent_gather_m256", 160, 0),
-    ("wgrad persistent gather 256-row bn192 fit", "wgrad_persistent_gather_m256", 192, 0),
 ]
 
 _COMPILE = """
@@ -119,9 +117,6 @@ fn, args = {
                           (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "wgrad_persistent_gather": (lambda a, b, o, i: pw.weight_grad(a, b, o, E, i, **kw),
                                 (sds(300, K), sds(P, N), sds(E + 1, dt=jnp.int32), sds(P, dt=jnp.int32))),
-    "wgrad_persistent_gather_m256": (  # 256-row tiles (the last column tile clipped at bn160)
-        lambda a, b, o, i: pw.weight_grad(a, b, o, E, i, tile_m=256, **kw),
-        (sds(300, K), sds(P, N), sds(E + 1, dt=jnp.int32), sds(P, dt=jnp.int32))),
 }[kernel]
 jax.jit(fn).trace(*args)
 """
@@ -174,10 +169,8 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
   from ffi import grouped_gemm as g, persistent as pw, pingpong as pp
   num_rhs = 2 if kernel.startswith("up_proj") else 1
   if "persistent" in kernel:   # the ring beside the epilogue's own buffers
-    tile_m = 256 if kernel.endswith("_m256") else g.BLOCK_M
-    epi_tile = pw.wgrad_epi_tile(tile_m, block_n) if "wgrad" in kernel else g.EPI_TILE
-    depth = stages or min(pw.stages_that_fit(block_n, 2, tile_m, epi_tile), K_STEPS)
-    return g.smem_bytes(block_n, 1, 2, depth, rows=tile_m) + pw.epilogue_bytes(2, epi_tile)
+    depth = stages or min(pw.stages_that_fit(block_n, 2), K_STEPS)
+    return g.smem_bytes(block_n, 1, 2, depth) + pw.epilogue_bytes(2)
   if "pingpong" in kernel:
     tile_m = pp.ROW_TILE_M if kernel.endswith("_rows192") else pp.TILE_M
     tma_store = kernel.removesuffix("_rows192").endswith("_tma")
@@ -194,7 +187,7 @@ def threads(kernel: str) -> int:
   from ffi import grouped_gemm as g, pingpong as pp
   if "pingpong" in kernel:
     return pp.THREADS
-  producer = kernel.endswith(("_gather", "_ws", "_persistent", "_m256"))   # + the producer
+  producer = kernel.endswith(("_gather", "_ws", "_persistent"))   # + the producer warpgroup
   return g.THREADS + (128 if producer else 0)
 
 

@@ -86,11 +86,9 @@ WGMMA_MAX_N = 256           # the widest N of one Hopper wgmma: dH's widest colu
 UP_PROJ_MAX_BLOCK_N = 128
 GATHER_CHUNKS = BLOCK_K * 2 // 16                      # 16-byte cp.async chunks per bf16 row
 GATHER_ROWS_PER_THREAD = (BLOCK_M // WARPGROUPS) * GATHER_CHUNKS // 128
-# the weight gradient's gather (rows along K), by column groups of K_GROUP_COLUMNS (BLOCK_M
-# has WARPGROUPS of them; persistent.py's 256-row tiles four): a group's 8-column chunks of a
-# row, and each thread's (row, chunk) copies of a group per k step
-K_GROUP_COLUMNS = BLOCK_M // WARPGROUPS
-K_CHUNKS_PER_WG = K_GROUP_COLUMNS // 8
+# the weight gradient's gather (rows along K): a warpgroup's 8-column chunks of a row, and each
+# thread's (row, chunk) copies per k step
+K_CHUNKS_PER_WG = BLOCK_M // WARPGROUPS // 8
 K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128
 # gathering, a third warpgroup (warpgroup 0) loads every stage; a stage's full barrier
 # completes on the TMA bytes and PRODUCER_ARRIVALS arrivals (the TMA warp's, then two per
@@ -544,10 +542,9 @@ def _gather_step(x, tokens, a_stage, k0, tidx):
 
 def _gather_k_slot(tidx, j: int):
   """(row of the k step, 8-column chunk) of thread tidx's j-th copy in the weight gradient's
-  gather: 8 threads cover 128 contiguous bytes of a row; thread tidx + 128 g copies column
-  group g's chunks (K_GROUP_COLUMNS columns each)."""
-  group, i = tidx // 128, tidx % 128 + 128 * j
-  return i // K_CHUNKS_PER_WG, group * K_CHUNKS_PER_WG + i % K_CHUNKS_PER_WG
+  gather: 8 threads cover 128 contiguous bytes of a row, each warpgroup its own columns."""
+  wg, i = tidx // 128, tidx % 128 + 128 * j
+  return i // K_CHUNKS_PER_WG, wg * K_CHUNKS_PER_WG + i % K_CHUNKS_PER_WG
 
 
 @cute.jit
@@ -561,10 +558,10 @@ def _read_k_step_tokens(tokens, gather_index, k, tidx):
 
 @cute.jit
 def _gather_k_step(x, tokens, a_stage, col0, tidx):
-  """One column group of the weight gradient's A stage (M-major: the tile's columns of X by
-  BLOCK_K gathered rows, the rows being the contraction): a_stage[c, r] = x[row r's token,
-  col0 + c] for the K_GROUP_COLUMNS columns of group tidx // 128, in 16-byte cp.async chunks
-  of 8 columns (tokens: _read_k_step_tokens); rows of indices outside x are zeros."""
+  """The weight gradient's A stage (M-major: BLOCK_M columns of X by BLOCK_K gathered rows, the
+  rows being the contraction): a_stage[c, r] = x[row r's token, col0 + c], each warpgroup
+  filling the BLOCK_M / WARPGROUPS columns its wgmmas read, in 16-byte cp.async chunks of 8
+  columns (tokens: _read_k_step_tokens); rows of indices outside x are zeros."""
   for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
     r, chunk = _gather_k_slot(tidx, j)
     _copy_row_chunk(x, tokens[j], col0 // 8 + chunk,
@@ -573,7 +570,7 @@ def _gather_k_step(x, tokens, a_stage, col0, tidx):
 
 @cute.jit
 def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
-                 kind: cutlass.Constexpr, wgrad_groups: cutlass.Constexpr = WARPGROUPS):
+                 kind: cutlass.Constexpr):
   """A gathering producer warpgroup's k step k into stage state.index, by all 128 of its
   threads (ptid): wait until the MMA warpgroups released the stage; warp 0 sets the full
   barrier's expected TMA bytes and TMA-loads the rhs tiles (the whole warp: the arrive and the
@@ -581,8 +578,7 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
   cp.async-copies its share of A's gathered rows for both MMA warpgroups, as if it were each
   of their threads in turn (rows of the M tile, _gather_step, tokens a list of each
   warpgroup's rows' tokens; or kind "wgrad", the weight gradient's BLOCK_K rows of the k step
-  at columns col0.., wgrad_groups column groups of K_GROUP_COLUMNS, _gather_k_step, tokens
-  from _read_k_step_tokens, the same rows for every group; padding rows it writes as
+  at columns col0.., _gather_k_step, tokens from _read_k_step_tokens; padding rows it writes as
   zeros by plain stores), then arrives on the full barrier twice: once its copies land
   (cp.async's noinc arrive) and once at once (a release arrive publishing its plain stores).
   The barrier counts PRODUCER_ARRIVALS."""
@@ -593,11 +589,10 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
     for atom, src, dst in rhs_operands:
       cute.copy(atom, src[(None, k)], dst[(None, state.index)], tma_bar_ptr=bar)
   stage = s_a[None, None, state.index]
-  if cutlass.const_expr(kind == "wgrad"):
-    for group in cutlass.range_constexpr(wgrad_groups):
-      _gather_k_step(x, tokens, stage, col0, ptid + 128 * group)
-  else:
-    for wg in cutlass.range_constexpr(WARPGROUPS):
+  for wg in cutlass.range_constexpr(WARPGROUPS):
+    if cutlass.const_expr(kind == "wgrad"):
+      _gather_k_step(x, tokens, stage, col0, ptid + 128 * wg)
+    else:
       _gather_step(x, tokens[wg], stage, k * BLOCK_K, ptid + 128 * wg)
   cute.arch.cp_async_mbarrier_arrive_noinc(bar)
   cute.arch.mbarrier_arrive(bar)
@@ -605,10 +600,10 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
 
 @cute.jit
 def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k, ptid,
-                        col0, tile_m: cutlass.Constexpr = BLOCK_M):
+                        col0):
   """The weight gradient's gathering producer (thread ptid of 128) over one output tile's k
-  steps k_begin .. k_begin + num_k - 1 (gather_stage; A's tile_m columns col0..): each step's
-  tokens are read from gather_index one step ahead, so that their load's latency passes under the
+  steps k_begin .. k_begin + num_k - 1 (gather_stage; A's columns col0..): each step's tokens
+  are read from gather_index one step ahead, so that their load's latency passes under the
   previous step's copies instead of stalling the cp.asyncs that need them (session 24's ncu
   of dW1 at olmoe: 41% of the producer's samples waited on that load, the MMA warpgroups
   on full stages; reading ahead, dW1 6.5% and dW2 4.9% faster there). The reads ahead are
@@ -623,8 +618,7 @@ def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_be
     for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
       tokens[j] = ahead[j]
     _read_k_step_tokens(ahead, gather_index, cutlass.min(k + 1, last), ptid)
-    gather_stage(loads, produce, x, tokens, s_a, rhs_operands, k, ptid, col0, "wgrad",
-                 tile_m // K_GROUP_COLUMNS)
+    gather_stage(loads, produce, x, tokens, s_a, rhs_operands, k, ptid, col0, "wgrad")
     produce.advance()
   return produce
 
@@ -1206,12 +1200,8 @@ def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: b
   return dh_[0], a_scaled[0], ds_parts
 
 
-def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, group_sizes=None,
-                             clipped_last_tile: bool = False):
-  """Why weight_grad cannot run these operands (a sentence naming the limit), or None.
-  clipped_last_tile: the kernel clips its last column tile (TMA zero-fills its loads and clips
-  its stores there; rhs's columns N need then only be a multiple of EPI_TILE's columns, and
-  block_n is the caller's to check)."""
+def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, group_sizes=None):
+  """Why weight_grad cannot run these operands (a sentence naming the limit), or None."""
   reason = _dtype_unsupported(lhs, rhs)
   if reason:
     return reason
@@ -1221,10 +1211,7 @@ def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, grou
     return f"rows P={lhs.shape[0]} must be a multiple of {BLOCK_M} (an aligned plan)"
   if lhs.shape[1] % BLOCK_M:
     return f"lhs columns M={lhs.shape[1]} must be a multiple of {BLOCK_M}"
-  if clipped_last_tile:
-    if rhs.shape[1] % EPI_TILE[1]:
-      return f"rhs columns N={rhs.shape[1]} must be a multiple of {EPI_TILE[1]}"
-  elif rhs.shape[1] % block_n or block_n % EPI_TILE[1]:
+  if rhs.shape[1] % block_n or block_n % EPI_TILE[1]:
     return f"rhs columns N={rhs.shape[1]} must be a multiple of block_n={block_n} (itself of {EPI_TILE[1]})"
   if group_offsets.shape != (num_experts + 1,):
     return f"group_offsets must be [{num_experts + 1}]; got {group_offsets.shape}"

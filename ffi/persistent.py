@@ -8,11 +8,6 @@ its epilogue (BLOCK_M x block_n fp32 to bf16, stored by TMA) run with the tensor
 weight gradients' 9%"). Here each CTA loops over tiles and its producer runs on into the next
 tile's stages while the MMA warpgroups run the epilogue.
 
-Tiles: BLOCK_M x block_n (block_n a multiple of 128); the weight gradients also tile_m = 256
-rows (WGRAD_TILE_MS) and block_n up to 256 in 32-column steps that wgrad_epi_tile splits into
-epilogue chunks, the last column tile clipped where block_n does not divide the output's
-columns (TMA loads past them fill zeros, stores past them write nothing).
-
 Schedule:
   grid      : min(tiles, num_ctas) CTAs (num_ctas: the GPU's SMs); CTA c takes tiles c,
               c + grid, ...; kind "wgrad": tile t is expert t // (m_tiles n_tiles), then M
@@ -21,13 +16,12 @@ Schedule:
               on neighbouring CTAs: its lhs rows from L2)
   producer  : warpgroup 0 (grouped_gemm's PRODUCER_REGISTERS), its ring state running on
               across tiles: "wgrad", as grouped_gemm's gathering producer (gather_stage: each
-              k step's BLOCK_K rows gathered, the tile's tile_m columns of them; an expert
+              k step's BLOCK_K rows gathered, the tile's BLOCK_M columns of them; an expert
               without rows loads nothing); "store", its warp 0 TMA-loading the lhs and rhs
               tiles of every k step (a tile past the last group loads nothing)
-  MMA       : warpgroups 1 and 2 (64 rows of each 128-row block of a tile), per tile: zero
-              the accumulators, the mainloop, release the tile's last stage, the epilogue
-              through SMEM buffers of its own (EPI_STAGES x EPI_TILE, or the weight gradient's
-              wgrad_epi_tile, 128 rows at a time; not over the stages, which the
+  MMA       : warpgroups 1 and 2 (BLOCK_M / 2 rows of a tile each), per tile: zero the
+              accumulators, the mainloop, release the tile's last stage, the epilogue through
+              SMEM buffers of its own (EPI_STAGES x EPI_TILE, not over the stages, which the
               producer is refilling) and TMA stores (grouped_gemm._tma_store_epilogue, rolling:
               a tile's last stores read on under the next tile's mainloop; M-major for a
               transposed weight gradient); a tile without k steps stores zeros
@@ -43,38 +37,22 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ffi import grouped_gemm as gg
-from ffi import pingpong
 from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE, THREADS
 from sonicmoe_jax import routing
 
 NUM_SMS = 132     # H100 / H200 SXM: the default grid (fewer SMs only queue CTAs)
 MAX_STAGES = 8
-# the weight gradients' tile rows (M: X's or dO's columns): BLOCK_M, or twice that (each MMA
-# warpgroup then issues two m64 wgmmas a k step, its rows 64 apart in 128-row blocks)
-WGRAD_TILE_MS = (BLOCK_M, 2 * BLOCK_M)
-# their epilogue's column chunks: the widest of these that divides block_n into chunks filling
-# the EPI_STAGES buffers whole over the tile (a 256 x 160 tile: 10 chunks of 128 x 32)
-WGRAD_EPI_COLUMNS = (EPI_TILE[1], EPI_TILE[1] // 2)
 
 
-def wgrad_epi_tile(tile_m: int, block_n: int):
-  """The weight gradient's epilogue buffer (EPI_TILE[0] rows, WGRAD_EPI_COLUMNS columns) for a
-  tile_m x block_n tile, or None where no chunk width fits (see WGRAD_EPI_COLUMNS)."""
-  for cols in WGRAD_EPI_COLUMNS:
-    if block_n % cols == 0 and (tile_m // EPI_TILE[0]) * (block_n // cols) % gg.EPI_STAGES == 0:
-      return (EPI_TILE[0], cols)
-  return None
-
-
-def epilogue_bytes(itemsize: int, epi_tile=EPI_TILE) -> int:
+def epilogue_bytes(itemsize: int) -> int:
   """SMEM of the epilogue's own TMA-store buffers."""
-  return gg.EPI_STAGES * epi_tile[0] * epi_tile[1] * itemsize
+  return gg.EPI_STAGES * EPI_TILE[0] * EPI_TILE[1] * itemsize
 
 
-def stages_that_fit(block_n: int, itemsize: int, tile_m: int = BLOCK_M, epi_tile=EPI_TILE) -> int:
+def stages_that_fit(block_n: int, itemsize: int) -> int:
   """The ring's deepest beside the epilogue's buffers (at most MAX_STAGES)."""
-  return min(MAX_STAGES, gg._stages_that_fit(block_n, 1, itemsize, rows=tile_m,
-                                             reserved=epilogue_bytes(itemsize, epi_tile)))
+  return min(MAX_STAGES, gg._stages_that_fit(block_n, 1, itemsize,
+                                             reserved=epilogue_bytes(itemsize)))
 
 
 def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_steps: int,
@@ -106,20 +84,18 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
             num_m_tiles: cutlass.Constexpr, num_n_tiles: cutlass.Constexpr,
             k_steps: cutlass.Constexpr, num_tiles: cutlass.Constexpr,
-            out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr, tile_m: cutlass.Constexpr,
-            epi_tile: cutlass.Constexpr):
+            out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr):
   """kind "wgrad": m_a X (T, M, 1) the gathered rows' source, m_b the rhs (N, P, 1) N-major,
   the output (M, N, E), tile_info group_rows (2 E,), gather_index (P,). kind "store":
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
-  tile_info tile_expert (P / BLOCK_M,), gather_index unused. Tiles tile_m x block_n (the store
-  kind's tile_m is BLOCK_M), stored through epi_tile buffers."""
+  tile_info tile_expert (P / BLOCK_M,), gather_index unused."""
   gather = kind == "wgrad"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
   num_ctas = cute.arch.grid_dim()[0]
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
   gg.prefetch_descriptors(warp, tma_a, tma_b, gather)
-  tile_mnk = (tile_m, block_n, BLOCK_K)
+  tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   work = lambda t: tile_work(kind, t, tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts)
 
   smem = cutlass.memory.SmemAllocator()
@@ -137,7 +113,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
           m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)))]
       if cutlass.const_expr(gather):
         produce = gg.produce_wgrad_steps(loads, produce, m_a, gather_index, s_a, operands,
-                                         k_begin, num_k, tidx, m_tile * tile_m, tile_m)
+                                         k_begin, num_k, tidx, m_tile * BLOCK_M)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
         lhs_and_rhs = [gg.tma_operand(tma_a, s_a, cute.local_tile(
             m_a, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, None, 1)))] + operands
@@ -150,7 +126,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     thr_mma = tiled_mma.get_slice(mma_tidx)
     frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
     frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-    acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((tile_m, block_n)), cutlass.Float32)
+    acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((BLOCK_M, block_n)), cutlass.Float32)
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
     consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -163,27 +139,24 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
       out_tile = cute.local_tile(m_out_tma, tile_mnk, (m_tile, n_tile, None, out_l),
                                  proj=(1, 1, None))
       # rolling: before writing a buffer the leader waits for its last store, which may be
-      # the previous tile's (a tile's epi_tile chunks fill the buffers whole: _tile_unsupported)
+      # the previous tile's (block_n, a multiple of 128, fills the buffers whole)
       gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx, warp == 4,
-                             False, m_major=out_m_major, rolling=True, epi_tile=epi_tile)
+                             False, m_major=out_m_major, rolling=True)
     gg.store_tail(warp == 4)
 
 
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-            stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr, kind: cutlass.Constexpr,
-            tile_m: cutlass.Constexpr = BLOCK_M):
+            stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr, kind: cutlass.Constexpr):
   """The persistent grid and the kernel's static configuration (_kernel's operands; the
-  output's modes (rows, columns, experts or 1)); the last column tile clipped where block_n
-  does not divide the output's columns (TMA loads past them fill zeros, stores write nothing)."""
+  output's modes (rows, columns, experts or 1))."""
   dtype = lhs.element_type
   gather = kind == "wgrad"
   # the weight gradient's A tiles (M, rows) are M-major (filled by the gathers)
   a_major = LayoutEnum.COL_MAJOR if gather else LayoutEnum.from_tensor(lhs)
   b_major = LayoutEnum.from_tensor(rhs)
-  tile_mnk = (tile_m, block_n, BLOCK_K)
-  epi_tile = wgrad_epi_tile(tile_m, block_n) if gather else EPI_TILE
+  tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   tiled_mma = sm90_utils.make_trivial_tiled_mma(
       dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
       cutlass.Float32, (gg.WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
@@ -201,21 +174,21 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
                                              (BLOCK_M, BLOCK_K))
     stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   out_layout = LayoutEnum.from_tensor(out)
-  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, epi_tile, gg.EPI_STAGES)
+  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, EPI_TILE, gg.EPI_STAGES)
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(
       cpasync.CopyBulkTensorTileS2GOp(), out, cute.slice_(c_smem_staged, (None, None, 0)),
-      epi_tile)
+      EPI_TILE)
   storage = gg.shared_storage(dtype, stages * 2, cute.cosize(a_smem_staged),
                               cute.cosize(b_smem_staged), 1, cute.cosize(c_smem_staged))
-  num_m_tiles = cute.size(out, mode=[0]) // tile_m
-  num_n_tiles = pingpong.column_tiles(cute.size(out, mode=[1]), block_n)
+  num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
+  num_n_tiles = cute.size(out, mode=[1]) // block_n
   num_tiles = num_m_tiles * num_n_tiles * cute.size(out, mode=[2])
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K   # (store: the contraction)
   _kernel.set_name_prefix(gg.kernel_label(kind, gather, "persistent"), remove_cutlass_symbol=True)
   _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index, tiled_mma,
           a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage,
           block_n, stages, stage_bytes, num_m_tiles, num_n_tiles, k_steps, num_tiles,
-          out_layout.is_m_major_c(), kind, tile_m, epi_tile).launch(
+          out_layout.is_m_major_c(), kind).launch(
               grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
               stream=stream)
 
@@ -223,12 +196,10 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
 @cute.jit
 def _weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tensor,
                  gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-                 stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS,
-                 tile_m: cutlass.Constexpr = BLOCK_M):
+                 stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS):
   """x (T, M, 1) the source rows, rhs (N, P, 1) N-major, group_rows (2 E,), gather_index (P,),
   out (M, N, E) N- or M-major: the operands of grouped_gemm._gathered_weight_grad."""
-  _launch(stream, x, rhs, group_rows, gather_index, out, block_n, stages, num_ctas, "wgrad",
-          tile_m)
+  _launch(stream, x, rhs, group_rows, gather_index, out, block_n, stages, num_ctas, "wgrad")
 
 
 @cute.jit
@@ -241,41 +212,23 @@ def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
           block_n, stages, num_ctas, "store")
 
 
-def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str, tile_m: int = BLOCK_M,
-            epi_tile=EPI_TILE) -> int:
+def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int:
   """`stages`, or as many as fit beside the epilogue's buffers (at most the k steps, at
   least 2); ValueError naming the limit."""
-  fit = stages_that_fit(block_n, itemsize, tile_m, epi_tile)
+  fit = stages_that_fit(block_n, itemsize)
   if stages is None:
     return max(2, min(fit, k_steps))
   if not 2 <= stages <= fit:
     raise ValueError(f"cute persistent {name}: stages={stages} must be between 2 and {fit} "
-                     f"(what fits in SMEM beside the epilogue's buffers at a {tile_m} x "
-                     f"{block_n} tile)")
+                     f"(what fits in SMEM beside the epilogue's buffers at block_n={block_n})")
   return stages
 
 
 def _tile_unsupported(block_n: int):
-  """Why the store kind's rolling epilogue cannot take this column tile, or None: its chunks
-  must fill the EPI_STAGES buffers whole, so that each tile starts on the first buffer."""
+  """Why the rolling epilogue cannot take this column tile, or None: its chunks must fill the
+  EPI_STAGES buffers whole, so that each tile starts on the first buffer."""
   whole = gg.EPI_STAGES * EPI_TILE[1]
   return None if block_n % whole == 0 else f"block_n={block_n} must be a multiple of {whole}"
-
-
-def _wgrad_tile_unsupported(tile_m: int, block_n: int, num_cols: int):
-  """Why the weight gradient cannot run a tile_m x block_n tile over X's (or dO's) num_cols
-  columns, or None."""
-  if tile_m not in WGRAD_TILE_MS:
-    return f"tile_m={tile_m} must be one of {WGRAD_TILE_MS}"
-  if num_cols % tile_m:
-    return f"x's columns M={num_cols} must be a multiple of tile_m={tile_m}"
-  if not 0 < block_n <= gg.WGMMA_MAX_N:
-    return f"block_n={block_n} must be between 1 and {gg.WGMMA_MAX_N} (one wgmma's widest N)"
-  if wgrad_epi_tile(tile_m, block_n) is None:
-    return (f"block_n={block_n} must split into an even number of {WGRAD_EPI_COLUMNS[0]}- or "
-            f"{WGRAD_EPI_COLUMNS[1]}-column epilogue chunks over the tile's {tile_m // BLOCK_M} "
-            f"row block(s) (e.g. 128, 160, 192, 256)")
-  return None
 
 
 def _grid_config(num_ctas, name: str) -> dict:
@@ -289,31 +242,24 @@ def _grid_config(num_ctas, name: str) -> dict:
 
 def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: int = 128,
                 stages: int | None = None, transpose_out: bool = False,
-                num_ctas: int | None = None, group_sizes=None, tile_m: int = BLOCK_M):
+                num_ctas: int | None = None, group_sizes=None):
   """grouped_gemm.weight_grad with gather_index on persistent CTAs (module docstring): x
   [T, M] (slot r reads X[gather_index[r]], zeros where it is T or more), rhs [P, N] rows in
   slot order, expert e's rows group_offsets[e] .. group_offsets[e + 1] (multiples of BLOCK_M),
   or with group_sizes to group_offsets[e] + group_sizes[e] (grouped_gemm.weight_grad's);
-  returns out [E, M, N], out[e] = X_e^T rhs_e, or with transpose_out [E, N, M]. Output tiles
-  tile_m x block_n (tile_m one of WGRAD_TILE_MS; block_n at most 256, split by
-  wgrad_epi_tile; the last column tile clipped where block_n does not divide N, which must be
-  a multiple of 64). stages: the ring's depth (default: as many as fit beside the epilogue's
-  buffers, at most the k steps of all rows). num_ctas: the grid's most CTAs (default
-  NUM_SMS)."""
+  returns out [E, M, N], out[e] = X_e^T rhs_e, or with transpose_out [E, N, M]. stages: the
+  ring's depth (default: as many as fit beside the epilogue's buffers, at most the k steps of
+  all rows). num_ctas: the grid's most CTAs (default NUM_SMS)."""
   slots = gg.rows_read(x, gather_index)
   reason = (gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
-                                        group_sizes, clipped_last_tile=True)
-            or _wgrad_tile_unsupported(tile_m, block_n, slots.shape[1]))
+                                        group_sizes) or _tile_unsupported(block_n))
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
-  stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad",
-                   tile_m, wgrad_epi_tile(tile_m, block_n))
-  # (the default tile_m is left out of the FFI target's options)
-  rows = {} if tile_m == BLOCK_M else dict(tile_m=tile_m)
+  stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
   return gg.weight_grad_call((None, _weight_grad), x, rhs,
                              routing.group_row_ranges(group_offsets, group_sizes), num_experts,
                              gather_index, transpose_out, block_n=block_n, stages=stages,
-                             **rows, **_grid_config(num_ctas, "weight_grad"))
+                             **_grid_config(num_ctas, "weight_grad"))
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
