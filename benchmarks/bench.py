@@ -177,7 +177,8 @@ def impl_fn(impl, K, rounding, tile):
   impl, _, windows = impl.partition("/w")
   if impl in ("xla", "pallas", "cute", "auto") or "=" in impl:
     counts = tuple(int(w) for w in windows.split("-")) if windows else (None,)
-    return ours(backend_spec(impl), K, rounding, tile, counts if len(counts) == 2 else counts[0])
+    # (one count, or the pair; moe names any other shape of windows)
+    return ours(backend_spec(impl), K, rounding, tile, counts[0] if len(counts) == 1 else counts)
   if impl == "lax_ragged_dot":
     return plain_autodiff(functools.partial(jax.lax.ragged_dot, preferred_element_type=None), K)
   if impl == "tokamax":

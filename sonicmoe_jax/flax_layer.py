@@ -47,7 +47,8 @@ def _apply(x, router_w, w1, w2, dtype, deterministic, rng, rounding, mesh=None, 
   args = (x.reshape(-1, d).astype(dtype), router_w, w1.astype(dtype), w2.astype(dtype))
   rounding = None if deterministic else rounding
   if mesh is not None:
-    if kw.pop("windows") not in (None, 1, (1, 1)):
+    windows = kw.pop("windows")
+    if windows is not None and layer.window_pair(windows) != (1, 1):
       raise ValueError("windows: the expert-parallel layer (mesh given) computes no column windows; "
                        "leave windows None (or 1) with a mesh")
     out, stats, _ = sharding.moe_expert_parallel(*args, mesh=mesh, data_axes=data_axes,
