@@ -252,9 +252,9 @@ PY
     ncu_kernel)  # after `cute` staging: Nsight Compute on one tile_sweep kernel alone,
                  # NCU_KERNEL="<config> <sweep kernel> <block_n> <kernel-name regex>" (default:
                  # the default dH at 7B-n256, the ping-pong kernel gathering dO; e.g. "olmoe
-                 # dw1_gather_persistent 256 sonicmoe_persistent_weight_grad"): sections and
-                 # stall ratios, then the warp-state samples per SASS instruction (its report's
-                 # source page)                                                         (~3 min)
+                 # dw1_gather_persistent 256 sonicmoe_persistent_weight_grad"): sections,
+                 # stall ratios and shared-memory bank conflicts, then the warp-state samples
+                 # per SASS instruction (its report's source page)                      (~3 min)
       read -r cfg kernel block_n regex <<< "${NCU_KERNEL:-7B-n256 dh_pingpong_gather_tma 128 pingpong_dh}"
       sweep=(python3 -m benchmarks.tile_sweep --impl cute --configs "$cfg" --stages 0
              --block-n "$block_n" --kernels "$kernel" --iters 1 --reps 1)
@@ -262,10 +262,10 @@ PY
       # (-k names the kernel: a sweep's first launch may be another, e.g. dH's up-projection)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k "regex:$regex" \
         --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section SchedulerStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis_Tables --section SchedulerStats --section WarpStateStats \
         --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
         "${sweep[@]}" > "$OUT/$name.txt" 2>&1; echo "ncu sections: rc $?"
-      grep -E "Duration|DRAM Throughput|Compute \(SM\)|stalled_.*(long_sc|wait|barrier|dispatch|short)" \
+      grep -E "Duration|DRAM Throughput|Compute \(SM\)|L2 Cache Throughput|Bank Conflicts|bank conflicts|stalled_.*(long_sc|wait|barrier|dispatch|short|mio|lg_throttle)" \
         "$OUT/$name.txt" | cut -c1-110
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k "regex:$regex" \
         --launch-count 1 --section SourceCounters -f -o "$OUT/${name}_source" "${sweep[@]}" \
