@@ -1,10 +1,11 @@
 """Per-kernel side by side from a bench.py JSON: for each config, every impl's GPU kernels of a
 forward+backward step (their profilers' per-step times, longest first), in columns; or with
 --by-op their sums per op of the layer (op_of); or with --by-gemm each of the six GEMMs,
-the median over rounds when given several files of one side-by-side run (by_gemm).
+the median over rounds when given several files of one side-by-side run (by_gemm); or with
+--by-layer the whole step's times, TF/s and memory, medians over rounds (layer_table).
 
   python -m benchmarks.kernel_table benchmarks/results/<run>/bench.json [more.json ...] [--top 12]
-      [--fwd] [--order] [--min-ms 0.05] [--by-op | --by-gemm]
+      [--fwd] [--order] [--min-ms 0.05] [--by-op | --by-gemm | --by-layer]
 """
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import json
 import re
 import statistics
 
+from benchmarks import configs
+
 NAME_WIDTH = 52
+MIB = 2 ** 20
 
 
 def short_name(name: str) -> str:
@@ -141,6 +145,31 @@ def gemm_table(records, key: str = "kernels_fwd_bwd") -> str:
   return "\n".join(lines)
 
 
+def layer_table(records) -> str:
+  """Text table: per config and impl, the medians over its records (rounds) of the step's GPU
+  kernels (forward, forward+backward; their profilers' sums), its wall times (the timed loop),
+  the TF/s of the wall forward+backward (configs.fwd_bwd_flops of the anchor), what the layer
+  keeps for the backward and the step's peak (MiB). A config that is not an anchor gets no TF/s."""
+  columns = [("kernels fwd", "kernel_fwd_ms", 1), ("kernels f+b", "kernel_fwd_bwd_ms", 1),
+             ("wall fwd", "fwd_ms", 1), ("wall f+b", "fwd_bwd_ms", 1),
+             ("kept MiB", "act_bytes", MIB), ("step MiB", "step_bytes", MIB)]
+  groups: dict = {}
+  for r in records:
+    if r.get("status", "ok") == "ok":
+      groups.setdefault((r["config"], r["impl"]), []).append(r)
+  lines = [f"{'config':12s} {'impl':15s} {'rounds':>6s} "
+           + " ".join(f"{title:>11s}" for title, _, _ in columns) + f" {'TF/s':>6s}"]
+  for (config, impl), rounds in groups.items():
+    medians = {key: statistics.median(r[key] / unit for r in rounds)
+               for _, key, unit in columns if all(r.get(key) is not None for r in rounds)}
+    cells = [f"{medians[key]:11.3f}" if key in medians else f"{'-':>11s}" for _, key, _ in columns]
+    tflops = "-"
+    if config in configs.ANCHORS and "fwd_bwd_ms" in medians:
+      tflops = f"{configs.fwd_bwd_flops(*configs.ANCHORS[config]) / medians['fwd_bwd_ms'] / 1e9:.0f}"
+    lines.append(f"{config:12s} {impl:15s} {len(rounds):6d} " + " ".join(cells) + f" {tflops:>6s}")
+  return "\n".join(lines)
+
+
 def op_table(records, key: str = "kernels_fwd_bwd") -> str:
   """Text table: per config and impl, its kernels' ms per op (by_op) and their total."""
   lines = [f"{'config':12s} {'impl':15s} " + " ".join(f"{op:>13s}" for op in OPS)
@@ -188,13 +217,17 @@ def main(argv=None):
   p.add_argument("--by-op", action="store_true", help="each impl's kernels summed per op (op_of)")
   p.add_argument("--by-gemm", action="store_true",
                  help="each impl's six GEMMs (by_gemm), medians over the files' records")
+  p.add_argument("--by-layer", action="store_true",
+                 help="each impl's step: kernels, wall, TF/s, memory (layer_table), medians")
   a = p.parse_args(argv)
   records = []
   for path in a.bench_json:
     with open(path) as f:
       records += json.load(f)
   key = "kernels_fwd" if a.fwd else "kernels_fwd_bwd"
-  if a.by_gemm:
+  if a.by_layer:
+    text = layer_table(records)
+  elif a.by_gemm:
     text = gemm_table(records, key)
   elif a.by_op:
     text = op_table(records, key)

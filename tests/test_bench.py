@@ -227,6 +227,28 @@ def test_kernel_table_names_the_six_gemms(tmp_path):
   assert lines[3].split()[-6:] == ["1.200", "0.800", "0.857", "1.062", "1.056", "1.167"]
 
 
+def test_kernel_table_by_layer_takes_medians_over_rounds(tmp_path):
+  """--by-layer: per config and impl the medians over rounds of the step's kernels, wall times
+  and memory (MiB), and the TF/s of the median wall forward+backward from the anchor's FLOP;
+  a record that did not run is left out."""
+  from benchmarks import configs, kernel_table
+  def record(impl, wall, status="ok"):
+    return dict(config="7B-n256", impl=impl, status=status, kernel_fwd_ms=1.0,
+                kernel_fwd_bwd_ms=wall - 0.5, fwd_ms=1.5, fwd_bwd_ms=wall,
+                act_bytes=200 * 2 ** 20, step_bytes=wall * 2 ** 30)
+  rounds = [tmp_path / f"round{i}.json" for i in range(3)]
+  for path, wall in zip(rounds, (3.0, 4.0, 2.0)):
+    path.write_text(json.dumps([record("auto", wall), record("torch_sonicmoe", 2 * wall),
+                                record("pallas", 1.0, status="error")]))
+  lines = kernel_table.main([*map(str, rounds), "--by-layer"]).splitlines()
+  assert len(lines) == 3   # the header, auto, torch_sonicmoe (pallas never ran)
+  ours, theirs = lines[1].split(), lines[2].split()
+  tflops = configs.fwd_bwd_flops(*configs.ANCHORS["7B-n256"]) / 3.0 / 1e9
+  assert ours == ["7B-n256", "auto", "3", "1.000", "2.500", "1.500", "3.000", "200.000",
+                  "3072.000", f"{tflops:.0f}"]
+  assert theirs[:3] == ["7B-n256", "torch_sonicmoe", "3"] and theirs[6] == "6.000"
+
+
 def test_kernel_table_puts_impls_side_by_side(tmp_path):
   """benchmarks.kernel_table lists each impl's kernels per config in columns, longest first,
   skipping rows without profiles (and the torch session-10 JSON reads back)."""
