@@ -880,6 +880,45 @@ def test_cute_layer_with_192_row_store_tiles_matches_128_on_gpu(shape, monkeypat
 
 
 @needs_cute
+def test_cute_store_wide_min_k_routes_each_store_gemm_by_its_contraction(monkeypatch):
+  """STORE_WIDE_MIN_K picks the store GEMMs' kernel by contraction, each GEMM on its own: at
+  n = 1024, d = 2048 (two 1024-column windows) the down-projection (K = n) leaves the wide
+  persistent kernel for the 192-row ping-pong one once the threshold passes 1024, dX~ (K =
+  2n) once it passes 2048, and the down-projection's 192-row kernels are the same in both."""
+  cute_ops = importlib.import_module("ffi.ops")
+  args = make_inputs(13, 256, 2048, 1024, 4, jnp.bfloat16)
+  targets = {}
+  for min_k in (1024, 2048, 4096):
+    monkeypatch.setattr(cute_ops, "STORE_WIDE_MIN_K", min_k)
+    grad = lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
+        *b, k=2, backend="cute").out.astype(jnp.float32)))(*a)
+    targets[min_k] = set(re.findall(r"@(sonicmoe_cute_\w+)", _cuda_module(grad, *args)))
+  down_rows192 = targets[2048] - targets[1024]   # (each GEMM's two windows: two targets)
+  assert len(down_rows192) == len(targets[1024] - targets[2048]) == 2
+  assert len(targets[4096] - targets[2048]) == len(targets[2048] - targets[4096]) == 2
+  assert down_rows192 <= targets[4096]
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_cute_layer_with_down_proj_on_192_row_tiles_matches_the_wide_kernel_on_gpu(monkeypatch):
+  """The layer with its down-projection (a 1024-long contraction, 1024-column windows) on
+  the 192-row ping-pong tiles (STORE_WIDE_MIN_K 2048) gives the same bits as on the wide
+  persistent kernel (1024): output and every gradient."""
+  cute_ops = importlib.import_module("ffi.ops")
+  T, d, n, E, K = 2048, 2048, 1024, 16, 2
+  args = make_inputs(15, T, d, n, E, jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(16), (T, d))
+  results = {}
+  for min_k in (2048, 1024):
+    monkeypatch.setattr(cute_ops, "STORE_WIDE_MIN_K", min_k)
+    results[min_k] = jax.jit(lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
+        *b, k=K, backend="cute").out.astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(*a))(*args)
+  for got, want in zip(jax.tree.leaves(results[2048]), jax.tree.leaves(results[1024])):
+    np.testing.assert_array_equal(got, want)
+
+
+@needs_cute
 def test_setmaxnreg_budgets_fit_what_the_cta_gets_at_launch():
   """Every warp-specialized kernel's (producer, MMA warpgroups) register budgets fit the
   384-thread CTA's launch allocation (168 registers a thread): a consumer's setmaxnreg
