@@ -259,6 +259,9 @@ PY
       sweep=(python3 -m benchmarks.tile_sweep --impl cute --configs "$cfg" --stages 0
              --block-n "$block_n" --kernels "$kernel" --iters 1 --reps 1)
       name="ncu_${kernel}_$cfg"
+      # the kernel compiled into the disk cache first: compiling under ncu segfaulted at once
+      # (session 35, rc 139 on a fresh cache; the same command ran once the cache held it)
+      timeout 200 "${sweep[@]}" > "$OUT/${name}_warm.log" 2>&1; echo "compile (no ncu): rc $?"
       # (-k names the kernel: a sweep's first launch may be another, e.g. dH's up-projection)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k "regex:$regex" \
         --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
@@ -331,7 +334,10 @@ PY
       sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats
                 --section Occupancy --section LaunchStats --section SchedulerStats)
       # (ours from the start, its first step's launches: around cudaProfilerStart it segfaulted
-      # in session 18, as it did from the start at 7B-n256)
+      # in session 18, as it did from the start at 7B-n256; its kernels compiled into the disk
+      # cache first, as ncu_kernel's)
+      timeout 200 python3 -m benchmarks.ncu_step --no-profiler --config "$cfg" --impl auto \
+        > "$OUT/ncu_ours_warm_$cfg.log" 2>&1; echo "compile (no ncu): rc $?"
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 250 ncu --clock-control none -k regex:sonicmoe \
         --launch-count 10 "${sections[@]}" python3 -m benchmarks.ncu_step --no-profiler \
         --config "$cfg" --impl auto > "$OUT/ncu_ours_$cfg.txt" 2>&1; echo "ncu ours: rc $?"
