@@ -122,17 +122,24 @@ def by_gemm(record, key: str = "kernels_fwd_bwd") -> dict:
   return {gemm: sums[gemm] for gemm in GEMMS if gemm in sums}
 
 
+def rounds_by_config_impl(records, keep) -> dict:
+  """{(config, impl): its records that keep(record) holds for, in order} (one per round)."""
+  groups: dict = {}
+  for r in records:
+    if keep(r):
+      groups.setdefault((r["config"], r["impl"]), []).append(r)
+  return groups
+
+
 def gemm_table(records, key: str = "kernels_fwd_bwd") -> str:
   """Text table: per config and impl, each GEMM's ms (by_gemm), the median over the records
   of that config and impl (rounds of one side-by-side run); under each impl after a config's
   first, its medians divided by the first impl's."""
-  groups: dict = {}
-  for r in records:
-    if r.get(key):
-      groups.setdefault((r["config"], r["impl"]), []).append(by_gemm(r, key))
+  groups = rounds_by_config_impl(records, lambda r: r.get(key))
   lines = [f"{'config':12s} {'impl':15s} {'rounds':>6s} " + " ".join(f"{g:>9s}" for g in GEMMS)]
   first: dict = {}
-  for (config, impl), rounds in groups.items():
+  for (config, impl), records_of in groups.items():
+    rounds = [by_gemm(r, key) for r in records_of]
     medians = {g: statistics.median(r[g] for r in rounds) for g in GEMMS
                if all(g in r for r in rounds)}
     lines.append(f"{config:12s} {impl:15s} {len(rounds):6d} "
@@ -153,12 +160,9 @@ def layer_table(records) -> str:
   columns = [("kernels fwd", "kernel_fwd_ms", 1), ("kernels f+b", "kernel_fwd_bwd_ms", 1),
              ("wall fwd", "fwd_ms", 1), ("wall f+b", "fwd_bwd_ms", 1),
              ("kept MiB", "act_bytes", MIB), ("step MiB", "step_bytes", MIB)]
-  groups: dict = {}
-  for r in records:
-    if r.get("status", "ok") == "ok":
-      groups.setdefault((r["config"], r["impl"]), []).append(r)
   lines = [f"{'config':12s} {'impl':15s} {'rounds':>6s} "
            + " ".join(f"{title:>11s}" for title, _, _ in columns) + f" {'TF/s':>6s}"]
+  groups = rounds_by_config_impl(records, lambda r: r.get("status", "ok") == "ok")
   for (config, impl), rounds in groups.items():
     medians = {key: statistics.median(r[key] / unit for r in rounds)
                for _, key, unit in columns if all(r.get(key) is not None for r in rounds)}

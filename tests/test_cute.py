@@ -835,6 +835,35 @@ def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(dh_kernel, monkeypa
     assert rel_err(a, b) < 1e-2
 
 
+def _store_targets_under(monkeypatch, setting: str, values, args):
+  """{value: the FFI targets the cute layer's value_and_grad lowers to (for CUDA) with ffi.ops'
+  `setting` at that value} (k = 2)."""
+  cute_ops = importlib.import_module("ffi.ops")
+  targets = {}
+  for value in values:
+    monkeypatch.setattr(cute_ops, setting, value)
+    grad = lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
+        *b, k=2, backend="cute").out.astype(jnp.float32)))(*a)
+    targets[value] = set(re.findall(r"@(sonicmoe_cute_\w+)", _cuda_module(grad, *args)))
+  return targets
+
+
+def _layer_results_under(monkeypatch, setting: str, values, shape, seed: int):
+  """{value: the cute layer's loss value and its gradients for every input, with ffi.ops'
+  `setting` at that value}, on random inputs of shape (T, d, n, E, K) from seed."""
+  cute_ops = importlib.import_module("ffi.ops")
+  T, d, n, E, K = shape
+  args = make_inputs(seed, T, d, n, E, jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(seed + 1), (T, d))
+  results = {}
+  for value in values:
+    monkeypatch.setattr(cute_ops, setting, value)
+    # (a new function each time: jit would reuse the first one's trace)
+    results[value] = jax.jit(lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
+        *b, k=K, backend="cute").out.astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(*a))(*args)
+  return results
+
+
 @needs_cute
 @pytest.mark.parametrize("d, auto_tile_m", [(768, 128), (384, 192)])
 def test_cute_store_tile_m_setting_lowers_the_store_gemms_to_192_row_kernels(
@@ -844,14 +873,8 @@ def test_cute_store_tile_m_setting_lowers_the_store_gemms_to_192_row_kernels(
   column windows, the other ops' kernels unchanged; "auto" takes 128 rows where 192-wide
   column tiles divide the windows (d = 768: 384 columns each) and 192 rows where they do not
   (d = 384: 128 and 256 columns)."""
-  cute_ops = importlib.import_module("ffi.ops")
-  args = make_inputs(9, 256, d, 128, 4, jnp.bfloat16)
-  targets = {}
-  for tile_m in (128, 192, "auto"):
-    monkeypatch.setattr(cute_ops, "STORE_TILE_M", tile_m)
-    grad = lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
-        *b, k=2, backend="cute").out.astype(jnp.float32)))(*a)
-    targets[tile_m] = set(re.findall(r"@(sonicmoe_cute_\w+)", _cuda_module(grad, *args)))
+  targets = _store_targets_under(monkeypatch, "STORE_TILE_M", (128, 192, "auto"),
+                                 make_inputs(9, 256, d, 128, 4, jnp.bfloat16))
   # (two column windows: each GEMM's windows are two targets)
   assert len(targets[192] - targets[128]) == len(targets[128] - targets[192]) == 4
   assert targets[128] & targets[192]   # the other ops' kernels
@@ -865,16 +888,7 @@ def test_cute_layer_with_192_row_store_tiles_matches_128_on_gpu(shape, monkeypat
   """The default layer with its store GEMMs on 192-row tiles (STORE_TILE_M) gives the same
   bits as on 128-row tiles: output and every gradient (two column windows; a 1024-column
   window at d = 2048 in 128-wide tiles)."""
-  cute_ops = importlib.import_module("ffi.ops")
-  T, d, n, E, K = shape
-  args = make_inputs(5, T, d, n, E, jnp.bfloat16)
-  cot = jax.random.normal(jax.random.key(6), (T, d))
-  results = {}
-  for tile_m in (192, 128):
-    monkeypatch.setattr(cute_ops, "STORE_TILE_M", tile_m)
-    # (a new function each time: jit would reuse the first one's trace)
-    results[tile_m] = jax.jit(lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
-        *b, k=K, backend="cute").out.astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(*a))(*args)
+  results = _layer_results_under(monkeypatch, "STORE_TILE_M", (192, 128), shape, seed=5)
   for got, want in zip(jax.tree.leaves(results[192]), jax.tree.leaves(results[128])):
     np.testing.assert_array_equal(got, want)
 
@@ -885,14 +899,8 @@ def test_cute_store_wide_min_k_routes_each_store_gemm_by_its_contraction(monkeyp
   n = 1024, d = 2048 (two 1024-column windows) the down-projection (K = n) leaves the wide
   persistent kernel for the 192-row ping-pong one once the threshold passes 1024, dX~ (K =
   2n) once it passes 2048, and the down-projection's 192-row kernels are the same in both."""
-  cute_ops = importlib.import_module("ffi.ops")
-  args = make_inputs(13, 256, 2048, 1024, 4, jnp.bfloat16)
-  targets = {}
-  for min_k in (1024, 2048, 4096):
-    monkeypatch.setattr(cute_ops, "STORE_WIDE_MIN_K", min_k)
-    grad = lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
-        *b, k=2, backend="cute").out.astype(jnp.float32)))(*a)
-    targets[min_k] = set(re.findall(r"@(sonicmoe_cute_\w+)", _cuda_module(grad, *args)))
+  targets = _store_targets_under(monkeypatch, "STORE_WIDE_MIN_K", (1024, 2048, 4096),
+                                 make_inputs(13, 256, 2048, 1024, 4, jnp.bfloat16))
   down_rows192 = targets[2048] - targets[1024]   # (each GEMM's two windows: two targets)
   assert len(down_rows192) == len(targets[1024] - targets[2048]) == 2
   assert len(targets[4096] - targets[2048]) == len(targets[2048] - targets[4096]) == 2
@@ -905,15 +913,8 @@ def test_cute_layer_with_down_proj_on_192_row_tiles_matches_the_wide_kernel_on_g
   """The layer with its down-projection (a 1024-long contraction, 1024-column windows) on
   the 192-row ping-pong tiles (STORE_WIDE_MIN_K 2048) gives the same bits as on the wide
   persistent kernel (1024): output and every gradient."""
-  cute_ops = importlib.import_module("ffi.ops")
-  T, d, n, E, K = 2048, 2048, 1024, 16, 2
-  args = make_inputs(15, T, d, n, E, jnp.bfloat16)
-  cot = jax.random.normal(jax.random.key(16), (T, d))
-  results = {}
-  for min_k in (2048, 1024):
-    monkeypatch.setattr(cute_ops, "STORE_WIDE_MIN_K", min_k)
-    results[min_k] = jax.jit(lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
-        *b, k=K, backend="cute").out.astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(*a))(*args)
+  results = _layer_results_under(monkeypatch, "STORE_WIDE_MIN_K", (2048, 1024),
+                                 (2048, 2048, 1024, 16, 2), seed=15)
   for got, want in zip(jax.tree.leaves(results[2048]), jax.tree.leaves(results[1024])):
     np.testing.assert_array_equal(got, want)
 
