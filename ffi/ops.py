@@ -233,8 +233,11 @@ STORE_STAGES = 3
 # the wider tile saves). H200 session 14 (-session14), alone at 120B-n1024 (call 10), ms:
 # dx_tilde (K 2048) 6.954 vs 7.440-7.735 pingpong_tma, down_proj (K 1024) 3.506 vs
 # 3.582-3.641; the layer's kernel ms (call 13): 120B-n1024 36.27 -> 33.10, olmoe (d 2048)
-# 17.15 -> 16.69, 7B-n1024 (d 1536) 2.71 -> 2.76.
-STORE_WIDE_MIN_K = 1024
+# 17.15 -> 16.69, 7B-n1024 (d 1536) 2.71 -> 2.76. Since then the 192-row ping-pong tiles
+# (session 33) beat it at K 1024: session 35's sweep (-session35 calls 13-14, alone, 3 rounds
+# interleaved), down_proj ms: 120B-n1024 3.294 vs 3.640 persistent, olmoe 1.523 vs 1.606; so
+# only dx_tilde (K = 2n = 2048) at those two stays on the wide tiles.
+STORE_WIDE_MIN_K = 2048
 STORE_WIDE_MIN_N = 2048
 # ... and where the output is at least STORE_WIDE_WS_MIN_N wide, with a producer warp issuing
 # the TMA loads (warp_specialized; bitwise the same). H200 session 15's sweep, ms, MMA
