@@ -2,7 +2,8 @@
 forward+backward step (their profilers' per-step times, longest first), in columns; or with
 --by-op their sums per op of the layer (op_of); or with --by-gemm each of the six GEMMs,
 the median over rounds when given several files of one side-by-side run (by_gemm); or with
---by-layer the whole step's times, TF/s and memory, medians over rounds (layer_table).
+--by-layer the whole step's times, TF/s and memory, medians over rounds (layer_table). Those
+two keep one impl's runs under other ffi.ops settings (bench.py --cute-*) apart (variant).
 
   python -m benchmarks.kernel_table benchmarks/results/<run>/bench.json [more.json ...] [--top 12]
       [--fwd] [--order] [--min-ms 0.05] [--by-op | --by-gemm | --by-layer]
@@ -122,31 +123,47 @@ def by_gemm(record, key: str = "kernels_fwd_bwd") -> dict:
   return {gemm: sums[gemm] for gemm in GEMMS if gemm in sums}
 
 
+def variant(record) -> str:
+  """The record's impl, with the ffi.ops settings its run changed (bench.py --cute-*) in
+  brackets: 'auto[STORE_WIDE_MIN_K=4096]'; runs of one impl under other settings are other
+  variants."""
+  settings = record.get("cute_settings") or {}
+  if not settings:
+    return record["impl"]
+  return record["impl"] + "[" + ",".join(f"{k}={v}" for k, v in sorted(settings.items())) + "]"
+
+
 def rounds_by_config_impl(records, keep) -> dict:
-  """{(config, impl): its records that keep(record) holds for, in order} (one per round)."""
+  """{(config, variant): its records that keep(record) holds for, in order} (one per round)."""
   groups: dict = {}
   for r in records:
     if keep(r):
-      groups.setdefault((r["config"], r["impl"]), []).append(r)
+      groups.setdefault((r["config"], variant(r)), []).append(r)
   return groups
 
 
+def _impl_width(groups) -> int:
+  """The impl column's width: 15, or the longest variant's."""
+  return max([15] + [len(impl) for _, impl in groups])
+
+
 def gemm_table(records, key: str = "kernels_fwd_bwd") -> str:
-  """Text table: per config and impl, each GEMM's ms (by_gemm), the median over the records
-  of that config and impl (rounds of one side-by-side run); under each impl after a config's
-  first, its medians divided by the first impl's."""
+  """Text table: per config and impl (variant: with the settings a run changed), each GEMM's
+  ms (by_gemm), the median over the records of that config and variant (rounds of one
+  side-by-side run); under each after a config's first, its medians divided by the first's."""
   groups = rounds_by_config_impl(records, lambda r: r.get(key))
-  lines = [f"{'config':12s} {'impl':15s} {'rounds':>6s} " + " ".join(f"{g:>9s}" for g in GEMMS)]
+  w = _impl_width(groups)
+  lines = [f"{'config':12s} {'impl':{w}s} {'rounds':>6s} " + " ".join(f"{g:>9s}" for g in GEMMS)]
   first: dict = {}
   for (config, impl), records_of in groups.items():
     rounds = [by_gemm(r, key) for r in records_of]
     medians = {g: statistics.median(r[g] for r in rounds) for g in GEMMS
                if all(g in r for r in rounds)}
-    lines.append(f"{config:12s} {impl:15s} {len(rounds):6d} "
+    lines.append(f"{config:12s} {impl:{w}s} {len(rounds):6d} "
                  + " ".join(f"{medians[g]:9.3f}" if g in medians else f"{'-':>9s}" for g in GEMMS))
     base = first.setdefault(config, medians)
     if base is not medians:
-      lines.append(f"{'':12s} {'/ the first':15s} {'':6s} " + " ".join(
+      lines.append(f"{'':12s} {'/ the first':{w}s} {'':6s} " + " ".join(
           f"{medians[g] / base[g]:9.3f}" if g in medians and g in base else f"{'-':>9s}"
           for g in GEMMS))
   return "\n".join(lines)
@@ -160,9 +177,10 @@ def layer_table(records) -> str:
   columns = [("kernels fwd", "kernel_fwd_ms", 1), ("kernels f+b", "kernel_fwd_bwd_ms", 1),
              ("wall fwd", "fwd_ms", 1), ("wall f+b", "fwd_bwd_ms", 1),
              ("kept MiB", "act_bytes", MIB), ("step MiB", "step_bytes", MIB)]
-  lines = [f"{'config':12s} {'impl':15s} {'rounds':>6s} "
-           + " ".join(f"{title:>11s}" for title, _, _ in columns) + f" {'TF/s':>6s}"]
   groups = rounds_by_config_impl(records, lambda r: r.get("status", "ok") == "ok")
+  w = _impl_width(groups)
+  lines = [f"{'config':12s} {'impl':{w}s} {'rounds':>6s} "
+           + " ".join(f"{title:>11s}" for title, _, _ in columns) + f" {'TF/s':>6s}"]
   for (config, impl), rounds in groups.items():
     medians = {key: statistics.median(r[key] / unit for r in rounds)
                for _, key, unit in columns if all(r.get(key) is not None for r in rounds)}
@@ -170,7 +188,7 @@ def layer_table(records) -> str:
     tflops = "-"
     if config in configs.ANCHORS and "fwd_bwd_ms" in medians:
       tflops = f"{configs.fwd_bwd_flops(*configs.ANCHORS[config]) / medians['fwd_bwd_ms'] / 1e9:.0f}"
-    lines.append(f"{config:12s} {impl:15s} {len(rounds):6d} " + " ".join(cells) + f" {tflops:>6s}")
+    lines.append(f"{config:12s} {impl:{w}s} {len(rounds):6d} " + " ".join(cells) + f" {tflops:>6s}")
   return "\n".join(lines)
 
 

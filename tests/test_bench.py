@@ -249,6 +249,27 @@ def test_kernel_table_by_layer_takes_medians_over_rounds(tmp_path):
   assert theirs[:3] == ["7B-n256", "torch_sonicmoe", "3"] and theirs[6] == "6.000"
 
 
+def test_kernel_table_keeps_runs_under_other_settings_apart(tmp_path):
+  """--by-gemm and --by-layer: one impl's runs under other ffi.ops settings (bench.py's
+  cute_settings) are other rows, named by the settings, with their own medians."""
+  from benchmarks import kernel_table
+  def record(min_k, dx_ms):
+    return dict(config="7B-n256", impl="auto", status="ok",
+                cute_settings={"STORE_WIDE_MIN_K": min_k} if min_k else {},
+                kernel_fwd_ms=1.0, kernel_fwd_bwd_ms=3.0, fwd_ms=1.5, fwd_bwd_ms=dx_ms + 3,
+                act_bytes=0, step_bytes=0, kernels_fwd_bwd=[["x", 0]], kernel_launches_fwd_bwd=[
+                    ["sonicmoe_dh_gather_kernel__k", 0.7], ["sonicmoe_pingpong_matmul_kernel__k", dx_ms]])
+  rounds = [tmp_path / f"round{i}.json" for i in range(2)]
+  for path, ms in zip(rounds, (1.0, 3.0)):
+    path.write_text(json.dumps([record(None, ms), record(4096, ms / 2)]))
+  gemms = kernel_table.main([*map(str, rounds), "--by-gemm"]).splitlines()
+  assert [line.split()[1] for line in gemms[1:3]] == ["auto", "auto[STORE_WIDE_MIN_K=4096]"]
+  assert gemms[1].split()[2:] == ["2", "-", "-", "0.700", "2.000", "-", "-"]
+  assert gemms[2].split()[6] == "1.000" and gemms[3].split()[-3] == "0.500"
+  layer = kernel_table.main([*map(str, rounds), "--by-layer"]).splitlines()
+  assert [line.split()[6] for line in layer[1:]] == ["5.000", "4.000"]   # wall f+b medians
+
+
 def test_kernel_table_puts_impls_side_by_side(tmp_path):
   """benchmarks.kernel_table lists each impl's kernels per config in columns, longest first,
   skipping rows without profiles (and the torch session-10 JSON reads back)."""
