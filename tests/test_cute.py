@@ -1406,9 +1406,11 @@ def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, s
 @needs_cute
 def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypatch):
   """The layer's output and gradients with STORE_WIDE_KERNEL "persistent" (down_proj and
-  dx_tilde on it where their tiles are wide: d 2048, n 1024; in the default two column
-  windows) are bitwise the grouped kernel's."""
+  dx_tilde on it where their tiles are wide: d 2048, n 1024, and STORE_WIDE_MIN_K 1024 for
+  down_proj's contraction; in the default two column windows) are bitwise the grouped
+  kernel's."""
   cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "STORE_WIDE_MIN_K", 1024)
   args = make_inputs(75, 600, 2048, 1024, 8, jnp.bfloat16)
   def run(*a):
     out, pullback = jax.vjp(lambda *b: sm.moe(*b, k=2, backend="cute").out, *a)
@@ -1452,9 +1454,9 @@ def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(monkeypa
 def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_max_column_tiles, dh_kernel, backend,
                                      monkeypatch):
   """Every expert op on cute (dO's rows gathered by XLA, or by dh and dw2; dH's register or TMA
-  stores; at d 2048 and 4096, n 1024 down_proj and dx_tilde on the wide store tiles, at d 4096
-  their TMA loads by a producer warp), and backend "cute"
-  for everything (its top-K too), against the xla backend: forward and all four gradients."""
+  stores; at d 2048 and 4096, n 1024 dx_tilde on the persistent wide store tiles and down_proj
+  on the 192-row ping-pong ones), and backend "cute" for everything (its top-K too), against
+  the xla backend: forward and all four gradients."""
   cute_ops = importlib.import_module("ffi.ops")
   monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", dout_gather_max_column_tiles)
   monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
