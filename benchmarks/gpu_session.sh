@@ -66,6 +66,9 @@
 #           and timed loop (PAIR_CONFIG; after cute and upstream staging)            (~10 min)
 #   pair_rounds: after `pair` at those configs: ours and theirs in turn, PAIR_ROUNDS rounds at
 #           PAIR_CONFIGS, each GEMM's median over the rounds (kernel_table --by-gemm) (~1.5 min a config a round)
+#   setting_rounds: our default under each of SETTINGS (bench.py's --cute-* arguments per
+#           variant, '|' between) in turn, SETTING_ROUNDS rounds at SETTING_CONFIGS; each
+#           variant's GEMMs and step, medians (kernel_table)  (~40-60 s a config a variant a round)
 #   torch_forced: the PyTorch SonicMoE at FORCE_CONFIG (default 30B-n256) with one GEMM
 #           (FORCE_GEMM, default dX~) forced to each of FORCE_TILES ('|' between; torch_autotune's
 #           names, e.g. "192x128 pp 1x2|128x128 pp 1x2") in turn, one process each, after
@@ -408,6 +411,25 @@ PY
         rm -f /tmp/rounds_ours.json /tmp/rounds_ours.png /tmp/rounds_torch.jsonl
       done
       python3 -m benchmarks.kernel_table --by-gemm "$OUT/rounds.json" ;;
+    setting_rounds)  # after `cute` staging: our default under each of SETTINGS (bench arguments
+                     # per variant, '|' between, e.g. "--cute-store-wide-min-k 2048|
+                     # --cute-store-wide-min-k 4096") in turn, SETTING_ROUNDS rounds (default 3)
+                     # at SETTING_CONFIGS (default olmoe), each in its own process; all in
+                     # $OUT/setting_rounds.json, then each variant's GEMMs and step, medians
+                     # (kernel_table keeps the variants apart by the settings they changed)
+      IFS='|' read -r -a variants <<< "${SETTINGS:?SETTINGS: bench arguments per variant, '|' between}"
+      for r in $(seq "${SETTING_ROUNDS:-3}"); do
+        for v in "${variants[@]}"; do
+          read -r -a v_args <<< "$v"
+          timeout 400 python3 -m benchmarks.bench --impls auto --configs "${SETTING_CONFIGS:-olmoe}" \
+            --iters 5 --reps 3 "${v_args[@]}" --out /tmp/setting_rounds >> "$OUT/setting_rounds.log" 2>&1 \
+            || echo "round $r, $v: rc $?"
+          join_records "$OUT/setting_rounds.json" /tmp/setting_rounds.json "" "$r"
+          rm -f /tmp/setting_rounds.json /tmp/setting_rounds.png
+        done
+      done
+      python3 -m benchmarks.kernel_table --by-gemm "$OUT/setting_rounds.json"
+      python3 -m benchmarks.kernel_table --by-layer "$OUT/setting_rounds.json" ;;
     torch_forced)  # after upstream staging, .devcache carried (its autotuning results)
       tp=$(torch_pythonpath); cfg=${FORCE_CONFIG:-30B-n256}; i=0
       IFS='|' read -r -a tiles <<< "${FORCE_TILES:?FORCE_TILES: torch_autotune tiles, '|' between}"

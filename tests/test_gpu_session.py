@@ -91,3 +91,44 @@ def test_join_records_writes_a_pair_and_appends_rounds(tmp_path):
   assert json.loads((tmp_path / "pair.json").read_text()) == [{"impl": "auto"}, {"impl": "torch"}]
   assert json.loads((tmp_path / "rounds.json").read_text()) == [
       {"impl": "auto", "round": 1}, {"impl": "torch", "round": 1}, {"impl": "auto", "round": 2}]
+
+
+def test_setting_rounds_runs_each_variant_in_turn_and_tables_them(tmp_path):
+  """setting_rounds: bench under each of SETTINGS' variants in turn for SETTING_ROUNDS rounds
+  (a stand-in bench here writes what the real one would), every record tagged with its round
+  in one JSON, and kernel_table's rows one per variant with the medians of its rounds."""
+  import json
+  import sys
+  fake_bench = tmp_path / "fake_bench.py"
+  fake_bench.write_text(
+      "import json, sys\n"
+      "a = sys.argv[1:]\n"
+      "min_k = int(a[a.index('--cute-store-wide-min-k') + 1])\n"
+      "dx = min_k / 1024\n"
+      "rec = dict(config=a[a.index('--configs') + 1], impl='auto', status='ok',\n"
+      "           cute_settings={'STORE_WIDE_MIN_K': min_k}, kernel_fwd_ms=1.0,\n"
+      "           kernel_fwd_bwd_ms=3.0, fwd_ms=1.5, fwd_bwd_ms=3 + dx, act_bytes=0, step_bytes=0,\n"
+      "           kernels_fwd_bwd=[['x', 0]], kernel_launches_fwd_bwd=[\n"
+      "               ['sonicmoe_dh_gather_kernel__k', 0.7], ['sonicmoe_pingpong_matmul_kernel__k', dx]])\n"
+      "json.dump([rec], open(a[a.index('--out') + 1] + '.json', 'w'))\n")
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  python3 = bin_dir / "python3"
+  python3.write_text("#!/usr/bin/env bash\n"
+                     f'if [ "$1 $2" = "-m benchmarks.bench" ]; then shift 2; exec {sys.executable} {fake_bench} "$@"; fi\n'
+                     f'exec {sys.executable} "$@"\n')
+  python3.chmod(0o755)
+  out = tmp_path / "out"
+  env = dict(os.environ, HOME=str(tmp_path), TMPDIR=str(tmp_path), OUT=str(out),
+             PATH=f"{bin_dir}:{os.environ['PATH']}", SETTING_ROUNDS="2", SETTING_CONFIGS="7B-n256",
+             SETTINGS="--cute-store-wide-min-k 2048|--cute-store-wide-min-k 4096")
+  result = subprocess.run(["bash", str(SCRIPT), "setting_rounds"], cwd=SCRIPT.parents[1], env=env,
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  records = json.loads((out / "setting_rounds.json").read_text())
+  assert [(r["round"], r["cute_settings"]["STORE_WIDE_MIN_K"]) for r in records] == [
+      (1, 2048), (1, 4096), (2, 2048), (2, 4096)]
+  rows = [line.split() for line in result.stdout.splitlines() if line.startswith("7B-n256")]
+  assert [row[1] for row in rows] == ["auto[STORE_WIDE_MIN_K=2048]", "auto[STORE_WIDE_MIN_K=4096]"] * 2
+  assert rows[0][2] == "2" and rows[0][6] == "2.000" and rows[1][6] == "4.000"   # dX~ medians
+  assert rows[2][6] == "5.000" and rows[3][6] == "7.000"   # the step's wall f+b medians
