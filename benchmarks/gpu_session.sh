@@ -108,6 +108,11 @@ rows = json.load(open(out)) if r and os.path.exists(out) else []
 new = (json.load(open(ours)) if os.path.exists(ours) else []) + (
     [json.loads(l) for l in open(theirs) if l.strip()] if os.path.exists(theirs) else [])
 json.dump(rows + [dict(x, round=int(r)) if r else x for x in new], open(out, 'w'))" "$@"; }
+# round_bench LOG ARGS...: one round of ours for the *_rounds modes, bench ARGS at their
+# iterations into /tmp/round_ours.json (its log appended to LOG)
+round_bench() { local log=$1; shift
+  rm -f /tmp/round_ours.json /tmp/round_ours.png
+  timeout 400 python3 -m benchmarks.bench --iters 5 --reps 3 "$@" --out /tmp/round_ours >> "$log" 2>&1; }
 # the PyTorch SonicMoE's caches from an earlier machine (torch_cache_save's files, carried in
 # .devcache/): quack's autotuning results (~/.quack: the config each GEMM shape runs; with
 # them it tunes nothing) and its compiled kernels (quack_cache under the temp folder; with
@@ -402,13 +407,13 @@ PY
                   # $OUT/rounds.json, several calls' files merge: kernel_table --by-gemm FILES...)
       tp=$(torch_pythonpath); configs=${PAIR_CONFIGS:-${PAIR_CONFIG:-olmoe}}
       for r in $(seq "${PAIR_ROUNDS:-3}"); do
-        timeout 400 python3 -m benchmarks.bench --impls "${PAIR_IMPLS:-auto}" --configs "$configs" \
-          --iters 5 --reps 3 --out /tmp/rounds_ours >> "$OUT/rounds_ours.log" 2>&1 || echo "ours, round $r: rc $?"
+        round_bench "$OUT/rounds_ours.log" --impls "${PAIR_IMPLS:-auto}" --configs "$configs" \
+          || echo "ours, round $r: rc $?"
         PYTHONPATH=$tp timeout 240 python3 benchmarks/torch_sonicmoe.py "$(anchors_json "$configs")" \
           > /tmp/rounds_torch.jsonl 2>> "$OUT/rounds_torch.log" || echo "torch, round $r: rc $?"
         # every round's records appended to one list ($OUT returns at most 8 files)
-        join_records "$OUT/rounds.json" /tmp/rounds_ours.json /tmp/rounds_torch.jsonl "$r"
-        rm -f /tmp/rounds_ours.json /tmp/rounds_ours.png /tmp/rounds_torch.jsonl
+        join_records "$OUT/rounds.json" /tmp/round_ours.json /tmp/rounds_torch.jsonl "$r"
+        rm -f /tmp/rounds_torch.jsonl
       done
       python3 -m benchmarks.kernel_table --by-gemm "$OUT/rounds.json" ;;
     setting_rounds)  # after `cute` staging: our default under each of SETTINGS (bench arguments
@@ -421,11 +426,9 @@ PY
       for r in $(seq "${SETTING_ROUNDS:-3}"); do
         for v in "${variants[@]}"; do
           read -r -a v_args <<< "$v"
-          timeout 400 python3 -m benchmarks.bench --impls auto --configs "${SETTING_CONFIGS:-olmoe}" \
-            --iters 5 --reps 3 "${v_args[@]}" --out /tmp/setting_rounds >> "$OUT/setting_rounds.log" 2>&1 \
-            || echo "round $r, $v: rc $?"
-          join_records "$OUT/setting_rounds.json" /tmp/setting_rounds.json "" "$r"
-          rm -f /tmp/setting_rounds.json /tmp/setting_rounds.png
+          round_bench "$OUT/setting_rounds.log" --impls auto --configs "${SETTING_CONFIGS:-olmoe}" \
+            "${v_args[@]}" || echo "round $r, $v: rc $?"
+          join_records "$OUT/setting_rounds.json" /tmp/round_ours.json "" "$r"
         done
       done
       python3 -m benchmarks.kernel_table --by-gemm "$OUT/setting_rounds.json"

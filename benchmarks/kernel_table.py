@@ -147,23 +147,28 @@ def _impl_width(groups) -> int:
   return max([15] + [len(impl) for _, impl in groups])
 
 
+def _lead(config, impl, rounds, width: int) -> str:
+  """A round table's first three columns: config, impl (variant) and rounds."""
+  return f"{config:12s} {impl:{width}s} {rounds:>6} "
+
+
 def gemm_table(records, key: str = "kernels_fwd_bwd") -> str:
   """Text table: per config and impl (variant: with the settings a run changed), each GEMM's
   ms (by_gemm), the median over the records of that config and variant (rounds of one
   side-by-side run); under each after a config's first, its medians divided by the first's."""
   groups = rounds_by_config_impl(records, lambda r: r.get(key))
   w = _impl_width(groups)
-  lines = [f"{'config':12s} {'impl':{w}s} {'rounds':>6s} " + " ".join(f"{g:>9s}" for g in GEMMS)]
+  lines = [_lead("config", "impl", "rounds", w) + " ".join(f"{g:>9s}" for g in GEMMS)]
   first: dict = {}
   for (config, impl), records_of in groups.items():
     rounds = [by_gemm(r, key) for r in records_of]
     medians = {g: statistics.median(r[g] for r in rounds) for g in GEMMS
                if all(g in r for r in rounds)}
-    lines.append(f"{config:12s} {impl:{w}s} {len(rounds):6d} "
+    lines.append(_lead(config, impl, len(rounds), w)
                  + " ".join(f"{medians[g]:9.3f}" if g in medians else f"{'-':>9s}" for g in GEMMS))
     base = first.setdefault(config, medians)
     if base is not medians:
-      lines.append(f"{'':12s} {'/ the first':{w}s} {'':6s} " + " ".join(
+      lines.append(_lead("", "/ the first", "", w) + " ".join(
           f"{medians[g] / base[g]:9.3f}" if g in medians and g in base else f"{'-':>9s}"
           for g in GEMMS))
   return "\n".join(lines)
@@ -179,7 +184,7 @@ def layer_table(records) -> str:
              ("kept MiB", "act_bytes", MIB), ("step MiB", "step_bytes", MIB)]
   groups = rounds_by_config_impl(records, lambda r: r.get("status", "ok") == "ok")
   w = _impl_width(groups)
-  lines = [f"{'config':12s} {'impl':{w}s} {'rounds':>6s} "
+  lines = [_lead("config", "impl", "rounds", w)
            + " ".join(f"{title:>11s}" for title, _, _ in columns) + f" {'TF/s':>6s}"]
   for (config, impl), rounds in groups.items():
     medians = {key: statistics.median(r[key] / unit for r in rounds)
@@ -188,7 +193,7 @@ def layer_table(records) -> str:
     tflops = "-"
     if config in configs.ANCHORS and "fwd_bwd_ms" in medians:
       tflops = f"{configs.fwd_bwd_flops(*configs.ANCHORS[config]) / medians['fwd_bwd_ms'] / 1e9:.0f}"
-    lines.append(f"{config:12s} {impl:{w}s} {len(rounds):6d} " + " ".join(cells) + f" {tflops:>6s}")
+    lines.append(_lead(config, impl, len(rounds), w) + " ".join(cells) + f" {tflops:>6s}")
   return "\n".join(lines)
 
 
