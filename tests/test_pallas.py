@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import sonicmoe_jax as sm
-from conftest import PaddingSteps, make_inputs, oracle_moe, rel_err
+from conftest import PaddingSteps, has_gpu, make_inputs, oracle_moe, rel_err
 from pallas_kernels import config
 
 # (T, d, n, E, K, dead experts, rounding, tile): every case has tiles past the last group
@@ -44,6 +44,26 @@ def test_pallas_matches_xla_and_oracle_interpret(case):
     g_ref = jax.grad(lambda *a: jnp.sum(ref(*a) * cot), argnums=(0, 1, 2, 3))(*args)
     for name, a, b in zip(("dx", "drouter_w", "dw1", "dw2"), g_p, g_ref):
       assert rel_err(a, b) < 2e-2, name
+
+
+@pytest.mark.skipif(has_gpu(), reason="interpret mode runs off the GPU")
+def test_interpreted_kernel_compiles_its_threads_once():
+  """conftest routes the interpreter's thread bodies through tests/interpret_cache.py: a
+  kernel's second run compiles none of them again, and gives the same result."""
+  import interpret_cache
+  from conftest import INTERPRET_CACHE
+  assert INTERPRET_CACHE, "this JAX's interpreter has no thread_map runner to cache"
+  x, r, w1, _ = make_inputs(2, 24, 128, 64, 2, jnp.bfloat16)
+  ops = sm.resolve_backend("pallas")
+  plan, _ = sm.route(sm.router_logits(x, r), k=1, align=ops.align)
+  up = jax.jit(lambda x, w1: ops.up_proj(x, w1, plan))
+  first = jax.block_until_ready(up(x, w1))
+  before = dict(interpret_cache.stats)
+  second = jax.block_until_ready(up(x, w1))
+  assert interpret_cache.stats["compiles"] == before["compiles"]
+  assert interpret_cache.stats["hits"] > before["hits"]
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_pallas_writes_zeros_for_padding_rows_interpret():
