@@ -41,13 +41,14 @@ def pytest_configure(config):
 
 
 # The longest tests start first, in this order (longest first: the multidevice suite's
-# 8-device processes, 60-240 s each on the 2-core CI machine, then the interpreted Pallas
-# layers, 40-120 s), so that under pytest-xdist they run beside the short ones instead of
-# ending the run alone.
+# 8-device processes, 35-46 s each on the 2-core CI machine in session 37, then the others of
+# 19-22 s), so that under pytest-xdist they run beside the short ones instead of ending the
+# run alone.
 LONGEST_FIRST = ("test_sharding.py::test_multidevice_suite",
-                 "test_pallas.py::test_pallas_matches_xla_and_oracle_interpret",
+                 "test_train.py::test_token_rounding_study_runs",
+                 "test_cute.py::test_cute_store_wide_min_k_routes_each_store_gemm_by_its_contraction",
                  "test_windows.py::test_pallas_layer_with_windows_matches_xla_interpret",
-                 "test_omnimoe.py::test_pallas_grouped_matches_xla_interpret",
+                 "test_cute.py::test_cute_store_tile_m_setting_lowers_the_store_gemms_to_192_row_kernels",
                  "test_bench.py::test_tile_sweep_custom_shape")
 
 
