@@ -15,6 +15,7 @@ import threading
 
 import jax
 from jax import core as jax_core
+from jax.extend import core as jex_core
 
 # Bodies kept at most (each test's programs trace new jaxprs; the oldest go first).
 MAX_ENTRIES = 512
@@ -25,6 +26,10 @@ stats = {"compiles": 0, "hits": 0}
 
 
 def _eval_body(jaxpr, consts, *args):
+  """A thread's body: `consts` bind the jaxpr's constvars (JAX 0.10 hands the runner the
+  open jaxpr, later versions the closed one, with the same consts)."""
+  if isinstance(jaxpr, jex_core.ClosedJaxpr):
+    jaxpr = jaxpr.jaxpr
   jax_core.eval_jaxpr(jaxpr, consts, *args)
 
 
