@@ -19,9 +19,7 @@ import pytest
 import interpret_cache  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-# Interpreted Pallas kernels compile their thread bodies once a process, not on every run
-# (tests/interpret_cache.py; session 37, 2-core host: an interpreted up_proj's second run
-# 3.0 -> 0.26 s).
+# Interpreted Pallas kernels compile their thread bodies once a process (interpret_cache.py).
 INTERPRET_CACHE = interpret_cache.install()
 # CuTe kernels compile afresh in the tests (no disk cache from earlier runs; the cache has its
 # own test, tests/test_cute.py)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import sonicmoe_jax as sm
-from conftest import PaddingSteps, has_gpu, make_inputs, oracle_moe, rel_err
+import interpret_cache
+from conftest import INTERPRET_CACHE, PaddingSteps, has_gpu, make_inputs, oracle_moe, rel_err
 from pallas_kernels import config
 
 # (T, d, n, E, K, dead experts, rounding, tile): every case has tiles past the last group
@@ -50,8 +51,6 @@ def test_pallas_matches_xla_and_oracle_interpret(case):
 def test_interpreted_kernel_compiles_its_threads_once():
   """conftest routes the interpreter's thread bodies through tests/interpret_cache.py: a
   kernel's second run compiles none of them again, and gives the same result."""
-  import interpret_cache
-  from conftest import INTERPRET_CACHE
   assert INTERPRET_CACHE, "this JAX's interpreter has no thread_map runner to cache"
   x, r, w1, _ = make_inputs(2, 24, 128, 64, 2, jnp.bfloat16)
   ops = sm.resolve_backend("pallas")
