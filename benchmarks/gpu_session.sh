@@ -11,9 +11,9 @@
 #   omnimoe: OmniMoE tests and latency benchmark on the GPU
 #   gathers: the in-kernel row gathers (up-projection default, dW1 optional): bitwise GPU
 #           tests, then the per-op rows of benchmarks.kernels at 30B-n256 and 7B-n256    (~4 min)
-#   cute  : test_cute.py's GPU tests, every CUTE_PARTS-th from CUTE_PART (default 1 of 2),
+#   cute  : test_cute.py's GPU tests, every CUTE_PARTS-th from CUTE_PART (default 1 of 3),
 #           compiling into the disk cache /tmp/cute-cache (carry the cute wheels first,
-#           ../shared/tools/device-wheels cute; source their env.sh; exits 3 without them) (~8 min a part)
+#           ../shared/tools/device-wheels cute; source their env.sh; exits 3 without them) (~5 min a part)
 #   pingpong: the ping-pong kernels' GPU tests (90 s cap per kernel: a hang), their sweep
 #           rows beside grouped_gemm's at 30B-n256                                     (~8 min)
 #   new_tests: the cute top-K, the CUDA-graph test, the counting routing plan on the GPU (~4 min)
@@ -492,16 +492,16 @@ PY
       grep -E "^(PASSED|FAILED|ERROR)" "$OUT/pytest_gathers.log" | tail -20
       timeout 200 python3 -m benchmarks.kernels --backend pallas --configs 30B-n256,7B-n256 \
         --out "$OUT/kernels_pallas.json" 2>&1 | grep -v '^{' | tail -40 ;;
-    cute)  # test_cute.py's GPU tests, part CUTE_PART of CUTE_PARTS (default 1 of 2: the whole
+    cute)  # test_cute.py's GPU tests, part CUTE_PART of CUTE_PARTS (default 1 of 3: the whole
            # file, 160 tests, runs past one call's 9 minutes; their order by collection)
       python3 -c "import cutlass, jax_tvm_ffi" 2>/dev/null || { echo "cute: the cute wheels are not staged here"; exit 3; }
       python3 -m pytest -p no:cacheprovider -m gpu tests/test_cute.py --co 2>/dev/null \
         | grep '::' > "$OUT/cute_test_ids.txt"   # (pyproject's -q: one node id a line)
-      part=${CUTE_PART:-1} parts=${CUTE_PARTS:-2}
-      awk -v p="$part" -v n="$parts" '(NR - 1) % n == p - 1' "$OUT/cute_test_ids.txt" > /tmp/cute_part_ids.txt
-      [ -s /tmp/cute_part_ids.txt ] || { echo "cute: no tests collected"; exit 3; }
-      echo "cute: part $part of $parts, $(wc -l < /tmp/cute_part_ids.txt) of $(wc -l < "$OUT/cute_test_ids.txt") tests"
-      timeout 520 python3 -m pytest -p no:cacheprovider -rfEs -m gpu $(cat /tmp/cute_part_ids.txt) \
+      part=${CUTE_PART:-1} parts=${CUTE_PARTS:-3}
+      awk -v p="$part" -v n="$parts" '(NR - 1) % n == p - 1' "$OUT/cute_test_ids.txt" > "$OUT/cute_part$part.txt"
+      [ -s "$OUT/cute_part$part.txt" ] || { echo "cute: no tests collected"; exit 3; }
+      echo "cute: part $part of $parts, $(wc -l < "$OUT/cute_part$part.txt") of $(wc -l < "$OUT/cute_test_ids.txt") tests"
+      timeout 520 python3 -m pytest -p no:cacheprovider -rfEs -m gpu $(cat "$OUT/cute_part$part.txt") \
         > "$OUT/pytest_cute_part$part.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cute_part$part.log" | tail -12
       echo "disk cache entries: $(ls "$SONICMOE_CUTE_CACHE" 2>/dev/null | grep -c '\.o$')" ;;

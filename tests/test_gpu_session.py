@@ -1,6 +1,7 @@
 """benchmarks/gpu_session.sh, the device calls' script: it parses, documents every mode, and
 carries the PyTorch SonicMoE's caches from one machine to the next (torch_cache_save, then the
 restore at the start of a later run). Runs on the CPU: no mode here needs a GPU."""
+import importlib.util
 import os
 import pathlib
 import re
@@ -19,8 +20,8 @@ def test_gpu_session_parses_and_documents_every_mode():
   assert sorted(modes) == sorted(documented)
 
 
-def _run(cwd, home, tmp, out, *modes):
-  env = dict(os.environ, HOME=str(home), TMPDIR=str(tmp), OUT=str(out))
+def _run(cwd, home, tmp, out, *modes, **settings):
+  env = dict(os.environ, HOME=str(home), TMPDIR=str(tmp), OUT=str(out), **settings)
   return subprocess.run(["bash", str(SCRIPT), *modes], cwd=cwd, env=env, capture_output=True,
                         text=True, timeout=120)
 
@@ -67,6 +68,23 @@ def test_torch_caches_saved_then_restored_on_a_fresh_machine(tmp_path):
 def test_unknown_mode_fails(tmp_path):
   result = _run(tmp_path, tmp_path, tmp_path, tmp_path / "out", "no_such_mode")
   assert result.returncode == 2 and "unknown mode no_such_mode" in result.stderr
+
+
+def test_cute_mode_runs_every_nth_of_test_cutes_gpu_tests(tmp_path):
+  """`cute` lists test_cute.py's GPU tests and runs every CUTE_PARTS-th from the CUTE_PART-th
+  (off the GPU they skip); without the cute wheels it stops at once (exit 3)."""
+  out = tmp_path / "out"
+  result = _run(SCRIPT.parents[1], tmp_path, tmp_path, out, "cute", CUTE_PART="2", CUTE_PARTS="60")
+  if importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("jax_tvm_ffi") is None:
+    assert result.returncode == 3 and "not staged" in result.stdout
+    return
+  ids = (out / "cute_test_ids.txt").read_text().split()
+  part = ids[1::60]
+  assert len(ids) > 100 and all("test_cute.py::" in i for i in ids)
+  assert (out / "cute_part2.txt").read_text().split() == part
+  assert f"part 2 of 60, {len(part)} of {len(ids)} tests" in result.stdout
+  log = (out / "pytest_cute_part2.log").read_text()
+  assert re.search(rf"\b{len(part)} (passed|skipped)", log), log[-500:]
 
 
 def test_torch_cache_save_without_caches_says_so(tmp_path):
