@@ -1,6 +1,7 @@
-"""benchmarks/gpu_session.sh, the device calls' script: it parses, documents every mode, and
+"""benchmarks/gpu_session.sh, the device calls' script: it parses, documents every mode,
 carries the PyTorch SonicMoE's caches from one machine to the next (torch_cache_save, then the
-restore at the start of a later run). Runs on the CPU: no mode here needs a GPU."""
+restore at the start of a later run), and splits test_cute.py's GPU tests into parts. Runs on
+the CPU: no mode here needs a GPU."""
 import importlib.util
 import os
 import pathlib
