@@ -174,9 +174,13 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
       column windows (of d), each summed per token into its columns of the output before the
       next is made: the layer's peak memory then holds one window of the [T*K, d] product
       instead of all of it, for one more GEMM launch per window and one more read of the
-      GEMM's left operand (A [slots, n]; dH [slots, 2n]). 1: no windows. At most
-      d / WINDOW_COLUMN_ALIGN (128). A pair (forward, backward): Y's windows and dX~'s (the
-      step's peak is the larger of the two passes'). None (default): the measured choice
+      GEMM's left operand (A [slots, n]; dH [slots, 2n]). The step's peak shrinks only where
+      that product is the peak, as with the cute backend's stores: on the pallas backend,
+      whose backward also gathers rows of dO and X into [T*K, d] copies, two windows left it
+      as it was (H200, T=2048, d=1024, n=256, E=32, K=16: benchmarks/results/
+      2026-12-03-h200-session38/). 1: no windows. At most d / WINDOW_COLUMN_ALIGN (128). A
+      pair (forward, backward): Y's windows and dX~'s (the step's peak is the larger of the
+      two passes'). None (default): the measured choice
       (backends.default_windows: two where the store GEMMs run on cute and d >= 2n, else one;
       one where d is not a multiple of 128 or too narrow for them).
 
