@@ -91,6 +91,8 @@ export SONICMOE_CUTE_CACHE=${SONICMOE_CUTE_CACHE:-/tmp/cute-cache}   # shared by
   python3 -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())"
   python3 -c "from importlib import metadata as m; print('nvidia-cutlass-dsl', m.version('nvidia-cutlass-dsl'))" 2>/dev/null \
     || echo "nvidia-cutlass-dsl: not importable (the cute backend is off: 'auto' runs pallas)"; } | tee "$OUT/gpu.txt"
+# whether the cute backend's packages import here (the cute wheels staged and their env.sh sourced)
+cute_staged() { python3 -c "import cutlass, jax_tvm_ffi" 2>/dev/null; }
 # the PyTorch SonicMoE's PYTHONPATH: its staged wheels alone (it pins an older
 # nvidia-cutlass-dsl than the cute backend's, which this process's PYTHONPATH may carry)
 torch_pythonpath() { [ -f /tmp/devsite-upstream/env.sh ] && (unset PYTHONPATH; . /tmp/devsite-upstream/env.sh; echo "$PYTHONPATH"); }
@@ -477,7 +479,7 @@ PY
       python3 -c "import tokamax" 2>/dev/null && impls=$impls,tokamax   # staged
       # cute staged too: the default, and the default with the cute up-projection (its sweep
       # rows: 3.88 ms at 30B-n256 in session 9, 4.22 in session 8; Pallas 4.17)
-      python3 -c "import cutlass, jax_tvm_ffi" 2>/dev/null && impls=auto,up_proj=cute,$impls
+      cute_staged && impls=auto,up_proj=cute,$impls
       tp=$(torch_pythonpath)
       if PYTHONPATH=$tp python3 -c "import sonicmoe" 2>/dev/null; then
         impls=$impls,torch_sonicmoe; torch=(--torch-pythonpath "$tp")
@@ -494,7 +496,7 @@ PY
         --out "$OUT/kernels_pallas.json" 2>&1 | grep -v '^{' | tail -40 ;;
     cute)  # test_cute.py's GPU tests, part CUTE_PART of CUTE_PARTS (default 1 of 3: the whole
            # file, 160 tests, runs past one call's 9 minutes; their order by collection)
-      python3 -c "import cutlass, jax_tvm_ffi" 2>/dev/null || { echo "cute: the cute wheels are not staged here"; exit 3; }
+      cute_staged || { echo "cute: the cute wheels are not staged here"; exit 3; }
       python3 -m pytest -p no:cacheprovider -m gpu tests/test_cute.py --co 2>/dev/null \
         | grep '::' > "$OUT/cute_test_ids.txt"   # (pyproject's -q: one node id a line)
       part=${CUTE_PART:-1} parts=${CUTE_PARTS:-3}

@@ -2,11 +2,12 @@
 carries the PyTorch SonicMoE's caches from one machine to the next (torch_cache_save, then the
 restore at the start of a later run), and splits test_cute.py's GPU tests into parts. Runs on
 the CPU: no mode here needs a GPU."""
-import importlib.util
 import os
 import pathlib
 import re
 import subprocess
+
+from sonicmoe_jax import backends
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh"
 
@@ -76,7 +77,7 @@ def test_cute_mode_runs_every_nth_of_test_cutes_gpu_tests(tmp_path):
   (off the GPU they skip); without the cute wheels it stops at once (exit 3)."""
   out = tmp_path / "out"
   result = _run(SCRIPT.parents[1], tmp_path, tmp_path, out, "cute", CUTE_PART="2", CUTE_PARTS="60")
-  if importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("jax_tvm_ffi") is None:
+  if not backends._cute_installed():
     assert result.returncode == 3 and "not staged" in result.stdout
     return
   ids = (out / "cute_test_ids.txt").read_text().split()
