@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
 

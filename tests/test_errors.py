@@ -1,5 +1,4 @@
 """Bad inputs raise clear errors naming the argument and the limit."""
-import jax
 import jax.numpy as jnp
 import pytest
 
