@@ -13,7 +13,7 @@
 #           tests, then the per-op rows of benchmarks.kernels at 30B-n256 and 7B-n256    (~4 min)
 #   cute  : test_cute.py's GPU tests, every CUTE_PARTS-th from CUTE_PART (default 1 of 3),
 #           compiling into the disk cache /tmp/cute-cache (carry the cute wheels first,
-#           ../shared/tools/device-wheels cute; source their env.sh; exits 3 without them) (~5 min a part)
+#           ../shared/tools/device-wheels cute; source their env.sh; exits 3 without them) (5-7 min a part)
 #   pingpong: the ping-pong kernels' GPU tests (90 s cap per kernel: a hang), their sweep
 #           rows beside grouped_gemm's at 30B-n256                                     (~8 min)
 #   new_tests: the cute top-K, the CUDA-graph test, the counting routing plan on the GPU (~4 min)
