@@ -56,8 +56,6 @@
 #   sized : the weight gradients skipping their experts' padding k steps: GPU tests, sweep
 #           rows with and without, check_anchors at 30B-n256 and 7B-n256             (~8 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
-#   regstore: the persistent weight gradients storing from registers: GPU tests, the sweep rows
-#           beside the TMA-store epilogue at four anchors                         (~6 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
@@ -332,18 +330,6 @@ PY
         --out "$OUT/sweep_sized.json" 2>&1 | grep -v '^{' | grep -v "^config"
       timeout 200 python3 -m benchmarks.check_anchors --backend auto --configs 30B-n256,7B-n256 \
         --out "$OUT/check_anchors_sized.json" 2>&1 | grep '^{' | cut -c1-200 ;;
-    regstore)  # after `cute` staging: the persistent weight gradients storing their tiles from
-               # registers (register_store) against the TMA-store epilogue: GPU tests, then the
-               # sweep rows as the layer runs them (group_sizes), interleaved   (~6 min)
-      timeout 200 python3 -m pytest -m gpu tests/test_cute.py -p no:cacheprovider -rA \
-        -k "persistent_weight_grad" > "$OUT/pytest_regstore.log" 2>&1
-      rc=$?; echo "tests: rc $rc"
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_regstore.log" | cut -c1-160 | tail -8
-      [ "$rc" = 0 ] || continue
-      timeout 300 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 256 \
-        --configs olmoe,120B-n1024,30B-n256,7B-n256 --interleave 15 --iters 5 \
-        --kernels dw1_gather_persistent_sized,dw1_gather_persistent_sized_regstore,dw2_gather_persistent_sized,dw2_gather_persistent_sized_regstore \
-        --out "$OUT/sweep_regstore.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
     step_memory)  # after `cute` staging: the step's peak memory and XLA's memory-usage report
                   # (its largest buffers) at MEM_CONFIGS (default 30B-n256 7B-n256)   (~2 min)
       for cfg in ${MEM_CONFIGS:-30B-n256 7B-n256}; do

@@ -58,7 +58,6 @@ VARIANTS = [
     ("wgrad persistent gather bn128 fit", "wgrad_persistent_gather", 128, 0),
     ("wgrad persistent gather bn256 fit", "wgrad_persistent_gather", 256, 0),
     ("store persistent bn256 fit", "matmul_persistent", 256, 0),
-    ("wgrad persistent gather regstore bn256 fit", "wgrad_persistent_gather_regstore", 256, 0),
 ]
 
 _COMPILE = """
@@ -76,8 +75,6 @@ if kernel.endswith("_h_smem"):   # dh's epilogue reading H from SMEM
   kernel, kw["h_smem"] = kernel.removesuffix("_h_smem"), True
 if kernel.endswith("_ws"):   # a kernel that does not gather, warp-specialized
   kernel, kw["warp_specialized"] = kernel.removesuffix("_ws"), True
-if kernel.endswith("_regstore"):   # the persistent weight gradient storing from registers
-  kernel, kw["register_store"] = kernel.removesuffix("_regstore"), True
 fn, args = {
     "matmul": (lambda a, b, t: g.grouped_matmul(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "up_proj": (lambda a, b, t: g.up_proj(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),

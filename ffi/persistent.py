@@ -24,10 +24,7 @@ Schedule:
               SMEM buffers of its own (EPI_STAGES x EPI_TILE, not over the stages, which the
               producer is refilling) and TMA stores (grouped_gemm._tma_store_epilogue, rolling:
               a tile's last stores read on under the next tile's mainloop; M-major for a
-              transposed weight gradient); a tile without k steps stores zeros. Or ("wgrad"
-              with register_store) each thread stores its accumulator's values from registers
-              (bf16 pairs along a row; no SMEM buffers, named barriers or TMA stores; the MMA
-              warpgroups go on to the next tile once the stores are issued)
+              transposed weight gradient); a tile without k steps stores zeros
 """
 from __future__ import annotations
 
@@ -77,20 +74,9 @@ def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_ste
   return m_tile, t % num_n_tiles, 0, num_k, cutlass.min(owner, num_experts - 1), 0
 
 
-@cute.jit
-def register_store_epilogue(acc, thr_mma, out_tile):
-  """A tile's outputs straight from registers: each thread's accumulator values converted to
-  the output's dtype and stored to its positions of out_tile (global memory), two adjacent
-  columns a store where the output is N-major."""
-  frag = cute.make_rmem_tensor(acc.shape, out_tile.element_type)
-  frag.store(acc.load().to(out_tile.element_type))
-  cute.autovec_copy(frag, thr_mma.partition_C(out_tile))
-
-
 @cute.kernel
 def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: cute.Tensor,
-            tma_out: cute.CopyAtom, m_out_tma: cute.Tensor, m_out: cute.Tensor,
-            tile_info: cute.Tensor,
+            tma_out: cute.CopyAtom, m_out_tma: cute.Tensor, tile_info: cute.Tensor,
             gather_index: cute.Tensor, tiled_mma: cute.TiledMma,
             a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
             c_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
@@ -98,13 +84,11 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
             num_m_tiles: cutlass.Constexpr, num_n_tiles: cutlass.Constexpr,
             k_steps: cutlass.Constexpr, num_tiles: cutlass.Constexpr,
-            out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr,
-            register_store: cutlass.Constexpr):
+            out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr):
   """kind "wgrad": m_a X (T, M, 1) the gathered rows' source, m_b the rhs (N, P, 1) N-major,
   the output (M, N, E), tile_info group_rows (2 E,), gather_index (P,). kind "store":
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
-  tile_info tile_expert (P / BLOCK_M,), gather_index unused. m_out: the output itself (for
-  register_store's stores; m_out_tma for the TMA stores)."""
+  tile_info tile_expert (P / BLOCK_M,), gather_index unused."""
   gather = kind == "wgrad"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -152,24 +136,19 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
       consume, release = gg.consume_tile(loads, consume, release, tiled_mma, [acc], frag_a,
                                          [frag_b], num_k, gather)
       release = gg.release_last_stage(loads, release, num_k)
-      out_tile = lambda t: cute.local_tile(t, tile_mnk, (m_tile, n_tile, None, out_l),
-                                           proj=(1, 1, None))
-      if cutlass.const_expr(register_store):
-        register_store_epilogue(acc, thr_mma, out_tile(m_out))
-      else:
-        # rolling: before writing a buffer the leader waits for its last store, which may be
-        # the previous tile's (block_n, a multiple of 128, fills the buffers whole)
-        gg._tma_store_epilogue([acc], [(tma_out, out_tile(m_out_tma))], s_c, tiled_mma,
-                               mma_tidx, warp == 4, False, m_major=out_m_major, rolling=True)
-    if cutlass.const_expr(not register_store):
-      gg.store_tail(warp == 4)
+      out_tile = cute.local_tile(m_out_tma, tile_mnk, (m_tile, n_tile, None, out_l),
+                                 proj=(1, 1, None))
+      # rolling: before writing a buffer the leader waits for its last store, which may be
+      # the previous tile's (block_n, a multiple of 128, fills the buffers whole)
+      gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx, warp == 4,
+                             False, m_major=out_m_major, rolling=True)
+    gg.store_tail(warp == 4)
 
 
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
             gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-            stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr, kind: cutlass.Constexpr,
-            register_store: cutlass.Constexpr = False):
+            stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr, kind: cutlass.Constexpr):
   """The persistent grid and the kernel's static configuration (_kernel's operands; the
   output's modes (rows, columns, experts or 1))."""
   dtype = lhs.element_type
@@ -206,10 +185,10 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   num_tiles = num_m_tiles * num_n_tiles * cute.size(out, mode=[2])
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K   # (store: the contraction)
   _kernel.set_name_prefix(gg.kernel_label(kind, gather, "persistent"), remove_cutlass_symbol=True)
-  _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, out, tile_info, gather_index, tiled_mma,
+  _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index, tiled_mma,
           a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage,
           block_n, stages, stage_bytes, num_m_tiles, num_n_tiles, k_steps, num_tiles,
-          out_layout.is_m_major_c(), kind, register_store).launch(
+          out_layout.is_m_major_c(), kind).launch(
               grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
               stream=stream)
 
@@ -217,12 +196,10 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
 @cute.jit
 def _weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tensor,
                  gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-                 stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS,
-                 register_store: cutlass.Constexpr = False):
+                 stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS):
   """x (T, M, 1) the source rows, rhs (N, P, 1) N-major, group_rows (2 E,), gather_index (P,),
   out (M, N, E) N- or M-major: the operands of grouped_gemm._gathered_weight_grad."""
-  _launch(stream, x, rhs, group_rows, gather_index, out, block_n, stages, num_ctas, "wgrad",
-          register_store)
+  _launch(stream, x, rhs, group_rows, gather_index, out, block_n, stages, num_ctas, "wgrad")
 
 
 @cute.jit
@@ -265,16 +242,14 @@ def _grid_config(num_ctas, name: str) -> dict:
 
 def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: int = 128,
                 stages: int | None = None, transpose_out: bool = False,
-                num_ctas: int | None = None, group_sizes=None, register_store: bool = False):
+                num_ctas: int | None = None, group_sizes=None):
   """grouped_gemm.weight_grad with gather_index on persistent CTAs (module docstring): x
   [T, M] (slot r reads X[gather_index[r]], zeros where it is T or more), rhs [P, N] rows in
   slot order, expert e's rows group_offsets[e] .. group_offsets[e + 1] (multiples of BLOCK_M),
   or with group_sizes to group_offsets[e] + group_sizes[e] (grouped_gemm.weight_grad's);
   returns out [E, M, N], out[e] = X_e^T rhs_e, or with transpose_out [E, N, M]. stages: the
   ring's depth (default: as many as fit beside the epilogue's buffers, at most the k steps of
-  all rows). num_ctas: the grid's most CTAs (default NUM_SMS). register_store: the tiles
-  stored from registers instead of through SMEM by TMA (the same bits; a sweep variant,
-  benchmarks/NOTES.md)."""
+  all rows). num_ctas: the grid's most CTAs (default NUM_SMS)."""
   slots = gg.rows_read(x, gather_index)
   reason = (gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
                                         group_sizes) or _tile_unsupported(block_n))
@@ -284,8 +259,7 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   return gg.weight_grad_call((None, _weight_grad), x, rhs,
                              routing.group_row_ranges(group_offsets, group_sizes), num_experts,
                              gather_index, transpose_out, block_n=block_n, stages=stages,
-                             **_grid_config(num_ctas, "weight_grad"),
-                             **({"register_store": True} if register_store else {}))
+                             **_grid_config(num_ctas, "weight_grad"))
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
