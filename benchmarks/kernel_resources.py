@@ -3,11 +3,11 @@ cubins CuTe DSL compiles (no GPU needed), and how many CTAs of each fit on one H
 
   python -m benchmarks.kernel_resources [--out FILE]
 
-Each variant (kernel, block_n, stages) is compiled in a fresh process with CUTE_DSL_KEEP=cubin;
-the cubin's .nv.info section gives the register count (EIATTR_REGCOUNT; the ping-pong and
-gathering kernels' count at launch, before setmaxnreg moves registers between their
-warpgroups) and the stack
-frame (EIATTR_FRAME_SIZE: non-zero means registers spilled to local memory). The kernels' shared
+The variants (kernel, block_n, stages) are compiled in turn in one fresh process with
+CUTE_DSL_KEEP=cubin, each adding one cubin; its .nv.info section gives the register count
+(EIATTR_REGCOUNT; the ping-pong and gathering kernels' count at launch, before setmaxnreg
+moves registers between their warpgroups) and the stack frame (EIATTR_FRAME_SIZE: non-zero
+means registers spilled to local memory). The kernels' shared
 memory is the pipeline's stages plus 1 KiB of barriers (grouped_gemm.smem_bytes) at the depth
 the kernel runs (grouped_gemm._pipeline_depth; the compiled shapes have K_STEPS k steps, enough
 for any depth).
@@ -60,22 +60,28 @@ VARIANTS = [
     ("store persistent bn256 fit", "matmul_persistent", 256, 0),
 ]
 
+# Compiles each (kernel, block_n, stages) of the JSON list argv[2] in turn (argv[1]: the cubins'
+# dump directory), printing after each the cubins it added (moved to kept/<i>/), as one JSON
+# line.
 _COMPILE = """
-import sys
+import json, pathlib, sys
 import ffi  # noqa: F401  (CUTE_DSL_ARCH=sm_90a off the GPU)
 import jax, jax.numpy as jnp
 from ffi import grouped_gemm as g, persistent as pw, pingpong as pp
 from pallas_kernels import schedule
-kernel, bn, stages, k_steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None, int(sys.argv[4])
+dump, variants, k_steps = pathlib.Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
 P = K = k_steps * g.BLOCK_K
-N, E = (768 if bn == 192 else 512), 4   # (192-wide tiles need N a multiple of 192)
 sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
-kw = dict(block_n=bn, stages=stages)
-if kernel.endswith("_h_smem"):   # dh's epilogue reading H from SMEM
-  kernel, kw["h_smem"] = kernel.removesuffix("_h_smem"), True
-if kernel.endswith("_ws"):   # a kernel that does not gather, warp-specialized
-  kernel, kw["warp_specialized"] = kernel.removesuffix("_ws"), True
-fn, args = {
+
+
+def variant(kernel, bn, stages):
+  N, E = (768 if bn == 192 else 512), 4   # (192-wide tiles need N a multiple of 192)
+  kw = dict(block_n=bn, stages=stages or None)
+  if kernel.endswith("_h_smem"):   # dh's epilogue reading H from SMEM
+    kernel, kw["h_smem"] = kernel.removesuffix("_h_smem"), True
+  if kernel.endswith("_ws"):   # a kernel that does not gather, warp-specialized
+    kernel, kw["warp_specialized"] = kernel.removesuffix("_ws"), True
+  return {
     "matmul": (lambda a, b, t: g.grouped_matmul(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "up_proj": (lambda a, b, t: g.up_proj(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "up_proj_gather": (lambda a, b, t, i: g.up_proj(a, b, t, gather_index=i, **kw),
@@ -118,7 +124,15 @@ fn, args = {
     "wgrad_persistent_gather": (lambda a, b, o, i: pw.weight_grad(a, b, o, E, i, **kw),
                                 (sds(300, K), sds(P, N), sds(E + 1, dt=jnp.int32), sds(P, dt=jnp.int32))),
 }[kernel]
-jax.jit(fn).trace(*args)
+
+
+kept = dump / "kept"   # each variant's cubins moved here (their names can repeat)
+for i, (kernel, bn, stages) in enumerate(variants):
+  fn, args = variant(kernel, bn, stages)
+  jax.jit(fn).trace(*args)
+  (kept / str(i)).mkdir(parents=True)
+  new = [str(p.rename(kept / str(i) / p.name)) for p in dump.rglob("*.cubin") if kept not in p.parents]
+  print(json.dumps(new), flush=True)
 """
 
 
@@ -149,19 +163,29 @@ def cubin_resources(data: bytes) -> dict:
   return {"registers": found[_EIATTR_REGCOUNT], "stack_bytes": found[_EIATTR_FRAME_SIZE]}
 
 
-def measure(kernel: str, block_n: int, stages: int) -> dict:
-  """Compiles one variant in a fresh process and reads its cubin."""
+def measure_many(variants) -> list[dict]:
+  """Compiles each (kernel, block_n, stages) in turn in one fresh process and reads the one
+  cubin each adds: cubin_resources per variant, in order."""
   repo = pathlib.Path(__file__).resolve().parent.parent
+  variants = [list(v) for v in variants]
   with tempfile.TemporaryDirectory() as tmp:
     env = dict(os.environ, CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=tmp, SONICMOE_CUTE_CACHE="",
                PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
-    subprocess.run([sys.executable, "-c", _COMPILE, kernel, str(block_n), str(stages), str(K_STEPS)],
-                   env=env,
-                   cwd=tmp, check=True, capture_output=True, timeout=600)
-    cubins = list(pathlib.Path(tmp).rglob("*.cubin"))
-    if len(cubins) != 1:
-      raise RuntimeError(f"expected one cubin for {kernel}, found {len(cubins)}")
-    return cubin_resources(cubins[0].read_bytes())
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, tmp, json.dumps(variants), str(K_STEPS)],
+                          env=env, cwd=tmp, check=True, capture_output=True, text=True,
+                          timeout=300 + 120 * len(variants))
+    added = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
+    resources = []
+    for (kernel, block_n, _), cubins in zip(variants, added, strict=True):
+      if len(cubins) != 1:
+        raise RuntimeError(f"expected one cubin for {kernel} at block_n={block_n}, found {len(cubins)}")
+      resources.append(cubin_resources(pathlib.Path(cubins[0]).read_bytes()))
+    return resources
+
+
+def measure(kernel: str, block_n: int, stages: int) -> dict:
+  """One variant's resources (measure_many of it alone)."""
+  return measure_many([(kernel, block_n, stages)])[0]
 
 
 def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
@@ -203,10 +227,9 @@ def main(argv=None):
   a = p.parse_args(argv)
   import ffi  # noqa: F401
   recs = []
-  for name, kernel, block_n, stages in VARIANTS:
-    if a.only not in name:
-      continue
-    rec = dict(variant=name, **measure(kernel, block_n, stages), smem_bytes=smem_bytes(kernel, block_n, stages))
+  chosen = [v for v in VARIANTS if a.only in v[0]]
+  for (name, kernel, block_n, stages), found in zip(chosen, measure_many([v[1:] for v in chosen])):
+    rec = dict(variant=name, **found, smem_bytes=smem_bytes(kernel, block_n, stages))
     rec["ctas_per_sm"] = ctas_per_sm(rec["registers"], rec["smem_bytes"], threads(kernel))
     recs.append(rec)
     print(json.dumps(rec), flush=True)

@@ -1764,9 +1764,8 @@ def test_kernel_resources_keep_the_tiles_ffi_ops_relies_on():
   at most 128 registers (the other kernels' spills: KERNEL_SPILLS)."""
   from benchmarks import kernel_resources as kr
   from ffi import grouped_gemm
-  store = kr.measure("matmul", 128, 3)
+  store, dh = kr.measure_many([("matmul", 128, 3), ("dh", 128, 0)])
   assert kr.ctas_per_sm(store["registers"], kr.smem_bytes("matmul", 128, 3), grouped_gemm.THREADS) == 2
-  dh = kr.measure("dh", 128, 0)
   assert dh["stack_bytes"] == 0 and 0 < dh["registers"] <= 128
 
 
@@ -1789,11 +1788,16 @@ KERNEL_SPILLS = [("dh_pingpong", 128, 0), ("dh_pingpong_gather", 128, 0),
 
 
 @needs_cute
-@pytest.mark.parametrize("kernel,block_n,max_stack", KERNEL_SPILLS)
-def test_kernels_spill_no_more_than_recorded(kernel, block_n, max_stack):
-  """A new spill shows in the cubin's stack frame before it shows on a GPU."""
+def test_kernels_spill_no_more_than_recorded():
+  """A new spill shows in the cubin's stack frame before it shows on a GPU (all of
+  KERNEL_SPILLS compiled in one process: one import of JAX and CuTe DSL, not one each)."""
   from benchmarks import kernel_resources as kr
-  assert kr.measure(kernel, block_n, 0)["stack_bytes"] <= max_stack, kernel
+  found = kr.measure_many([(kernel, block_n, 0) for kernel, block_n, _ in KERNEL_SPILLS])
+  over = [(kernel, block_n, got["stack_bytes"], max_stack)
+          for (kernel, block_n, max_stack), got in zip(KERNEL_SPILLS, found)
+          if got["stack_bytes"] > max_stack]
+  assert not over, f"(kernel, block_n, stack bytes, recorded most): {over}"
+  assert all(got["registers"] > 0 for got in found)
 
 
 @needs_cute

@@ -15,6 +15,11 @@ def _logits(seed, T, E):
   return jax.random.normal(jax.random.key(seed), (T, E)) * 2.0
 
 
+def _route(logits, rng=None, **options):
+  """sm.route jitted: one compile, not one per op (route runs eagerly in the other tests)."""
+  return jax.jit(lambda l, key: sm.route(l, rng=key, **options))(logits, rng)
+
+
 def _check_plan_structure(plan, T, E):
   tok = np.asarray(plan.token_index)
   exp = np.asarray(plan.expert_index)
@@ -43,7 +48,7 @@ def _check_plan_structure(plan, T, E):
 @pytest.mark.parametrize("T,E,K", [(64, 8, 2), (37, 4, 1), (20, 1, 1), (50, 64, 6)])
 def test_topk_plan(T, E, K):
   logits = _logits(T + E, T, E)
-  plan, stats = sm.route(logits, k=K)
+  plan, stats = _route(logits, k=K)
   _check_plan_structure(plan, T, E)
   assert plan.fixed_k and plan.num_slots == T * K
   expected = set()
@@ -76,7 +81,7 @@ def test_softmax_all_scores():
 @pytest.mark.parametrize("T,E,K,tile", [(256, 8, 2, 16), (300, 16, 4, 32), (128, 4, 1, 8)])
 def test_rounding_properties(mode, T, E, K, tile):
   logits = _logits(T * E + tile, T, E)
-  plan, stats = sm.route(logits, k=K, rounding=mode, tile=tile, rng=jax.random.key(3))
+  plan, stats = _route(logits, k=K, rounding=mode, tile=tile, rng=jax.random.key(3))
   _check_plan_structure(plan, T, E)
   f = np.asarray(stats.topk_counts)
   c = np.asarray(stats.expert_counts)
@@ -201,8 +206,8 @@ def test_aux_losses():
 def test_aligned_plan(rounding, tile, align):
   T, E, K = 150, 8, 2
   logits = _logits(align + tile, T, E)
-  plan, stats = sm.route(logits, k=K, rounding=rounding, tile=max(tile, 1), align=align)
-  dense, _ = sm.route(logits, k=K, rounding=rounding, tile=max(tile, 1))
+  plan, stats = _route(logits, k=K, rounding=rounding, tile=max(tile, 1), align=align)
+  dense, _ = _route(logits, k=K, rounding=rounding, tile=max(tile, 1))
   _check_plan_structure(plan, T, E)
   offsets = np.asarray(plan.group_offsets)
   assert np.all(offsets % align == 0) and plan.num_slots % align == 0
@@ -282,13 +287,15 @@ def test_topk_plan_by_counting_equals_the_sorted_plan(T, E, K, align):
     logits = logits.at[:, 0].add(-100.0)   # expert 0 gets no tokens
   values, experts = jax.lax.top_k(logits, K)
   scores = jax.nn.softmax(values, axis=-1)
-  plans = {m: routing._topk_plan(scores, experts, E, align, m) for m in ("count", "sort")}
+  # (jitted: one compile a method, not one per op)
+  plan_of = lambda m: jax.jit(lambda s, x: routing._topk_plan(s, x, E, align, m))
+  plans = {m: plan_of(m)(scores, experts) for m in ("count", "sort")}
   for field in PLAN_FIELDS:
     np.testing.assert_array_equal(getattr(plans["count"], field), getattr(plans["sort"], field),
                                   err_msg=field)
   weights = jax.random.normal(jax.random.key(1), (plans["sort"].num_slots,))
-  grads = {m: jax.grad(lambda s: jnp.sum(routing._topk_plan(s, experts, E, align, m).scores
-                                          * weights))(scores) for m in ("count", "sort")}
+  grads = {m: jax.jit(jax.grad(lambda s: jnp.sum(plan_of(m)(s, experts).scores * weights)))(
+      scores) for m in ("count", "sort")}
   np.testing.assert_array_equal(grads["count"], grads["sort"])
   assert np.any(np.asarray(grads["count"]) != 0)
 
