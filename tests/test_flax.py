@@ -63,11 +63,11 @@ def test_nnx_grad_and_optimizer_step():
 def test_linen_wrapper():
   mod = sm.SonicMoELinen(d_model=32, d_expert=16, num_experts=8, k=2, tile=16, dtype=jnp.float32)
   x = jax.random.normal(jax.random.key(6), (64, 32))
-  params = mod.init(jax.random.key(0), x)
+  params = jax.jit(mod.init)(jax.random.key(0), x)   # (init and grad jitted; apply eager)
   y, stats = mod.apply(params, x, deterministic=True)
   p = params["params"]
   assert rel_err(y, oracle_moe(x, p["router_w"], p["w1"], p["w2"], k=2)) < 1e-4
-  g = jax.grad(lambda p: jnp.sum(mod.apply(p, x)[0] ** 2))(params)
+  g = jax.jit(jax.grad(lambda p: jnp.sum(mod.apply(p, x)[0] ** 2)))(params)
   assert g["params"]["w1"].shape == (8, 32, 32)
 
 
@@ -82,7 +82,7 @@ def test_nnx_and_linen_pass_windows_to_the_layer():
   assert rel_err(m(x)[0], ref) < 1e-4
   mod = sm.SonicMoELinen(d_model=384, d_expert=16, num_experts=8, k=2, tile=16,
                          dtype=jnp.float32, windows=2)
-  params = mod.init(jax.random.key(0), x)
+  params = jax.jit(mod.init)(jax.random.key(0), x)
   p = params["params"]
   y, _ = mod.apply(params, x, deterministic=True)
   assert rel_err(y, oracle_moe(x, p["router_w"], p["w1"], p["w2"], k=2)) < 1e-4
