@@ -7,10 +7,9 @@ The variants (kernel, block_n, stages) are compiled in turn in one fresh process
 CUTE_DSL_KEEP=cubin, each adding one cubin; its .nv.info section gives the register count
 (EIATTR_REGCOUNT; the ping-pong and gathering kernels' count at launch, before setmaxnreg
 moves registers between their warpgroups) and the stack frame (EIATTR_FRAME_SIZE: non-zero
-means registers spilled to local memory). The kernels' shared
-memory is the pipeline's stages plus 1 KiB of barriers (grouped_gemm.smem_bytes) at the depth
-the kernel runs (grouped_gemm._pipeline_depth; the compiled shapes have K_STEPS k steps, enough
-for any depth).
+means registers spilled to local memory). The kernels' shared memory is the pipeline's stages
+plus 1 KiB of barriers (grouped_gemm.smem_bytes) at the depth the kernel runs
+(grouped_gemm._pipeline_depth; the compiled shapes have K_STEPS k steps, enough for any depth).
 CTAs per SM = min(by registers: 64K / (threads x registers rounded up to 8), by SMEM: 227 KiB /
 the CTA's SMEM).
 """
