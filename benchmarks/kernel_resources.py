@@ -182,10 +182,6 @@ def measure_many(variants) -> list[dict]:
     return resources
 
 
-def measure(kernel: str, block_n: int, stages: int) -> dict:
-  """One variant's resources (measure_many of it alone)."""
-  return measure_many([(kernel, block_n, stages)])[0]
-
 
 def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
   """The variant's SMEM at the pipeline depth its kernel runs (stages 0: as many as fit)."""

@@ -288,14 +288,14 @@ def test_topk_plan_by_counting_equals_the_sorted_plan(T, E, K, align):
   values, experts = jax.lax.top_k(logits, K)
   scores = jax.nn.softmax(values, axis=-1)
   # (jitted: one compile a method, not one per op)
-  plan_of = lambda m: jax.jit(lambda s, x: routing._topk_plan(s, x, E, align, m))
-  plans = {m: plan_of(m)(scores, experts) for m in ("count", "sort")}
+  plan_of = lambda m: lambda s: routing._topk_plan(s, experts, E, align, m)
+  plans = {m: jax.jit(plan_of(m))(scores) for m in ("count", "sort")}
   for field in PLAN_FIELDS:
     np.testing.assert_array_equal(getattr(plans["count"], field), getattr(plans["sort"], field),
                                   err_msg=field)
   weights = jax.random.normal(jax.random.key(1), (plans["sort"].num_slots,))
-  grads = {m: jax.jit(jax.grad(lambda s: jnp.sum(plan_of(m)(s, experts).scores * weights)))(
-      scores) for m in ("count", "sort")}
+  grads = {m: jax.jit(jax.grad(lambda s: jnp.sum(plan_of(m)(s).scores * weights)))(scores)
+           for m in ("count", "sort")}
   np.testing.assert_array_equal(grads["count"], grads["sort"])
   assert np.any(np.asarray(grads["count"]) != 0)
 
