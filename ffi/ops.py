@@ -139,13 +139,6 @@ STORE_BLOCK_NS = (128, 192)
 # 192-row tiles replaced them.
 STORE_TILE_M = "auto"
 STORE_TILE_MS = ("auto",) + pingpong.TILE_MS
-# The ping-pong store kernels' CTAs per cluster (pingpong.grouped_matmul's cluster_n): 2 pairs
-# neighbouring column tiles of one row tile, which share its lhs stages by TMA multicast (where
-# the column tiles are an even number; else 1). The PyTorch SonicMoE's GEMMs all run clusters
-# of 2; its dX~ at 7B-n256 took 0.461 ms against our 0.481 (both 128 x 192 ping-pong tiles,
-# H200 session 40's four rounds, results/2026-12-03-h200-session40).
-STORE_CLUSTER_N = 1
-STORE_CLUSTER_NS = pingpong.CLUSTER_NS
 
 
 # The weight gradients' kernel where they gather rows (dw1's X, dw2's dO): "grouped"
@@ -270,8 +263,7 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   (they pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the kernels read rhs
   from column lo: no copy), their tile's width halved until it divides them (the ping-pong
   kernels' 192 wide where STORE_BLOCK_N asks and it divides them; or their 192-row tiles, 128
-  wide, where STORE_TILE_M asks: "auto" where 192 wide does not divide them), in clusters of
-  STORE_CLUSTER_N CTAs where their column tiles pair up)."""
+  wide, where STORE_TILE_M asks: "auto" where 192 wide does not divide them)."""
   _setting("STORE_KERNEL", STORE_KERNEL, STORE_KERNELS)
   width = n_out if cols is None else cols[1] - cols[0]
   wide_kernel = _setting("STORE_WIDE_KERNEL", STORE_WIDE_KERNEL, STORE_WIDE_KERNELS)
@@ -289,7 +281,6 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
     tma_store = (STORE_KERNEL == "pingpong_tma"
                  or not pingpong.register_stores_fit(lhs.shape[0], width))
     tile_m = _setting("STORE_TILE_M", STORE_TILE_M, STORE_TILE_MS)
-    cluster_n = _setting("STORE_CLUSTER_N", STORE_CLUSTER_N, STORE_CLUSTER_NS)
     if tile_m == "auto":
       tile_m = pingpong.TILE_M if width % widest == 0 else pingpong.ROW_TILE_M
     if tma_store and tile_m == pingpong.ROW_TILE_M:   # (its widest column tile: 128)
@@ -298,11 +289,8 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
       tile_m, tiles = pingpong.TILE_M, _tiles(plan)
       if width % widest == 0:
         block_n = widest
-    if pingpong.column_tiles(width, block_n) % cluster_n:
-      cluster_n = 1
     return pingpong.grouped_matmul(lhs, rhs, tiles, transpose_rhs=transpose_rhs, block_n=block_n,
-                                   tma_store=tma_store, cols=cols, tile_m=tile_m,
-                                   cluster_n=cluster_n)
+                                   tma_store=tma_store, cols=cols, tile_m=tile_m)
   return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                      block_n=block_n, stages=STORE_STAGES, cols=cols)
 
