@@ -78,7 +78,7 @@
 #   torch_cache_save: the PyTorch SonicMoE's autotuning results and compiled kernels into $OUT
 #           (kept here in .devcache/; carried, the next machine restores them at the start) (~10 s)
 #   torch_warm: the PyTorch SonicMoE's first runs (compiles, autotuning: ~510 s fresh), after
-#           staging the upstream wheels                                                (~9 min)
+#           staging the upstream wheels; its autotuning results into $OUT          (~9 min)
 #   bench : side by side at the five anchors: pallas, tokamax, dense, the default ("auto") when
 #           the cute wheels are staged (source /tmp/devsite-cute/env.sh and, for tokamax,
 #           /tmp/devsite-tokamax/env.sh first), and the PyTorch SonicMoE when its wheels are
@@ -121,6 +121,12 @@ round_bench() { local log=$1; shift
 # them it tunes nothing) and its compiled kernels (quack_cache under the temp folder; with
 # them it compiles nothing). Without them its first run took 447-472 s at 30B-n256 and
 # 120B-n1024 on a fresh machine. Restored once per machine, before any mode runs.
+# save_autotune: quack's autotuning results (~/.quack, a few KB: which tile each GEMM runs
+# on this machine) into $OUT/quack_autotune.tgz (benchmarks.torch_autotune reads it)
+save_autotune() {
+  if [ -d "$HOME/.quack" ]; then
+    tar czf "$OUT/quack_autotune.tgz" -C "$HOME" .quack && echo "quack_autotune.tgz saved"
+  else echo "autotuning results not saved: no $HOME/.quack"; fi; }
 quack_kernels_dir() { python3 -c 'import getpass, os, tempfile; print(os.path.join(tempfile.gettempdir(), getpass.getuser(), "quack_cache"))'; }
 if [ -d .devcache ] && [ ! -e "${TMPDIR:-/tmp}/.quack-restored" ]; then
   [ -f .devcache/quack_autotune.tgz ] && tar xzf .devcache/quack_autotune.tgz -C "$HOME"
@@ -452,9 +458,7 @@ PY
     torch_cache_save)  # after the PyTorch SonicMoE ran on this machine: its autotuning results
                        # and compiled kernels into $OUT (the kernels in 15 MiB parts, at most
                        # 4), for .devcache/ here and a carry on the next machine   (~10 s)
-      if [ -d "$HOME/.quack" ]; then
-        tar czf "$OUT/quack_autotune.tgz" -C "$HOME" .quack && echo "quack_autotune.tgz saved"
-      else echo "autotuning results not saved: no $HOME/.quack"; fi
+      save_autotune
       kernels=$(quack_kernels_dir); packed=${TMPDIR:-/tmp}/quack_kernels.tgz
       if [ -d "$kernels" ]; then
         tar czf "$packed" -C "$(dirname "$kernels")" "$(basename "$kernels")"
@@ -468,11 +472,14 @@ PY
       else echo "compiled kernels not saved: no $kernels"; fi ;;
     torch_warm)  # the PyTorch SonicMoE's first runs at the anchors (TORCH_CONFIGS, default all
                  # five; its CuTe compiles and autotuning, cached on its disk for `bench`: > 570 s
-                 # for all five on a fresh machine in session 10, 7B-n256 then took 44 s)
+                 # for all five on a fresh machine in session 10, 7B-n256 then took 44 s); its
+                 # autotuner's picks saved (save_autotune: they differ between machines, and
+                 # session 40's were lost with its machine)
       tp=$(torch_pythonpath)
       PYTHONPATH=$tp timeout 570 python3 benchmarks/torch_sonicmoe.py "$(anchors_json "${TORCH_CONFIGS:-}")" \
         > "$OUT/torch_warm.jsonl" 2> "$OUT/torch_warm.log"; echo "torch_warm: rc $?"
-      grep "first forward" "$OUT/torch_warm.log" ;;
+      grep "first forward" "$OUT/torch_warm.log"
+      save_autotune ;;
     bench)  # BENCH_CONFIGS / BENCH_IMPLS (comma lists) narrow it: all five anchors with every
             # impl do not fit one call with the PyTorch SonicMoE in it
       impls=pallas,dense; torch=()

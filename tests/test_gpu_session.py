@@ -1,6 +1,6 @@
 """benchmarks/gpu_session.sh, the device calls' script: it parses, documents every mode,
 carries the PyTorch SonicMoE's caches from one machine to the next (torch_cache_save, then the
-restore at the start of a later run), and splits test_cute.py's GPU tests into parts. Runs on
+restore at the start of a later run), keeps its autotuner's picks after torch_warm, and splits test_cute.py's GPU tests into parts. Runs on
 the CPU: no mode here needs a GPU."""
 import os
 import pathlib
@@ -65,6 +65,23 @@ def test_torch_caches_saved_then_restored_on_a_fresh_machine(tmp_path):
   again = _run(repo, new_home, new_tmp, tmp_path / "out3")
   assert "restored" not in again.stdout
   assert (new_tmp / user / "quack_cache" / "gemm.o").read_bytes() == b"newer"
+
+
+def test_torch_warm_saves_the_autotuners_picks(tmp_path):
+  """torch_warm keeps quack's autotuning results of the machine it ran on ($OUT's
+  quack_autotune.tgz, which benchmarks.torch_autotune reads) even where its run fails (here:
+  no PyTorch SonicMoE staged)."""
+  from benchmarks import torch_autotune
+  home = tmp_path / "home"
+  tuned = home / ".quack" / "cache" / "KEY" / "gemm.autotune.json"
+  tuned.parent.mkdir(parents=True)
+  tuned.write_text('{"key": ["2048"], "configs_timings": []}')
+  out = tmp_path / "out"
+  result = _run(SCRIPT.parents[1], home, tmp_path, out, "torch_warm", TORCH_CONFIGS="7B-n256")
+  assert result.returncode == 0, result.stderr
+  assert "torch_warm: rc " in result.stdout and "quack_autotune.tgz saved" in result.stdout
+  assert torch_autotune.read_results(str(out / "quack_autotune.tgz")) == [
+      ("gemm", {"key": ["2048"], "configs_timings": []})]
 
 
 def test_unknown_mode_fails(tmp_path):
