@@ -116,17 +116,17 @@ json.dump(rows + [dict(x, round=int(r)) if r else x for x in new], open(out, 'w'
 round_bench() { local log=$1; shift
   rm -f /tmp/round_ours.json /tmp/round_ours.png
   timeout 400 python3 -m benchmarks.bench --iters 5 --reps 3 "$@" --out /tmp/round_ours >> "$log" 2>&1; }
-# the PyTorch SonicMoE's caches from an earlier machine (torch_cache_save's files, carried in
-# .devcache/): quack's autotuning results (~/.quack: the config each GEMM shape runs; with
-# them it tunes nothing) and its compiled kernels (quack_cache under the temp folder; with
-# them it compiles nothing). Without them its first run took 447-472 s at 30B-n256 and
-# 120B-n1024 on a fresh machine. Restored once per machine, before any mode runs.
 # save_autotune: quack's autotuning results (~/.quack, a few KB: which tile each GEMM runs
 # on this machine) into $OUT/quack_autotune.tgz (benchmarks.torch_autotune reads it)
 save_autotune() {
   if [ -d "$HOME/.quack" ]; then
     tar czf "$OUT/quack_autotune.tgz" -C "$HOME" .quack && echo "quack_autotune.tgz saved"
   else echo "autotuning results not saved: no $HOME/.quack"; fi; }
+# the PyTorch SonicMoE's caches from an earlier machine (torch_cache_save's files, carried in
+# .devcache/): quack's autotuning results (~/.quack: the config each GEMM shape runs; with
+# them it tunes nothing) and its compiled kernels (quack_cache under the temp folder; with
+# them it compiles nothing). Without them its first run took 447-472 s at 30B-n256 and
+# 120B-n1024 on a fresh machine. Restored once per machine, before any mode runs.
 quack_kernels_dir() { python3 -c 'import getpass, os, tempfile; print(os.path.join(tempfile.gettempdir(), getpass.getuser(), "quack_cache"))'; }
 if [ -d .devcache ] && [ ! -e "${TMPDIR:-/tmp}/.quack-restored" ]; then
   [ -f .devcache/quack_autotune.tgz ] && tar xzf .devcache/quack_autotune.tgz -C "$HOME"
