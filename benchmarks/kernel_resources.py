@@ -182,7 +182,6 @@ def measure_many(variants) -> list[dict]:
     return resources
 
 
-
 def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
   """The variant's SMEM at the pipeline depth its kernel runs (stages 0: as many as fit)."""
   from ffi import grouped_gemm as g, persistent as pw, pingpong as pp

@@ -1,7 +1,7 @@
 """benchmarks/gpu_session.sh, the device calls' script: it parses, documents every mode,
 carries the PyTorch SonicMoE's caches from one machine to the next (torch_cache_save, then the
-restore at the start of a later run), keeps its autotuner's picks after torch_warm, and splits test_cute.py's GPU tests into parts. Runs on
-the CPU: no mode here needs a GPU."""
+restore at the start of a later run), keeps its autotuner's picks after torch_warm, and splits
+test_cute.py's GPU tests into parts. Runs on the CPU: no mode here needs a GPU."""
 import os
 import pathlib
 import re
@@ -28,6 +28,17 @@ def _run(cwd, home, tmp, out, *modes, **settings):
                         text=True, timeout=120)
 
 
+_TUNED = '{"key": ["2048"], "configs_timings": []}'
+
+
+def _autotuned(home):
+  """A quack autotuning result (_TUNED) under home's ~/.quack, as a run leaves one; its path."""
+  tuned = home / ".quack" / "cache" / "KEY" / "gemm.autotune.json"
+  tuned.parent.mkdir(parents=True)
+  tuned.write_text(_TUNED)
+  return tuned
+
+
 def test_torch_caches_saved_then_restored_on_a_fresh_machine(tmp_path):
   """torch_cache_save writes quack's autotuning results (~/.quack) and its compiled kernels (the
   temp folder's <user>/quack_cache, split into 15 MiB parts) under $OUT; with those files in
@@ -35,9 +46,7 @@ def test_torch_caches_saved_then_restored_on_a_fresh_machine(tmp_path):
   import getpass
   user = getpass.getuser()
   old_home, old_tmp = tmp_path / "home1", tmp_path / "tmp1"
-  tuned = old_home / ".quack" / "cache" / "KEY" / "gemm.autotune.json"
-  tuned.parent.mkdir(parents=True)
-  tuned.write_text('{"key": ["2048"], "configs_timings": []}')
+  tuned = _autotuned(old_home)
   kernels = old_tmp / user / "quack_cache"
   kernels.mkdir(parents=True)
   big = os.urandom(17 * 2**20)   # more than one 15 MiB part
@@ -73,9 +82,7 @@ def test_torch_warm_saves_the_autotuners_picks(tmp_path):
   no PyTorch SonicMoE staged)."""
   from benchmarks import torch_autotune
   home = tmp_path / "home"
-  tuned = home / ".quack" / "cache" / "KEY" / "gemm.autotune.json"
-  tuned.parent.mkdir(parents=True)
-  tuned.write_text('{"key": ["2048"], "configs_timings": []}')
+  _autotuned(home)
   out = tmp_path / "out"
   result = _run(SCRIPT.parents[1], home, tmp_path, out, "torch_warm", TORCH_CONFIGS="7B-n256")
   assert result.returncode == 0, result.stderr
