@@ -58,6 +58,9 @@
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
+#   ncu_bytes: DRAM and L2 bytes of our weight gradients alone and of the PyTorch SonicMoE's
+#           step GEMMs at NCU_CONFIG (default olmoe; after cute and upstream staging and
+#           torch_warm)                                                             (~3 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
 #           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
 #   rows192: the ping-pong store GEMMs on 192-row tiles against 128-row ones (ROWS192_CONFIGS,
@@ -367,6 +370,24 @@ PY
         grep -E "^  [a-zA-Z_]+.*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|L2 Cache Throughput|Registers Per|Achieved Occupancy|Grid Size|Block Size|Issue Slots Busy|No Eligible" \
           "$OUT/ncu_${side}_$cfg.txt" | cut -c1-110 | head -70
       done ;;
+    ncu_bytes)  # (see above; our step under ncu segfaulted at olmoe in session 42: ours from
+                # tile_sweep, compiled into the disk cache first; L2 flushed before each kernel)
+      cfg=${NCU_CONFIG:-olmoe}; tp=$(torch_pythonpath)
+      metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum
+      metrics=$metrics,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_write.sum
+      metrics=$metrics,lts__t_sectors_srcunit_tex_op_read_lookup_miss.sum
+      sweep=(python3 -m benchmarks.tile_sweep --impl cute --configs "$cfg" --stages 0 --block-n 256
+             --kernels dw1_gather_persistent,dw2_gather_persistent --iters 1 --reps 1)
+      timeout 200 "${sweep[@]}" > "$OUT/ncu_bytes_warm.log" 2>&1; echo "compile (no ncu): rc $?"
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none \
+        -k regex:sonicmoe_persistent_weight_grad --launch-count 2 --metrics "$metrics" \
+        "${sweep[@]}" > "$OUT/ncu_bytes_ours_$cfg.txt" 2>&1; echo "ncu ours: rc $?"
+      PYTHONPATH=$tp timeout 200 ncu --profile-from-start off --clock-control none \
+        -k regex:quackgemm --metrics "$metrics" python3 benchmarks/torch_sonicmoe.py \
+        "$(anchors_json "$cfg")" --profile-one-step > "$OUT/ncu_bytes_torch_$cfg.txt" 2>&1
+      echo "ncu torch: rc $?"
+      grep -hE "^  [a-zA-Z_]+|gpu__time|dram__|lts__" "$OUT/ncu_bytes_ours_$cfg.txt" \
+        "$OUT/ncu_bytes_torch_$cfg.txt" | cut -c1-120 ;;
     dout_gather)
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs olmoe,120B-n1024 \
         --stages 3,0 --block-n 256 --kernels dh,dh_gather,dw2,dw2_gather \
