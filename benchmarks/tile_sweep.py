@@ -97,7 +97,9 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
     on 192-row tiles);
   - dw1, dw1_gather: dW1 gathering X's rows in the kernel; dw2, dw2_gather: dW2 transposed
     gathering dO's rows; dw1_gather_persistent, dw2_gather_persistent, down_proj_persistent,
-    dx_tilde_persistent: the same on persistent CTAs (ffi/persistent.py);
+    dx_tilde_persistent: the same on persistent CTAs (ffi/persistent.py); *_persistent_sized:
+    the weight gradients skipping each expert's padding (the layer's), *_sized_dynamic: in the
+    dynamic tile order;
   - up_proj, down_proj, dx_tilde, dh, dw1 and dw2 again as *_ws: a producer warpgroup issuing
     their TMA loads."""
   from ffi import grouped_gemm as cute_gemm, persistent, pingpong  # optional extra
@@ -187,6 +189,11 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
         a, b, o, E, i, transpose_out=t, group_sizes=s, **dataclasses.asdict(c))
     rows[name + "_sized"] = (jax.jit(sized, static_argnums=0), (*args, plan.group_sizes), flops,
                              None)
+    # ... with the tiles in the order the CTAs ask for them (persistent.weight_grad dynamic)
+    rows[name + "_sized_dynamic"] = (jax.jit(
+        lambda c, a, b, o, i, s, t=transpose_out: persistent.weight_grad(
+            a, b, o, E, i, transpose_out=t, group_sizes=s, dynamic=True,
+            **dataclasses.asdict(c)), static_argnums=0), (*args, plan.group_sizes), flops, None)
   for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands
     _, mm_args, mm_flops, mm_n = rows[name]
     rows[f"{name}_persistent"] = (jax.jit(

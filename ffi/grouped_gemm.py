@@ -151,13 +151,14 @@ def load_pipeline(storage, stages: cutlass.Constexpr, stage_bytes: cutlass.Const
   initialises them, fences and syncs the CTA). A full barrier completes on the stage's TMA
   bytes and, gathering, every producer thread's copies (PRODUCER_ARRIVALS); an empty one on
   each of the consumer_threads' warps. Thread tidx 0 first initialises extra_barriers more
-  (one arrival each: an epilogue's H loads) after them. Returns (the pipeline, the first extra
-  barrier's pointer)."""
+  after them: a count (one arrival each: an epilogue's H loads) or a tuple of each one's
+  arrivals. Returns (the pipeline, the first extra barrier's pointer)."""
   extra = storage.barriers.data_ptr() + 2 * stages
-  if cutlass.const_expr(extra_barriers):
+  arrivals = ((1,) * extra_barriers if isinstance(extra_barriers, int) else tuple(extra_barriers))
+  if cutlass.const_expr(len(arrivals) > 0):
     if tidx == 0:
-      for i in cutlass.range_constexpr(extra_barriers):
-        cute.arch.mbarrier_init(extra + i, 1)
+      for i in cutlass.range_constexpr(len(arrivals)):
+        cute.arch.mbarrier_init(extra + i, arrivals[i])
   loads = pipeline.PipelineTmaAsync.create(
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
       producer_group=pipeline.CooperativeGroup(
@@ -898,13 +899,15 @@ def _gathered_weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: 
 
 
 def shared_storage(dtype, num_barriers: int, a_elems: int, b_elems: int, num_rhs: int = 1,
-                   c_elems: int = 0):
-  """A GEMM kernel's SMEM struct: num_barriers mbarriers, then (each 1 KiB aligned) the lhs
-  stages (s_a), num_rhs rhs stage arrays (s_b, s_b2) and, with c_elems, an epilogue buffer of
-  its own (s_c)."""
+                   c_elems: int = 0, tile_slots: int = 0):
+  """A GEMM kernel's SMEM struct: num_barriers mbarriers, with tile_slots Int32 tile ids after
+  them (tile_ids), then (each 1 KiB aligned) the lhs stages (s_a), num_rhs rhs stage arrays
+  (s_b, s_b2) and, with c_elems, an epilogue buffer of its own (s_c)."""
   aligned = lambda elems: cute.struct.Align[cute.struct.MemRange[dtype, elems], 1024]
-  fields = dict(barriers=cute.struct.MemRange[cutlass.Int64, num_barriers], s_a=aligned(a_elems),
-                s_b=aligned(b_elems))
+  fields = dict(barriers=cute.struct.MemRange[cutlass.Int64, num_barriers])
+  if tile_slots:
+    fields["tile_ids"] = cute.struct.MemRange[cutlass.Int32, tile_slots]
+  fields.update(s_a=aligned(a_elems), s_b=aligned(b_elems))
   if num_rhs == 2:
     fields["s_b2"] = aligned(b_elems)
   if c_elems:
@@ -1244,11 +1247,12 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
 
 
 def weight_grad_call(kernels, lhs, rhs, group_rows, num_experts: int, gather_index,
-                     transpose_out: bool, **config):
+                     transpose_out: bool, tile_counter: bool = False, **config):
   """out [E, M, N] (with transpose_out [E, N, M]) of a weight-gradient kernel (weight_grad's
   operands, checked by the caller; group_rows from routing.group_row_ranges) as an FFI call:
   kernels = (reading lhs's rows, gathering them by gather_index; None where a kernel has no
-  such variant)."""
+  such variant). tile_counter: the kernel takes one more operand after the index, an Int32
+  counter starting at 0 that it counts up in place (a dynamic tile order's)."""
   M, N = lhs.shape[1], rhs.shape[1]
   rows_last = (2, 1, 0)   # [1, P, C] -> (C, P, 1): C contiguous
   if gather_index is None:
@@ -1257,8 +1261,15 @@ def weight_grad_call(kernels, lhs, rhs, group_rows, num_experts: int, gather_ind
     lhs_mode, index = ROW_MODES, (gather_index.astype(jnp.int32),)
   # out [E, M, N] seen as (M, N, E) N-major, or [E, N, M] as (M, N, E) M-major
   out_shape, out_mode = ((num_experts, N, M), rows_last) if transpose_out else ((num_experts, M, N), ROW_MODES)
-  out, = xla_call.call(
-      kernels[len(index)], [lhs[None], rhs[None], group_rows, *index],
-      [jax.ShapeDtypeStruct(out_shape, lhs.dtype)],
-      modes=[lhs_mode, rows_last, None, *[None] * len(index), out_mode], **config)
+  inputs = [lhs[None], rhs[None], group_rows, *index]
+  outputs = [jax.ShapeDtypeStruct(out_shape, lhs.dtype)]
+  modes = [lhs_mode, rows_last, None, *[None] * len(index), out_mode]
+  in_place = None
+  if tile_counter:   # written in place: XLA gives the kernel a fresh zero each call
+    in_place = {len(inputs): 1}
+    inputs.append(jnp.zeros((1,), jnp.int32))
+    outputs.append(jax.ShapeDtypeStruct((1,), jnp.int32))
+    modes = [*modes[:len(inputs) - 1], None, *modes[len(inputs) - 1:], None]
+  out = xla_call.call(kernels[len(index)], inputs, outputs, modes=modes, in_place=in_place,
+                      **config)[0]
   return out

@@ -74,21 +74,78 @@ def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_ste
   return m_tile, t % num_n_tiles, 0, num_k, cutlass.min(owner, num_experts - 1), 0
 
 
+TILE_SLOTS = 2                         # the dynamic order's tile ids in SMEM, a ring
+TILE_READERS = gg.THREADS + 128        # every thread of the CTA reads each tile id
+# (each slot's full barrier: the asking thread's arrival; its empty one: every reader's)
+TILE_BARRIERS = (1,) * TILE_SLOTS + (TILE_READERS,) * TILE_SLOTS
+
+
+# The CTAs' tile order. Static: a CTA takes its index, then every grid-th. Dynamic: its index,
+# then each next one grid + the count of tiles the CTAs asked for before it (an atomic add on
+# a global counter), so that the tiles in flight stay a window of about two grids in tile order
+# however the CTAs' speeds drift apart (every grid-th, a slow SM's CTA falls ever further
+# behind the rest, and the tiles sharing its operands with it may have left L2 when it reads
+# them). Dynamic, warp 0's lane 0 asks as the producer starts a tile and publishes the answer
+# into a ring of TILE_SLOTS SMEM slots (tile_ids); every thread reads it when it starts its
+# next tile (so each tile is asked for one tile ahead). A tile id past the last: done.
+
+
+@cute.jit
+def _publish_tile(barriers, tile_ids: cute.Tensor, counter: cute.Tensor, num_ctas, i, first,
+                  ask: cutlass.Constexpr):
+  """(warp 0, dynamic) the CTA's i-th tile into slot i % TILE_SLOTS once every thread read the
+  slot's previous tile: `first`, or with ask the next one (lane 0 adds 1 to the counter). The
+  whole warp waits and comes back together: its lanes' elect.sync in the loads that follow
+  need all 32."""
+  slot, phase = i % TILE_SLOTS, (i // TILE_SLOTS) % 2
+  cute.arch.mbarrier_wait(barriers + TILE_SLOTS + slot, phase ^ 1)
+  if cute.arch.lane_idx() == 0:
+    t = first
+    if cutlass.const_expr(ask):
+      t = num_ctas + cute.arch.atomic_add(counter.iterator, cutlass.Int32(1))
+    tile_ids[slot] = t
+    cute.arch.mbarrier_arrive(barriers + slot)
+  cute.arch.sync_warp()
+
+
+@cute.jit
+def _read_tile(barriers, tile_ids: cute.Tensor, i):
+  """(every thread, dynamic) the CTA's i-th tile."""
+  slot, phase = i % TILE_SLOTS, (i // TILE_SLOTS) % 2
+  cute.arch.mbarrier_wait(barriers + slot, phase)
+  t = tile_ids[slot]
+  cute.arch.mbarrier_arrive(barriers + TILE_SLOTS + slot)
+  return t
+
+
+@cute.jit
+def _next_tile(barriers, tile_ids: cute.Tensor, i, t, num_ctas, dynamic: cutlass.Constexpr):
+  """(every thread) the CTA's i-th tile, its (i - 1)-th being t (i = 0: t is the CTA's
+  index)."""
+  if cutlass.const_expr(dynamic):
+    t = _read_tile(barriers, tile_ids, i)
+  elif i > 0:
+    t = t + num_ctas
+  return t
+
+
 @cute.kernel
 def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: cute.Tensor,
             tma_out: cute.CopyAtom, m_out_tma: cute.Tensor, tile_info: cute.Tensor,
-            gather_index: cute.Tensor, tiled_mma: cute.TiledMma,
+            gather_index: cute.Tensor, tile_counter: cute.Tensor, tiled_mma: cute.TiledMma,
             a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
             c_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
             num_m_tiles: cutlass.Constexpr, num_n_tiles: cutlass.Constexpr,
             k_steps: cutlass.Constexpr, num_tiles: cutlass.Constexpr,
-            out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr):
+            out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr,
+            dynamic: cutlass.Constexpr):
   """kind "wgrad": m_a X (T, M, 1) the gathered rows' source, m_b the rhs (N, P, 1) N-major,
   the output (M, N, E), tile_info group_rows (2 E,), gather_index (P,). kind "store":
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
-  tile_info tile_expert (P / BLOCK_M,), gather_index unused."""
+  tile_info tile_expert (P / BLOCK_M,), gather_index unused. dynamic: the tiles in the order
+  the CTAs ask for them (tile_counter (1,) starting at 0), else every grid-th (_next_tile)."""
   gather = kind == "wgrad"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -102,12 +159,24 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   storage = smem.allocate(shared_storage)
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
   s_b = storage.s_b.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-  loads, _ = gg.load_pipeline(storage, stages, stage_bytes, gather, THREADS, tidx)
+  loads, tile_bars = gg.load_pipeline(storage, stages, stage_bytes, gather, THREADS, tidx,
+                                      TILE_BARRIERS if dynamic else 0)
+  # (static: no ring; tile_counter stands in, unread)
+  tile_ids = (storage.tile_ids.get_tensor(cute.make_layout(TILE_SLOTS)) if dynamic
+              else tile_counter)
 
   if warp < 4:   # the producer warpgroup
     cute.arch.setmaxregister_decrease(gg.PRODUCER_REGISTERS)
     produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
+    if cutlass.const_expr(dynamic):
+      if warp == 0:
+        _publish_tile(tile_bars, tile_ids, tile_counter, num_ctas, 0, cta, False)
+    i = cutlass.Int32(0)
+    t = _next_tile(tile_bars, tile_ids, i, cta, num_ctas, dynamic)
+    while t < num_tiles:
+      if cutlass.const_expr(dynamic):
+        if warp == 0:   # the CTA's next tile, asked for as this one starts
+          _publish_tile(tile_bars, tile_ids, tile_counter, num_ctas, i + 1, 0, True)
       m_tile, n_tile, k_begin, num_k, rhs_l, _ = work(t)
       operands = [gg.tma_operand(tma_b, s_b, cute.local_tile(
           m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)))]
@@ -120,6 +189,8 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
         for step in cutlass.range(num_k, unroll=1):
           gg.load_stage(loads, produce, lhs_and_rhs, k_begin + step)
           produce.advance()
+      i += 1
+      t = _next_tile(tile_bars, tile_ids, i, t, num_ctas, dynamic)
   else:   # the MMA warpgroups
     cute.arch.setmaxregister_increase(gg.MMA_REGISTERS)
     mma_tidx = tidx - 128
@@ -131,7 +202,9 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
     consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
+    i = cutlass.Int32(0)
+    t = _next_tile(tile_bars, tile_ids, i, cta, num_ctas, dynamic)
+    while t < num_tiles:
       m_tile, n_tile, _, num_k, _, out_l = work(t)
       consume, release = gg.consume_tile(loads, consume, release, tiled_mma, [acc], frag_a,
                                          [frag_b], num_k, gather)
@@ -142,15 +215,18 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
       # the previous tile's (block_n, a multiple of 128, fills the buffers whole)
       gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx, warp == 4,
                              False, m_major=out_m_major, rolling=True)
+      i += 1
+      t = _next_tile(tile_bars, tile_ids, i, t, num_ctas, dynamic)
     gg.store_tail(warp == 4)
 
 
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
-            gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-            stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr, kind: cutlass.Constexpr):
+            gather_index: cute.Tensor, tile_counter: cute.Tensor, out: cute.Tensor,
+            block_n: cutlass.Constexpr, stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr,
+            kind: cutlass.Constexpr, dynamic: cutlass.Constexpr):
   """The persistent grid and the kernel's static configuration (_kernel's operands; the
-  output's modes (rows, columns, experts or 1))."""
+  output's modes (rows, columns, experts or 1); tile_counter unused unless dynamic)."""
   dtype = lhs.element_type
   gather = kind == "wgrad"
   # the weight gradient's A tiles (M, rows) are M-major (filled by the gathers)
@@ -178,17 +254,19 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(
       cpasync.CopyBulkTensorTileS2GOp(), out, cute.slice_(c_smem_staged, (None, None, 0)),
       EPI_TILE)
-  storage = gg.shared_storage(dtype, stages * 2, cute.cosize(a_smem_staged),
-                              cute.cosize(b_smem_staged), 1, cute.cosize(c_smem_staged))
+  storage = gg.shared_storage(
+      dtype, stages * 2 + (len(TILE_BARRIERS) if dynamic else 0), cute.cosize(a_smem_staged),
+      cute.cosize(b_smem_staged), 1, cute.cosize(c_smem_staged), TILE_SLOTS if dynamic else 0)
   num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
   num_n_tiles = cute.size(out, mode=[1]) // block_n
   num_tiles = num_m_tiles * num_n_tiles * cute.size(out, mode=[2])
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K   # (store: the contraction)
   _kernel.set_name_prefix(gg.kernel_label(kind, gather, "persistent"), remove_cutlass_symbol=True)
-  _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index, tiled_mma,
+  _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index, tile_counter,
+          tiled_mma,
           a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage,
           block_n, stages, stage_bytes, num_m_tiles, num_n_tiles, k_steps, num_tiles,
-          out_layout.is_m_major_c(), kind).launch(
+          out_layout.is_m_major_c(), kind, dynamic).launch(
               grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
               stream=stream)
 
@@ -199,7 +277,19 @@ def _weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tens
                  stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS):
   """x (T, M, 1) the source rows, rhs (N, P, 1) N-major, group_rows (2 E,), gather_index (P,),
   out (M, N, E) N- or M-major: the operands of grouped_gemm._gathered_weight_grad."""
-  _launch(stream, x, rhs, group_rows, gather_index, out, block_n, stages, num_ctas, "wgrad")
+  _launch(stream, x, rhs, group_rows, gather_index, gather_index, out, block_n, stages,
+          num_ctas, "wgrad", False)
+
+
+@cute.jit
+def _weight_grad_dynamic(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tensor,
+                         gather_index: cute.Tensor, tile_counter: cute.Tensor, out: cute.Tensor,
+                         counter_out: cute.Tensor, block_n: cutlass.Constexpr,
+                         stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS):
+  """_weight_grad's with the tiles in the order the CTAs ask for them (the dynamic tile order,
+  above _publish_tile): tile_counter (1,) at 0, counted up in place (counter_out, its buffer)."""
+  _launch(stream, x, rhs, group_rows, gather_index, tile_counter, out, block_n, stages,
+          num_ctas, "wgrad", True)
 
 
 @cute.jit
@@ -208,8 +298,8 @@ def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
             first_col: cutlass.Constexpr = 0, num_ctas: cutlass.Constexpr = NUM_SMS):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, W, 1): the operands of
   grouped_gemm._matmul (first_col as its)."""
-  _launch(stream, lhs, gg.rhs_window(rhs, out, first_col), tile_expert, tile_expert, out,
-          block_n, stages, num_ctas, "store")
+  _launch(stream, lhs, gg.rhs_window(rhs, out, first_col), tile_expert, tile_expert,
+          tile_expert, out, block_n, stages, num_ctas, "store", False)
 
 
 def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int:
@@ -242,24 +332,26 @@ def _grid_config(num_ctas, name: str) -> dict:
 
 def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: int = 128,
                 stages: int | None = None, transpose_out: bool = False,
-                num_ctas: int | None = None, group_sizes=None):
+                num_ctas: int | None = None, group_sizes=None, dynamic: bool = False):
   """grouped_gemm.weight_grad with gather_index on persistent CTAs (module docstring): x
   [T, M] (slot r reads X[gather_index[r]], zeros where it is T or more), rhs [P, N] rows in
   slot order, expert e's rows group_offsets[e] .. group_offsets[e + 1] (multiples of BLOCK_M),
   or with group_sizes to group_offsets[e] + group_sizes[e] (grouped_gemm.weight_grad's);
   returns out [E, M, N], out[e] = X_e^T rhs_e, or with transpose_out [E, N, M]. stages: the
   ring's depth (default: as many as fit beside the epilogue's buffers, at most the k steps of
-  all rows). num_ctas: the grid's most CTAs (default NUM_SMS)."""
+  all rows). num_ctas: the grid's most CTAs (default NUM_SMS). dynamic: the tiles in the
+  order the CTAs ask for them (the dynamic tile order, above _publish_tile) instead of every
+  grid-th; the same bits."""
   slots = gg.rows_read(x, gather_index)
   reason = (gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
                                         group_sizes) or _tile_unsupported(block_n))
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
   stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
-  return gg.weight_grad_call((None, _weight_grad), x, rhs,
+  return gg.weight_grad_call((None, _weight_grad_dynamic if dynamic else _weight_grad), x, rhs,
                              routing.group_row_ranges(group_offsets, group_sizes), num_experts,
-                             gather_index, transpose_out, block_n=block_n, stages=stages,
-                             **_grid_config(num_ctas, "weight_grad"))
+                             gather_index, transpose_out, tile_counter=dynamic, block_n=block_n,
+                             stages=stages, **_grid_config(num_ctas, "weight_grad"))
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,

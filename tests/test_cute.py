@@ -1268,16 +1268,18 @@ def test_cute_weight_grad_stores_transposed_on_gpu(block_n, gather):
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out", [(128, None, False), (256, 2, True),
-                                                          (256, None, False)])
-def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out):
+@pytest.mark.parametrize("block_n,stages,transpose_out,dynamic", [
+    (128, None, False, False), (256, 2, True, False), (256, None, False, False),
+    (256, None, False, True), (128, 3, True, True)])
+def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out, dynamic):
   """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers) compiles
-  for sm_90a at the tiles and depths the layer and the sweep run."""
+  for sm_90a at the tiles and depths the layer and the sweep run, in either tile order."""
   from ffi import persistent
   P, M, N, E, T = 512, 256, 512, 4, 300
   offsets = jnp.arange(E + 1, dtype=jnp.int32) * (P // E)
   fn = lambda x, r, i: persistent.weight_grad(x, r, offsets, E, i, block_n=block_n,
-                                                    stages=stages, transpose_out=transpose_out)
+                                              stages=stages, transpose_out=transpose_out,
+                                              dynamic=dynamic)
   shapes = [jax.ShapeDtypeStruct((T, M), jnp.bfloat16), jax.ShapeDtypeStruct((P, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -1348,16 +1350,19 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas", [
-    (128, None, False, None), (256, None, True, None), (256, 2, False, 3), (128, 3, True, 5),
-    (256, None, True, 1)])
+@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas,dynamic", [
+    (128, None, False, None, False), (256, None, True, None, False), (256, 2, False, 3, False),
+    (128, 3, True, 5, False), (256, None, True, 1, False), (256, None, False, None, True),
+    (256, 2, False, 3, True), (128, 3, True, 5, True), (256, None, True, 1, True)])
 def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, transpose_out,
-                                                            num_ctas):
+                                                            num_ctas, dynamic):
   """The persistent kernel gives grouped_gemm.weight_grad's bits, gathering X's rows (padding
   slots: index T): experts of 256, 0 (zeros), 640, 128 and 1152 rows, so that a CTA's tiles run
   2, 0, 10, 2 and 18 k steps and its ring of `stages` wraps within and across tiles; num_ctas
-  3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each). The
-  output is written over a freed buffer of NaN, so an element left unstored shows."""
+  3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each), in
+  either tile order (dynamic: the CTAs ask a counter; twice in a row, so a second call's
+  counter starts at 0 again). The output is written over a freed buffer of NaN, so an element
+  left unstored shows."""
   from ffi import grouped_gemm, persistent
   sizes = [256, 0, 640, 128, 1152]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
@@ -1367,13 +1372,15 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
   index = jax.random.randint(jax.random.key(73), (P,), 0, T).at[::5].set(T)
   kw = dict(block_n=block_n, transpose_out=transpose_out)
   jax.block_until_ready(jnp.full((E, M, N), jnp.nan, jnp.bfloat16)).delete()
-  got = jax.jit(lambda a, b, o, i: persistent.weight_grad(
-      a, b, o, E, i, stages=stages, num_ctas=num_ctas, **kw))(x, rhs, offsets, index)
+  run = jax.jit(lambda a, b, o, i: persistent.weight_grad(
+      a, b, o, E, i, stages=stages, num_ctas=num_ctas, dynamic=dynamic, **kw))
+  got = run(x, rhs, offsets, index)
   want = jax.jit(lambda a, b, o, i: grouped_gemm.weight_grad(
       a, b, o, E, gather_index=i, **kw))(x, rhs, offsets, index)
   assert got.shape == want.shape == ((E, N, M) if transpose_out else (E, M, N))
   assert np.all(np.asarray(want[1], np.float32) == 0) and np.any(np.asarray(want, np.float32) != 0)
   np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(run(x, rhs, offsets, index), want)
 
 
 @pytest.mark.gpu
