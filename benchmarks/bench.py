@@ -373,7 +373,7 @@ def main(argv=None):
                       "issue its TMA loads (default: ffi/ops.py STORE_WIDE_WS_MIN_N)")
   p.add_argument("--cute-store-wide", choices=("grouped", "persistent"),
                  help="the wide store GEMMs' kernel (default: ffi/ops.py STORE_WIDE_KERNEL)")
-  p.add_argument("--cute-wgrad", choices=("grouped", "persistent"),
+  p.add_argument("--cute-wgrad", choices=("grouped", "persistent", "persistent_dynamic"),
                  help="cute dw1's and dw2's kernel where they gather rows (default: ffi/ops.py "
                       "WGRAD_KERNEL)")
   a = p.parse_args(argv)

@@ -155,8 +155,10 @@ STORE_TILE_MS = ("auto",) + pingpong.TILE_MS
 # gradients get the plan's group_sizes and skip each expert's padding k steps (session 29: in
 # the step 3.1% less weight-gradient time at 30B-n256, 1.1-1.6% at the 7B configs, level at
 # olmoe and 120B-n1024, where an expert has 32-64 k steps).
+# "persistent_dynamic": the persistent kernel with its tiles in the order the CTAs ask for
+# them (persistent.weight_grad dynamic; session 42: olmoe's dW1 alone 3.3% faster)
 WGRAD_KERNEL = "persistent"
-WGRAD_KERNELS = ("grouped", "persistent")
+WGRAD_KERNELS = ("grouped", "persistent", "persistent_dynamic")
 
 
 def _setting(name: str, value, choices):
@@ -356,11 +358,14 @@ def dx_tilde(dh, w1, plan, cols=None):
 
 def _gathered_weight_grad(x, rhs, plan, block_n: int, transpose_out: bool = False):
   """weight_grad with x's rows gathered by the plan's token_index, on WGRAD_KERNEL."""
-  persistent_ctas = _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "persistent"
-  kernel = persistent if persistent_ctas else grouped_gemm
-  return kernel.weight_grad(x, rhs, plan.group_offsets, plan.num_experts, block_n=block_n,
-                            gather_index=plan.token_index, transpose_out=transpose_out,
-                            group_sizes=plan.group_sizes)
+  kind = _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS)
+  args = (x, rhs, plan.group_offsets, plan.num_experts)
+  if kind == "grouped":
+    return grouped_gemm.weight_grad(*args, block_n=block_n, gather_index=plan.token_index,
+                                    transpose_out=transpose_out, group_sizes=plan.group_sizes)
+  return persistent.weight_grad(*args, plan.token_index, block_n=block_n,
+                                transpose_out=transpose_out, group_sizes=plan.group_sizes,
+                                dynamic=kind == "persistent_dynamic")
 
 
 def dw1(x, dh_, plan):

@@ -1268,6 +1268,24 @@ def test_cute_weight_grad_stores_transposed_on_gpu(block_n, gather):
 
 
 @needs_cute
+def test_cute_wgrad_dynamic_setting_lowers_with_its_counter(monkeypatch):
+  """WGRAD_KERNEL "persistent_dynamic": the layer's gathering dW1 runs the persistent kernel in
+  the dynamic tile order, its counter an operand from zeros written in place (output 1)."""
+  cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "persistent_dynamic")
+  args = make_inputs(0, 256, 256, 128, 8, jnp.bfloat16)
+
+  def loss(*a):
+    return jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
+
+  text = _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
+  assert re.search(r"output_operand_alias<output_tuple_indices = \[1\], operand_index = 4,", text)
+  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "persistent_cluster")
+  with pytest.raises(ValueError, match="WGRAD_KERNEL"):
+    _cuda_module(jax.grad(loss), *args)
+
+
+@needs_cute
 @pytest.mark.parametrize("block_n,stages,transpose_out,dynamic", [
     (128, None, False, False), (256, 2, True, False), (256, None, False, False),
     (256, None, False, True), (128, 3, True, True)])
