@@ -373,9 +373,12 @@ def main(argv=None):
                       "issue its TMA loads (default: ffi/ops.py STORE_WIDE_WS_MIN_N)")
   p.add_argument("--cute-store-wide", choices=("grouped", "persistent"),
                  help="the wide store GEMMs' kernel (default: ffi/ops.py STORE_WIDE_KERNEL)")
-  p.add_argument("--cute-wgrad", choices=("grouped", "persistent", "persistent_dynamic"),
+  p.add_argument("--cute-wgrad", choices=("grouped", "persistent"),
                  help="cute dw1's and dw2's kernel where they gather rows (default: ffi/ops.py "
                       "WGRAD_KERNEL)")
+  p.add_argument("--cute-wgrad-dynamic", default=None,
+                 help="comma list of dw1, dw2: those persistent weight gradients in the dynamic "
+                      "tile order (default: ffi/ops.py WGRAD_DYNAMIC_ORDER; '' for none)")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
@@ -385,6 +388,8 @@ def main(argv=None):
                        STORE_WIDE_MIN_K=a.cute_store_wide_min_k,
                        STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n, WGRAD_KERNEL=a.cute_wgrad,
                        STORE_WIDE_KERNEL=a.cute_store_wide)
+  if a.cute_wgrad_dynamic is not None:
+    cute_settings["WGRAD_DYNAMIC_ORDER"] = tuple(filter(None, a.cute_wgrad_dynamic.split(",")))
   if a.cute_dh_h_smem:
     cute_settings["DH_H_SMEM"] = a.cute_dh_h_smem == "on"
   if a.cute_dout_gather:

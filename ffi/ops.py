@@ -155,10 +155,13 @@ STORE_TILE_MS = ("auto",) + pingpong.TILE_MS
 # gradients get the plan's group_sizes and skip each expert's padding k steps (session 29: in
 # the step 3.1% less weight-gradient time at 30B-n256, 1.1-1.6% at the 7B configs, level at
 # olmoe and 120B-n1024, where an expert has 32-64 k steps).
-# "persistent_dynamic": the persistent kernel with its tiles in the order the CTAs ask for
-# them (persistent.weight_grad dynamic; session 42: olmoe's dW1 alone 3.3% faster)
 WGRAD_KERNEL = "persistent"
-WGRAD_KERNELS = ("grouped", "persistent", "persistent_dynamic")
+WGRAD_KERNELS = ("grouped", "persistent")
+# Which of the persistent gathering weight gradients ("dw1", "dw2") take their tiles in the
+# order the CTAs ask for them (persistent.weight_grad dynamic) instead of every grid-th.
+# Session 42 at olmoe: dW1 alone 3.3% faster; in the step (two rounds, both dynamic) dW1 1.2%
+# faster, dW2 1.6% slower; not yet measured at the other configs, so none by default.
+WGRAD_DYNAMIC_ORDER: tuple[str, ...] = ()
 
 
 def _setting(name: str, value, choices):
@@ -356,16 +359,20 @@ def dx_tilde(dh, w1, plan, cols=None):
   return _store_matmul(dh, w1, plan, True, w1.shape[1], cols)
 
 
-def _gathered_weight_grad(x, rhs, plan, block_n: int, transpose_out: bool = False):
-  """weight_grad with x's rows gathered by the plan's token_index, on WGRAD_KERNEL."""
-  kind = _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS)
+def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bool = False):
+  """weight_grad (of op, "dw1" or "dw2") with x's rows gathered by the plan's token_index, on
+  WGRAD_KERNEL (persistent: in the dynamic tile order where WGRAD_DYNAMIC_ORDER names op)."""
   args = (x, rhs, plan.group_offsets, plan.num_experts)
-  if kind == "grouped":
+  if _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "grouped":
     return grouped_gemm.weight_grad(*args, block_n=block_n, gather_index=plan.token_index,
                                     transpose_out=transpose_out, group_sizes=plan.group_sizes)
+  unknown = set(WGRAD_DYNAMIC_ORDER) - {"dw1", "dw2"}
+  if unknown:
+    raise ValueError(f"WGRAD_DYNAMIC_ORDER={WGRAD_DYNAMIC_ORDER!r} names {sorted(unknown)}: "
+                     "it takes 'dw1' and 'dw2'")
   return persistent.weight_grad(*args, plan.token_index, block_n=block_n,
                                 transpose_out=transpose_out, group_sizes=plan.group_sizes,
-                                dynamic=kind == "persistent_dynamic")
+                                dynamic=op in WGRAD_DYNAMIC_ORDER)
 
 
 def dw1(x, dh_, plan):
@@ -374,7 +381,7 @@ def dw1(x, dh_, plan):
   tiles (each tile gathers the rows again), else by XLA first."""
   block_n = _wide_tile(dh_.shape[1], 256)
   if dh_.shape[1] // block_n <= DW1_GATHER_MAX_COLUMN_TILES:
-    return _gathered_weight_grad(x, dh_, plan, block_n)
+    return _gathered_weight_grad("dw1", x, dh_, plan, block_n)
   return grouped_gemm.weight_grad(xla_ops.gather_rows(x, plan.token_index), dh_,
                                   plan.group_offsets, plan.num_experts, block_n=block_n,
                                   group_sizes=plan.group_sizes)
@@ -386,7 +393,7 @@ def dw2(a_scaled, dout, plan):
   in the kernel (its gathered operand is the lhs), stored back as [E, n, d] by the kernel's
   M-major epilogue."""
   if _dout_gathered_in_kernel(a_scaled.shape[1], dout.shape[1]):
-    return _gathered_weight_grad(dout, a_scaled, plan, _wide_tile(a_scaled.shape[1], 256),
+    return _gathered_weight_grad("dw2", dout, a_scaled, plan, _wide_tile(a_scaled.shape[1], 256),
                                  transpose_out=True)
   return grouped_gemm.weight_grad(a_scaled, xla_ops.gather_rows(dout, plan.token_index),
                                   plan.group_offsets, plan.num_experts,

@@ -1269,10 +1269,11 @@ def test_cute_weight_grad_stores_transposed_on_gpu(block_n, gather):
 
 @needs_cute
 def test_cute_wgrad_dynamic_setting_lowers_with_its_counter(monkeypatch):
-  """WGRAD_KERNEL "persistent_dynamic": the layer's gathering dW1 runs the persistent kernel in
-  the dynamic tile order, its counter an operand from zeros written in place (output 1)."""
+  """WGRAD_DYNAMIC_ORDER ("dw1",): the layer's gathering dW1 runs the persistent kernel in the
+  dynamic tile order, its counter an operand from zeros written in place (output 1); a name
+  other than dw1 and dw2 is refused by name."""
   cute_ops = importlib.import_module("ffi.ops")
-  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "persistent_dynamic")
+  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", ("dw1",))
   args = make_inputs(0, 256, 256, 128, 8, jnp.bfloat16)
 
   def loss(*a):
@@ -1280,8 +1281,9 @@ def test_cute_wgrad_dynamic_setting_lowers_with_its_counter(monkeypatch):
 
   text = _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
   assert re.search(r"output_operand_alias<output_tuple_indices = \[1\], operand_index = 4,", text)
-  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "persistent_cluster")
-  with pytest.raises(ValueError, match="WGRAD_KERNEL"):
+  assert len(re.findall(r"output_operand_alias<output_tuple_indices = \[1\]", text)) == 1
+  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", ("dw1", "dx"))
+  with pytest.raises(ValueError, match=r"WGRAD_DYNAMIC_ORDER=\('dw1', 'dx'\) names \['dx'\]"):
     _cuda_module(jax.grad(loss), *args)
 
 
