@@ -263,9 +263,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K   # (store: the contraction)
   _kernel.set_name_prefix(gg.kernel_label(kind, gather, "persistent"), remove_cutlass_symbol=True)
   _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index, tile_counter,
-          tiled_mma,
-          a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]), storage,
-          block_n, stages, stage_bytes, num_m_tiles, num_n_tiles, k_steps, num_tiles,
+          tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]),
+          storage, block_n, stages, stage_bytes, num_m_tiles, num_n_tiles, k_steps, num_tiles,
           out_layout.is_m_major_c(), kind, dynamic).launch(
               grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
               stream=stream)
