@@ -85,24 +85,31 @@ TILE_BARRIERS = (1,) * TILE_SLOTS + (TILE_READERS,) * TILE_SLOTS
 # a global counter), so that the tiles in flight stay a window of about two grids in tile order
 # however the CTAs' speeds drift apart (every grid-th, a slow SM's CTA falls ever further
 # behind the rest, and the tiles sharing its operands with it may have left L2 when it reads
-# them). Dynamic, warp 0's lane 0 asks as the producer starts a tile and publishes the answer
-# into a ring of TILE_SLOTS SMEM slots (tile_ids); every thread reads it when it starts its
-# next tile (so each tile is asked for one tile ahead). A tile id past the last: done.
+# them). Dynamic, warp 0's lane 0 asks as the producer starts a tile (the atomic's latency
+# under that tile's loads) and publishes the answer as it starts the next, into a ring of
+# TILE_SLOTS SMEM slots (tile_ids); every thread reads it when it starts the tile after (so
+# each tile is asked for two tiles ahead). A tile id past the last: done.
 
 
 @cute.jit
-def _publish_tile(barriers, tile_ids: cute.Tensor, counter: cute.Tensor, num_ctas, i, first,
-                  ask: cutlass.Constexpr):
-  """(warp 0, dynamic) the CTA's i-th tile into slot i % TILE_SLOTS once every thread read the
-  slot's previous tile: `first`, or with ask the next one (lane 0 adds 1 to the counter). The
-  whole warp waits and comes back together: its lanes' elect.sync in the loads that follow
-  need all 32."""
+def _ask_tile(counter: cute.Tensor, asked):
+  """(warp 0, dynamic) lane 0 asks the counter for a tile to come: the count of tiles asked
+  for before it (an atomic add; the tile is grid + that count; `asked` where lane 0 has not
+  asked). Nothing reads the answer until it is published, a tile later (no arithmetic on it
+  here, which would wait for it)."""
+  if cute.arch.lane_idx() == 0:
+    asked = cute.arch.atomic_add(counter.iterator, cutlass.Int32(1))
+  return asked
+
+
+@cute.jit
+def _publish_tile(barriers, tile_ids: cute.Tensor, i, t):
+  """(warp 0, dynamic) the CTA's i-th tile, t (lane 0's), into slot i % TILE_SLOTS once every
+  thread read the slot's previous tile. The whole warp waits and comes back together: its
+  lanes' elect.sync in the loads that follow need all 32."""
   slot, phase = i % TILE_SLOTS, (i // TILE_SLOTS) % 2
   cute.arch.mbarrier_wait(barriers + TILE_SLOTS + slot, phase ^ 1)
   if cute.arch.lane_idx() == 0:
-    t = first
-    if cutlass.const_expr(ask):
-      t = num_ctas + cute.arch.atomic_add(counter.iterator, cutlass.Int32(1))
     tile_ids[slot] = t
     cute.arch.mbarrier_arrive(barriers + slot)
   cute.arch.sync_warp()
@@ -168,15 +175,18 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   if warp < 4:   # the producer warpgroup
     cute.arch.setmaxregister_decrease(gg.PRODUCER_REGISTERS)
     produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    asked = cutlass.Int32(0)   # (dynamic, warp 0's lane 0) the count its last ask returned
     if cutlass.const_expr(dynamic):
       if warp == 0:
-        _publish_tile(tile_bars, tile_ids, tile_counter, num_ctas, 0, cta, False)
+        _publish_tile(tile_bars, tile_ids, 0, cta)
+        asked = _ask_tile(tile_counter, asked)
     i = cutlass.Int32(0)
     t = _next_tile(tile_bars, tile_ids, i, cta, num_ctas, dynamic)
     while t < num_tiles:
       if cutlass.const_expr(dynamic):
-        if warp == 0:   # the CTA's next tile, asked for as this one starts
-          _publish_tile(tile_bars, tile_ids, tile_counter, num_ctas, i + 1, 0, True)
+        if warp == 0:   # the next tile (asked for as the last one started), and ask again
+          _publish_tile(tile_bars, tile_ids, i + 1, num_ctas + asked)
+          asked = _ask_tile(tile_counter, asked)
       m_tile, n_tile, k_begin, num_k, rhs_l, _ = work(t)
       operands = [gg.tma_operand(tma_b, s_b, cute.local_tile(
           m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)))]
@@ -286,7 +296,7 @@ def _weight_grad_dynamic(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: c
                          counter_out: cute.Tensor, block_n: cutlass.Constexpr,
                          stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS):
   """_weight_grad's with the tiles in the order the CTAs ask for them (the dynamic tile order,
-  above _publish_tile): tile_counter (1,) at 0, counted up in place (counter_out, its buffer)."""
+  above _ask_tile): tile_counter (1,) at 0, counted up in place (counter_out, its buffer)."""
   _launch(stream, x, rhs, group_rows, gather_index, tile_counter, out, block_n, stages,
           num_ctas, "wgrad", True)
 
@@ -339,7 +349,7 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   returns out [E, M, N], out[e] = X_e^T rhs_e, or with transpose_out [E, N, M]. stages: the
   ring's depth (default: as many as fit beside the epilogue's buffers, at most the k steps of
   all rows). num_ctas: the grid's most CTAs (default NUM_SMS). dynamic: the tiles in the
-  order the CTAs ask for them (the dynamic tile order, above _publish_tile) instead of every
+  order the CTAs ask for them (the dynamic tile order, above _ask_tile) instead of every
   grid-th; the same bits."""
   slots = gg.rows_read(x, gather_index)
   reason = (gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
