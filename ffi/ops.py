@@ -159,8 +159,9 @@ WGRAD_KERNEL = "persistent"
 WGRAD_KERNELS = ("grouped", "persistent")
 # Which of the persistent gathering weight gradients ("dw1", "dw2") take their tiles in the
 # order the CTAs ask for them (persistent.weight_grad dynamic) instead of every grid-th.
-# Session 42 at olmoe: dW1 alone 3.3% faster; in the step (two rounds, both dynamic) dW1 1.2%
-# faster, dW2 1.6% slower; not yet measured at the other configs, so none by default.
+# Session 42 at olmoe (the order's first version, asking as a tile starts): dW1 alone 3.3%
+# faster; in the step (two rounds, both dynamic) dW1 1.2% faster, dW2 1.6% slower; since
+# revised (asking a tile ahead), not yet run; none by default until measured everywhere.
 WGRAD_DYNAMIC_ORDER: tuple[str, ...] = ()
 
 
