@@ -182,18 +182,15 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dw2_gather_persistent"] = (jax.jit(lambda c, g, a, o, i: persistent.weight_grad(
       g, a, o, E, i, transpose_out=True, **dataclasses.asdict(c)),
       static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
-  # ... skipping the k steps of each expert's padding rows (group_sizes: what the layer runs)
+  # ... skipping the k steps of each expert's padding rows (group_sizes: what the layer runs),
+  # and so with the tiles in the order the CTAs ask for them (persistent.weight_grad dynamic)
   for name, transpose_out in [("dw1_gather_persistent", False), ("dw2_gather_persistent", True)]:
     _, args, flops, _ = rows[name]
-    sized = lambda c, a, b, o, i, s, t=transpose_out: persistent.weight_grad(
-        a, b, o, E, i, transpose_out=t, group_sizes=s, **dataclasses.asdict(c))
-    rows[name + "_sized"] = (jax.jit(sized, static_argnums=0), (*args, plan.group_sizes), flops,
+    for suffix, dynamic in [("_sized", False), ("_sized_dynamic", True)]:
+      sized = lambda c, a, b, o, i, s, t=transpose_out, d=dynamic: persistent.weight_grad(
+          a, b, o, E, i, transpose_out=t, group_sizes=s, dynamic=d, **dataclasses.asdict(c))
+      rows[name + suffix] = (jax.jit(sized, static_argnums=0), (*args, plan.group_sizes), flops,
                              None)
-    # ... with the tiles in the order the CTAs ask for them (persistent.weight_grad dynamic)
-    rows[name + "_sized_dynamic"] = (jax.jit(
-        lambda c, a, b, o, i, s, t=transpose_out: persistent.weight_grad(
-            a, b, o, E, i, transpose_out=t, group_sizes=s, dynamic=True,
-            **dataclasses.asdict(c)), static_argnums=0), (*args, plan.group_sizes), flops, None)
   for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands
     _, mm_args, mm_flops, mm_n = rows[name]
     rows[f"{name}_persistent"] = (jax.jit(

@@ -1262,14 +1262,14 @@ def weight_grad_call(kernels, lhs, rhs, group_rows, num_experts: int, gather_ind
   # out [E, M, N] seen as (M, N, E) N-major, or [E, N, M] as (M, N, E) M-major
   out_shape, out_mode = ((num_experts, N, M), rows_last) if transpose_out else ((num_experts, M, N), ROW_MODES)
   inputs = [lhs[None], rhs[None], group_rows, *index]
-  outputs = [jax.ShapeDtypeStruct(out_shape, lhs.dtype)]
-  modes = [lhs_mode, rows_last, None, *[None] * len(index), out_mode]
+  in_modes = [lhs_mode, rows_last, None, *[None] * len(index)]
+  outputs, out_modes = [jax.ShapeDtypeStruct(out_shape, lhs.dtype)], [out_mode]
   in_place = None
   if tile_counter:   # written in place: XLA gives the kernel a fresh zero each call
     in_place = {len(inputs): 1}
     inputs.append(jnp.zeros((1,), jnp.int32))
+    in_modes.append(None)
     outputs.append(jax.ShapeDtypeStruct((1,), jnp.int32))
-    modes = [*modes[:len(inputs) - 1], None, *modes[len(inputs) - 1:], None]
-  out = xla_call.call(kernels[len(index)], inputs, outputs, modes=modes, in_place=in_place,
-                      **config)[0]
-  return out
+    out_modes.append(None)
+  return xla_call.call(kernels[len(index)], inputs, outputs, modes=in_modes + out_modes,
+                       in_place=in_place, **config)[0]
