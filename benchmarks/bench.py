@@ -378,7 +378,8 @@ def main(argv=None):
                       "WGRAD_KERNEL)")
   p.add_argument("--cute-wgrad-dynamic", default=None,
                  help="comma list of dw1, dw2: those persistent weight gradients in the dynamic "
-                      "tile order (default: ffi/ops.py WGRAD_DYNAMIC_ORDER; '' for none)")
+                      "tile order; 'auto' for the rule (default: ffi/ops.py WGRAD_DYNAMIC_ORDER, "
+                      "'auto'); '' for none")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
@@ -389,7 +390,8 @@ def main(argv=None):
                        STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n, WGRAD_KERNEL=a.cute_wgrad,
                        STORE_WIDE_KERNEL=a.cute_store_wide)
   if a.cute_wgrad_dynamic is not None:
-    cute_settings["WGRAD_DYNAMIC_ORDER"] = tuple(filter(None, a.cute_wgrad_dynamic.split(",")))
+    cute_settings["WGRAD_DYNAMIC_ORDER"] = ("auto" if a.cute_wgrad_dynamic == "auto" else
+                                           tuple(filter(None, a.cute_wgrad_dynamic.split(","))))
   if a.cute_dh_h_smem:
     cute_settings["DH_H_SMEM"] = a.cute_dh_h_smem == "on"
   if a.cute_dout_gather:

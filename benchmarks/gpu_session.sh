@@ -58,7 +58,8 @@
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
-#   ncu_bytes: DRAM and L2 bytes of our dW1 alone (two launches) and of the PyTorch
+#   ncu_bytes: DRAM and L2 bytes of our dW1 alone (two launches of NCU_BYTES_KERNEL, a sweep
+#           row, default dw1_gather_persistent_sized_dynamic: olmoe's layer's) and of the PyTorch
 #           SonicMoE's step GEMMs at NCU_CONFIG (default olmoe; after cute and upstream staging and
 #           torch_warm)                                                             (~3 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
@@ -377,7 +378,7 @@ PY
       metrics=$metrics,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_write.sum
       metrics=$metrics,lts__t_sectors_srcunit_tex_op_read_lookup_miss.sum
       sweep=(python3 -m benchmarks.tile_sweep --impl cute --configs "$cfg" --stages 0 --block-n 256
-             --kernels dw1_gather_persistent --iters 1 --reps 1)
+             --kernels "${NCU_BYTES_KERNEL:-dw1_gather_persistent_sized_dynamic}" --iters 1 --reps 1)
       timeout 200 "${sweep[@]}" > "$OUT/ncu_bytes_warm.log" 2>&1; echo "compile (no ncu): rc $?"
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none \
         -k regex:sonicmoe_persistent_weight_grad --launch-count 2 --metrics "$metrics" \

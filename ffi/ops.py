@@ -158,11 +158,16 @@ STORE_TILE_MS = ("auto",) + pingpong.TILE_MS
 WGRAD_KERNEL = "persistent"
 WGRAD_KERNELS = ("grouped", "persistent")
 # Which of the persistent gathering weight gradients ("dw1", "dw2") take their tiles in the
-# order the CTAs ask for them (persistent.weight_grad dynamic) instead of every grid-th.
-# Session 42 at olmoe (the order's first version, asking as a tile starts): dW1 alone 3.3%
-# faster; in the step (two rounds, both dynamic) dW1 1.2% faster, dW2 1.6% slower; since
-# revised (asking a tile ahead), not yet run; none by default until measured everywhere.
-WGRAD_DYNAMIC_ORDER: tuple[str, ...] = ()
+# order the CTAs ask for them (persistent.weight_grad dynamic: a tile ahead, from an atomic
+# counter) instead of every grid-th: a tuple of those names, or "auto": dW1 where an expert's
+# output has at least WGRAD_DYNAMIC_MIN_TILES tiles (many CTAs on one expert's operands, which
+# the static order lets drift apart), dW2 never. H200 session 43 (results/2026-12-03-h200-
+# session43), the step's dW1, two rounds, dynamic / static (tiles an expert): olmoe 0.976 (128),
+# 120B-n1024 0.986 (256), 7B-n1024 1.002 (96), 30B-n256 1.009 (64), 7B-n256 1.002 (24); dW2
+# dynamic at olmoe 1.006. Under Nsight Compute olmoe's dW1 read 2.8 GB from DRAM dynamic,
+# 3.8 GB static (session 42; the operands hold 2.15 GB).
+WGRAD_DYNAMIC_ORDER: str | tuple[str, ...] = "auto"
+WGRAD_DYNAMIC_MIN_TILES = 128
 
 
 def _setting(name: str, value, choices):
@@ -367,13 +372,21 @@ def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bo
   if _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "grouped":
     return grouped_gemm.weight_grad(*args, block_n=block_n, gather_index=plan.token_index,
                                     transpose_out=transpose_out, group_sizes=plan.group_sizes)
-  unknown = set(WGRAD_DYNAMIC_ORDER) - {"dw1", "dw2"}
-  if unknown:
-    raise ValueError(f"WGRAD_DYNAMIC_ORDER={WGRAD_DYNAMIC_ORDER!r} names {sorted(unknown)}: "
-                     "it takes 'dw1' and 'dw2'")
   return persistent.weight_grad(*args, plan.token_index, block_n=block_n,
                                 transpose_out=transpose_out, group_sizes=plan.group_sizes,
-                                dynamic=op in WGRAD_DYNAMIC_ORDER)
+                                dynamic=_dynamic_order(op, x.shape[1], rhs.shape[1], block_n))
+
+
+def _dynamic_order(op: str, m: int, n: int, block_n: int) -> bool:
+  """Whether the persistent weight gradient op ("dw1" or "dw2", out[e] m x n on BLOCK_M x
+  block_n tiles) takes the dynamic tile order: WGRAD_DYNAMIC_ORDER, "auto" resolved."""
+  if WGRAD_DYNAMIC_ORDER == "auto":
+    tiles_an_expert = -(-m // persistent.BLOCK_M) * -(-n // block_n)
+    return op == "dw1" and tiles_an_expert >= WGRAD_DYNAMIC_MIN_TILES
+  if isinstance(WGRAD_DYNAMIC_ORDER, str) or set(WGRAD_DYNAMIC_ORDER) - {"dw1", "dw2"}:
+    raise ValueError(f"ffi.ops.WGRAD_DYNAMIC_ORDER must be 'auto' or a tuple of 'dw1' and "
+                     f"'dw2'; got {WGRAD_DYNAMIC_ORDER!r}")
+  return op in WGRAD_DYNAMIC_ORDER
 
 
 def dw1(x, dh_, plan):

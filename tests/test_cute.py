@@ -1269,11 +1269,12 @@ def test_cute_weight_grad_stores_transposed_on_gpu(block_n, gather):
 
 @needs_cute
 def test_cute_wgrad_dynamic_setting_lowers_with_its_counter(monkeypatch):
-  """WGRAD_DYNAMIC_ORDER ("dw1",): the layer's gathering dW1 runs the persistent kernel in the
-  dynamic tile order, its counter an operand from zeros written in place (output 1); a name
-  other than dw1 and dw2 is refused by name."""
+  """WGRAD_DYNAMIC_ORDER "auto" with WGRAD_DYNAMIC_MIN_TILES 1: the layer's gathering dW1 (and
+  not dW2) runs the persistent kernel in the dynamic tile order, its counter an operand from
+  zeros written in place (output 1); a name other than dw1 and dw2 is refused by name."""
   cute_ops = importlib.import_module("ffi.ops")
-  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", ("dw1",))
+  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", "auto")
+  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_MIN_TILES", 1)
   args = make_inputs(0, 256, 256, 128, 8, jnp.bfloat16)
 
   def loss(*a):
@@ -1283,8 +1284,30 @@ def test_cute_wgrad_dynamic_setting_lowers_with_its_counter(monkeypatch):
   assert re.search(r"output_operand_alias<output_tuple_indices = \[1\], operand_index = 4,", text)
   assert len(re.findall(r"output_operand_alias<output_tuple_indices = \[1\]", text)) == 1
   monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", ("dw1", "dx"))
-  with pytest.raises(ValueError, match=r"WGRAD_DYNAMIC_ORDER=\('dw1', 'dx'\) names \['dx'\]"):
+  with pytest.raises(ValueError, match=r"WGRAD_DYNAMIC_ORDER must be 'auto' or a tuple of "
+                                       r"'dw1' and 'dw2'; got \('dw1', 'dx'\)"):
     _cuda_module(jax.grad(loss), *args)
+
+
+@needs_cute
+def test_cute_wgrad_dynamic_auto_takes_dw1_with_many_tiles_an_expert(monkeypatch):
+  """WGRAD_DYNAMIC_ORDER "auto" (the default): dW1 in the dynamic order where an expert's
+  output has WGRAD_DYNAMIC_MIN_TILES tiles of BLOCK_M x block_n (partial tiles counted), dW2
+  never; a tuple names the ops itself; a bare name is refused."""
+  cute_ops = importlib.import_module("ffi.ops")
+  assert cute_ops.WGRAD_DYNAMIC_ORDER == "auto" and cute_ops.WGRAD_DYNAMIC_MIN_TILES == 128
+  order = cute_ops._dynamic_order
+  assert order("dw1", 2048, 2048, 256)           # olmoe: 16 x 8 tiles
+  assert order("dw1", 4096, 2048, 256)           # 120B-n1024: 32 x 8
+  assert not order("dw1", 1536, 2048, 256)       # 7B-n1024: 12 x 8
+  assert not order("dw1", 4096, 512, 256)        # 30B-n256: 32 x 2
+  assert order("dw1", 1920, 2056, 256)           # 15 x 9 with the partial tiles
+  assert not order("dw2", 2048, 4096, 256)
+  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", ("dw2",))
+  assert order("dw2", 256, 256, 256) and not order("dw1", 4096, 4096, 256)
+  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", "dw1")
+  with pytest.raises(ValueError, match="got 'dw1'"):
+    order("dw1", 2048, 2048, 256)
 
 
 @needs_cute
