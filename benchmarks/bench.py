@@ -380,6 +380,9 @@ def main(argv=None):
                  help="comma list of dw1, dw2: those persistent weight gradients in the dynamic "
                       "tile order; 'auto' for the rule (default: ffi/ops.py WGRAD_DYNAMIC_ORDER, "
                       "'auto'); '' for none")
+  p.add_argument("--cute-wgrad-cluster-m", type=int, choices=(1, 2),
+                 help="CTAs per cluster of the persistent gathering weight gradients (default: "
+                      "ffi/ops.py WGRAD_CLUSTER_M)")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
@@ -388,7 +391,7 @@ def main(argv=None):
                        STORE_BLOCK_N=a.cute_store_block_n, STORE_TILE_M=a.cute_store_tile_m,
                        STORE_WIDE_MIN_K=a.cute_store_wide_min_k,
                        STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n, WGRAD_KERNEL=a.cute_wgrad,
-                       STORE_WIDE_KERNEL=a.cute_store_wide)
+                       STORE_WIDE_KERNEL=a.cute_store_wide, WGRAD_CLUSTER_M=a.cute_wgrad_cluster_m)
   if a.cute_wgrad_dynamic is not None:
     cute_settings["WGRAD_DYNAMIC_ORDER"] = ("auto" if a.cute_wgrad_dynamic == "auto" else
                                            tuple(filter(None, a.cute_wgrad_dynamic.split(","))))

@@ -56,6 +56,10 @@ VARIANTS = [
     ("dh ws bn256 fit", "dh_ws", 256, 0), ("wgrad ws bn256 fit", "wgrad_ws", 256, 0),
     ("wgrad persistent gather bn128 fit", "wgrad_persistent_gather", 128, 0),
     ("wgrad persistent gather bn256 fit", "wgrad_persistent_gather", 256, 0),
+    ("wgrad persistent gather dynamic bn256 fit", "wgrad_persistent_gather_dynamic", 256, 0),
+    ("wgrad persistent gather cluster bn256 fit", "wgrad_persistent_gather_cluster", 256, 0),
+    ("wgrad persistent gather dynamic cluster bn256 fit",
+     "wgrad_persistent_gather_dynamic_cluster", 256, 0),
     ("store persistent bn256 fit", "matmul_persistent", 256, 0),
 ]
 
@@ -80,6 +84,10 @@ def variant(kernel, bn, stages):
     kernel, kw["h_smem"] = kernel.removesuffix("_h_smem"), True
   if kernel.endswith("_ws"):   # a kernel that does not gather, warp-specialized
     kernel, kw["warp_specialized"] = kernel.removesuffix("_ws"), True
+  if kernel.endswith("_cluster"):   # the persistent weight gradient in clusters of 2
+    kernel, kw["cluster_m"] = kernel.removesuffix("_cluster"), 2
+  if kernel.endswith("_dynamic"):   # the persistent weight gradient's dynamic tile order
+    kernel, kw["dynamic"] = kernel.removesuffix("_dynamic"), True
   return {
     "matmul": (lambda a, b, t: g.grouped_matmul(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "up_proj": (lambda a, b, t: g.up_proj(a, b, t, **kw), (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
@@ -205,7 +213,8 @@ def threads(kernel: str) -> int:
   from ffi import grouped_gemm as g, pingpong as pp
   if "pingpong" in kernel:
     return pp.THREADS
-  producer = kernel.endswith(("_gather", "_ws", "_persistent"))   # + the producer warpgroup
+  base = kernel.removesuffix("_cluster").removesuffix("_dynamic")
+  producer = base.endswith(("_gather", "_ws", "_persistent"))   # + the producer warpgroup
   return g.THREADS + (128 if producer else 0)
 
 

@@ -146,33 +146,54 @@ def prefetch_descriptors(warp, tma_a, tma_b, gather: cutlass.Constexpr):
 @cute.jit
 def load_pipeline(storage, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
                   gather: cutlass.Constexpr, consumer_threads: cutlass.Constexpr, tidx,
-                  extra_barriers: cutlass.Constexpr = 0):
+                  extra_barriers: cutlass.Constexpr = 0, cluster_m: cutlass.Constexpr = 1):
   """The kernels' load ring: a PipelineTmaAsync over storage's first 2 x stages mbarriers (it
-  initialises them, fences and syncs the CTA). A full barrier completes on the stage's TMA
-  bytes and, gathering, every producer thread's copies (PRODUCER_ARRIVALS); an empty one on
-  each of the consumer_threads' warps. Thread tidx 0 first initialises extra_barriers more
-  after them: a count (one arrival each: an epilogue's H loads) or a tuple of each one's
-  arrivals. Returns (the pipeline, the first extra barrier's pointer)."""
+  initialises them, fences and syncs the CTA, or the cluster). A full barrier completes on the
+  stage's TMA bytes and, gathering, every producer thread's copies (PRODUCER_ARRIVALS); an
+  empty one on each of the consumer_threads' warps, or with cluster_m 2 (a cluster of 2 CTAs
+  along M sharing the rhs's stages by multicast: tma_operand) on each of both CTAs' consumer
+  warps, lane r of a warp arriving on CTA r's barrier. Thread tidx 0 first initialises
+  extra_barriers more after them: a count (one arrival each: an epilogue's H loads) or a tuple
+  of each one's arrivals. Returns (the pipeline, the first extra barrier's pointer)."""
   extra = storage.barriers.data_ptr() + 2 * stages
   arrivals = ((1,) * extra_barriers if isinstance(extra_barriers, int) else tuple(extra_barriers))
   if cutlass.const_expr(len(arrivals) > 0):
     if tidx == 0:
       for i in cutlass.range_constexpr(len(arrivals)):
         cute.arch.mbarrier_init(extra + i, arrivals[i])
+  consumers, multicast = consumer_threads // 32, {}   # one arrival per consumer warp
+  if cutlass.const_expr(cluster_m > 1):   # (the pipeline counts the warps of both CTAs)
+    consumers = consumer_threads
+    multicast = dict(tidx=tidx, mcast_mode_mn=(0, 1), enable_multicast_signaling=True)
   loads = pipeline.PipelineTmaAsync.create(
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
       producer_group=pipeline.CooperativeGroup(
           pipeline.Agent.Thread, PRODUCER_ARRIVALS if gather else 1),
-      consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads // 32),
-      tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+      consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
+      tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, cluster_m, 1, 1)), **multicast)
   return loads, extra
 
 
-def tma_operand(atom, smem, gmem):
-  """(atom, gmem tiles by k step, smem stages) of a TMA-loaded operand: load_stage's operand."""
-  s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+def tma_operand(atom, smem, gmem, cluster_rank=0, cluster_size: int = 1):
+  """(atom, gmem tiles by k step, smem stages, multicast mask) of a TMA-loaded operand:
+  load_stage's operand. With cluster_size 2 (atom made with num_multicast=2) this CTA, rank
+  cluster_rank, loads its half of each tile into both CTAs of the cluster; else the mask is
+  None (a plain load)."""
+  s_part, g_part = cpasync.tma_partition(atom, cluster_rank, cute.make_layout(cluster_size),
+                                         cute.group_modes(smem, 0, 2),
                                          cute.group_modes(gmem, 0, 2))
-  return atom, g_part, s_part
+  mask = None if cluster_size == 1 else cutlass.Int16((1 << cluster_size) - 1)
+  return atom, g_part, s_part, mask
+
+
+def tma_load(operand, k, stage, bar):
+  """TMA-load k step k of a tma_operand into SMEM stage `stage`, completing on mbarrier bar
+  (with its multicast mask: in every CTA of the cluster, each on its own barrier)."""
+  atom, src, dst, mask = operand
+  if mask is None:
+    cute.copy(atom, src[(None, k)], dst[(None, stage)], tma_bar_ptr=bar)
+  else:
+    cute.copy(atom, src[(None, k)], dst[(None, stage)], tma_bar_ptr=bar, mcast_mask=mask)
 
 
 @cute.jit
@@ -221,12 +242,12 @@ def release_last_stage(loads, release, num_k):
 
 
 def load_stage(loads, state, operands, k):
-  """The producer: TMA loads of k step k of each (atom, gmem tiles, smem stages) operand into
-  stage state.index, completing on that stage's mbarrier."""
+  """The producer: TMA loads (tma_load) of k step k of each operand (tma_operand) into stage
+  state.index, completing on that stage's mbarrier."""
   loads.producer_acquire(state)
   bar = loads.producer_get_barrier(state)
-  for atom, src, dst in operands:
-    cute.copy(atom, src[(None, k)], dst[(None, state.index)], tma_bar_ptr=bar)
+  for operand in operands:
+    tma_load(operand, k, state.index, bar)
   loads.producer_commit(state)
 
 
@@ -587,8 +608,8 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
   bar = loads.producer_get_barrier(state)
   if ptid < 32:
     loads.sync_object_full.arrive(state.index, loads.producer_mask)
-    for atom, src, dst in rhs_operands:
-      cute.copy(atom, src[(None, k)], dst[(None, state.index)], tma_bar_ptr=bar)
+    for operand in rhs_operands:
+      tma_load(operand, k, state.index, bar)
   stage = s_a[None, None, state.index]
   for wg in cutlass.range_constexpr(WARPGROUPS):
     if cutlass.const_expr(kind == "wgrad"):

@@ -168,6 +168,12 @@ WGRAD_KERNELS = ("grouped", "persistent")
 # 3.8 GB static (session 42; the operands hold 2.15 GB).
 WGRAD_DYNAMIC_ORDER: str | tuple[str, ...] = "auto"
 WGRAD_DYNAMIC_MIN_TILES = 128
+# CTAs per cluster of the persistent gathering weight gradients (persistent.CLUSTER_SIZES):
+# 2, neighbouring M tiles share the rhs's stages by TMA multicast (one third less L2-to-SM
+# traffic a stage at block_n 256), where M is a multiple of 256, else 1. Built in session 43
+# (the PyTorch SonicMoE's dW1 at olmoe: 256 x 192 tiles in clusters of 2, 0.57 of our L2
+# bytes), not yet run on the GPU: 1 until measured.
+WGRAD_CLUSTER_M = 1
 
 
 def _setting(name: str, value, choices):
@@ -372,9 +378,13 @@ def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bo
   if _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "grouped":
     return grouped_gemm.weight_grad(*args, block_n=block_n, gather_index=plan.token_index,
                                     transpose_out=transpose_out, group_sizes=plan.group_sizes)
+  cluster_m = _setting("WGRAD_CLUSTER_M", WGRAD_CLUSTER_M, persistent.CLUSTER_SIZES)
+  if x.shape[1] % (cluster_m * persistent.BLOCK_M):
+    cluster_m = 1
   return persistent.weight_grad(*args, plan.token_index, block_n=block_n,
                                 transpose_out=transpose_out, group_sizes=plan.group_sizes,
-                                dynamic=_dynamic_order(op, x.shape[1], rhs.shape[1], block_n))
+                                dynamic=_dynamic_order(op, x.shape[1], rhs.shape[1], block_n),
+                                cluster_m=cluster_m)
 
 
 def _dynamic_order(op: str, m: int, n: int, block_n: int) -> bool:

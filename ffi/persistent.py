@@ -14,6 +14,11 @@ Schedule:
               tile, then column tile (an expert's tiles together: its rows from L2); kind
               "store": M tile t // n_tiles, column tile t % n_tiles (an M tile's column tiles
               on neighbouring CTAs: its lhs rows from L2)
+  clusters  : "wgrad" with cluster_m 2: clusters of 2 CTAs take cluster tiles as a CTA takes
+              tiles (in either order below), the two CTAs neighbouring M tiles of one expert
+              and one column tile (cluster_tile); each TMA-loads half of every rhs stage into
+              both CTAs (multicast), and a stage is free once both CTAs' MMA warpgroups
+              released it
   producer  : warpgroup 0 (grouped_gemm's PRODUCER_REGISTERS), its ring state running on
               across tiles: "wgrad", as grouped_gemm's gathering producer (gather_stage: each
               k step's BLOCK_K rows gathered, the tile's BLOCK_M columns of them; an expert
@@ -55,6 +60,25 @@ def stages_that_fit(block_n: int, itemsize: int) -> int:
                                              reserved=epilogue_bytes(itemsize)))
 
 
+# CTAs per cluster of the weight gradients: 1 (none) or 2 along M sharing the rhs's stages,
+# which each loads half of and multicasts to both (the PyTorch SonicMoE's dW1 at olmoe runs
+# 256 x 192 tiles in clusters of 2: 0.57 of our L2-to-SM bytes, session 43)
+CLUSTER_SIZES = (1, 2)
+
+
+def cluster_tile(u, rank, num_m_tiles: int, num_n_tiles: int, cluster: int):
+  """The "wgrad" tile (tile_work's t) of CTA `rank` of a cluster of `cluster` CTAs at cluster
+  tile u, cluster tiles ordered as tile_work orders tiles: the cluster's CTAs take
+  neighbouring M tiles of one expert and one column tile (the rhs tile they share). cluster
+  1: t = u."""
+  if cluster == 1:
+    return u
+  per_expert = num_m_tiles // cluster * num_n_tiles
+  expert, rest = u // per_expert, u % per_expert
+  m_tile = rest // num_n_tiles * cluster + rank
+  return (expert * num_m_tiles + m_tile) * num_n_tiles + rest % num_n_tiles
+
+
 def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_steps: int,
               num_experts):
   """Tile t's (M tile, column tile, first k step, k steps, rhs's and out's third coordinate).
@@ -76,8 +100,13 @@ def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_ste
 
 TILE_SLOTS = 2                         # the dynamic order's tile ids in SMEM, a ring
 TILE_READERS = gg.THREADS + 128        # every thread of the CTA reads each tile id
-# (each slot's full barrier: the asking thread's arrival; its empty one: every reader's)
-TILE_BARRIERS = (1,) * TILE_SLOTS + (TILE_READERS,) * TILE_SLOTS
+
+
+def tile_barriers(cluster: int) -> tuple:
+  """The dynamic order's mbarriers' arrivals: each slot's full barrier the publishing thread's
+  (tx-counted in CTA rank 1), its empty one every reader's, of every CTA of the cluster (rank
+  0's: the other ranks' readers arrive there; theirs go unused)."""
+  return (1,) * TILE_SLOTS + (TILE_READERS * cluster,) * TILE_SLOTS
 
 
 # The CTAs' tile order. Static: a CTA takes its index, then every grid-th. Dynamic: its index,
@@ -88,7 +117,9 @@ TILE_BARRIERS = (1,) * TILE_SLOTS + (TILE_READERS,) * TILE_SLOTS
 # them). Dynamic, warp 0's lane 0 asks as the producer starts a tile (the atomic's latency
 # under that tile's loads) and publishes the answer as it starts the next, into a ring of
 # TILE_SLOTS SMEM slots (tile_ids); every thread reads it when it starts the tile after (so
-# each tile is asked for two tiles ahead). A tile id past the last: done.
+# each tile is asked for two tiles ahead). A tile id past the last: done. In clusters the
+# order's tiles are cluster tiles, asked for by rank 0 and published into both CTAs' rings
+# (rank 1's slot by an asynchronous store into its SMEM, completing on its full barrier).
 
 
 @cute.jit
@@ -103,36 +134,44 @@ def _ask_tile(counter: cute.Tensor, asked):
 
 
 @cute.jit
-def _publish_tile(barriers, tile_ids: cute.Tensor, i, t):
-  """(warp 0, dynamic) the CTA's i-th tile, t (lane 0's), into slot i % TILE_SLOTS once every
-  thread read the slot's previous tile. The whole warp waits and comes back together: its
-  lanes' elect.sync in the loads that follow need all 32."""
+def _publish_tile(barriers, tile_ids: cute.Tensor, i, t, cluster: cutlass.Constexpr):
+  """(warp 0 of the cluster's rank 0, dynamic) the cluster's i-th tile, t (lane 0's), into
+  slot i % TILE_SLOTS of every CTA of the cluster once every thread read the slot's previous
+  tile. The whole warp waits and comes back together: its lanes' elect.sync in the loads that
+  follow need all 32."""
   slot, phase = i % TILE_SLOTS, (i // TILE_SLOTS) % 2
   cute.arch.mbarrier_wait(barriers + TILE_SLOTS + slot, phase ^ 1)
   if cute.arch.lane_idx() == 0:
     tile_ids[slot] = t
     cute.arch.mbarrier_arrive(barriers + slot)
+    if cutlass.const_expr(cluster > 1):   # rank 1's slot: 4 bytes its full barrier counts
+      cute.arch.mbarrier_arrive_and_expect_tx(barriers + slot, 4, peer_cta_rank_in_cluster=1)
+      cute.arch.store_async_dsmem(tile_ids.iterator + slot, t, barriers + slot, 1)
   cute.arch.sync_warp()
 
 
 @cute.jit
-def _read_tile(barriers, tile_ids: cute.Tensor, i):
-  """(every thread, dynamic) the CTA's i-th tile."""
+def _read_tile(barriers, tile_ids: cute.Tensor, i, cluster: cutlass.Constexpr):
+  """(every thread, dynamic) the cluster's i-th tile; read, on rank 0's empty barrier."""
   slot, phase = i % TILE_SLOTS, (i // TILE_SLOTS) % 2
   cute.arch.mbarrier_wait(barriers + slot, phase)
   t = tile_ids[slot]
-  cute.arch.mbarrier_arrive(barriers + TILE_SLOTS + slot)
+  if cutlass.const_expr(cluster > 1):
+    cute.arch.mbarrier_arrive(barriers + TILE_SLOTS + slot, peer_cta_rank_in_cluster=0)
+  else:
+    cute.arch.mbarrier_arrive(barriers + TILE_SLOTS + slot)
   return t
 
 
 @cute.jit
-def _next_tile(barriers, tile_ids: cute.Tensor, i, t, num_ctas, dynamic: cutlass.Constexpr):
-  """(every thread) the CTA's i-th tile, its (i - 1)-th being t (i = 0: t is the CTA's
-  index)."""
+def _next_tile(barriers, tile_ids: cute.Tensor, i, t, stride, dynamic: cutlass.Constexpr,
+               cluster: cutlass.Constexpr):
+  """(every thread) the CTA's (or its cluster's) i-th tile, its (i - 1)-th being t (i = 0: t
+  is the first, the CTA's or cluster's index); static, every stride-th."""
   if cutlass.const_expr(dynamic):
-    t = _read_tile(barriers, tile_ids, i)
+    t = _read_tile(barriers, tile_ids, i, cluster)
   elif i > 0:
-    t = t + num_ctas
+    t = t + stride
   return t
 
 
@@ -147,12 +186,14 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             num_m_tiles: cutlass.Constexpr, num_n_tiles: cutlass.Constexpr,
             k_steps: cutlass.Constexpr, num_tiles: cutlass.Constexpr,
             out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr,
-            dynamic: cutlass.Constexpr):
+            dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr):
   """kind "wgrad": m_a X (T, M, 1) the gathered rows' source, m_b the rhs (N, P, 1) N-major,
   the output (M, N, E), tile_info group_rows (2 E,), gather_index (P,). kind "store":
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
   tile_info tile_expert (P / BLOCK_M,), gather_index unused. dynamic: the tiles in the order
-  the CTAs ask for them (tile_counter (1,) starting at 0), else every grid-th (_next_tile)."""
+  the CTAs ask for them (tile_counter (1,) starting at 0), else every grid-th (_next_tile).
+  cluster 2 ("wgrad"): the grid's clusters of 2 CTAs loop over cluster tiles (cluster_tile),
+  the rhs's stages multicast (tma_b made for it)."""
   gather = kind == "wgrad"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -160,14 +201,20 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
   gg.prefetch_descriptors(warp, tma_a, tma_b, gather)
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
-  work = lambda t: tile_work(kind, t, tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts)
+  # the loop's tiles: this CTA's of the grid's, or its cluster's (rank `rank`) of the clusters'
+  rank, first, stride, num_units = 0, cta, num_ctas, num_tiles
+  if cutlass.const_expr(cluster > 1):
+    rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+    first, stride, num_units = cta // cluster, num_ctas // cluster, num_tiles // cluster
+  work = lambda u: tile_work(kind, cluster_tile(u, rank, num_m_tiles, num_n_tiles, cluster),
+                             tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts)
 
   smem = cutlass.memory.SmemAllocator()
   storage = smem.allocate(shared_storage)
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
   s_b = storage.s_b.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
   loads, tile_bars = gg.load_pipeline(storage, stages, stage_bytes, gather, THREADS, tidx,
-                                      TILE_BARRIERS if dynamic else 0)
+                                      tile_barriers(cluster) if dynamic else 0, cluster)
   # (static: no ring; tile_counter stands in, unread)
   tile_ids = (storage.tile_ids.get_tensor(cute.make_layout(TILE_SLOTS)) if dynamic
               else tile_counter)
@@ -178,18 +225,20 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     asked = cutlass.Int32(0)   # (dynamic, warp 0's lane 0) the count its last ask returned
     if cutlass.const_expr(dynamic):
       if warp == 0:
-        _publish_tile(tile_bars, tile_ids, 0, cta)
-        asked = _ask_tile(tile_counter, asked)
+        if rank == 0:
+          _publish_tile(tile_bars, tile_ids, 0, first, cluster)
+          asked = _ask_tile(tile_counter, asked)
     i = cutlass.Int32(0)
-    t = _next_tile(tile_bars, tile_ids, i, cta, num_ctas, dynamic)
-    while t < num_tiles:
+    t = _next_tile(tile_bars, tile_ids, i, first, stride, dynamic, cluster)
+    while t < num_units:
       if cutlass.const_expr(dynamic):
         if warp == 0:   # the next tile (asked for as the last one started), and ask again
-          _publish_tile(tile_bars, tile_ids, i + 1, num_ctas + asked)
-          asked = _ask_tile(tile_counter, asked)
+          if rank == 0:
+            _publish_tile(tile_bars, tile_ids, i + 1, stride + asked, cluster)
+            asked = _ask_tile(tile_counter, asked)
       m_tile, n_tile, k_begin, num_k, rhs_l, _ = work(t)
       operands = [gg.tma_operand(tma_b, s_b, cute.local_tile(
-          m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)))]
+          m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)), rank, cluster)]
       if cutlass.const_expr(gather):
         produce = gg.produce_wgrad_steps(loads, produce, m_a, gather_index, s_a, operands,
                                          k_begin, num_k, tidx, m_tile * BLOCK_M)
@@ -200,7 +249,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
           gg.load_stage(loads, produce, lhs_and_rhs, k_begin + step)
           produce.advance()
       i += 1
-      t = _next_tile(tile_bars, tile_ids, i, t, num_ctas, dynamic)
+      t = _next_tile(tile_bars, tile_ids, i, t, stride, dynamic, cluster)
   else:   # the MMA warpgroups
     cute.arch.setmaxregister_increase(gg.MMA_REGISTERS)
     mma_tidx = tidx - 128
@@ -213,8 +262,8 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     i = cutlass.Int32(0)
-    t = _next_tile(tile_bars, tile_ids, i, cta, num_ctas, dynamic)
-    while t < num_tiles:
+    t = _next_tile(tile_bars, tile_ids, i, first, stride, dynamic, cluster)
+    while t < num_units:
       m_tile, n_tile, _, num_k, _, out_l = work(t)
       consume, release = gg.consume_tile(loads, consume, release, tiled_mma, [acc], frag_a,
                                          [frag_b], num_k, gather)
@@ -226,17 +275,22 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
       gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx, warp == 4,
                              False, m_major=out_m_major, rolling=True)
       i += 1
-      t = _next_tile(tile_bars, tile_ids, i, t, num_ctas, dynamic)
+      t = _next_tile(tile_bars, tile_ids, i, t, stride, dynamic, cluster)
     gg.store_tail(warp == 4)
+  if cutlass.const_expr(cluster > 1):
+    # no CTA exits while the other may still multicast into its SMEM or arrive on its barriers
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
 
 
 @cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
             gather_index: cute.Tensor, tile_counter: cute.Tensor, out: cute.Tensor,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr,
-            kind: cutlass.Constexpr, dynamic: cutlass.Constexpr):
+            kind: cutlass.Constexpr, dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr = 1):
   """The persistent grid and the kernel's static configuration (_kernel's operands; the
-  output's modes (rows, columns, experts or 1); tile_counter unused unless dynamic)."""
+  output's modes (rows, columns, experts or 1); tile_counter unused unless dynamic); cluster
+  2: clusters of 2 CTAs along M, the grid whole clusters, the rhs's TMA atom multicasting."""
   dtype = lhs.element_type
   gather = kind == "wgrad"
   # the weight gradient's A tiles (M, rows) are M-major (filled by the gathers)
@@ -248,9 +302,13 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
       cutlass.Float32, (gg.WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
   a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
   b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
-  tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
-                                           cute.slice_(b_smem_staged, (None, None, 0)),
-                                           (block_n, BLOCK_K))
+  b_stage = cute.slice_(b_smem_staged, (None, None, 0))
+  if cutlass.const_expr(cluster > 1):
+    tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), rhs,
+                                             b_stage, (block_n, BLOCK_K), num_multicast=cluster)
+  else:
+    tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs, b_stage,
+                                             (block_n, BLOCK_K))
   stage_bytes = cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
   if cutlass.const_expr(gather):   # no TMA for A (the kernel takes an atom: B's, unused)
     tma_a, m_a = tma_b, lhs
@@ -264,41 +322,51 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(
       cpasync.CopyBulkTensorTileS2GOp(), out, cute.slice_(c_smem_staged, (None, None, 0)),
       EPI_TILE)
+  ring_barriers = len(tile_barriers(cluster)) if dynamic else 0
   storage = gg.shared_storage(
-      dtype, stages * 2 + (len(TILE_BARRIERS) if dynamic else 0), cute.cosize(a_smem_staged),
-      cute.cosize(b_smem_staged), 1, cute.cosize(c_smem_staged), TILE_SLOTS if dynamic else 0)
+      dtype, stages * 2 + ring_barriers, cute.cosize(a_smem_staged), cute.cosize(b_smem_staged),
+      1, cute.cosize(c_smem_staged), TILE_SLOTS if dynamic else 0)
   num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
   num_n_tiles = cute.size(out, mode=[1]) // block_n
   num_tiles = num_m_tiles * num_n_tiles * cute.size(out, mode=[2])
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K   # (store: the contraction)
   _kernel.set_name_prefix(gg.kernel_label(kind, gather, "persistent"), remove_cutlass_symbol=True)
-  _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index, tile_counter,
-          tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged, cute.size(rhs, mode=[2]),
-          storage, block_n, stages, stage_bytes, num_m_tiles, num_n_tiles, k_steps, num_tiles,
-          out_layout.is_m_major_c(), kind, dynamic).launch(
-              grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
-              stream=stream)
+  kernel = _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index,
+                   tile_counter, tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged,
+                   cute.size(rhs, mode=[2]), storage, block_n, stages, stage_bytes, num_m_tiles,
+                   num_n_tiles, k_steps, num_tiles, out_layout.is_m_major_c(), kind, dynamic,
+                   cluster)
+  if cutlass.const_expr(cluster > 1):   # whole clusters, at least one
+    grid = max(cluster, min(num_tiles, num_ctas) // cluster * cluster)
+    kernel.launch(grid=(grid, 1, 1), block=(THREADS + 128, 1, 1), cluster=(cluster, 1, 1),
+                  stream=stream)
+  else:
+    kernel.launch(grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
+                  stream=stream)
 
 
 @cute.jit
 def _weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tensor,
                  gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-                 stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS):
+                 stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS,
+                 cluster_m: cutlass.Constexpr = 1):
   """x (T, M, 1) the source rows, rhs (N, P, 1) N-major, group_rows (2 E,), gather_index (P,),
-  out (M, N, E) N- or M-major: the operands of grouped_gemm._gathered_weight_grad."""
+  out (M, N, E) N- or M-major: the operands of grouped_gemm._gathered_weight_grad; cluster_m:
+  CTAs per cluster (_launch's cluster)."""
   _launch(stream, x, rhs, group_rows, gather_index, gather_index, out, block_n, stages,
-          num_ctas, "wgrad", False)
+          num_ctas, "wgrad", False, cluster_m)
 
 
 @cute.jit
 def _weight_grad_dynamic(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tensor,
                          gather_index: cute.Tensor, tile_counter: cute.Tensor, out: cute.Tensor,
                          counter_out: cute.Tensor, block_n: cutlass.Constexpr,
-                         stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS):
+                         stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS,
+                         cluster_m: cutlass.Constexpr = 1):
   """_weight_grad's with the tiles in the order the CTAs ask for them (the dynamic tile order,
   above _ask_tile): tile_counter (1,) at 0, counted up in place (counter_out, its buffer)."""
   _launch(stream, x, rhs, group_rows, gather_index, tile_counter, out, block_n, stages,
-          num_ctas, "wgrad", True)
+          num_ctas, "wgrad", True, cluster_m)
 
 
 @cute.jit
@@ -330,6 +398,15 @@ def _tile_unsupported(block_n: int):
   return None if block_n % whole == 0 else f"block_n={block_n} must be a multiple of {whole}"
 
 
+def _cluster_unsupported(cluster_m, m: int) -> str | None:
+  """Why the weight gradient cannot run clusters of cluster_m CTAs along its M = m, or None."""
+  if type(cluster_m) is not int or cluster_m not in CLUSTER_SIZES:   # (not a bool or a float)
+    return f"cluster_m={cluster_m!r} must be one of {CLUSTER_SIZES}"
+  if m % (cluster_m * BLOCK_M):
+    return f"M={m} must be a multiple of cluster_m x BLOCK_M = {cluster_m * BLOCK_M}"
+  return None
+
+
 def _grid_config(num_ctas, name: str) -> dict:
   """The launch option of num_ctas ({} for the default grid, which the FFI targets leave out)."""
   if num_ctas is None:
@@ -341,7 +418,8 @@ def _grid_config(num_ctas, name: str) -> dict:
 
 def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: int = 128,
                 stages: int | None = None, transpose_out: bool = False,
-                num_ctas: int | None = None, group_sizes=None, dynamic: bool = False):
+                num_ctas: int | None = None, group_sizes=None, dynamic: bool = False,
+                cluster_m: int = 1):
   """grouped_gemm.weight_grad with gather_index on persistent CTAs (module docstring): x
   [T, M] (slot r reads X[gather_index[r]], zeros where it is T or more), rhs [P, N] rows in
   slot order, expert e's rows group_offsets[e] .. group_offsets[e + 1] (multiples of BLOCK_M),
@@ -350,17 +428,20 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   ring's depth (default: as many as fit beside the epilogue's buffers, at most the k steps of
   all rows). num_ctas: the grid's most CTAs (default NUM_SMS). dynamic: the tiles in the
   order the CTAs ask for them (the dynamic tile order, above _ask_tile) instead of every
-  grid-th; the same bits."""
+  grid-th; the same bits. cluster_m: CTAs per cluster (CLUSTER_SIZES; 2: neighbouring M tiles
+  share the rhs's stages by multicast, M a multiple of 2 x BLOCK_M); the same bits."""
   slots = gg.rows_read(x, gather_index)
   reason = (gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
-                                        group_sizes) or _tile_unsupported(block_n))
+                                        group_sizes) or _tile_unsupported(block_n)
+            or _cluster_unsupported(cluster_m, x.shape[1]))
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
   stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
+  clusters = dict(cluster_m=cluster_m) if cluster_m > 1 else {}
   return gg.weight_grad_call((None, _weight_grad_dynamic if dynamic else _weight_grad), x, rhs,
                              routing.group_row_ranges(group_offsets, group_sizes), num_experts,
                              gather_index, transpose_out, tile_counter=dynamic, block_n=block_n,
-                             stages=stages, **_grid_config(num_ctas, "weight_grad"))
+                             stages=stages, **_grid_config(num_ctas, "weight_grad"), **clusters)
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,

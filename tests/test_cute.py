@@ -1290,6 +1290,34 @@ def test_cute_wgrad_dynamic_setting_lowers_with_its_counter(monkeypatch):
 
 
 @needs_cute
+def test_cute_wgrad_cluster_setting_reaches_the_kernel_where_m_allows(monkeypatch):
+  """WGRAD_CLUSTER_M 2: the layer's persistent gathering weight gradients run in clusters of 2
+  where their M (the gathered rows' width) is a multiple of 256, else alone; 1 (the default):
+  alone; a size other than 1 and 2 is refused by name."""
+  cute_ops = importlib.import_module("ffi.ops")
+  calls = []
+  real = cute_ops.persistent.weight_grad
+
+  def spy(x, *args, **kw):
+    calls.append((x.shape[1], kw["cluster_m"]))
+    return real(x, *args, **kw)
+
+  monkeypatch.setattr(cute_ops.persistent, "weight_grad", spy)
+
+  def loss(*a):
+    return jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
+
+  for d, cluster_m, want in [(256, 2, 2), (384, 2, 1), (256, 1, 1)]:
+    monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", cluster_m)
+    calls.clear()
+    _cuda_module(jax.grad(loss, argnums=(0, 2, 3)), *make_inputs(0, 256, d, 128, 8, jnp.bfloat16))
+    assert calls and all(m == d and c == want for m, c in calls), calls
+  monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", 4)
+  with pytest.raises(ValueError, match=r"ffi.ops.WGRAD_CLUSTER_M must be one of \(1, 2\); got 4"):
+    _cuda_module(jax.grad(loss), *make_inputs(0, 256, 256, 128, 8, jnp.bfloat16))
+
+
+@needs_cute
 def test_cute_wgrad_dynamic_auto_takes_dw1_with_many_tiles_an_expert(monkeypatch):
   """WGRAD_DYNAMIC_ORDER "auto" (the default): dW1 in the dynamic order where an expert's
   output has WGRAD_DYNAMIC_MIN_TILES tiles of BLOCK_M x block_n (partial tiles counted), dW2
@@ -1311,21 +1339,44 @@ def test_cute_wgrad_dynamic_auto_takes_dw1_with_many_tiles_an_expert(monkeypatch
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,dynamic", [
-    (128, None, False, False), (256, 2, True, False), (256, None, False, False),
-    (256, None, False, True), (128, 3, True, True)])
-def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out, dynamic):
+@pytest.mark.parametrize("block_n,stages,transpose_out,dynamic,cluster_m", [
+    (128, None, False, False, 1), (256, 2, True, False, 1), (256, None, False, False, 1),
+    (256, None, False, True, 1), (128, 3, True, True, 1), (256, None, False, True, 2),
+    (128, 3, True, False, 2)])
+def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out, dynamic,
+                                                       cluster_m):
   """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers) compiles
-  for sm_90a at the tiles and depths the layer and the sweep run, in either tile order."""
+  for sm_90a at the tiles and depths the layer and the sweep run, in either tile order, alone
+  or in clusters of 2."""
   from ffi import persistent
   P, M, N, E, T = 512, 256, 512, 4, 300
   offsets = jnp.arange(E + 1, dtype=jnp.int32) * (P // E)
   fn = lambda x, r, i: persistent.weight_grad(x, r, offsets, E, i, block_n=block_n,
                                               stages=stages, transpose_out=transpose_out,
-                                              dynamic=dynamic)
+                                              dynamic=dynamic, cluster_m=cluster_m)
   shapes = [jax.ShapeDtypeStruct((T, M), jnp.bfloat16), jax.ShapeDtypeStruct((P, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
+
+
+@needs_cute
+def test_persistent_cluster_tiles_pair_neighbouring_m_tiles_of_one_column_tile():
+  """cluster_tile (on plain integers): the two CTAs of a cluster at each cluster tile take M
+  tiles 2j and 2j + 1 of one expert and one column tile; over the cluster tiles, every tile
+  once, in tile_work's order (expert, then M tile, then column tile); clusters of 1: the tile
+  itself."""
+  from ffi import persistent
+  m_tiles, n_tiles, experts = 4, 3, 2
+  units = m_tiles * n_tiles * experts // 2
+  pairs = [[persistent.cluster_tile(u, r, m_tiles, n_tiles, 2) for r in (0, 1)]
+           for u in range(units)]
+  split = lambda t: (t // (m_tiles * n_tiles), t % (m_tiles * n_tiles) // n_tiles, t % n_tiles)
+  for t0, t1 in pairs:
+    (e0, m0, n0), (e1, m1, n1) = split(t0), split(t1)
+    assert (e0, n0) == (e1, n1) and m0 % 2 == 0 and m1 == m0 + 1
+  assert sorted(t for pair in pairs for t in pair) == list(range(2 * units))
+  assert [pair[0] for pair in pairs] == sorted(pair[0] for pair in pairs)
+  assert [persistent.cluster_tile(u, 0, m_tiles, n_tiles, 1) for u in range(5)] == list(range(5))
 
 
 @needs_cute
@@ -1381,6 +1432,12 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
     persistent.weight_grad(x, rhs, offsets, 4, index, num_ctas=0)
   with pytest.raises(ValueError, match="cute persistent weight_grad: block_n=64 must be a multiple of 128"):
     persistent.weight_grad(x, rhs, offsets, 4, index, block_n=64)
+  for bad in (3, True, 2.0):
+    with pytest.raises(ValueError, match=rf"cluster_m={bad!r} must be one of \(1, 2\)"):
+      persistent.weight_grad(x, rhs, offsets, 4, index, cluster_m=bad)
+  with pytest.raises(ValueError, match="M=384 must be a multiple of cluster_m x BLOCK_M = 256"):
+    persistent.weight_grad(jnp.zeros((300, 384), jnp.bfloat16), rhs, offsets, 4, index,
+                           cluster_m=2)
   lhs, w, tiles = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((4, 256, 512), jnp.bfloat16), \
       jnp.zeros((4,), jnp.int32)
   with pytest.raises(ValueError, match=r"cute persistent grouped_matmul: cols=\(0, 600\) must be"):
@@ -1393,30 +1450,36 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas,dynamic", [
-    (128, None, False, None, False), (256, None, True, None, False), (256, 2, False, 3, False),
-    (128, 3, True, 5, False), (256, None, True, 1, False), (256, None, False, None, True),
-    (256, 2, False, 3, True), (128, 3, True, 5, True), (256, None, True, 1, True)])
+@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas,dynamic,cluster_m", [
+    (128, None, False, None, False, 1), (256, None, True, None, False, 1),
+    (256, 2, False, 3, False, 1), (128, 3, True, 5, False, 1), (256, None, True, 1, False, 1),
+    (256, None, False, None, True, 1), (256, 2, False, 3, True, 1), (128, 3, True, 5, True, 1),
+    (256, None, True, 1, True, 1), (256, None, False, None, False, 2),
+    (256, 2, True, 4, False, 2), (256, None, False, None, True, 2), (128, 3, True, 6, True, 2),
+    (256, None, False, 3, True, 2), (256, 2, True, 1, True, 2)])
 def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, transpose_out,
-                                                            num_ctas, dynamic):
+                                                            num_ctas, dynamic, cluster_m):
   """The persistent kernel gives grouped_gemm.weight_grad's bits, gathering X's rows (padding
   slots: index T): experts of 256, 0 (zeros), 640, 128 and 1152 rows, so that a CTA's tiles run
   2, 0, 10, 2 and 18 k steps and its ring of `stages` wraps within and across tiles; num_ctas
   3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each), in
   either tile order (dynamic: the CTAs ask a counter; twice in a row, so a second call's
-  counter starts at 0 again). The output is written over a freed buffer of NaN, so an element
-  left unstored shows."""
+  counter starts at 0 again), alone or in clusters of 2 (M = 512: two cluster rows of M
+  tiles; num_ctas 3 and 1 rounded to one whole cluster). The output is written over a freed
+  buffer of NaN, so an element left unstored shows."""
   from ffi import grouped_gemm, persistent
   sizes = [256, 0, 640, 128, 1152]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
-  T, P, M, N, E = 1000, sum(sizes) + 128, 384, 512, len(sizes)
+  T, P, N, E = 1000, sum(sizes) + 128, 512, len(sizes)
+  M = 384 if cluster_m == 1 else 512
   x = jax.random.normal(jax.random.key(71), (T, M)).astype(jnp.bfloat16)
   rhs = jax.random.normal(jax.random.key(72), (P, N)).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(73), (P,), 0, T).at[::5].set(T)
   kw = dict(block_n=block_n, transpose_out=transpose_out)
   jax.block_until_ready(jnp.full((E, M, N), jnp.nan, jnp.bfloat16)).delete()
   run = jax.jit(lambda a, b, o, i: persistent.weight_grad(
-      a, b, o, E, i, stages=stages, num_ctas=num_ctas, dynamic=dynamic, **kw))
+      a, b, o, E, i, stages=stages, num_ctas=num_ctas, dynamic=dynamic, cluster_m=cluster_m,
+      **kw))
   got = run(x, rhs, offsets, index)
   want = jax.jit(lambda a, b, o, i: grouped_gemm.weight_grad(
       a, b, o, E, gather_index=i, **kw))(x, rhs, offsets, index)
