@@ -1540,11 +1540,15 @@ def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypat
 
 @pytest.mark.gpu
 @needs_cute
-def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(monkeypatch):
+@pytest.mark.parametrize("cluster_m,dynamic_order", [(1, ()), (2, ()), (2, ("dw1", "dw2"))])
+def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(cluster_m, dynamic_order,
+                                                                        monkeypatch):
   """The layer's gradients with WGRAD_KERNEL "persistent" (dW1 and dW2 gathering their rows on
-  it) are bitwise those with "grouped"."""
+  it; alone or in clusters of 2, in either tile order) are bitwise those with "grouped"."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(74, 1000, 512, 256, 16, jnp.bfloat16)
+  monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", cluster_m)
+  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", dynamic_order)
   monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "grouped")
   grad = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
       jnp.float32)), argnums=(2, 3)))
