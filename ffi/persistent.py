@@ -426,10 +426,11 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   or with group_sizes to group_offsets[e] + group_sizes[e] (grouped_gemm.weight_grad's);
   returns out [E, M, N], out[e] = X_e^T rhs_e, or with transpose_out [E, N, M]. stages: the
   ring's depth (default: as many as fit beside the epilogue's buffers, at most the k steps of
-  all rows). num_ctas: the grid's most CTAs (default NUM_SMS). dynamic: the tiles in the
-  order the CTAs ask for them (the dynamic tile order, above _ask_tile) instead of every
-  grid-th; the same bits. cluster_m: CTAs per cluster (CLUSTER_SIZES; 2: neighbouring M tiles
-  share the rhs's stages by multicast, M a multiple of 2 x BLOCK_M); the same bits."""
+  all rows). num_ctas: the grid's most CTAs (default NUM_SMS; in clusters rounded down to
+  whole clusters, at least one). dynamic: the tiles in the order the CTAs ask for them (the
+  dynamic tile order, above _ask_tile) instead of every grid-th; the same bits. cluster_m:
+  CTAs per cluster (CLUSTER_SIZES; 2: neighbouring M tiles share the rhs's stages by
+  multicast, M a multiple of 2 x BLOCK_M); the same bits."""
   slots = gg.rows_read(x, gather_index)
   reason = (gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
                                         group_sizes) or _tile_unsupported(block_n)
