@@ -373,7 +373,8 @@ def dx_tilde(dh, w1, plan, cols=None):
 
 def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bool = False):
   """weight_grad (of op, "dw1" or "dw2") with x's rows gathered by the plan's token_index, on
-  WGRAD_KERNEL (persistent: in the dynamic tile order where WGRAD_DYNAMIC_ORDER names op)."""
+  WGRAD_KERNEL (persistent: in the dynamic tile order where WGRAD_DYNAMIC_ORDER takes op, in
+  clusters of WGRAD_CLUSTER_M CTAs where x's width allows)."""
   args = (x, rhs, plan.group_offsets, plan.num_experts)
   if _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "grouped":
     return grouped_gemm.weight_grad(*args, block_n=block_n, gather_index=plan.token_index,
