@@ -55,6 +55,9 @@
 #           interleaved rounds: a change's effect on the step in one call          (~4-9 min)
 #   sized : the weight gradients skipping their experts' padding k steps: GPU tests, sweep
 #           rows with and without, check_anchors at 30B-n256 and 7B-n256             (~8 min)
+#   clusters: the persistent weight gradients in clusters of 2 (session 43): their GPU tests,
+#           the default against float32 at 120B-n1024, sweep rows at olmoe and 120B-n1024
+#           with and without clusters (three rounds interleaved)                    (~5 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
@@ -342,6 +345,19 @@ PY
         --out "$OUT/sweep_sized.json" 2>&1 | grep -v '^{' | grep -v "^config"
       timeout 200 python3 -m benchmarks.check_anchors --backend auto --configs 30B-n256,7B-n256 \
         --out "$OUT/check_anchors_sized.json" 2>&1 | grep '^{' | cut -c1-200 ;;
+    clusters)  # after `cute` staging (see above)
+      timeout 200 python3 -m pytest -m gpu tests/test_cute.py -p no:cacheprovider -rA \
+        -k "persistent_weight_grad_matches or layer_with_persistent_weight_grads" \
+        > "$OUT/pytest_clusters.log" 2>&1
+      rc=$?; echo "tests: rc $rc (124: a hang)"
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_clusters.log" | cut -c1-160 | tail -8
+      [ "$rc" = 0 ] || continue
+      timeout 150 python3 -m benchmarks.check_anchors --backend auto --configs 120B-n1024 \
+        --out "$OUT/check_anchors_auto.json" 2>&1 | grep '^{' | cut -c1-200
+      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 256 \
+        --configs olmoe,120B-n1024 --interleave 3 \
+        --kernels dw1_gather_persistent_sized_dynamic,dw1_gather_persistent_sized_dynamic_cluster,dw1_gather_persistent_sized_cluster,dw2_gather_persistent_sized,dw2_gather_persistent_sized_cluster \
+        --out "$OUT/sweep_clusters.json" 2>&1 | grep -v '^{' ;;
     step_memory)  # after `cute` staging: the step's peak memory and XLA's memory-usage report
                   # (its largest buffers) at MEM_CONFIGS (default 30B-n256 7B-n256)   (~2 min)
       for cfg in ${MEM_CONFIGS:-30B-n256 7B-n256}; do
