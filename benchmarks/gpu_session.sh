@@ -118,6 +118,14 @@ rows = json.load(open(out)) if r and os.path.exists(out) else []
 new = (json.load(open(ours)) if os.path.exists(ours) else []) + (
     [json.loads(l) for l in open(theirs) if l.strip()] if os.path.exists(theirs) else [])
 json.dump(rows + [dict(x, round=int(r)) if r else x for x in new], open(out, 'w'))" "$@"; }
+# cute_gpu_tests NAME TIMEOUT FILTER: the -m gpu tests of tests/test_cute.py matching FILTER into
+# $OUT/pytest_NAME.log, their rc and summary printed; returns pytest's rc (124: a hang)
+cute_gpu_tests() {
+  timeout "$2" python3 -m pytest -m gpu tests/test_cute.py -p no:cacheprovider -rA -k "$3" \
+    > "$OUT/pytest_$1.log" 2>&1
+  local rc=$?; echo "tests: rc $rc"
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_$1.log" | cut -c1-160 | tail -8
+  return $rc; }
 # round_bench LOG ARGS...: one round of ours for the *_rounds modes, bench ARGS at their
 # iterations into /tmp/round_ours.json (its log appended to LOG)
 round_bench() { local log=$1; shift
@@ -333,12 +341,9 @@ PY
     sized)  # after `cute` staging: the weight gradients skipping their experts' padding k steps
             # (group_sizes): GPU tests, the sweep rows with and without (interleaved: 25
             # rounds), the default against float32 at two anchors                  (~7 min)
-      timeout 200 python3 -m pytest -m gpu tests/test_cute.py -p no:cacheprovider -rA \
-        -k "skips_padding or weight_grad_against or persistent_weight_grad or weight_grads_matches" \
-        > "$OUT/pytest_sized.log" 2>&1
-      rc=$?; echo "tests: rc $rc"
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_sized.log" | cut -c1-160 | tail -8
-      [ "$rc" = 0 ] || continue
+      cute_gpu_tests sized 200 \
+        "skips_padding or weight_grad_against or persistent_weight_grad or weight_grads_matches" \
+        || continue
       timeout 280 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 256 \
         --configs 30B-n256,7B-n256,olmoe,120B-n1024,7B-n1024 --interleave 25 --iters 5 \
         --kernels dw1_gather_persistent,dw1_gather_persistent_sized,dw2_gather_persistent,dw2_gather_persistent_sized \
@@ -346,12 +351,8 @@ PY
       timeout 200 python3 -m benchmarks.check_anchors --backend auto --configs 30B-n256,7B-n256 \
         --out "$OUT/check_anchors_sized.json" 2>&1 | grep '^{' | cut -c1-200 ;;
     clusters)  # after `cute` staging (see above)
-      timeout 200 python3 -m pytest -m gpu tests/test_cute.py -p no:cacheprovider -rA \
-        -k "persistent_weight_grad_matches or layer_with_persistent_weight_grads" \
-        > "$OUT/pytest_clusters.log" 2>&1
-      rc=$?; echo "tests: rc $rc (124: a hang)"
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_clusters.log" | cut -c1-160 | tail -8
-      [ "$rc" = 0 ] || continue
+      cute_gpu_tests clusters 200 \
+        "persistent_weight_grad_matches or layer_with_persistent_weight_grads" || continue
       timeout 150 python3 -m benchmarks.check_anchors --backend auto --configs 120B-n1024 \
         --out "$OUT/check_anchors_auto.json" 2>&1 | grep '^{' | cut -c1-200
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 256 \
@@ -415,11 +416,7 @@ PY
     rows192)  # after cute staging: the ping-pong store GEMMs on 192-row tiles (ffi/ops.py
               # STORE_TILE_M) against 128: their bitwise GPU tests (rc 124: a hang), the sweep
               # rows (three rounds interleaved), then the step, two rounds in turn  (~8 min)
-      timeout 180 python3 -m pytest -m gpu tests/test_cute.py -p no:cacheprovider -rA \
-        -k "192_row" > "$OUT/pytest_rows192.log" 2>&1
-      rc=$?; echo "tests: rc $rc"
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_rows192.log" | cut -c1-160 | tail -8
-      [ "$rc" = 0 ] || continue
+      cute_gpu_tests rows192 180 "192_row" || continue
       # (128 and 192 wide: the 128-row kernels' tiles; the 192-row kernel's 192 rows are an
       # error row, wider than its 128)
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 128,192 \
