@@ -172,8 +172,11 @@ WGRAD_DYNAMIC_MIN_TILES = 128
 # 2, neighbouring M tiles share the rhs's stages by TMA multicast (one third less L2-to-SM
 # traffic a stage at block_n 256), where M is a multiple of 256, else 1. Built in session 43
 # (the PyTorch SonicMoE's dW1 at olmoe: 256 x 192 tiles in clusters of 2, 0.57 of our L2
-# bytes), not yet run on the GPU: 1 until measured.
-WGRAD_CLUSTER_M = 1
+# bytes). Measured (benchmarks/results/2026-12-04-h200-session44), the step's dW1 and dW2,
+# two rounds, clusters of 2 / 1: olmoe 0.970, 0.994; 120B-n1024 0.964, 0.958 (its other GEMMs
+# 0.96-0.97 in that round too: alone in the sweep 0.98-0.99); 30B-n256 0.989, 0.976;
+# 7B-n1024 0.985, 0.996; 7B-n256 1.001, 0.996.
+WGRAD_CLUSTER_M = 2
 
 
 def _setting(name: str, value, choices):
