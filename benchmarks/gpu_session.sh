@@ -61,8 +61,9 @@
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
-#   ncu_bytes: DRAM and L2 bytes of our dW1 alone (two launches of NCU_BYTES_KERNEL, a sweep
-#           row, default dw1_gather_persistent_sized_dynamic: olmoe's layer's) and of the PyTorch
+#   ncu_bytes: DRAM and L2 bytes, clock, throughput and warp stalls of our dW1 alone (two
+#           launches of NCU_BYTES_KERNEL, a sweep row, default
+#           dw1_gather_persistent_sized_dynamic_cluster: olmoe's layer's) and of the PyTorch
 #           SonicMoE's step GEMMs at NCU_CONFIG (default olmoe; after cute and upstream staging and
 #           torch_warm)                                                             (~3 min)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
@@ -394,18 +395,21 @@ PY
       metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum
       metrics=$metrics,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_write.sum
       metrics=$metrics,lts__t_sectors_srcunit_tex_op_read_lookup_miss.sum
+      # (and each kernel's clock, SM and tensor throughput and warp stalls: SpeedOfLight,
+      # WarpStateStats)
+      sections=(--section SpeedOfLight --section WarpStateStats)
       sweep=(python3 -m benchmarks.tile_sweep --impl cute --configs "$cfg" --stages 0 --block-n 256
-             --kernels "${NCU_BYTES_KERNEL:-dw1_gather_persistent_sized_dynamic}" --iters 1 --reps 1)
+             --kernels "${NCU_BYTES_KERNEL:-dw1_gather_persistent_sized_dynamic_cluster}" --iters 1 --reps 1)
       timeout 200 "${sweep[@]}" > "$OUT/ncu_bytes_warm.log" 2>&1; echo "compile (no ncu): rc $?"
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none \
         -k regex:sonicmoe_persistent_weight_grad --launch-count 2 --metrics "$metrics" \
-        "${sweep[@]}" > "$OUT/ncu_bytes_ours_$cfg.txt" 2>&1; echo "ncu ours: rc $?"
+        "${sections[@]}" "${sweep[@]}" > "$OUT/ncu_bytes_ours_$cfg.txt" 2>&1; echo "ncu ours: rc $?"
       PYTHONPATH=$tp timeout 200 ncu --profile-from-start off --clock-control none \
-        -k regex:quackgemm --metrics "$metrics" python3 benchmarks/torch_sonicmoe.py \
+        -k regex:quackgemm --metrics "$metrics" "${sections[@]}" python3 benchmarks/torch_sonicmoe.py \
         "$(anchors_json "$cfg")" --profile-one-step > "$OUT/ncu_bytes_torch_$cfg.txt" 2>&1
       echo "ncu torch: rc $?"
-      grep -hE "^  [a-zA-Z_]+|gpu__time|dram__|lts__" "$OUT/ncu_bytes_ours_$cfg.txt" \
-        "$OUT/ncu_bytes_torch_$cfg.txt" | cut -c1-120 ;;
+      grep -hE "^  [a-zA-Z_]+|gpu__time|dram__|lts__|SM Frequency|Compute \(SM\)|Warp Cycles Per Issued" \
+        "$OUT/ncu_bytes_ours_$cfg.txt" "$OUT/ncu_bytes_torch_$cfg.txt" | cut -c1-120 ;;
     dout_gather)
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs olmoe,120B-n1024 \
         --stages 3,0 --block-n 256 --kernels dh,dh_gather,dw2,dw2_gather \
