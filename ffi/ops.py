@@ -383,7 +383,7 @@ def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bo
     return grouped_gemm.weight_grad(*args, block_n=block_n, gather_index=plan.token_index,
                                     transpose_out=transpose_out, group_sizes=plan.group_sizes)
   cluster_m = _setting("WGRAD_CLUSTER_M", WGRAD_CLUSTER_M, persistent.CLUSTER_SIZES)
-  if x.shape[1] % (cluster_m * persistent.BLOCK_M):
+  if not persistent.cluster_fits(cluster_m, x.shape[1]):   # (x's width: M)
     cluster_m = 1
   return persistent.weight_grad(*args, plan.token_index, block_n=block_n,
                                 transpose_out=transpose_out, group_sizes=plan.group_sizes,

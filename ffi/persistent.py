@@ -398,11 +398,16 @@ def _tile_unsupported(block_n: int):
   return None if block_n % whole == 0 else f"block_n={block_n} must be a multiple of {whole}"
 
 
+def cluster_fits(cluster_m: int, m: int) -> bool:
+  """Whether M = m splits into whole clusters of cluster_m M tiles."""
+  return m % (cluster_m * BLOCK_M) == 0
+
+
 def _cluster_unsupported(cluster_m, m: int) -> str | None:
   """Why the weight gradient cannot run clusters of cluster_m CTAs along its M = m, or None."""
   if type(cluster_m) is not int or cluster_m not in CLUSTER_SIZES:   # (not a bool or a float)
     return f"cluster_m={cluster_m!r} must be one of {CLUSTER_SIZES}"
-  if m % (cluster_m * BLOCK_M):
+  if not cluster_fits(cluster_m, m):
     return f"M={m} must be a multiple of cluster_m x BLOCK_M = {cluster_m * BLOCK_M}"
   return None
 
