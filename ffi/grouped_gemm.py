@@ -90,6 +90,11 @@ GATHER_ROWS_PER_THREAD = (BLOCK_M // WARPGROUPS) * GATHER_CHUNKS // 128
 # thread's (row, chunk) copies per k step
 K_CHUNKS_PER_WG = BLOCK_M // WARPGROUPS // 8
 K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128
+# the wide weight gradient's gather (WIDE_TILE_M columns, ffi/persistent.py's 256-row tiles): a
+# warp copies whole rows (a 16-byte chunk a lane: 32 x 8 columns), its WIDE_ROWS_PER_WARP rows
+# of each k step one after another, each row's token broadcast from the lane that read it
+WIDE_TILE_M = 32 * 8
+WIDE_ROWS_PER_WARP = BLOCK_K // 4
 # gathering, a third warpgroup (warpgroup 0) loads every stage; a stage's full barrier
 # completes on the TMA bytes and PRODUCER_ARRIVALS arrivals (the TMA warp's, then two per
 # producer thread: its cp.async copies landed, its padding rows' plain stores released)
@@ -591,6 +596,30 @@ def _gather_k_step(x, tokens, a_stage, col0, tidx):
 
 
 @cute.jit
+def _read_wide_k_step_tokens(tokens, gather_index, k, ptid):
+  """tokens (1 register) = the source row of producer thread ptid's lane's row of k step k:
+  lane l of warp w holds row w WIDE_ROWS_PER_WARP + l % WIDE_ROWS_PER_WARP's."""
+  rows = cute.local_tile(gather_index, (BLOCK_K,), (k,))
+  lane = ptid % 32
+  tokens[0] = rows[ptid // 32 * WIDE_ROWS_PER_WARP + lane % WIDE_ROWS_PER_WARP]
+
+
+@cute.jit
+def _gather_wide_k_step(x, tokens, a_stage, col0, ptid):
+  """The wide weight gradient's A stage (M-major: WIDE_TILE_M columns of X by BLOCK_K gathered
+  rows): each warp copies its WIDE_ROWS_PER_WARP rows whole, a row at a time (one row's 512
+  bytes a warp-wide cp.async, lane l its 16 bytes at columns col0 + 8 l ..), the row's token
+  shuffled from the lane that read it (_read_wide_k_step_tokens); rows of indices outside x
+  are zeros."""
+  lane = ptid % 32
+  first_row = ptid // 32 * WIDE_ROWS_PER_WARP
+  for j in cutlass.range_constexpr(WIDE_ROWS_PER_WARP):
+    token = cute.arch.shuffle_sync(tokens[0], j)
+    _copy_row_chunk(x, token, col0 // 8 + lane,
+                    cute.local_tile(a_stage[None, first_row + j], (8,), (lane,)))
+
+
+@cute.jit
 def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
                  kind: cutlass.Constexpr):
   """A gathering producer warpgroup's k step k into stage state.index, by all 128 of its
@@ -600,7 +629,8 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
   cp.async-copies its share of A's gathered rows for both MMA warpgroups, as if it were each
   of their threads in turn (rows of the M tile, _gather_step, tokens a list of each
   warpgroup's rows' tokens; or kind "wgrad", the weight gradient's BLOCK_K rows of the k step
-  at columns col0.., _gather_k_step, tokens from _read_k_step_tokens; padding rows it writes as
+  at columns col0.., _gather_k_step, tokens from _read_k_step_tokens; or kind "wgrad_wide",
+  WIDE_TILE_M columns by whole rows a warp, _gather_wide_k_step; padding rows it writes as
   zeros by plain stores), then arrives on the full barrier twice: once its copies land
   (cp.async's noinc arrive) and once at once (a release arrive publishing its plain stores).
   The barrier counts PRODUCER_ARRIVALS."""
@@ -611,18 +641,21 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
     for operand in rhs_operands:
       tma_load(operand, k, state.index, bar)
   stage = s_a[None, None, state.index]
-  for wg in cutlass.range_constexpr(WARPGROUPS):
-    if cutlass.const_expr(kind == "wgrad"):
-      _gather_k_step(x, tokens, stage, col0, ptid + 128 * wg)
-    else:
-      _gather_step(x, tokens[wg], stage, k * BLOCK_K, ptid + 128 * wg)
+  if cutlass.const_expr(kind == "wgrad_wide"):
+    _gather_wide_k_step(x, tokens, stage, col0, ptid)
+  else:
+    for wg in cutlass.range_constexpr(WARPGROUPS):
+      if cutlass.const_expr(kind == "wgrad"):
+        _gather_k_step(x, tokens, stage, col0, ptid + 128 * wg)
+      else:
+        _gather_step(x, tokens[wg], stage, k * BLOCK_K, ptid + 128 * wg)
   cute.arch.cp_async_mbarrier_arrive_noinc(bar)
   cute.arch.mbarrier_arrive(bar)
 
 
 @cute.jit
 def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k, ptid,
-                        col0):
+                        col0, wide: cutlass.Constexpr = False):
   """The weight gradient's gathering producer (thread ptid of 128) over one output tile's k
   steps k_begin .. k_begin + num_k - 1 (gather_stage; A's columns col0..): each step's tokens
   are read from gather_index one step ahead, so that their load's latency passes under the
@@ -630,17 +663,21 @@ def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_be
   of dW1 at olmoe: 41% of the producer's samples waited on that load, the MMA warpgroups
   on full stages; reading ahead, dW1 6.5% and dW2 4.9% faster there). The reads ahead are
   clamped to gather_index's last k step (a tile of an expert without rows has no steps).
+  wide: the A stage is WIDE_TILE_M columns, copied by whole rows a warp ("wgrad_wide").
   Returns the advanced pipeline state."""
   last = cute.size(gather_index) // BLOCK_K - 1
-  tokens = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
-  ahead = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
-  _read_k_step_tokens(ahead, gather_index, cutlass.min(k_begin, last), ptid)
+  per_thread = 1 if wide else K_GATHERS_PER_THREAD
+  read_tokens = _read_wide_k_step_tokens if wide else _read_k_step_tokens
+  tokens = cute.make_rmem_tensor((per_thread,), cutlass.Int32)
+  ahead = cute.make_rmem_tensor((per_thread,), cutlass.Int32)
+  read_tokens(ahead, gather_index, cutlass.min(k_begin, last), ptid)
   for step in cutlass.range(num_k, unroll=1):
     k = k_begin + step
-    for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
+    for j in cutlass.range_constexpr(per_thread):
       tokens[j] = ahead[j]
-    _read_k_step_tokens(ahead, gather_index, cutlass.min(k + 1, last), ptid)
-    gather_stage(loads, produce, x, tokens, s_a, rhs_operands, k, ptid, col0, "wgrad")
+    read_tokens(ahead, gather_index, cutlass.min(k + 1, last), ptid)
+    gather_stage(loads, produce, x, tokens, s_a, rhs_operands, k, ptid, col0,
+                 "wgrad_wide" if wide else "wgrad")
     produce.advance()
   return produce
 
@@ -1224,8 +1261,10 @@ def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: b
   return dh_[0], a_scaled[0], ds_parts
 
 
-def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, group_sizes=None):
-  """Why weight_grad cannot run these operands (a sentence naming the limit), or None."""
+def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, group_sizes=None,
+                             clipped_last_tile: bool = False):
+  """Why weight_grad cannot run these operands (a sentence naming the limit), or None.
+  clipped_last_tile: as unsupported's (the output columns N a multiple of EPI_TILE's only)."""
   reason = _dtype_unsupported(lhs, rhs)
   if reason:
     return reason
@@ -1235,7 +1274,10 @@ def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, grou
     return f"rows P={lhs.shape[0]} must be a multiple of {BLOCK_M} (an aligned plan)"
   if lhs.shape[1] % BLOCK_M:
     return f"lhs columns M={lhs.shape[1]} must be a multiple of {BLOCK_M}"
-  if rhs.shape[1] % block_n or block_n % EPI_TILE[1]:
+  if clipped_last_tile and (rhs.shape[1] % EPI_TILE[1] or block_n % EPI_TILE[1]):
+    return (f"rhs columns N={rhs.shape[1]} and block_n={block_n} must be multiples of "
+            f"{EPI_TILE[1]}")
+  if not clipped_last_tile and (rhs.shape[1] % block_n or block_n % EPI_TILE[1]):
     return f"rhs columns N={rhs.shape[1]} must be a multiple of block_n={block_n} (itself of {EPI_TILE[1]})"
   if group_offsets.shape != (num_experts + 1,):
     return f"group_offsets must be [{num_experts + 1}]; got {group_offsets.shape}"
