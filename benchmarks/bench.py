@@ -386,6 +386,9 @@ def main(argv=None):
   p.add_argument("--cute-wgrad-tile-m", type=int, choices=(128, 256),
                  help="the persistent gathering weight gradients' M tile (default: ffi/ops.py "
                       "WGRAD_TILE_M)")
+  p.add_argument("--cute-wgrad-block-k", type=int, choices=(32, 64),
+                 help="the persistent gathering weight gradients' k step (default: ffi/ops.py "
+                      "WGRAD_BLOCK_K)")
   p.add_argument("--cute-wgrad-wide-block-n", type=int, choices=(64, 128, 192),
                  help="their column tile at M tile 256 (default: ffi/ops.py WGRAD_WIDE_BLOCK_N)")
   a = p.parse_args(argv)
@@ -398,7 +401,8 @@ def main(argv=None):
                        STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n, WGRAD_KERNEL=a.cute_wgrad,
                        STORE_WIDE_KERNEL=a.cute_store_wide, WGRAD_CLUSTER_M=a.cute_wgrad_cluster_m,
                        WGRAD_TILE_M=a.cute_wgrad_tile_m,
-                       WGRAD_WIDE_BLOCK_N=a.cute_wgrad_wide_block_n)
+                       WGRAD_WIDE_BLOCK_N=a.cute_wgrad_wide_block_n,
+                       WGRAD_BLOCK_K=a.cute_wgrad_block_k)
   if a.cute_wgrad_dynamic is not None:
     cute_settings["WGRAD_DYNAMIC_ORDER"] = ("auto" if a.cute_wgrad_dynamic == "auto" else
                                            tuple(filter(None, a.cute_wgrad_dynamic.split(","))))

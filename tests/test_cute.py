@@ -1383,18 +1383,20 @@ def test_cute_wgrad_dynamic_auto_takes_dw1_with_many_tiles_an_expert(monkeypatch
     (256, None, False, False, 1, 128), (256, None, False, True, 1, 128),
     (128, 3, True, True, 1, 128), (256, None, False, True, 2, 128), (128, 3, True, False, 2, 128),
     (192, None, False, True, 2, 256), (192, 2, True, False, 1, 256)])
+@pytest.mark.parametrize("block_k", [64, 32])
 def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out, dynamic,
-                                                       cluster_m, tile_m):
+                                                       cluster_m, tile_m, block_k):
   """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers) compiles
   for sm_90a at the tiles and depths the layer and the sweep run, in either tile order, alone
-  or in clusters of 2, in 128- or 256-row tiles (N = 640: the last 192-wide tile clipped)."""
+  or in clusters of 2, in 128- or 256-row tiles (N = 640: the last 192-wide tile clipped), in
+  k steps of 64 or 32 rows."""
   from ffi import persistent
   P, M, N, E, T = 512, 512, 640 if block_n == 192 else 512, 4, 300
   offsets = jnp.arange(E + 1, dtype=jnp.int32) * (P // E)
   fn = lambda x, r, i: persistent.weight_grad(x, r, offsets, E, i, block_n=block_n,
                                               stages=stages, transpose_out=transpose_out,
                                               dynamic=dynamic, cluster_m=cluster_m,
-                                              tile_m=tile_m)
+                                              tile_m=tile_m, block_k=block_k)
   shapes = [jax.ShapeDtypeStruct((T, M), jnp.bfloat16), jax.ShapeDtypeStruct((P, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -1451,6 +1453,10 @@ def test_persistent_tiles_cover_each_output_tile_once_with_its_k_range():
       (e, m, n) for e in range(4) for m in range(3) for n in range(2)]
   for m, n, k_begin, num_k, rhs_l, e in seen:
     assert (k_begin, num_k, rhs_l) == (group_rows[2 * e] // 64, [4, 0, 10, 1][e], 0)
+  # in k steps of 32 rows: 7, 0, 20 and 1
+  seen = [persistent.tile_work("wgrad", t, group_rows, 3, 2, 0, 4, 32) for t in range(3 * 2 * 4)]
+  for m, n, k_begin, num_k, rhs_l, e in seen:
+    assert (k_begin, num_k) == (group_rows[2 * e] // 32, [7, 0, 20, 1][e])
   tile_expert = np.array([0, 0, 1, 3, 3, 4])   # E = 4: the last M tile is past the groups
   seen = [persistent.tile_work("store", t, tile_expert, 6, 2, 10, 4) for t in range(12)]
   assert [(m, n) for m, n, *_ in seen] == [(m, n) for m in range(6) for n in range(2)]
@@ -1476,6 +1482,11 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
       persistent.weight_grad(x, rhs, offsets, 4, index, tile_m=bad)
   with pytest.raises(ValueError, match="block_n=256 must be a multiple of 64 up to 192 at tile_m=256"):
     persistent.weight_grad(x, rhs, offsets, 4, index, block_n=256, tile_m=256)
+  for bad in (16, 128, 32.0):
+    with pytest.raises(ValueError, match=rf"block_k={bad!r} must be one of \(32, 64\)"):
+      persistent.weight_grad(x, rhs, offsets, 4, index, block_k=bad)
+  with pytest.raises(ValueError, match=r"stages=9 must be between 2 and 8"):
+    persistent.weight_grad(x, rhs, offsets, 4, index, block_k=32, block_n=256, stages=9)
   with pytest.raises(ValueError, match="M=256 must be a multiple of cluster_m x tile_m = 512"):
     persistent.weight_grad(x, rhs, offsets, 4, index, block_n=192, tile_m=256, cluster_m=2)
   with pytest.raises(ValueError, match="num_ctas must be a positive int; got 0"):
@@ -1500,7 +1511,10 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas,dynamic,cluster_m,tile_m,N", [
+@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas,dynamic,cluster_m,tile_m,N,block_k", [
+    (256, None, False, None, True, 2, 128, 512, 32), (128, 3, True, 5, False, 1, 128, 640, 32),
+    (192, None, True, 3, True, 2, 256, 640, 32), (192, 5, False, 1, False, 1, 256, 512, 32)] + [
+    (*case, 64) for case in [
     (128, None, False, None, False, 1, 128, 512), (256, None, True, None, False, 1, 128, 512),
     (256, 2, False, 3, False, 1, 128, 512), (128, 3, True, 5, False, 1, 128, 512),
     (256, None, True, 1, False, 1, 128, 512), (256, None, False, None, True, 1, 128, 512),
@@ -1511,10 +1525,10 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
     (256, 2, True, 1, True, 2, 128, 512), (256, None, True, 3, True, 2, 128, 640),
     (192, None, False, None, True, 2, 256, 640), (192, None, True, None, False, 1, 256, 512),
     (192, 2, False, 3, False, 1, 256, 640), (128, None, True, 5, True, 2, 256, 640),
-    (64, 3, False, 1, False, 2, 256, 512), (192, None, True, 1, True, 1, 256, 640)])
+    (64, 3, False, 1, False, 2, 256, 512), (192, None, True, 1, True, 1, 256, 640)]])
 def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, transpose_out,
                                                             num_ctas, dynamic, cluster_m, tile_m,
-                                                            N):
+                                                            N, block_k):
   """The persistent kernel gives grouped_gemm.weight_grad's bits, gathering X's rows (padding
   slots: index T): experts of 256, 0 (zeros), 640, 128 and 1152 rows, so that a CTA's tiles run
   2, 0, 10, 2 and 18 k steps and its ring of `stages` wraps within and across tiles; num_ctas
@@ -1523,8 +1537,9 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
   counter starts at 0 again), alone or in clusters of 2 (M = 512: two cluster rows of M
   tiles; num_ctas 3 and 1 rounded to one whole cluster), in M tiles of 128 or 256 rows (M
   512: two M tiles, one cluster row), the last column tile whole or reaching past N (640 at
-  block_n 256 and 192; the grouped kernel's tile is 128 wide there). The output is written
-  over a freed buffer of NaN, so an element left unstored shows."""
+  block_n 256 and 192; the grouped kernel's tile is 128 wide there), in k steps of 64 or 32
+  rows (twice the steps: 4, 0, 20, 4 and 36). The output is written over a freed buffer of
+  NaN, so an element left unstored shows."""
   from ffi import grouped_gemm, persistent
   sizes = [256, 0, 640, 128, 1152]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
@@ -1536,7 +1551,7 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
   jax.block_until_ready(jnp.full((E, M, N), jnp.nan, jnp.bfloat16)).delete()
   run = jax.jit(lambda a, b, o, i: persistent.weight_grad(
       a, b, o, E, i, stages=stages, num_ctas=num_ctas, dynamic=dynamic, cluster_m=cluster_m,
-      tile_m=tile_m, block_n=block_n, transpose_out=transpose_out))
+      tile_m=tile_m, block_n=block_n, transpose_out=transpose_out, block_k=block_k))
   got = run(x, rhs, offsets, index)
   want = jax.jit(lambda a, b, o, i: grouped_gemm.weight_grad(
       a, b, o, E, gather_index=i, block_n=block_n if N % block_n == 0 else 128,
