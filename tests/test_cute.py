@@ -1613,18 +1613,21 @@ def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypat
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("cluster_m,dynamic_order,tile_m", [
-    (1, (), 128), (2, (), 128), (2, ("dw1", "dw2"), 128), (2, ("dw1",), 256), (1, (), 256)])
+@pytest.mark.parametrize("cluster_m,dynamic_order,tile_m,block_k", [
+    (1, (), 128, 64), (2, (), 128, 64), (2, ("dw1", "dw2"), 128, 64), (2, ("dw1",), 256, 64),
+    (1, (), 256, 64), (2, ("dw1",), 128, 32), (2, (), 256, 32)])
 def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(cluster_m, dynamic_order,
-                                                                        tile_m, monkeypatch):
+                                                                        tile_m, block_k,
+                                                                        monkeypatch):
   """The layer's gradients with WGRAD_KERNEL "persistent" (dW1 and dW2 gathering their rows on
   it; alone or in clusters of 2, in either tile order, in 128- or 256-row tiles: at d = 512
-  dW1's 2n = 512 columns in 192-wide tiles, the last clipped) are bitwise those with
-  "grouped"."""
+  dW1's 2n = 512 columns in 192-wide tiles, the last clipped; in k steps of 64 or 32 rows)
+  are bitwise those with "grouped"."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(74, 1000, 512, 256, 16, jnp.bfloat16)
   monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", cluster_m)
   monkeypatch.setattr(cute_ops, "WGRAD_TILE_M", tile_m)
+  monkeypatch.setattr(cute_ops, "WGRAD_BLOCK_K", block_k)
   monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", dynamic_order)
   monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "grouped")
   grad = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
