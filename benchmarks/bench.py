@@ -383,14 +383,6 @@ def main(argv=None):
   p.add_argument("--cute-wgrad-cluster-m", type=int, choices=(1, 2),
                  help="CTAs per cluster of the persistent gathering weight gradients (default: "
                       "ffi/ops.py WGRAD_CLUSTER_M)")
-  p.add_argument("--cute-wgrad-tile-m", type=int, choices=(128, 256),
-                 help="the persistent gathering weight gradients' M tile (default: ffi/ops.py "
-                      "WGRAD_TILE_M)")
-  p.add_argument("--cute-wgrad-block-k", type=int, choices=(32, 64),
-                 help="the persistent gathering weight gradients' k step (default: ffi/ops.py "
-                      "WGRAD_BLOCK_K)")
-  p.add_argument("--cute-wgrad-wide-block-n", type=int, choices=(64, 128, 192),
-                 help="their column tile at M tile 256 (default: ffi/ops.py WGRAD_WIDE_BLOCK_N)")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
@@ -399,10 +391,7 @@ def main(argv=None):
                        STORE_BLOCK_N=a.cute_store_block_n, STORE_TILE_M=a.cute_store_tile_m,
                        STORE_WIDE_MIN_K=a.cute_store_wide_min_k,
                        STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n, WGRAD_KERNEL=a.cute_wgrad,
-                       STORE_WIDE_KERNEL=a.cute_store_wide, WGRAD_CLUSTER_M=a.cute_wgrad_cluster_m,
-                       WGRAD_TILE_M=a.cute_wgrad_tile_m,
-                       WGRAD_WIDE_BLOCK_N=a.cute_wgrad_wide_block_n,
-                       WGRAD_BLOCK_K=a.cute_wgrad_block_k)
+                       STORE_WIDE_KERNEL=a.cute_store_wide, WGRAD_CLUSTER_M=a.cute_wgrad_cluster_m)
   if a.cute_wgrad_dynamic is not None:
     cute_settings["WGRAD_DYNAMIC_ORDER"] = ("auto" if a.cute_wgrad_dynamic == "auto" else
                                            tuple(filter(None, a.cute_wgrad_dynamic.split(","))))

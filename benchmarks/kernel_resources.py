@@ -60,13 +60,6 @@ VARIANTS = [
     ("wgrad persistent gather cluster bn256 fit", "wgrad_persistent_gather_cluster", 256, 0),
     ("wgrad persistent gather dynamic cluster bn256 fit",
      "wgrad_persistent_gather_dynamic_cluster", 256, 0),
-    ("wgrad persistent gather wide bn192 fit", "wgrad_persistent_gather_wide", 192, 0),
-    ("wgrad persistent gather dynamic cluster wide bn192 fit",
-     "wgrad_persistent_gather_dynamic_cluster_wide", 192, 0),
-    ("wgrad persistent gather dynamic cluster k32 bn256 fit",
-     "wgrad_persistent_gather_dynamic_cluster_k32", 256, 0),
-    ("wgrad persistent gather dynamic cluster wide k32 bn192 fit",
-     "wgrad_persistent_gather_dynamic_cluster_wide_k32", 192, 0),
     ("store persistent bn256 fit", "matmul_persistent", 256, 0),
 ]
 
@@ -87,10 +80,6 @@ sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
 def variant(kernel, bn, stages):
   N, E = (768 if bn == 192 else 512), 4   # (192-wide tiles need N a multiple of 192)
   kw = dict(block_n=bn, stages=stages or None)
-  if kernel.endswith("_k32"):   # the persistent weight gradient's 32-row k steps
-    kernel, kw["block_k"] = kernel.removesuffix("_k32"), 32
-  if kernel.endswith("_wide"):   # the persistent weight gradient's 256-row tiles
-    kernel, kw["tile_m"] = kernel.removesuffix("_wide"), pw.WIDE_TILE_M
   if kernel.endswith("_h_smem"):   # dh's epilogue reading H from SMEM
     kernel, kw["h_smem"] = kernel.removesuffix("_h_smem"), True
   if kernel.endswith("_ws"):   # a kernel that does not gather, warp-specialized
@@ -206,11 +195,8 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
   from ffi import grouped_gemm as g, persistent as pw, pingpong as pp
   num_rhs = 2 if kernel.startswith("up_proj") else 1
   if "persistent" in kernel:   # the ring beside the epilogue's own buffers
-    block_k = 32 if kernel.endswith("_k32") else g.BLOCK_K
-    tile_m = pw.WIDE_TILE_M if kernel.removesuffix("_k32").endswith("_wide") else g.BLOCK_M
-    depth = stages or min(pw.stages_that_fit(block_n, 2, tile_m, block_k),
-                          K_STEPS * g.BLOCK_K // block_k)
-    return g.smem_bytes(block_n, 1, 2, depth, tile_m, block_k) + pw.epilogue_bytes(2)
+    depth = stages or min(pw.stages_that_fit(block_n, 2), K_STEPS)
+    return g.smem_bytes(block_n, 1, 2, depth) + pw.epilogue_bytes(2)
   if "pingpong" in kernel:
     tile_m = pp.ROW_TILE_M if kernel.endswith("_rows192") else pp.TILE_M
     tma_store = kernel.removesuffix("_rows192").endswith("_tma")
@@ -227,8 +213,7 @@ def threads(kernel: str) -> int:
   from ffi import grouped_gemm as g, pingpong as pp
   if "pingpong" in kernel:
     return pp.THREADS
-  base = kernel.removesuffix("_k32").removesuffix("_wide").removesuffix("_cluster")
-  base = base.removesuffix("_dynamic")
+  base = kernel.removesuffix("_cluster").removesuffix("_dynamic")
   producer = base.endswith(("_gather", "_ws", "_persistent"))   # + the producer warpgroup
   return g.THREADS + (128 if producer else 0)
 

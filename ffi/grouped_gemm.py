@@ -89,19 +89,7 @@ GATHER_ROWS_PER_THREAD = (BLOCK_M // WARPGROUPS) * GATHER_CHUNKS // 128
 # the weight gradient's gather (rows along K): a warpgroup's 8-column chunks of a row, and each
 # thread's (row, chunk) copies per k step
 K_CHUNKS_PER_WG = BLOCK_M // WARPGROUPS // 8
-# the wide weight gradient's gather (WIDE_TILE_M columns, ffi/persistent.py's 256-row tiles): a
-# warp copies whole rows (a 16-byte chunk a lane: 32 x 8 columns), a quarter of each k step's
-# rows one after another, each row's token broadcast from the lane that read it
-WIDE_TILE_M = 32 * 8
-# the weight gradients' k step: BLOCK_K rows, or (persistent.py's) half as many, for twice the
-# stages in the same SMEM
-WGRAD_BLOCK_KS = (BLOCK_K // 2, BLOCK_K)
-
-
-def k_gathers_per_thread(block_k: int) -> int:
-  """Each producer thread's (row, chunk) copies per MMA warpgroup of a block_k-row k step of
-  the weight gradient's gather (_gather_k_step)."""
-  return block_k * K_CHUNKS_PER_WG // 128
+K_GATHERS_PER_THREAD = BLOCK_K * K_CHUNKS_PER_WG // 128
 # gathering, a third warpgroup (warpgroup 0) loads every stage; a stage's full barrier
 # completes on the TMA bytes and PRODUCER_ARRIVALS arrivals (the TMA warp's, then two per
 # producer thread: its cp.async copies landed, its padding rows' plain stores released)
@@ -111,18 +99,17 @@ PRODUCER_ARRIVALS = 1 + 2 * 128   # (ffi/pingpong.py's gathering producer too)
 PRODUCER_REGISTERS, MMA_REGISTERS = 56, 224
 
 
-def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int = BLOCK_M,
-               block_k: int = BLOCK_K) -> int:
-  """A CTA's SMEM: `stages` pipeline stages (a `rows`-row lhs tile and num_rhs rhs tiles each,
-  block_k deep) and 1 KiB for the barriers (the epilogue's buffers reuse the lhs stages)."""
-  per_stage = (rows + num_rhs * block_n) * block_k * itemsize
+def smem_bytes(block_n: int, num_rhs: int, itemsize: int, stages: int, rows: int = BLOCK_M) -> int:
+  """A CTA's SMEM: `stages` pipeline stages (a `rows`-row lhs tile and num_rhs rhs tiles each)
+  and 1 KiB for the barriers (the epilogue's buffers reuse the lhs stages)."""
+  per_stage = (rows + num_rhs * block_n) * BLOCK_K * itemsize
   return stages * per_stage + BARRIER_BYTES
 
 
 def _stages_that_fit(block_n: int, num_rhs: int, itemsize: int, rows: int = BLOCK_M,
-                     reserved: int = 0, block_k: int = BLOCK_K) -> int:
+                     reserved: int = 0) -> int:
   """How many pipeline stages fit in SMEM (smem_bytes) beside `reserved` other bytes."""
-  per_stage = smem_bytes(block_n, num_rhs, itemsize, 1, rows, block_k) - BARRIER_BYTES
+  per_stage = smem_bytes(block_n, num_rhs, itemsize, 1, rows) - BARRIER_BYTES
   return (SMEM_BYTES - BARRIER_BYTES - reserved) // per_stage
 
 
@@ -583,11 +570,11 @@ def _gather_k_slot(tidx, j: int):
 
 
 @cute.jit
-def _read_k_step_tokens(tokens, gather_index, k, tidx, block_k: cutlass.Constexpr):
-  """tokens (k_gathers_per_thread registers) = the source rows of thread tidx's copies of
-  block_k-row k step k: gather_index[k * block_k + r] for each copy's row r of the step."""
-  rows = cute.local_tile(gather_index, (block_k,), (k,))
-  for j in cutlass.range_constexpr(cute.size(tokens)):
+def _read_k_step_tokens(tokens, gather_index, k, tidx):
+  """tokens (K_GATHERS_PER_THREAD registers) = the source rows of thread tidx's copies of k
+  step k: gather_index[k * BLOCK_K + r] for each copy's row r of the step."""
+  rows = cute.local_tile(gather_index, (BLOCK_K,), (k,))
+  for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
     tokens[j] = rows[_gather_k_slot(tidx, j)[0]]
 
 
@@ -597,35 +584,10 @@ def _gather_k_step(x, tokens, a_stage, col0, tidx):
   rows being the contraction): a_stage[c, r] = x[row r's token, col0 + c], each warpgroup
   filling the BLOCK_M / WARPGROUPS columns its wgmmas read, in 16-byte cp.async chunks of 8
   columns (tokens: _read_k_step_tokens); rows of indices outside x are zeros."""
-  for j in cutlass.range_constexpr(cute.size(tokens)):
+  for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
     r, chunk = _gather_k_slot(tidx, j)
     _copy_row_chunk(x, tokens[j], col0 // 8 + chunk,
                     cute.local_tile(a_stage[None, r], (8,), (chunk,)))
-
-
-@cute.jit
-def _read_wide_k_step_tokens(tokens, gather_index, k, ptid, block_k: cutlass.Constexpr):
-  """tokens (1 register) = the source row of producer thread ptid's lane's row of block_k-row
-  k step k: lane l of warp w holds row w q + l % q's (q = block_k / 4, a warp's rows)."""
-  rows = cute.local_tile(gather_index, (block_k,), (k,))
-  per_warp = block_k // 4
-  tokens[0] = rows[ptid // 32 * per_warp + ptid % 32 % per_warp]
-
-
-@cute.jit
-def _gather_wide_k_step(x, tokens, a_stage, col0, ptid):
-  """The wide weight gradient's A stage (M-major: WIDE_TILE_M columns of X by the k step's
-  gathered rows): each warp copies a quarter of the rows whole, a row at a time (one row's 512
-  bytes a warp-wide cp.async, lane l its 16 bytes at columns col0 + 8 l ..), the row's token
-  shuffled from the lane that read it (_read_wide_k_step_tokens); rows of indices outside x
-  are zeros."""
-  lane = ptid % 32
-  per_warp = cute.size(a_stage, mode=[1]) // 4
-  first_row = ptid // 32 * per_warp
-  for j in cutlass.range_constexpr(per_warp):
-    token = cute.arch.shuffle_sync(tokens[0], j)
-    _copy_row_chunk(x, token, col0 // 8 + lane,
-                    cute.local_tile(a_stage[None, first_row + j], (8,), (lane,)))
 
 
 @cute.jit
@@ -638,8 +600,7 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
   cp.async-copies its share of A's gathered rows for both MMA warpgroups, as if it were each
   of their threads in turn (rows of the M tile, _gather_step, tokens a list of each
   warpgroup's rows' tokens; or kind "wgrad", the weight gradient's BLOCK_K rows of the k step
-  at columns col0.., _gather_k_step, tokens from _read_k_step_tokens; or kind "wgrad_wide",
-  WIDE_TILE_M columns by whole rows a warp, _gather_wide_k_step; padding rows it writes as
+  at columns col0.., _gather_k_step, tokens from _read_k_step_tokens; padding rows it writes as
   zeros by plain stores), then arrives on the full barrier twice: once its copies land
   (cp.async's noinc arrive) and once at once (a release arrive publishing its plain stores).
   The barrier counts PRODUCER_ARRIVALS."""
@@ -650,22 +611,18 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
     for operand in rhs_operands:
       tma_load(operand, k, state.index, bar)
   stage = s_a[None, None, state.index]
-  if cutlass.const_expr(kind == "wgrad_wide"):
-    _gather_wide_k_step(x, tokens, stage, col0, ptid)
-  else:
-    for wg in cutlass.range_constexpr(WARPGROUPS):
-      if cutlass.const_expr(kind == "wgrad"):
-        _gather_k_step(x, tokens, stage, col0, ptid + 128 * wg)
-      else:
-        _gather_step(x, tokens[wg], stage, k * BLOCK_K, ptid + 128 * wg)
+  for wg in cutlass.range_constexpr(WARPGROUPS):
+    if cutlass.const_expr(kind == "wgrad"):
+      _gather_k_step(x, tokens, stage, col0, ptid + 128 * wg)
+    else:
+      _gather_step(x, tokens[wg], stage, k * BLOCK_K, ptid + 128 * wg)
   cute.arch.cp_async_mbarrier_arrive_noinc(bar)
   cute.arch.mbarrier_arrive(bar)
 
 
 @cute.jit
 def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k, ptid,
-                        col0, wide: cutlass.Constexpr = False,
-                        block_k: cutlass.Constexpr = BLOCK_K):
+                        col0):
   """The weight gradient's gathering producer (thread ptid of 128) over one output tile's k
   steps k_begin .. k_begin + num_k - 1 (gather_stage; A's columns col0..): each step's tokens
   are read from gather_index one step ahead, so that their load's latency passes under the
@@ -673,21 +630,17 @@ def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_be
   of dW1 at olmoe: 41% of the producer's samples waited on that load, the MMA warpgroups
   on full stages; reading ahead, dW1 6.5% and dW2 4.9% faster there). The reads ahead are
   clamped to gather_index's last k step (a tile of an expert without rows has no steps).
-  wide: the A stage is WIDE_TILE_M columns, copied by whole rows a warp ("wgrad_wide").
-  block_k: the k step's rows (WGRAD_BLOCK_KS). Returns the advanced pipeline state."""
-  last = cute.size(gather_index) // block_k - 1
-  per_thread = 1 if wide else k_gathers_per_thread(block_k)
-  read_tokens = _read_wide_k_step_tokens if wide else _read_k_step_tokens
-  tokens = cute.make_rmem_tensor((per_thread,), cutlass.Int32)
-  ahead = cute.make_rmem_tensor((per_thread,), cutlass.Int32)
-  read_tokens(ahead, gather_index, cutlass.min(k_begin, last), ptid, block_k)
+  Returns the advanced pipeline state."""
+  last = cute.size(gather_index) // BLOCK_K - 1
+  tokens = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
+  ahead = cute.make_rmem_tensor((K_GATHERS_PER_THREAD,), cutlass.Int32)
+  _read_k_step_tokens(ahead, gather_index, cutlass.min(k_begin, last), ptid)
   for step in cutlass.range(num_k, unroll=1):
     k = k_begin + step
-    for j in cutlass.range_constexpr(per_thread):
+    for j in cutlass.range_constexpr(K_GATHERS_PER_THREAD):
       tokens[j] = ahead[j]
-    read_tokens(ahead, gather_index, cutlass.min(k + 1, last), ptid, block_k)
-    gather_stage(loads, produce, x, tokens, s_a, rhs_operands, k, ptid, col0,
-                 "wgrad_wide" if wide else "wgrad")
+    _read_k_step_tokens(ahead, gather_index, cutlass.min(k + 1, last), ptid)
+    gather_stage(loads, produce, x, tokens, s_a, rhs_operands, k, ptid, col0, "wgrad")
     produce.advance()
   return produce
 
@@ -1271,10 +1224,8 @@ def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: b
   return dh_[0], a_scaled[0], ds_parts
 
 
-def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, group_sizes=None,
-                             clipped_last_tile: bool = False):
-  """Why weight_grad cannot run these operands (a sentence naming the limit), or None.
-  clipped_last_tile: as unsupported's (the output columns N a multiple of EPI_TILE's only)."""
+def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, group_sizes=None):
+  """Why weight_grad cannot run these operands (a sentence naming the limit), or None."""
   reason = _dtype_unsupported(lhs, rhs)
   if reason:
     return reason
@@ -1284,10 +1235,7 @@ def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, grou
     return f"rows P={lhs.shape[0]} must be a multiple of {BLOCK_M} (an aligned plan)"
   if lhs.shape[1] % BLOCK_M:
     return f"lhs columns M={lhs.shape[1]} must be a multiple of {BLOCK_M}"
-  if clipped_last_tile and (rhs.shape[1] % EPI_TILE[1] or block_n % EPI_TILE[1]):
-    return (f"rhs columns N={rhs.shape[1]} and block_n={block_n} must be multiples of "
-            f"{EPI_TILE[1]}")
-  if not clipped_last_tile and (rhs.shape[1] % block_n or block_n % EPI_TILE[1]):
+  if rhs.shape[1] % block_n or block_n % EPI_TILE[1]:
     return f"rhs columns N={rhs.shape[1]} must be a multiple of block_n={block_n} (itself of {EPI_TILE[1]})"
   if group_offsets.shape != (num_experts + 1,):
     return f"group_offsets must be [{num_experts + 1}]; got {group_offsets.shape}"

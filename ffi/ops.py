@@ -177,17 +177,6 @@ WGRAD_DYNAMIC_MIN_TILES = 128
 # 0.96-0.97 in that round too: alone in the sweep 0.98-0.99); 30B-n256 0.989, 0.976;
 # 7B-n1024 0.985, 0.996; 7B-n256 1.001, 0.996.
 WGRAD_CLUSTER_M = 2
-# The persistent gathering weight gradients' M tile (persistent.TILE_MS): 128, or 256 where M
-# is a multiple of 256 (WIDE_TILE_M; elsewhere 128), on column tiles WGRAD_WIDE_BLOCK_N wide
-# (a multiple of 64 up to persistent.WIDE_MAX_BLOCK_N) where the last tile reaches at most
-# N / 16 past the output's N columns, else 128 (_wide_block_n). Built in session 45: the
-# PyTorch SonicMoE's dW1 tile at olmoe is 256 x 192.
-WGRAD_TILE_M = 128
-WGRAD_WIDE_BLOCK_N = 192
-# Their k step's rows (grouped_gemm.WGRAD_BLOCK_KS): 64, or 32 for twice the stages in the
-# same SMEM (the producer further ahead of the MMAs). Built in session 45: at olmoe alone, dW1
-# 3.19 ms at 4 stages of 64 rows, 4.59 at 2.
-WGRAD_BLOCK_K = 64
 
 
 def _setting(name: str, value, choices):
@@ -387,41 +376,26 @@ def dx_tilde(dh, w1, plan, cols=None):
 
 def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bool = False):
   """weight_grad (of op, "dw1" or "dw2") with x's rows gathered by the plan's token_index, on
-  WGRAD_KERNEL (persistent: in M tiles of WGRAD_TILE_M rows where x's width allows, then
-  WGRAD_WIDE_BLOCK_N wide, else block_n; k steps of WGRAD_BLOCK_K rows; in the dynamic tile
-  order where
-  WGRAD_DYNAMIC_ORDER takes op, in clusters of WGRAD_CLUSTER_M CTAs where x's width allows)."""
+  WGRAD_KERNEL (persistent: in the dynamic tile order where WGRAD_DYNAMIC_ORDER takes op, in
+  clusters of WGRAD_CLUSTER_M CTAs where x's width allows)."""
   args = (x, rhs, plan.group_offsets, plan.num_experts)
   if _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "grouped":
     return grouped_gemm.weight_grad(*args, block_n=block_n, gather_index=plan.token_index,
                                     transpose_out=transpose_out, group_sizes=plan.group_sizes)
-  m = x.shape[1]   # (x's width: M)
-  tile_m = _setting("WGRAD_TILE_M", WGRAD_TILE_M, persistent.TILE_MS)
-  if not persistent.cluster_fits(1, m, tile_m):
-    tile_m = persistent.BLOCK_M
-  if tile_m == persistent.WIDE_TILE_M:
-    block_n = _wide_block_n(rhs.shape[1])
   cluster_m = _setting("WGRAD_CLUSTER_M", WGRAD_CLUSTER_M, persistent.CLUSTER_SIZES)
-  if not persistent.cluster_fits(cluster_m, m, tile_m):
+  if not persistent.cluster_fits(cluster_m, x.shape[1]):   # (x's width: M)
     cluster_m = 1
-  block_k = _setting("WGRAD_BLOCK_K", WGRAD_BLOCK_K, grouped_gemm.WGRAD_BLOCK_KS)
   return persistent.weight_grad(*args, plan.token_index, block_n=block_n,
                                 transpose_out=transpose_out, group_sizes=plan.group_sizes,
-                                dynamic=_dynamic_order(op, m, rhs.shape[1], tile_m, block_n),
-                                cluster_m=cluster_m, tile_m=tile_m, block_k=block_k)
+                                dynamic=_dynamic_order(op, x.shape[1], rhs.shape[1], block_n),
+                                cluster_m=cluster_m)
 
 
-def _wide_block_n(cols: int) -> int:
-  """The 256-row weight-gradient tile's column tile: WGRAD_WIDE_BLOCK_N where the last tile
-  reaches at most cols / 16 past the cols output columns (2048: 64 past), else 128."""
-  return WGRAD_WIDE_BLOCK_N if -cols % WGRAD_WIDE_BLOCK_N * 16 <= cols else 128
-
-
-def _dynamic_order(op: str, m: int, n: int, tile_m: int, block_n: int) -> bool:
-  """Whether the persistent weight gradient op ("dw1" or "dw2", out[e] m x n on tile_m x
+def _dynamic_order(op: str, m: int, n: int, block_n: int) -> bool:
+  """Whether the persistent weight gradient op ("dw1" or "dw2", out[e] m x n on BLOCK_M x
   block_n tiles) takes the dynamic tile order: WGRAD_DYNAMIC_ORDER, "auto" resolved."""
   if WGRAD_DYNAMIC_ORDER == "auto":
-    tiles_an_expert = -(-m // tile_m) * -(-n // block_n)
+    tiles_an_expert = -(-m // persistent.BLOCK_M) * -(-n // block_n)
     return op == "dw1" and tiles_an_expert >= WGRAD_DYNAMIC_MIN_TILES
   if isinstance(WGRAD_DYNAMIC_ORDER, str) or set(WGRAD_DYNAMIC_ORDER) - {"dw1", "dw2"}:
     raise ValueError(f"ffi.ops.WGRAD_DYNAMIC_ORDER must be 'auto' or a tuple of 'dw1' and "

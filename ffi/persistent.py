@@ -21,21 +21,10 @@ Schedule:
               released it
   producer  : warpgroup 0 (grouped_gemm's PRODUCER_REGISTERS), its ring state running on
               across tiles: "wgrad", as grouped_gemm's gathering producer (gather_stage: each
-              k step's block_k rows gathered, the tile's tile_m columns of them; an expert
+              k step's BLOCK_K rows gathered, the tile's BLOCK_M columns of them; an expert
               without rows loads nothing); "store", its warp 0 TMA-loading the lhs and rhs
               tiles of every k step (a tile past the last group loads nothing)
-  block_k   : "wgrad" k steps of BLOCK_K rows, or of half as many: twice the stages in the
-              same SMEM, so the producer runs further ahead of the MMAs (a stage is held by
-              the MMA warpgroups until the next step's wgmmas are issued and its own done)
-  tile_m    : "wgrad" tiles of BLOCK_M rows, or of WIDE_TILE_M (each MMA warpgroup two m64
-              row blocks, block_n at most WIDE_MAX_BLOCK_N: its accumulators take block_n
-              registers a thread; the producer copying whole gathered rows a warp,
-              grouped_gemm._gather_wide_k_step): one stage feeds 1.5 x the MMAs of a
-              BLOCK_M x 256 tile's at block_n 192 for 1.17 x the bytes (the PyTorch
-              SonicMoE's dW1 tile at olmoe, 256 x 192 in clusters of 2). The last column tile
-              may reach past N (a multiple of EPI_TILE's columns): TMA zero-fills its loads
-              and clips its stores
-  MMA       : warpgroups 1 and 2 (half the rows of a tile each), per tile: zero the
+  MMA       : warpgroups 1 and 2 (BLOCK_M / 2 rows of a tile each), per tile: zero the
               accumulators, the mainloop, release the tile's last stage, the epilogue through
               SMEM buffers of its own (EPI_STAGES x EPI_TILE, not over the stages, which the
               producer is refilling) and TMA stores (grouped_gemm._tma_store_epilogue, rolling:
@@ -58,12 +47,6 @@ from sonicmoe_jax import routing
 
 NUM_SMS = 132     # H100 / H200 SXM: the default grid (fewer SMs only queue CTAs)
 MAX_STAGES = 8
-WIDE_TILE_M = gg.WIDE_TILE_M
-TILE_MS = (BLOCK_M, WIDE_TILE_M)   # the weight gradient's M tile (tile_m)
-WIDE_MAX_BLOCK_N = 192   # a WIDE_TILE_M x block_n tile's fp32 accumulators: block_n a thread
-# setmaxnreg budgets (producer, MMA warpgroups) by tile_m: the wide tile's producer holds one
-# token a thread (grouped_gemm's: k_gathers_per_thread), its MMA warpgroups 192 accumulators
-REGISTERS = {BLOCK_M: (gg.PRODUCER_REGISTERS, gg.MMA_REGISTERS), WIDE_TILE_M: (40, 232)}
 
 
 def epilogue_bytes(itemsize: int) -> int:
@@ -71,11 +54,10 @@ def epilogue_bytes(itemsize: int) -> int:
   return gg.EPI_STAGES * EPI_TILE[0] * EPI_TILE[1] * itemsize
 
 
-def stages_that_fit(block_n: int, itemsize: int, tile_m: int = BLOCK_M,
-                    block_k: int = BLOCK_K) -> int:
+def stages_that_fit(block_n: int, itemsize: int) -> int:
   """The ring's deepest beside the epilogue's buffers (at most MAX_STAGES)."""
-  return min(MAX_STAGES, gg._stages_that_fit(block_n, 1, itemsize, tile_m,
-                                             reserved=epilogue_bytes(itemsize), block_k=block_k))
+  return min(MAX_STAGES, gg._stages_that_fit(block_n, 1, itemsize,
+                                             reserved=epilogue_bytes(itemsize)))
 
 
 # CTAs per cluster of the weight gradients: 1 (none) or 2 along M sharing the rhs's stages,
@@ -98,16 +80,16 @@ def cluster_tile(u, rank, num_m_tiles: int, num_n_tiles: int, cluster: int):
 
 
 def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_steps: int,
-              num_experts, block_k: int = BLOCK_K):
+              num_experts):
   """Tile t's (M tile, column tile, first k step, k steps, rhs's and out's third coordinate).
-  "wgrad": tile_info is group_rows (each expert's first row and end: its k range in steps of
-  block_k rows, routing.group_row_steps), out's third coordinate the expert. "store":
-  tile_info is tile_expert (the M tile's expert, E or more past the last group: no k steps),
-  rhs's third coordinate the expert."""
+  "wgrad": tile_info is group_rows (each expert's first row and end: its k range,
+  routing.group_row_steps), out's third coordinate the expert. "store": tile_info is
+  tile_expert (the M tile's expert, E or more past the last group: no k steps), rhs's third
+  coordinate the expert."""
   if kind == "wgrad":
     per_expert = num_m_tiles * num_n_tiles
     expert, rest = t // per_expert, t % per_expert
-    k_begin, num_k = routing.group_row_steps(tile_info, expert, block_k)
+    k_begin, num_k = routing.group_row_steps(tile_info, expert, BLOCK_K)
     return rest // num_n_tiles, rest % num_n_tiles, k_begin, num_k, 0, expert
   m_tile = t // num_n_tiles
   owner = tile_info[m_tile]
@@ -204,31 +186,28 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             num_m_tiles: cutlass.Constexpr, num_n_tiles: cutlass.Constexpr,
             k_steps: cutlass.Constexpr, num_tiles: cutlass.Constexpr,
             out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr,
-            dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr, tile_m: cutlass.Constexpr,
-            block_k: cutlass.Constexpr):
+            dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr):
   """kind "wgrad": m_a X (T, M, 1) the gathered rows' source, m_b the rhs (N, P, 1) N-major,
   the output (M, N, E), tile_info group_rows (2 E,), gather_index (P,). kind "store":
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
   tile_info tile_expert (P / BLOCK_M,), gather_index unused. dynamic: the tiles in the order
   the CTAs ask for them (tile_counter (1,) starting at 0), else every grid-th (_next_tile).
   cluster 2 ("wgrad"): the grid's clusters of 2 CTAs loop over cluster tiles (cluster_tile),
-  the rhs's stages multicast (tma_b made for it). tile_m: the tiles' rows (TILE_MS; "store":
-  BLOCK_M); block_k: a k step's (gg.WGRAD_BLOCK_KS; "store": BLOCK_K)."""
+  the rhs's stages multicast (tma_b made for it)."""
   gather = kind == "wgrad"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
   num_ctas = cute.arch.grid_dim()[0]
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
   gg.prefetch_descriptors(warp, tma_a, tma_b, gather)
-  tile_mnk = (tile_m, block_n, block_k)
-  producer_registers, mma_registers = REGISTERS[tile_m]
+  tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   # the loop's tiles: this CTA's of the grid's, or its cluster's (rank `rank`) of the clusters'
   rank, first, stride, num_units = 0, cta, num_ctas, num_tiles
   if cutlass.const_expr(cluster > 1):
     rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
     first, stride, num_units = cta // cluster, num_ctas // cluster, num_tiles // cluster
   work = lambda u: tile_work(kind, cluster_tile(u, rank, num_m_tiles, num_n_tiles, cluster),
-                             tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts, block_k)
+                             tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts)
 
   smem = cutlass.memory.SmemAllocator()
   storage = smem.allocate(shared_storage)
@@ -241,7 +220,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
               else tile_counter)
 
   if warp < 4:   # the producer warpgroup
-    cute.arch.setmaxregister_decrease(producer_registers)
+    cute.arch.setmaxregister_decrease(gg.PRODUCER_REGISTERS)
     produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     asked = cutlass.Int32(0)   # (dynamic, warp 0's lane 0) the count its last ask returned
     if cutlass.const_expr(dynamic):
@@ -262,8 +241,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
           m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)), rank, cluster)]
       if cutlass.const_expr(gather):
         produce = gg.produce_wgrad_steps(loads, produce, m_a, gather_index, s_a, operands,
-                                         k_begin, num_k, tidx, m_tile * tile_m,
-                                         tile_m == WIDE_TILE_M, block_k)
+                                         k_begin, num_k, tidx, m_tile * BLOCK_M)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
         lhs_and_rhs = [gg.tma_operand(tma_a, s_a, cute.local_tile(
             m_a, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, None, 1)))] + operands
@@ -273,12 +251,12 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
       i += 1
       t = _next_tile(tile_bars, tile_ids, i, t, stride, dynamic, cluster)
   else:   # the MMA warpgroups
-    cute.arch.setmaxregister_increase(mma_registers)
+    cute.arch.setmaxregister_increase(gg.MMA_REGISTERS)
     mma_tidx = tidx - 128
     thr_mma = tiled_mma.get_slice(mma_tidx)
     frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
     frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-    acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((tile_m, block_n)), cutlass.Float32)
+    acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((BLOCK_M, block_n)), cutlass.Float32)
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
     consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -293,7 +271,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
       out_tile = cute.local_tile(m_out_tma, tile_mnk, (m_tile, n_tile, None, out_l),
                                  proj=(1, 1, None))
       # rolling: before writing a buffer the leader waits for its last store, which may be
-      # the previous tile's (a tile's EPI_TILE chunks fill the buffers whole: _tile_unsupported)
+      # the previous tile's (block_n, a multiple of 128, fills the buffers whole)
       gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx, warp == 4,
                              False, m_major=out_m_major, rolling=True)
       i += 1
@@ -309,19 +287,16 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
             gather_index: cute.Tensor, tile_counter: cute.Tensor, out: cute.Tensor,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr,
-            kind: cutlass.Constexpr, dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr = 1,
-            tile_m: cutlass.Constexpr = BLOCK_M, block_k: cutlass.Constexpr = BLOCK_K):
+            kind: cutlass.Constexpr, dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr = 1):
   """The persistent grid and the kernel's static configuration (_kernel's operands; the
   output's modes (rows, columns, experts or 1); tile_counter unused unless dynamic); cluster
-  2: clusters of 2 CTAs along M, the grid whole clusters, the rhs's TMA atom multicasting;
-  tile_m: the M tile (the last column tile may reach past the output's columns); block_k:
-  the k step's rows."""
+  2: clusters of 2 CTAs along M, the grid whole clusters, the rhs's TMA atom multicasting."""
   dtype = lhs.element_type
   gather = kind == "wgrad"
   # the weight gradient's A tiles (M, rows) are M-major (filled by the gathers)
   a_major = LayoutEnum.COL_MAJOR if gather else LayoutEnum.from_tensor(lhs)
   b_major = LayoutEnum.from_tensor(rhs)
-  tile_mnk = (tile_m, block_n, block_k)
+  tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   tiled_mma = sm90_utils.make_trivial_tiled_mma(
       dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
       cutlass.Float32, (gg.WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
@@ -330,10 +305,10 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   b_stage = cute.slice_(b_smem_staged, (None, None, 0))
   if cutlass.const_expr(cluster > 1):
     tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), rhs,
-                                             b_stage, (block_n, block_k), num_multicast=cluster)
+                                             b_stage, (block_n, BLOCK_K), num_multicast=cluster)
   else:
     tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs, b_stage,
-                                             (block_n, block_k))
+                                             (block_n, BLOCK_K))
   stage_bytes = cute.size_in_bytes(dtype, b_stage)
   if cutlass.const_expr(gather):   # no TMA for A (the kernel takes an atom: B's, unused)
     tma_a, m_a = tma_b, lhs
@@ -351,8 +326,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   storage = gg.shared_storage(
       dtype, stages * 2 + ring_barriers, cute.cosize(a_smem_staged), cute.cosize(b_smem_staged),
       1, cute.cosize(c_smem_staged), TILE_SLOTS if dynamic else 0)
-  num_m_tiles = cute.size(out, mode=[0]) // tile_m
-  num_n_tiles = (cute.size(out, mode=[1]) + block_n - 1) // block_n
+  num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
+  num_n_tiles = cute.size(out, mode=[1]) // block_n
   num_tiles = num_m_tiles * num_n_tiles * cute.size(out, mode=[2])
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K   # (store: the contraction)
   _kernel.set_name_prefix(gg.kernel_label(kind, gather, "persistent"), remove_cutlass_symbol=True)
@@ -360,7 +335,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
                    tile_counter, tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged,
                    cute.size(rhs, mode=[2]), storage, block_n, stages, stage_bytes, num_m_tiles,
                    num_n_tiles, k_steps, num_tiles, out_layout.is_m_major_c(), kind, dynamic,
-                   cluster, tile_m, block_k)
+                   cluster)
   if cutlass.const_expr(cluster > 1):   # whole clusters, at least one
     grid = max(cluster, min(num_tiles, num_ctas) // cluster * cluster)
     kernel.launch(grid=(grid, 1, 1), block=(THREADS + 128, 1, 1), cluster=(cluster, 1, 1),
@@ -374,14 +349,12 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
 def _weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tensor,
                  gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
                  stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS,
-                 cluster_m: cutlass.Constexpr = 1, tile_m: cutlass.Constexpr = BLOCK_M,
-                 block_k: cutlass.Constexpr = BLOCK_K):
+                 cluster_m: cutlass.Constexpr = 1):
   """x (T, M, 1) the source rows, rhs (N, P, 1) N-major, group_rows (2 E,), gather_index (P,),
   out (M, N, E) N- or M-major: the operands of grouped_gemm._gathered_weight_grad; cluster_m:
-  CTAs per cluster (_launch's cluster); tile_m: the M tile (TILE_MS); block_k: the k step's
-  rows (gg.WGRAD_BLOCK_KS)."""
+  CTAs per cluster (_launch's cluster)."""
   _launch(stream, x, rhs, group_rows, gather_index, gather_index, out, block_n, stages,
-          num_ctas, "wgrad", False, cluster_m, tile_m, block_k)
+          num_ctas, "wgrad", False, cluster_m)
 
 
 @cute.jit
@@ -389,12 +362,11 @@ def _weight_grad_dynamic(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: c
                          gather_index: cute.Tensor, tile_counter: cute.Tensor, out: cute.Tensor,
                          counter_out: cute.Tensor, block_n: cutlass.Constexpr,
                          stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS,
-                         cluster_m: cutlass.Constexpr = 1, tile_m: cutlass.Constexpr = BLOCK_M,
-                         block_k: cutlass.Constexpr = BLOCK_K):
+                         cluster_m: cutlass.Constexpr = 1):
   """_weight_grad's with the tiles in the order the CTAs ask for them (the dynamic tile order,
   above _ask_tile): tile_counter (1,) at 0, counted up in place (counter_out, its buffer)."""
   _launch(stream, x, rhs, group_rows, gather_index, tile_counter, out, block_n, stages,
-          num_ctas, "wgrad", True, cluster_m, tile_m, block_k)
+          num_ctas, "wgrad", True, cluster_m)
 
 
 @cute.jit
@@ -407,11 +379,10 @@ def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
           tile_expert, out, block_n, stages, num_ctas, "store", False)
 
 
-def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str,
-            tile_m: int = BLOCK_M, block_k: int = BLOCK_K) -> int:
+def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int:
   """`stages`, or as many as fit beside the epilogue's buffers (at most the k steps, at
   least 2); ValueError naming the limit."""
-  fit = stages_that_fit(block_n, itemsize, tile_m, block_k)
+  fit = stages_that_fit(block_n, itemsize)
   if stages is None:
     return max(2, min(fit, k_steps))
   if not 2 <= stages <= fit:
@@ -420,39 +391,24 @@ def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str,
   return stages
 
 
-def _tile_unsupported(block_n: int, tile_m: int = BLOCK_M):
-  """Why the rolling epilogue cannot take this tile, or None: its EPI_TILE chunks must fill
-  the EPI_STAGES buffers whole, so that each tile starts on the first buffer; a WIDE_TILE_M
-  tile's accumulators take block_n registers a thread (at most WIDE_MAX_BLOCK_N)."""
-  if type(tile_m) is not int or tile_m not in TILE_MS:
-    return f"tile_m={tile_m!r} must be one of {TILE_MS}"
-  if block_n > gg.WGMMA_MAX_N:
-    return f"block_n={block_n} must be at most {gg.WGMMA_MAX_N} (one wgmma's widest N)"
-  if tile_m == WIDE_TILE_M and not (block_n % EPI_TILE[1] == 0 and block_n <= WIDE_MAX_BLOCK_N):
-    return (f"block_n={block_n} must be a multiple of {EPI_TILE[1]} up to {WIDE_MAX_BLOCK_N} "
-            f"at tile_m={tile_m}")
-  whole = gg.EPI_STAGES * EPI_TILE[1] * EPI_TILE[0] // tile_m
+def _tile_unsupported(block_n: int):
+  """Why the rolling epilogue cannot take this column tile, or None: its chunks must fill the
+  EPI_STAGES buffers whole, so that each tile starts on the first buffer."""
+  whole = gg.EPI_STAGES * EPI_TILE[1]
   return None if block_n % whole == 0 else f"block_n={block_n} must be a multiple of {whole}"
 
 
-def cluster_fits(cluster_m: int, m: int, tile_m: int = BLOCK_M) -> bool:
-  """Whether M = m splits into whole clusters of cluster_m M tiles of tile_m rows."""
-  return m % (cluster_m * tile_m) == 0
+def cluster_fits(cluster_m: int, m: int) -> bool:
+  """Whether M = m splits into whole clusters of cluster_m M tiles."""
+  return m % (cluster_m * BLOCK_M) == 0
 
 
-def _cluster_unsupported(cluster_m, m: int, tile_m: int) -> str | None:
+def _cluster_unsupported(cluster_m, m: int) -> str | None:
   """Why the weight gradient cannot run clusters of cluster_m CTAs along its M = m, or None."""
   if type(cluster_m) is not int or cluster_m not in CLUSTER_SIZES:   # (not a bool or a float)
     return f"cluster_m={cluster_m!r} must be one of {CLUSTER_SIZES}"
-  if not cluster_fits(cluster_m, m, tile_m):
-    return f"M={m} must be a multiple of cluster_m x tile_m = {cluster_m * tile_m}"
-  return None
-
-
-def _block_k_unsupported(block_k) -> str | None:
-  """Why the weight gradient cannot run k steps of block_k rows, or None."""
-  if type(block_k) is not int or block_k not in gg.WGRAD_BLOCK_KS:
-    return f"block_k={block_k!r} must be one of {gg.WGRAD_BLOCK_KS}"
+  if not cluster_fits(cluster_m, m):
+    return f"M={m} must be a multiple of cluster_m x BLOCK_M = {cluster_m * BLOCK_M}"
   return None
 
 
@@ -468,7 +424,7 @@ def _grid_config(num_ctas, name: str) -> dict:
 def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: int = 128,
                 stages: int | None = None, transpose_out: bool = False,
                 num_ctas: int | None = None, group_sizes=None, dynamic: bool = False,
-                cluster_m: int = 1, tile_m: int = BLOCK_M, block_k: int = BLOCK_K):
+                cluster_m: int = 1):
   """grouped_gemm.weight_grad with gather_index on persistent CTAs (module docstring): x
   [T, M] (slot r reads X[gather_index[r]], zeros where it is T or more), rhs [P, N] rows in
   slot order, expert e's rows group_offsets[e] .. group_offsets[e + 1] (multiples of BLOCK_M),
@@ -479,31 +435,19 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   whole clusters, at least one). dynamic: the tiles in the order the CTAs ask for them (the
   dynamic tile order, above _ask_tile) instead of every grid-th; the same bits. cluster_m:
   CTAs per cluster (CLUSTER_SIZES; 2: neighbouring M tiles share the rhs's stages by
-  multicast, M a multiple of 2 x tile_m); the same bits. tile_m: the M tile (TILE_MS; M a
-  multiple of it; WIDE_TILE_M: block_n a multiple of 64 up to WIDE_MAX_BLOCK_N). N need only
-  be a multiple of 64: the last column tile may reach past it (block_n at most 256).
-  block_k: the k step's rows (gg.WGRAD_BLOCK_KS: 32 fits twice the stages in the same SMEM);
-  the same bits."""
+  multicast, M a multiple of 2 x BLOCK_M); the same bits."""
   slots = gg.rows_read(x, gather_index)
   reason = (gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
-                                        group_sizes, clipped_last_tile=True)
-            or _tile_unsupported(block_n, tile_m)
-            or _cluster_unsupported(cluster_m, x.shape[1], tile_m)
-            or _block_k_unsupported(block_k))
+                                        group_sizes) or _tile_unsupported(block_n)
+            or _cluster_unsupported(cluster_m, x.shape[1]))
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
-  stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // block_k, "weight_grad",
-                   tile_m, block_k)
-  # (the kernels' defaults left out of the FFI target's name)
-  options = dict(cluster_m=cluster_m) if cluster_m > 1 else {}
-  if tile_m != BLOCK_M:
-    options["tile_m"] = tile_m
-  if block_k != BLOCK_K:
-    options["block_k"] = block_k
+  stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
+  clusters = dict(cluster_m=cluster_m) if cluster_m > 1 else {}
   return gg.weight_grad_call((None, _weight_grad_dynamic if dynamic else _weight_grad), x, rhs,
                              routing.group_row_ranges(group_offsets, group_sizes), num_experts,
                              gather_index, transpose_out, tile_counter=dynamic, block_n=block_n,
-                             stages=stages, **_grid_config(num_ctas, "weight_grad"), **options)
+                             stages=stages, **_grid_config(num_ctas, "weight_grad"), **clusters)
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,

@@ -1318,85 +1318,42 @@ def test_cute_wgrad_cluster_setting_reaches_the_kernel_where_m_allows(monkeypatc
 
 
 @needs_cute
-def test_cute_wgrad_tile_setting_reaches_the_kernel_where_m_allows(monkeypatch):
-  """WGRAD_TILE_M 256: the layer's persistent gathering weight gradients run 256-row tiles
-  wide where their M is a multiple of 256 (in clusters of 2 where M is a multiple of 512),
-  else 128-row tiles at the op's own block_n; 128 (the default): 128-row tiles; other sizes
-  are refused by name. The wide tiles' columns: WGRAD_WIDE_BLOCK_N (192) where the last tile
-  reaches at most N / 16 past N, else 128."""
-  cute_ops = importlib.import_module("ffi.ops")
-  calls = []
-  real = cute_ops.persistent.weight_grad
-
-  def spy(x, *args, **kw):
-    calls.append((x.shape[1], kw["tile_m"], kw["block_n"], kw["cluster_m"]))
-    return real(x, *args, **kw)
-
-  monkeypatch.setattr(cute_ops.persistent, "weight_grad", spy)
-  monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", 2)
-
-  def loss(*a):
-    return jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
-
-  # (d, WGRAD_TILE_M, the (tile_m, cluster_m) wanted); n = 384: dW1's 2n = 768 and dW2's n =
-  # 384 columns, whole 192-wide tiles
-  for d, tile_m, want in [(512, 256, (256, 2)), (256, 256, (256, 1)), (384, 256, (128, 1)),
-                          (512, 128, (128, 2))]:
-    monkeypatch.setattr(cute_ops, "WGRAD_TILE_M", tile_m)
-    calls.clear()
-    _cuda_module(jax.grad(loss, argnums=(0, 2, 3)), *make_inputs(0, 256, d, 384, 8, jnp.bfloat16))
-    assert calls and all(m == d and (t, c) == want for m, t, _, c in calls), calls
-    assert all(bn == 192 for _, t, bn, _ in calls if t == 256), calls
-  assert cute_ops.WGRAD_WIDE_BLOCK_N == 192
-  assert [cute_ops._wide_block_n(n) for n in (2048, 1024, 384, 256)] == [192, 128, 192, 128]
-  monkeypatch.setattr(cute_ops, "WGRAD_TILE_M", 192)
-  with pytest.raises(ValueError, match=r"ffi.ops.WGRAD_TILE_M must be one of \(128, 256\); got 192"):
-    _cuda_module(jax.grad(loss), *make_inputs(0, 256, 256, 128, 8, jnp.bfloat16))
-
-
-@needs_cute
 def test_cute_wgrad_dynamic_auto_takes_dw1_with_many_tiles_an_expert(monkeypatch):
   """WGRAD_DYNAMIC_ORDER "auto" (the default): dW1 in the dynamic order where an expert's
-  output has WGRAD_DYNAMIC_MIN_TILES tiles of tile_m x block_n (partial tiles counted), dW2
+  output has WGRAD_DYNAMIC_MIN_TILES tiles of BLOCK_M x block_n (partial tiles counted), dW2
   never; a tuple names the ops itself; a bare name is refused."""
   cute_ops = importlib.import_module("ffi.ops")
   assert cute_ops.WGRAD_DYNAMIC_ORDER == "auto" and cute_ops.WGRAD_DYNAMIC_MIN_TILES == 128
   order = cute_ops._dynamic_order
-  assert order("dw1", 2048, 2048, 128, 256)      # olmoe: 16 x 8 tiles
-  assert order("dw1", 4096, 2048, 128, 256)      # 120B-n1024: 32 x 8
-  assert not order("dw1", 1536, 2048, 128, 256)  # 7B-n1024: 12 x 8
-  assert not order("dw1", 4096, 512, 128, 256)   # 30B-n256: 32 x 2
-  assert order("dw1", 1920, 2056, 128, 256)      # 15 x 9 with the partial tiles
-  assert not order("dw2", 2048, 4096, 128, 256)
-  assert order("dw1", 4096, 2048, 256, 192)      # 16 x 11 (the last tile clipped)
-  assert not order("dw1", 2048, 2048, 256, 192)  # olmoe in 256 x 192 tiles: 8 x 11
+  assert order("dw1", 2048, 2048, 256)           # olmoe: 16 x 8 tiles
+  assert order("dw1", 4096, 2048, 256)           # 120B-n1024: 32 x 8
+  assert not order("dw1", 1536, 2048, 256)       # 7B-n1024: 12 x 8
+  assert not order("dw1", 4096, 512, 256)        # 30B-n256: 32 x 2
+  assert order("dw1", 1920, 2056, 256)           # 15 x 9 with the partial tiles
+  assert not order("dw2", 2048, 4096, 256)
   monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", ("dw2",))
-  assert order("dw2", 256, 256, 128, 256) and not order("dw1", 4096, 4096, 128, 256)
+  assert order("dw2", 256, 256, 256) and not order("dw1", 4096, 4096, 256)
   monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", "dw1")
   with pytest.raises(ValueError, match="got 'dw1'"):
-    order("dw1", 2048, 2048, 128, 256)
+    order("dw1", 2048, 2048, 256)
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,dynamic,cluster_m,tile_m", [
-    (128, None, False, False, 1, 128), (256, 2, True, False, 1, 128),
-    (256, None, False, False, 1, 128), (256, None, False, True, 1, 128),
-    (128, 3, True, True, 1, 128), (256, None, False, True, 2, 128), (128, 3, True, False, 2, 128),
-    (192, None, False, True, 2, 256), (192, 2, True, False, 1, 256)])
-@pytest.mark.parametrize("block_k", [64, 32])
+@pytest.mark.parametrize("block_n,stages,transpose_out,dynamic,cluster_m", [
+    (128, None, False, False, 1), (256, 2, True, False, 1), (256, None, False, False, 1),
+    (256, None, False, True, 1), (128, 3, True, True, 1), (256, None, False, True, 2),
+    (128, 3, True, False, 2)])
 def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out, dynamic,
-                                                       cluster_m, tile_m, block_k):
+                                                       cluster_m):
   """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers) compiles
   for sm_90a at the tiles and depths the layer and the sweep run, in either tile order, alone
-  or in clusters of 2, in 128- or 256-row tiles (N = 640: the last 192-wide tile clipped), in
-  k steps of 64 or 32 rows."""
+  or in clusters of 2."""
   from ffi import persistent
-  P, M, N, E, T = 512, 512, 640 if block_n == 192 else 512, 4, 300
+  P, M, N, E, T = 512, 256, 512, 4, 300
   offsets = jnp.arange(E + 1, dtype=jnp.int32) * (P // E)
   fn = lambda x, r, i: persistent.weight_grad(x, r, offsets, E, i, block_n=block_n,
                                               stages=stages, transpose_out=transpose_out,
-                                              dynamic=dynamic, cluster_m=cluster_m,
-                                              tile_m=tile_m, block_k=block_k)
+                                              dynamic=dynamic, cluster_m=cluster_m)
   shapes = [jax.ShapeDtypeStruct((T, M), jnp.bfloat16), jax.ShapeDtypeStruct((P, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -1453,10 +1410,6 @@ def test_persistent_tiles_cover_each_output_tile_once_with_its_k_range():
       (e, m, n) for e in range(4) for m in range(3) for n in range(2)]
   for m, n, k_begin, num_k, rhs_l, e in seen:
     assert (k_begin, num_k, rhs_l) == (group_rows[2 * e] // 64, [4, 0, 10, 1][e], 0)
-  # in k steps of 32 rows: 7, 0, 20 and 1
-  seen = [persistent.tile_work("wgrad", t, group_rows, 3, 2, 0, 4, 32) for t in range(3 * 2 * 4)]
-  for m, n, k_begin, num_k, rhs_l, e in seen:
-    assert (k_begin, num_k) == (group_rows[2 * e] // 32, [7, 0, 20, 1][e])
   tile_expert = np.array([0, 0, 1, 3, 3, 4])   # E = 4: the last M tile is past the groups
   seen = [persistent.tile_work("store", t, tile_expert, 6, 2, 10, 4) for t in range(12)]
   assert [(m, n) for m, n, *_ in seen] == [(m, n) for m in range(6) for n in range(2)]
@@ -1473,22 +1426,8 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
   offsets, index = jnp.arange(5, dtype=jnp.int32) * 128, jnp.zeros((512,), jnp.int32)
   with pytest.raises(ValueError, match=r"cute persistent weight_grad: stages=9 must be between 2 and \d+"):
     persistent.weight_grad(x, rhs, offsets, 4, index, stages=9)
-  with pytest.raises(ValueError, match="block_n=384 must be at most 256"):
+  with pytest.raises(ValueError, match="rhs columns N=512 must be a multiple of block_n=384"):
     persistent.weight_grad(x, rhs, offsets, 4, index, block_n=384)
-  with pytest.raises(ValueError, match="rhs columns N=544 and block_n=128 must be multiples of 64"):
-    persistent.weight_grad(x, jnp.zeros((512, 544), jnp.bfloat16), offsets, 4, index)
-  for bad in (192, 512, "256"):
-    with pytest.raises(ValueError, match=rf"tile_m={bad!r} must be one of \(128, 256\)"):
-      persistent.weight_grad(x, rhs, offsets, 4, index, tile_m=bad)
-  with pytest.raises(ValueError, match="block_n=256 must be a multiple of 64 up to 192 at tile_m=256"):
-    persistent.weight_grad(x, rhs, offsets, 4, index, block_n=256, tile_m=256)
-  for bad in (16, 128, 32.0):
-    with pytest.raises(ValueError, match=rf"block_k={bad!r} must be one of \(32, 64\)"):
-      persistent.weight_grad(x, rhs, offsets, 4, index, block_k=bad)
-  with pytest.raises(ValueError, match=r"stages=9 must be between 2 and 8"):
-    persistent.weight_grad(x, rhs, offsets, 4, index, block_k=32, block_n=256, stages=9)
-  with pytest.raises(ValueError, match="M=256 must be a multiple of cluster_m x tile_m = 512"):
-    persistent.weight_grad(x, rhs, offsets, 4, index, block_n=192, tile_m=256, cluster_m=2)
   with pytest.raises(ValueError, match="num_ctas must be a positive int; got 0"):
     persistent.weight_grad(x, rhs, offsets, 4, index, num_ctas=0)
   with pytest.raises(ValueError, match="cute persistent weight_grad: block_n=64 must be a multiple of 128"):
@@ -1496,7 +1435,7 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
   for bad in (3, True, 2.0):
     with pytest.raises(ValueError, match=rf"cluster_m={bad!r} must be one of \(1, 2\)"):
       persistent.weight_grad(x, rhs, offsets, 4, index, cluster_m=bad)
-  with pytest.raises(ValueError, match="M=384 must be a multiple of cluster_m x tile_m = 256"):
+  with pytest.raises(ValueError, match="M=384 must be a multiple of cluster_m x BLOCK_M = 256"):
     persistent.weight_grad(jnp.zeros((300, 384), jnp.bfloat16), rhs, offsets, 4, index,
                            cluster_m=2)
   lhs, w, tiles = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((4, 256, 512), jnp.bfloat16), \
@@ -1511,51 +1450,39 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas,dynamic,cluster_m,tile_m,N,block_k", [
-    (256, None, False, None, True, 2, 128, 512, 32), (128, 3, True, 5, False, 1, 128, 640, 32),
-    (192, None, True, 3, True, 2, 256, 640, 32), (192, 5, False, 1, False, 1, 256, 512, 32)] + [
-    (*case, 64) for case in [
-    (128, None, False, None, False, 1, 128, 512), (256, None, True, None, False, 1, 128, 512),
-    (256, 2, False, 3, False, 1, 128, 512), (128, 3, True, 5, False, 1, 128, 512),
-    (256, None, True, 1, False, 1, 128, 512), (256, None, False, None, True, 1, 128, 512),
-    (256, 2, False, 3, True, 1, 128, 512), (128, 3, True, 5, True, 1, 128, 512),
-    (256, None, True, 1, True, 1, 128, 512), (256, None, False, None, False, 2, 128, 512),
-    (256, 2, True, 4, False, 2, 128, 512), (256, None, False, None, True, 2, 128, 512),
-    (128, 3, True, 6, True, 2, 128, 512), (256, None, False, 3, True, 2, 128, 512),
-    (256, 2, True, 1, True, 2, 128, 512), (256, None, True, 3, True, 2, 128, 640),
-    (192, None, False, None, True, 2, 256, 640), (192, None, True, None, False, 1, 256, 512),
-    (192, 2, False, 3, False, 1, 256, 640), (128, None, True, 5, True, 2, 256, 640),
-    (64, 3, False, 1, False, 2, 256, 512), (192, None, True, 1, True, 1, 256, 640)]])
+@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas,dynamic,cluster_m", [
+    (128, None, False, None, False, 1), (256, None, True, None, False, 1),
+    (256, 2, False, 3, False, 1), (128, 3, True, 5, False, 1), (256, None, True, 1, False, 1),
+    (256, None, False, None, True, 1), (256, 2, False, 3, True, 1), (128, 3, True, 5, True, 1),
+    (256, None, True, 1, True, 1), (256, None, False, None, False, 2),
+    (256, 2, True, 4, False, 2), (256, None, False, None, True, 2), (128, 3, True, 6, True, 2),
+    (256, None, False, 3, True, 2), (256, 2, True, 1, True, 2)])
 def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, transpose_out,
-                                                            num_ctas, dynamic, cluster_m, tile_m,
-                                                            N, block_k):
+                                                            num_ctas, dynamic, cluster_m):
   """The persistent kernel gives grouped_gemm.weight_grad's bits, gathering X's rows (padding
   slots: index T): experts of 256, 0 (zeros), 640, 128 and 1152 rows, so that a CTA's tiles run
   2, 0, 10, 2 and 18 k steps and its ring of `stages` wraps within and across tiles; num_ctas
   3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each), in
   either tile order (dynamic: the CTAs ask a counter; twice in a row, so a second call's
   counter starts at 0 again), alone or in clusters of 2 (M = 512: two cluster rows of M
-  tiles; num_ctas 3 and 1 rounded to one whole cluster), in M tiles of 128 or 256 rows (M
-  512: two M tiles, one cluster row), the last column tile whole or reaching past N (640 at
-  block_n 256 and 192; the grouped kernel's tile is 128 wide there), in k steps of 64 or 32
-  rows (twice the steps: 4, 0, 20, 4 and 36). The output is written over a freed buffer of
-  NaN, so an element left unstored shows."""
+  tiles; num_ctas 3 and 1 rounded to one whole cluster). The output is written over a freed
+  buffer of NaN, so an element left unstored shows."""
   from ffi import grouped_gemm, persistent
   sizes = [256, 0, 640, 128, 1152]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
-  T, P, E = 1000, sum(sizes) + 128, len(sizes)
-  M = 384 if (cluster_m, tile_m) == (1, 128) else 512
+  T, P, N, E = 1000, sum(sizes) + 128, 512, len(sizes)
+  M = 384 if cluster_m == 1 else 512
   x = jax.random.normal(jax.random.key(71), (T, M)).astype(jnp.bfloat16)
   rhs = jax.random.normal(jax.random.key(72), (P, N)).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(73), (P,), 0, T).at[::5].set(T)
+  kw = dict(block_n=block_n, transpose_out=transpose_out)
   jax.block_until_ready(jnp.full((E, M, N), jnp.nan, jnp.bfloat16)).delete()
   run = jax.jit(lambda a, b, o, i: persistent.weight_grad(
       a, b, o, E, i, stages=stages, num_ctas=num_ctas, dynamic=dynamic, cluster_m=cluster_m,
-      tile_m=tile_m, block_n=block_n, transpose_out=transpose_out, block_k=block_k))
+      **kw))
   got = run(x, rhs, offsets, index)
   want = jax.jit(lambda a, b, o, i: grouped_gemm.weight_grad(
-      a, b, o, E, gather_index=i, block_n=block_n if N % block_n == 0 else 128,
-      transpose_out=transpose_out))(x, rhs, offsets, index)
+      a, b, o, E, gather_index=i, **kw))(x, rhs, offsets, index)
   assert got.shape == want.shape == ((E, N, M) if transpose_out else (E, M, N))
   assert np.all(np.asarray(want[1], np.float32) == 0) and np.any(np.asarray(want, np.float32) != 0)
   np.testing.assert_array_equal(got, want)
@@ -1613,21 +1540,14 @@ def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypat
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("cluster_m,dynamic_order,tile_m,block_k", [
-    (1, (), 128, 64), (2, (), 128, 64), (2, ("dw1", "dw2"), 128, 64), (2, ("dw1",), 256, 64),
-    (1, (), 256, 64), (2, ("dw1",), 128, 32), (2, (), 256, 32)])
+@pytest.mark.parametrize("cluster_m,dynamic_order", [(1, ()), (2, ()), (2, ("dw1", "dw2"))])
 def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(cluster_m, dynamic_order,
-                                                                        tile_m, block_k,
                                                                         monkeypatch):
   """The layer's gradients with WGRAD_KERNEL "persistent" (dW1 and dW2 gathering their rows on
-  it; alone or in clusters of 2, in either tile order, in 128- or 256-row tiles: at d = 512
-  dW1's 2n = 512 columns in 192-wide tiles, the last clipped; in k steps of 64 or 32 rows)
-  are bitwise those with "grouped"."""
+  it; alone or in clusters of 2, in either tile order) are bitwise those with "grouped"."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(74, 1000, 512, 256, 16, jnp.bfloat16)
   monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", cluster_m)
-  monkeypatch.setattr(cute_ops, "WGRAD_TILE_M", tile_m)
-  monkeypatch.setattr(cute_ops, "WGRAD_BLOCK_K", block_k)
   monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", dynamic_order)
   monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "grouped")
   grad = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
