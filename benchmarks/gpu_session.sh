@@ -65,7 +65,8 @@
 #           launches of NCU_BYTES_KERNEL, a sweep row, default
 #           dw1_gather_persistent_sized_dynamic_cluster: olmoe's layer's) and of the PyTorch
 #           SonicMoE's step GEMMs at NCU_CONFIG (default olmoe; after cute and upstream staging and
-#           torch_warm)                                                             (~3 min)
+#           torch_warm); NCU_STALLS=1: a second pass each, the warps' stall reasons per issued
+#           instruction (smsp__average_warps_issue_stalled_*)                 (~3 min, ~5 with it)
 #   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
 #           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
 #   rows192: the ping-pong store GEMMs on 192-row tiles against 128-row ones (ROWS192_CONFIGS,
@@ -409,7 +410,19 @@ PY
         "$(anchors_json "$cfg")" --profile-one-step > "$OUT/ncu_bytes_torch_$cfg.txt" 2>&1
       echo "ncu torch: rc $?"
       grep -hE "^  [a-zA-Z_]+|gpu__time|dram__|lts__|SM Frequency|Compute \(SM\)|Warp Cycles Per Issued" \
-        "$OUT/ncu_bytes_ours_$cfg.txt" "$OUT/ncu_bytes_torch_$cfg.txt" | cut -c1-120 ;;
+        "$OUT/ncu_bytes_ours_$cfg.txt" "$OUT/ncu_bytes_torch_$cfg.txt" | cut -c1-120
+      if [ -n "${NCU_STALLS:-}" ]; then   # (a pass of its own: one --metrics list a pass)
+        stalls=(--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio)
+        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none \
+          -k regex:sonicmoe_persistent_weight_grad --launch-count 1 "${stalls[@]}" "${sweep[@]}" \
+          > "$OUT/ncu_stalls_ours_$cfg.txt" 2>&1; echo "ncu stalls ours: rc $?"
+        PYTHONPATH=$tp timeout 200 ncu --profile-from-start off --clock-control none \
+          -k regex:quackgemm "${stalls[@]}" python3 benchmarks/torch_sonicmoe.py \
+          "$(anchors_json "$cfg")" --profile-one-step > "$OUT/ncu_stalls_torch_$cfg.txt" 2>&1
+        echo "ncu stalls torch: rc $?"
+        grep -hE "^  [a-zA-Z_]+|stalled_.*(long_sc|wait|barrier|gmma|math|mio|lg_thr|short|sleep|membar|dispatch)" \
+          "$OUT/ncu_stalls_ours_$cfg.txt" "$OUT/ncu_stalls_torch_$cfg.txt" | cut -c1-120
+      fi ;;
     dout_gather)
       timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs olmoe,120B-n1024 \
         --stages 3,0 --block-n 256 --kernels dh,dh_gather,dw2,dw2_gather \
