@@ -412,7 +412,9 @@ PY
       grep -hE "^  [a-zA-Z_]+|gpu__time|dram__|lts__|SM Frequency|Compute \(SM\)|Warp Cycles Per Issued" \
         "$OUT/ncu_bytes_ours_$cfg.txt" "$OUT/ncu_bytes_torch_$cfg.txt" | cut -c1-120
       if [ -n "${NCU_STALLS:-}" ]; then   # (a pass of its own: one --metrics list a pass)
-        stalls=(--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio)
+        # (as session 45's working calls; its first, the regex without the section, segfaulted)
+        stalls=(--section WarpStateStats
+                --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio)
         XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none \
           -k regex:sonicmoe_persistent_weight_grad --launch-count 1 "${stalls[@]}" "${sweep[@]}" \
           > "$OUT/ncu_stalls_ours_$cfg.txt" 2>&1; echo "ncu stalls ours: rc $?"
