@@ -177,6 +177,12 @@ WGRAD_DYNAMIC_MIN_TILES = 128
 # 0.96-0.97 in that round too: alone in the sweep 0.98-0.99); 30B-n256 0.989, 0.976;
 # 7B-n1024 0.985, 0.996; 7B-n256 1.001, 0.996.
 WGRAD_CLUSTER_M = 2
+# Which persistent gathering weight gradients ("dw1", "dw2") store through an epilogue per
+# MMA warpgroup (persistent.weight_grad split_epilogue: each warpgroup its own rows, buffers,
+# leader and 128-thread barrier) instead of one of both: a tuple of those names. Built in
+# session 45 (CPU; not yet measured) for olmoe's dW1, whose warps stalled at CTA barriers 4 x
+# as long a issued instruction as the PyTorch SonicMoE's.
+WGRAD_SPLIT_EPILOGUE: tuple[str, ...] = ()
 
 
 def _setting(name: str, value, choices):
@@ -377,7 +383,8 @@ def dx_tilde(dh, w1, plan, cols=None):
 def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bool = False):
   """weight_grad (of op, "dw1" or "dw2") with x's rows gathered by the plan's token_index, on
   WGRAD_KERNEL (persistent: in the dynamic tile order where WGRAD_DYNAMIC_ORDER takes op, in
-  clusters of WGRAD_CLUSTER_M CTAs where x's width allows)."""
+  clusters of WGRAD_CLUSTER_M CTAs where x's width allows, through an epilogue per MMA
+  warpgroup where WGRAD_SPLIT_EPILOGUE takes op)."""
   args = (x, rhs, plan.group_offsets, plan.num_experts)
   if _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "grouped":
     return grouped_gemm.weight_grad(*args, block_n=block_n, gather_index=plan.token_index,
@@ -388,7 +395,16 @@ def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bo
   return persistent.weight_grad(*args, plan.token_index, block_n=block_n,
                                 transpose_out=transpose_out, group_sizes=plan.group_sizes,
                                 dynamic=_dynamic_order(op, x.shape[1], rhs.shape[1], block_n),
-                                cluster_m=cluster_m)
+                                cluster_m=cluster_m, split_epilogue=_split_epilogue(op))
+
+
+def _split_epilogue(op: str) -> bool:
+  """Whether the persistent weight gradient op ("dw1" or "dw2") stores through an epilogue per
+  MMA warpgroup: WGRAD_SPLIT_EPILOGUE."""
+  if isinstance(WGRAD_SPLIT_EPILOGUE, str) or set(WGRAD_SPLIT_EPILOGUE) - {"dw1", "dw2"}:
+    raise ValueError(f"ffi.ops.WGRAD_SPLIT_EPILOGUE must be a tuple of 'dw1' and 'dw2'; got "
+                     f"{WGRAD_SPLIT_EPILOGUE!r}")
+  return op in WGRAD_SPLIT_EPILOGUE
 
 
 def _dynamic_order(op: str, m: int, n: int, block_n: int) -> bool:
