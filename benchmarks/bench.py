@@ -396,12 +396,12 @@ def main(argv=None):
                        STORE_WIDE_MIN_K=a.cute_store_wide_min_k,
                        STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n, WGRAD_KERNEL=a.cute_wgrad,
                        STORE_WIDE_KERNEL=a.cute_store_wide, WGRAD_CLUSTER_M=a.cute_wgrad_cluster_m)
+  op_names = lambda text: tuple(filter(None, text.split(",")))   # "dw1,dw2", "" (none)
   if a.cute_wgrad_dynamic is not None:
     cute_settings["WGRAD_DYNAMIC_ORDER"] = ("auto" if a.cute_wgrad_dynamic == "auto" else
-                                           tuple(filter(None, a.cute_wgrad_dynamic.split(","))))
+                                           op_names(a.cute_wgrad_dynamic))
   if a.cute_wgrad_split_epilogue is not None:
-    cute_settings["WGRAD_SPLIT_EPILOGUE"] = tuple(
-        filter(None, a.cute_wgrad_split_epilogue.split(",")))
+    cute_settings["WGRAD_SPLIT_EPILOGUE"] = op_names(a.cute_wgrad_split_epilogue)
   if a.cute_dh_h_smem:
     cute_settings["DH_H_SMEM"] = a.cute_dh_h_smem == "on"
   if a.cute_dout_gather:

@@ -398,13 +398,18 @@ def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bo
                                 cluster_m=cluster_m, split_epilogue=_split_epilogue(op))
 
 
+def _names_wgrad(op: str, name: str, value, expected: str = "a tuple") -> bool:
+  """Whether the weight-gradient setting `name` (a tuple of "dw1", "dw2") names op; ValueError
+  naming the setting (it must be `expected`) otherwise."""
+  if isinstance(value, str) or set(value) - {"dw1", "dw2"}:
+    raise ValueError(f"ffi.ops.{name} must be {expected} of 'dw1' and 'dw2'; got {value!r}")
+  return op in value
+
+
 def _split_epilogue(op: str) -> bool:
   """Whether the persistent weight gradient op ("dw1" or "dw2") stores through an epilogue per
   MMA warpgroup: WGRAD_SPLIT_EPILOGUE."""
-  if isinstance(WGRAD_SPLIT_EPILOGUE, str) or set(WGRAD_SPLIT_EPILOGUE) - {"dw1", "dw2"}:
-    raise ValueError(f"ffi.ops.WGRAD_SPLIT_EPILOGUE must be a tuple of 'dw1' and 'dw2'; got "
-                     f"{WGRAD_SPLIT_EPILOGUE!r}")
-  return op in WGRAD_SPLIT_EPILOGUE
+  return _names_wgrad(op, "WGRAD_SPLIT_EPILOGUE", WGRAD_SPLIT_EPILOGUE)
 
 
 def _dynamic_order(op: str, m: int, n: int, block_n: int) -> bool:
@@ -413,10 +418,7 @@ def _dynamic_order(op: str, m: int, n: int, block_n: int) -> bool:
   if WGRAD_DYNAMIC_ORDER == "auto":
     tiles_an_expert = -(-m // persistent.BLOCK_M) * -(-n // block_n)
     return op == "dw1" and tiles_an_expert >= WGRAD_DYNAMIC_MIN_TILES
-  if isinstance(WGRAD_DYNAMIC_ORDER, str) or set(WGRAD_DYNAMIC_ORDER) - {"dw1", "dw2"}:
-    raise ValueError(f"ffi.ops.WGRAD_DYNAMIC_ORDER must be 'auto' or a tuple of 'dw1' and "
-                     f"'dw2'; got {WGRAD_DYNAMIC_ORDER!r}")
-  return op in WGRAD_DYNAMIC_ORDER
+  return _names_wgrad(op, "WGRAD_DYNAMIC_ORDER", WGRAD_DYNAMIC_ORDER, "'auto' or a tuple")
 
 
 def dw1(x, dh_, plan):

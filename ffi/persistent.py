@@ -205,7 +205,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   cluster 2 ("wgrad"): the grid's clusters of 2 CTAs loop over cluster tiles (cluster_tile),
   the rhs's stages multicast (tma_b made for it). split_epilogue: each MMA warpgroup stores
   its own rows (SPLIT_EPI_TILE buffers; epi_mma: one warpgroup's wgmma, its accumulator's
-  layout), else both together (epi_mma unused)."""
+  layout), else both together (epi_mma: tiled_mma)."""
   gather = kind == "wgrad"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -273,6 +273,8 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
     consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+    # the epilogue's leader warp (its TMA stores): each warpgroup's first split, else warp 4
+    leader = warp % 4 == 0 if split_epilogue else warp == 4
     i = cutlass.Int32(0)
     t = _next_tile(tile_bars, tile_ids, i, first, stride, dynamic, cluster)
     while t < num_units:
@@ -283,16 +285,16 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
       # rolling: before writing a buffer the leader waits for its last store, which may be
       # the previous tile's (block_n, a multiple of 128, fills the buffers whole)
       if cutlass.const_expr(split_epilogue):
-        _split_epilogue(acc, tma_out, m_out_tma, s_c, epi_mma, mma_tidx, m_tile, n_tile, out_l,
-                        block_n, out_m_major)
+        _split_epilogue(acc, tma_out, m_out_tma, s_c, epi_mma, mma_tidx, leader, m_tile, n_tile,
+                        out_l, block_n, out_m_major)
       else:
         out_tile = cute.local_tile(m_out_tma, tile_mnk, (m_tile, n_tile, None, out_l),
                                    proj=(1, 1, None))
-        gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx,
-                               warp == 4, False, m_major=out_m_major, rolling=True)
+        gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx, leader,
+                               False, m_major=out_m_major, rolling=True)
       i += 1
       t = _next_tile(tile_bars, tile_ids, i, t, stride, dynamic, cluster)
-    gg.store_tail(warp % 4 == 0 if split_epilogue else warp == 4)
+    gg.store_tail(leader)
   if cutlass.const_expr(cluster > 1):
     # no CTA exits while the other may still multicast into its SMEM or arrive on its barriers
     cute.arch.cluster_arrive()
@@ -300,17 +302,18 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
 
 
 @cute.jit
-def _split_epilogue(acc, tma_out, m_out_tma, s_c, epi_mma, mma_tidx, m_tile, n_tile, out_l,
-                    block_n: cutlass.Constexpr, out_m_major: cutlass.Constexpr):
+def _split_epilogue(acc, tma_out, m_out_tma, s_c, epi_mma, mma_tidx, leader, m_tile, n_tile,
+                    out_l, block_n: cutlass.Constexpr, out_m_major: cutlass.Constexpr):
   """(split_epilogue) MMA warpgroup w's rows of the tile (its accumulator: rows w BLOCK_M / 2
-  ..) stored through its own EPI_STAGES buffers (from buffer w EPI_STAGES), by its first warp,
-  synced on named barrier SPLIT_EPILOGUE_BARRIER + w among its 128 threads; rolling."""
+  ..) stored through its own EPI_STAGES buffers (from buffer w EPI_STAGES), by its leader (its
+  first warp), synced on named barrier SPLIT_EPILOGUE_BARRIER + w among its 128 threads;
+  rolling."""
   wg = mma_tidx // 128
   rows = SPLIT_EPI_TILE[0]
   out_tile = cute.local_tile(m_out_tma, (rows, block_n, BLOCK_K),
                              (m_tile * gg.WARPGROUPS + wg, n_tile, None, out_l), proj=(1, 1, None))
   gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, epi_mma, mma_tidx % 128,
-                         mma_tidx % 128 < 32, False, SPLIT_EPILOGUE_BARRIER + wg, 128,
+                         leader, False, SPLIT_EPILOGUE_BARRIER + wg, 128,
                          wg * gg.EPI_STAGES, m_major=out_m_major, rolling=True,
                          epi_tile=SPLIT_EPI_TILE)
 
@@ -359,9 +362,11 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
       cpasync.CopyBulkTensorTileS2GOp(), out, cute.slice_(c_smem_staged, (None, None, 0)),
       epi_tile)
   # (split) one warpgroup's wgmma: its accumulator's layout, the rows a warpgroup stores
-  epi_mma = sm90_utils.make_trivial_tiled_mma(
-      dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-      cutlass.Float32, (1, 1, 1), tiler_mn=(64, block_n))
+  epi_mma = tiled_mma
+  if cutlass.const_expr(split_epilogue):
+    epi_mma = sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+        cutlass.Float32, (1, 1, 1), tiler_mn=(64, block_n))
   ring_barriers = len(tile_barriers(cluster)) if dynamic else 0
   storage = gg.shared_storage(
       dtype, stages * 2 + ring_barriers, cute.cosize(a_smem_staged), cute.cosize(b_smem_staged),
@@ -376,13 +381,10 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
                    cute.size(rhs, mode=[2]), storage, block_n, stages, stage_bytes, num_m_tiles,
                    num_n_tiles, k_steps, num_tiles, out_layout.is_m_major_c(), kind, dynamic,
                    cluster, epi_mma, split_epilogue)
-  if cutlass.const_expr(cluster > 1):   # whole clusters, at least one
-    grid = max(cluster, min(num_tiles, num_ctas) // cluster * cluster)
-    kernel.launch(grid=(grid, 1, 1), block=(THREADS + 128, 1, 1), cluster=(cluster, 1, 1),
-                  stream=stream)
-  else:
-    kernel.launch(grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
-                  stream=stream)
+  # whole clusters (of 1: any count), at least one
+  grid = max(cluster, min(num_tiles, num_ctas) // cluster * cluster)
+  clusters = dict(cluster=(cluster, 1, 1)) if cluster > 1 else {}
+  kernel.launch(grid=(grid, 1, 1), block=(THREADS + 128, 1, 1), stream=stream, **clusters)
 
 
 @cute.jit
@@ -481,13 +483,12 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   slots = gg.rows_read(x, gather_index)
   reason = (gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
                                         group_sizes) or _tile_unsupported(block_n)
-            or _cluster_unsupported(cluster_m, x.shape[1]))
+            or _cluster_unsupported(cluster_m, x.shape[1])
+            or (None if isinstance(split_epilogue, bool)
+                else f"split_epilogue must be a bool; got {split_epilogue!r}"))
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
   stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
-  if not isinstance(split_epilogue, bool):
-    raise ValueError(f"cute persistent weight_grad: split_epilogue must be a bool; got "
-                     f"{split_epilogue!r}")
   # (the kernels' defaults left out of the FFI target's name)
   options = dict(cluster_m=cluster_m) if cluster_m > 1 else {}
   if split_epilogue:
