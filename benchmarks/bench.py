@@ -383,10 +383,6 @@ def main(argv=None):
   p.add_argument("--cute-wgrad-cluster-m", type=int, choices=(1, 2),
                  help="CTAs per cluster of the persistent gathering weight gradients (default: "
                       "ffi/ops.py WGRAD_CLUSTER_M)")
-  p.add_argument("--cute-wgrad-split-epilogue", default=None,
-                 help="comma list of dw1, dw2: those persistent weight gradients storing through "
-                      "an epilogue per MMA warpgroup (default: ffi/ops.py WGRAD_SPLIT_EPILOGUE, "
-                      "none); '' for none")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
@@ -396,12 +392,9 @@ def main(argv=None):
                        STORE_WIDE_MIN_K=a.cute_store_wide_min_k,
                        STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n, WGRAD_KERNEL=a.cute_wgrad,
                        STORE_WIDE_KERNEL=a.cute_store_wide, WGRAD_CLUSTER_M=a.cute_wgrad_cluster_m)
-  op_names = lambda text: tuple(filter(None, text.split(",")))   # "dw1,dw2", "" (none)
   if a.cute_wgrad_dynamic is not None:
     cute_settings["WGRAD_DYNAMIC_ORDER"] = ("auto" if a.cute_wgrad_dynamic == "auto" else
-                                           op_names(a.cute_wgrad_dynamic))
-  if a.cute_wgrad_split_epilogue is not None:
-    cute_settings["WGRAD_SPLIT_EPILOGUE"] = op_names(a.cute_wgrad_split_epilogue)
+                                           tuple(filter(None, a.cute_wgrad_dynamic.split(","))))
   if a.cute_dh_h_smem:
     cute_settings["DH_H_SMEM"] = a.cute_dh_h_smem == "on"
   if a.cute_dout_gather:

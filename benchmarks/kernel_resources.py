@@ -60,8 +60,6 @@ VARIANTS = [
     ("wgrad persistent gather cluster bn256 fit", "wgrad_persistent_gather_cluster", 256, 0),
     ("wgrad persistent gather dynamic cluster bn256 fit",
      "wgrad_persistent_gather_dynamic_cluster", 256, 0),
-    ("wgrad persistent gather dynamic cluster split bn256 fit",
-     "wgrad_persistent_gather_dynamic_cluster_split", 256, 0),
     ("store persistent bn256 fit", "matmul_persistent", 256, 0),
 ]
 
@@ -86,8 +84,6 @@ def variant(kernel, bn, stages):
     kernel, kw["h_smem"] = kernel.removesuffix("_h_smem"), True
   if kernel.endswith("_ws"):   # a kernel that does not gather, warp-specialized
     kernel, kw["warp_specialized"] = kernel.removesuffix("_ws"), True
-  if kernel.endswith("_split"):   # the persistent weight gradient's per-warpgroup epilogue
-    kernel, kw["split_epilogue"] = kernel.removesuffix("_split"), True
   if kernel.endswith("_cluster"):   # the persistent weight gradient in clusters of 2
     kernel, kw["cluster_m"] = kernel.removesuffix("_cluster"), 2
   if kernel.endswith("_dynamic"):   # the persistent weight gradient's dynamic tile order
@@ -217,7 +213,7 @@ def threads(kernel: str) -> int:
   from ffi import grouped_gemm as g, pingpong as pp
   if "pingpong" in kernel:
     return pp.THREADS
-  base = kernel.removesuffix("_split").removesuffix("_cluster").removesuffix("_dynamic")
+  base = kernel.removesuffix("_cluster").removesuffix("_dynamic")
   producer = base.endswith(("_gather", "_ws", "_persistent"))   # + the producer warpgroup
   return g.THREADS + (128 if producer else 0)
 

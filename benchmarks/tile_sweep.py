@@ -100,8 +100,7 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
     dx_tilde_persistent: the same on persistent CTAs (ffi/persistent.py); *_persistent_sized:
     the weight gradients skipping each expert's padding (the layer's), *_sized_dynamic: in the
     dynamic tile order, *_sized_cluster and *_sized_dynamic_cluster: in clusters of 2 CTAs
-    sharing the rhs's stages (M a multiple of 256); *_split of those four: storing through an
-    epilogue per MMA warpgroup;
+    sharing the rhs's stages (M a multiple of 256);
   - up_proj, down_proj, dx_tilde, dh, dw1 and dw2 again as *_ws: a producer warpgroup issuing
     their TMA loads."""
   from ffi import grouped_gemm as cute_gemm, persistent, pingpong  # optional extra
@@ -192,12 +191,11 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
     for suffix, dynamic, cluster_m in [("_sized", False, 1), ("_sized_dynamic", True, 1),
                                        ("_sized_cluster", False, 2),
                                        ("_sized_dynamic_cluster", True, 2)]:
-      for split, tag in [(False, ""), (True, "_split")]:
-        sized = lambda c, a, b, o, i, s, t=transpose_out, d=dynamic, cm=cluster_m, sp=split: (
-            persistent.weight_grad(a, b, o, E, i, transpose_out=t, group_sizes=s, dynamic=d,
-                                   cluster_m=cm, split_epilogue=sp, **dataclasses.asdict(c)))
-        rows[name + suffix + tag] = (jax.jit(sized, static_argnums=0), (*args, plan.group_sizes),
-                                     flops, None)
+      sized = lambda c, a, b, o, i, s, t=transpose_out, d=dynamic, cm=cluster_m: (
+          persistent.weight_grad(a, b, o, E, i, transpose_out=t, group_sizes=s, dynamic=d,
+                                 cluster_m=cm, **dataclasses.asdict(c)))
+      rows[name + suffix] = (jax.jit(sized, static_argnums=0), (*args, plan.group_sizes), flops,
+                             None)
   for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands
     _, mm_args, mm_flops, mm_n = rows[name]
     rows[f"{name}_persistent"] = (jax.jit(

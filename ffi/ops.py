@@ -177,12 +177,6 @@ WGRAD_DYNAMIC_MIN_TILES = 128
 # 0.96-0.97 in that round too: alone in the sweep 0.98-0.99); 30B-n256 0.989, 0.976;
 # 7B-n1024 0.985, 0.996; 7B-n256 1.001, 0.996.
 WGRAD_CLUSTER_M = 2
-# Which persistent gathering weight gradients ("dw1", "dw2") store through an epilogue per
-# MMA warpgroup (persistent.weight_grad split_epilogue: each warpgroup its own rows, buffers,
-# leader and 128-thread barrier) instead of one of both: a tuple of those names. Built in
-# session 45 (CPU; not yet measured) for olmoe's dW1, whose warps stalled at CTA barriers 4 x
-# as long a issued instruction as the PyTorch SonicMoE's.
-WGRAD_SPLIT_EPILOGUE: tuple[str, ...] = ()
 
 
 def _setting(name: str, value, choices):
@@ -383,8 +377,7 @@ def dx_tilde(dh, w1, plan, cols=None):
 def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bool = False):
   """weight_grad (of op, "dw1" or "dw2") with x's rows gathered by the plan's token_index, on
   WGRAD_KERNEL (persistent: in the dynamic tile order where WGRAD_DYNAMIC_ORDER takes op, in
-  clusters of WGRAD_CLUSTER_M CTAs where x's width allows, through an epilogue per MMA
-  warpgroup where WGRAD_SPLIT_EPILOGUE takes op)."""
+  clusters of WGRAD_CLUSTER_M CTAs where x's width allows)."""
   args = (x, rhs, plan.group_offsets, plan.num_experts)
   if _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "grouped":
     return grouped_gemm.weight_grad(*args, block_n=block_n, gather_index=plan.token_index,
@@ -395,21 +388,7 @@ def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bo
   return persistent.weight_grad(*args, plan.token_index, block_n=block_n,
                                 transpose_out=transpose_out, group_sizes=plan.group_sizes,
                                 dynamic=_dynamic_order(op, x.shape[1], rhs.shape[1], block_n),
-                                cluster_m=cluster_m, split_epilogue=_split_epilogue(op))
-
-
-def _names_wgrad(op: str, name: str, value, expected: str = "a tuple") -> bool:
-  """Whether the weight-gradient setting `name` (a tuple of "dw1", "dw2") names op; ValueError
-  naming the setting (it must be `expected`) otherwise."""
-  if isinstance(value, str) or set(value) - {"dw1", "dw2"}:
-    raise ValueError(f"ffi.ops.{name} must be {expected} of 'dw1' and 'dw2'; got {value!r}")
-  return op in value
-
-
-def _split_epilogue(op: str) -> bool:
-  """Whether the persistent weight gradient op ("dw1" or "dw2") stores through an epilogue per
-  MMA warpgroup: WGRAD_SPLIT_EPILOGUE."""
-  return _names_wgrad(op, "WGRAD_SPLIT_EPILOGUE", WGRAD_SPLIT_EPILOGUE)
+                                cluster_m=cluster_m)
 
 
 def _dynamic_order(op: str, m: int, n: int, block_n: int) -> bool:
@@ -418,7 +397,10 @@ def _dynamic_order(op: str, m: int, n: int, block_n: int) -> bool:
   if WGRAD_DYNAMIC_ORDER == "auto":
     tiles_an_expert = -(-m // persistent.BLOCK_M) * -(-n // block_n)
     return op == "dw1" and tiles_an_expert >= WGRAD_DYNAMIC_MIN_TILES
-  return _names_wgrad(op, "WGRAD_DYNAMIC_ORDER", WGRAD_DYNAMIC_ORDER, "'auto' or a tuple")
+  if isinstance(WGRAD_DYNAMIC_ORDER, str) or set(WGRAD_DYNAMIC_ORDER) - {"dw1", "dw2"}:
+    raise ValueError(f"ffi.ops.WGRAD_DYNAMIC_ORDER must be 'auto' or a tuple of 'dw1' and "
+                     f"'dw2'; got {WGRAD_DYNAMIC_ORDER!r}")
+  return op in WGRAD_DYNAMIC_ORDER
 
 
 def dw1(x, dh_, plan):

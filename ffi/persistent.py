@@ -30,11 +30,6 @@ Schedule:
               producer is refilling) and TMA stores (grouped_gemm._tma_store_epilogue, rolling:
               a tile's last stores read on under the next tile's mainloop; M-major for a
               transposed weight gradient); a tile without k steps stores zeros
-  split     : (split_epilogue) each MMA warpgroup stores its own BLOCK_M / 2 rows through
-              EPI_STAGES SPLIT_EPI_TILE buffers of its own (the same SMEM), with its own leader
-              warp and a 128-thread named barrier: neither waits at a barrier for the other's
-              stores (session 45's ncu of olmoe's dW1: our warps stalled at CTA barriers 3.78
-              cycles an issued instruction, the PyTorch SonicMoE's 0.90)
 """
 from __future__ import annotations
 
@@ -52,10 +47,6 @@ from sonicmoe_jax import routing
 
 NUM_SMS = 132     # H100 / H200 SXM: the default grid (fewer SMs only queue CTAs)
 MAX_STAGES = 8
-# the split epilogue's buffers: a warpgroup's rows by EPI_TILE's columns (EPI_STAGES of them
-# each warpgroup: epilogue_bytes either way); its named barriers, one a warpgroup
-SPLIT_EPI_TILE = (BLOCK_M // gg.WARPGROUPS, EPI_TILE[1])
-SPLIT_EPILOGUE_BARRIER = gg.EPILOGUE_BARRIER + 1   # named barriers 4 and 5
 
 
 def epilogue_bytes(itemsize: int) -> int:
@@ -195,17 +186,14 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             num_m_tiles: cutlass.Constexpr, num_n_tiles: cutlass.Constexpr,
             k_steps: cutlass.Constexpr, num_tiles: cutlass.Constexpr,
             out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr,
-            dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr, epi_mma: cute.TiledMma,
-            split_epilogue: cutlass.Constexpr):
+            dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr):
   """kind "wgrad": m_a X (T, M, 1) the gathered rows' source, m_b the rhs (N, P, 1) N-major,
   the output (M, N, E), tile_info group_rows (2 E,), gather_index (P,). kind "store":
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
   tile_info tile_expert (P / BLOCK_M,), gather_index unused. dynamic: the tiles in the order
   the CTAs ask for them (tile_counter (1,) starting at 0), else every grid-th (_next_tile).
   cluster 2 ("wgrad"): the grid's clusters of 2 CTAs loop over cluster tiles (cluster_tile),
-  the rhs's stages multicast (tma_b made for it). split_epilogue: each MMA warpgroup stores
-  its own rows (SPLIT_EPI_TILE buffers; epi_mma: one warpgroup's wgmma, its accumulator's
-  layout), else both together (epi_mma: tiled_mma)."""
+  the rhs's stages multicast (tma_b made for it)."""
   gather = kind == "wgrad"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -273,8 +261,6 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
     consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    # the epilogue's leader warp (its TMA stores): each warpgroup's first split, else warp 4
-    leader = warp % 4 == 0 if split_epilogue else warp == 4
     i = cutlass.Int32(0)
     t = _next_tile(tile_bars, tile_ids, i, first, stride, dynamic, cluster)
     while t < num_units:
@@ -282,19 +268,15 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
       consume, release = gg.consume_tile(loads, consume, release, tiled_mma, [acc], frag_a,
                                          [frag_b], num_k, gather)
       release = gg.release_last_stage(loads, release, num_k)
+      out_tile = cute.local_tile(m_out_tma, tile_mnk, (m_tile, n_tile, None, out_l),
+                                 proj=(1, 1, None))
       # rolling: before writing a buffer the leader waits for its last store, which may be
       # the previous tile's (block_n, a multiple of 128, fills the buffers whole)
-      if cutlass.const_expr(split_epilogue):
-        _split_epilogue(acc, tma_out, m_out_tma, s_c, epi_mma, mma_tidx, leader, m_tile, n_tile,
-                        out_l, block_n, out_m_major)
-      else:
-        out_tile = cute.local_tile(m_out_tma, tile_mnk, (m_tile, n_tile, None, out_l),
-                                   proj=(1, 1, None))
-        gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx, leader,
-                               False, m_major=out_m_major, rolling=True)
+      gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx, warp == 4,
+                             False, m_major=out_m_major, rolling=True)
       i += 1
       t = _next_tile(tile_bars, tile_ids, i, t, stride, dynamic, cluster)
-    gg.store_tail(leader)
+    gg.store_tail(warp == 4)
   if cutlass.const_expr(cluster > 1):
     # no CTA exits while the other may still multicast into its SMEM or arrive on its barriers
     cute.arch.cluster_arrive()
@@ -302,32 +284,13 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
 
 
 @cute.jit
-def _split_epilogue(acc, tma_out, m_out_tma, s_c, epi_mma, mma_tidx, leader, m_tile, n_tile,
-                    out_l, block_n: cutlass.Constexpr, out_m_major: cutlass.Constexpr):
-  """(split_epilogue) MMA warpgroup w's rows of the tile (its accumulator: rows w BLOCK_M / 2
-  ..) stored through its own EPI_STAGES buffers (from buffer w EPI_STAGES), by its leader (its
-  first warp), synced on named barrier SPLIT_EPILOGUE_BARRIER + w among its 128 threads;
-  rolling."""
-  wg = mma_tidx // 128
-  rows = SPLIT_EPI_TILE[0]
-  out_tile = cute.local_tile(m_out_tma, (rows, block_n, BLOCK_K),
-                             (m_tile * gg.WARPGROUPS + wg, n_tile, None, out_l), proj=(1, 1, None))
-  gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, epi_mma, mma_tidx % 128,
-                         leader, False, SPLIT_EPILOGUE_BARRIER + wg, 128,
-                         wg * gg.EPI_STAGES, m_major=out_m_major, rolling=True,
-                         epi_tile=SPLIT_EPI_TILE)
-
-
-@cute.jit
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
             gather_index: cute.Tensor, tile_counter: cute.Tensor, out: cute.Tensor,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr,
-            kind: cutlass.Constexpr, dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr = 1,
-            split_epilogue: cutlass.Constexpr = False):
+            kind: cutlass.Constexpr, dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr = 1):
   """The persistent grid and the kernel's static configuration (_kernel's operands; the
   output's modes (rows, columns, experts or 1); tile_counter unused unless dynamic); cluster
-  2: clusters of 2 CTAs along M, the grid whole clusters, the rhs's TMA atom multicasting;
-  split_epilogue: each MMA warpgroup's own epilogue (SPLIT_EPI_TILE buffers and TMA boxes)."""
+  2: clusters of 2 CTAs along M, the grid whole clusters, the rhs's TMA atom multicasting."""
   dtype = lhs.element_type
   gather = kind == "wgrad"
   # the weight gradient's A tiles (M, rows) are M-major (filled by the gathers)
@@ -355,18 +318,10 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
                                              (BLOCK_M, BLOCK_K))
     stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   out_layout = LayoutEnum.from_tensor(out)
-  epi_tile = SPLIT_EPI_TILE if split_epilogue else EPI_TILE
-  c_smem_staged = sm90_utils.make_smem_layout_epi(
-      dtype, out_layout, epi_tile, gg.EPI_STAGES * (gg.WARPGROUPS if split_epilogue else 1))
+  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, EPI_TILE, gg.EPI_STAGES)
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(
       cpasync.CopyBulkTensorTileS2GOp(), out, cute.slice_(c_smem_staged, (None, None, 0)),
-      epi_tile)
-  # (split) one warpgroup's wgmma: its accumulator's layout, the rows a warpgroup stores
-  epi_mma = tiled_mma
-  if cutlass.const_expr(split_epilogue):
-    epi_mma = sm90_utils.make_trivial_tiled_mma(
-        dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-        cutlass.Float32, (1, 1, 1), tiler_mn=(64, block_n))
+      EPI_TILE)
   ring_barriers = len(tile_barriers(cluster)) if dynamic else 0
   storage = gg.shared_storage(
       dtype, stages * 2 + ring_barriers, cute.cosize(a_smem_staged), cute.cosize(b_smem_staged),
@@ -380,23 +335,26 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
                    tile_counter, tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged,
                    cute.size(rhs, mode=[2]), storage, block_n, stages, stage_bytes, num_m_tiles,
                    num_n_tiles, k_steps, num_tiles, out_layout.is_m_major_c(), kind, dynamic,
-                   cluster, epi_mma, split_epilogue)
-  # whole clusters (of 1: any count), at least one
-  grid = max(cluster, min(num_tiles, num_ctas) // cluster * cluster)
-  clusters = dict(cluster=(cluster, 1, 1)) if cluster > 1 else {}
-  kernel.launch(grid=(grid, 1, 1), block=(THREADS + 128, 1, 1), stream=stream, **clusters)
+                   cluster)
+  if cutlass.const_expr(cluster > 1):   # whole clusters, at least one
+    grid = max(cluster, min(num_tiles, num_ctas) // cluster * cluster)
+    kernel.launch(grid=(grid, 1, 1), block=(THREADS + 128, 1, 1), cluster=(cluster, 1, 1),
+                  stream=stream)
+  else:
+    kernel.launch(grid=(min(num_tiles, num_ctas), 1, 1), block=(THREADS + 128, 1, 1),
+                  stream=stream)
 
 
 @cute.jit
 def _weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tensor,
                  gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
                  stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS,
-                 cluster_m: cutlass.Constexpr = 1, split_epilogue: cutlass.Constexpr = False):
+                 cluster_m: cutlass.Constexpr = 1):
   """x (T, M, 1) the source rows, rhs (N, P, 1) N-major, group_rows (2 E,), gather_index (P,),
   out (M, N, E) N- or M-major: the operands of grouped_gemm._gathered_weight_grad; cluster_m:
-  CTAs per cluster (_launch's cluster); split_epilogue: _launch's."""
+  CTAs per cluster (_launch's cluster)."""
   _launch(stream, x, rhs, group_rows, gather_index, gather_index, out, block_n, stages,
-          num_ctas, "wgrad", False, cluster_m, split_epilogue)
+          num_ctas, "wgrad", False, cluster_m)
 
 
 @cute.jit
@@ -404,12 +362,11 @@ def _weight_grad_dynamic(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: c
                          gather_index: cute.Tensor, tile_counter: cute.Tensor, out: cute.Tensor,
                          counter_out: cute.Tensor, block_n: cutlass.Constexpr,
                          stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS,
-                         cluster_m: cutlass.Constexpr = 1,
-                         split_epilogue: cutlass.Constexpr = False):
+                         cluster_m: cutlass.Constexpr = 1):
   """_weight_grad's with the tiles in the order the CTAs ask for them (the dynamic tile order,
   above _ask_tile): tile_counter (1,) at 0, counted up in place (counter_out, its buffer)."""
   _launch(stream, x, rhs, group_rows, gather_index, tile_counter, out, block_n, stages,
-          num_ctas, "wgrad", True, cluster_m, split_epilogue)
+          num_ctas, "wgrad", True, cluster_m)
 
 
 @cute.jit
@@ -467,7 +424,7 @@ def _grid_config(num_ctas, name: str) -> dict:
 def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: int = 128,
                 stages: int | None = None, transpose_out: bool = False,
                 num_ctas: int | None = None, group_sizes=None, dynamic: bool = False,
-                cluster_m: int = 1, split_epilogue: bool = False):
+                cluster_m: int = 1):
   """grouped_gemm.weight_grad with gather_index on persistent CTAs (module docstring): x
   [T, M] (slot r reads X[gather_index[r]], zeros where it is T or more), rhs [P, N] rows in
   slot order, expert e's rows group_offsets[e] .. group_offsets[e + 1] (multiples of BLOCK_M),
@@ -478,25 +435,19 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   whole clusters, at least one). dynamic: the tiles in the order the CTAs ask for them (the
   dynamic tile order, above _ask_tile) instead of every grid-th; the same bits. cluster_m:
   CTAs per cluster (CLUSTER_SIZES; 2: neighbouring M tiles share the rhs's stages by
-  multicast, M a multiple of 2 x BLOCK_M); the same bits. split_epilogue: each MMA
-  warpgroup stores its own rows (module docstring, "split"); the same bits."""
+  multicast, M a multiple of 2 x BLOCK_M); the same bits."""
   slots = gg.rows_read(x, gather_index)
   reason = (gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
                                         group_sizes) or _tile_unsupported(block_n)
-            or _cluster_unsupported(cluster_m, x.shape[1])
-            or (None if isinstance(split_epilogue, bool)
-                else f"split_epilogue must be a bool; got {split_epilogue!r}"))
+            or _cluster_unsupported(cluster_m, x.shape[1]))
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
   stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
-  # (the kernels' defaults left out of the FFI target's name)
-  options = dict(cluster_m=cluster_m) if cluster_m > 1 else {}
-  if split_epilogue:
-    options["split_epilogue"] = True
+  clusters = dict(cluster_m=cluster_m) if cluster_m > 1 else {}
   return gg.weight_grad_call((None, _weight_grad_dynamic if dynamic else _weight_grad), x, rhs,
                              routing.group_row_ranges(group_offsets, group_sizes), num_experts,
                              gather_index, transpose_out, tile_counter=dynamic, block_n=block_n,
-                             stages=stages, **_grid_config(num_ctas, "weight_grad"), **options)
+                             stages=stages, **_grid_config(num_ctas, "weight_grad"), **clusters)
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,

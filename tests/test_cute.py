@@ -1318,39 +1318,6 @@ def test_cute_wgrad_cluster_setting_reaches_the_kernel_where_m_allows(monkeypatc
 
 
 @needs_cute
-def test_cute_wgrad_split_epilogue_setting_reaches_the_kernel(monkeypatch):
-  """WGRAD_SPLIT_EPILOGUE: the layer's persistent gathering weight gradients it names store
-  through an epilogue per MMA warpgroup, the others through one (the default, (): none); a
-  bare name or another op is refused by name."""
-  cute_ops = importlib.import_module("ffi.ops")
-  assert cute_ops.WGRAD_SPLIT_EPILOGUE == ()
-  calls = []
-  real = cute_ops.persistent.weight_grad
-
-  def spy(x, rhs, *args, **kw):
-    calls.append((rhs.shape[1], kw["split_epilogue"]))
-    return real(x, rhs, *args, **kw)
-
-  monkeypatch.setattr(cute_ops.persistent, "weight_grad", spy)
-  # d = 256, n = 128, dO gathered in the kernel: dW1's rhs dH (2n = 256 columns), dW2's A' (n)
-  inputs = make_inputs(0, 256, 256, 128, 8, jnp.bfloat16)
-
-  def loss(*a):
-    return jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
-
-  for names, want in [((), {256: False, 128: False}), (("dw1",), {256: True, 128: False}),
-                      (("dw1", "dw2"), {256: True, 128: True})]:
-    monkeypatch.setattr(cute_ops, "WGRAD_SPLIT_EPILOGUE", names)
-    calls.clear()
-    _cuda_module(jax.grad(loss, argnums=(0, 2, 3)), *inputs)
-    assert dict(calls) == want, calls
-  for bad in ("dw1", ("dw1", "dx")):
-    monkeypatch.setattr(cute_ops, "WGRAD_SPLIT_EPILOGUE", bad)
-    with pytest.raises(ValueError, match="WGRAD_SPLIT_EPILOGUE must be a tuple of 'dw1' and"):
-      _cuda_module(jax.grad(loss), *inputs)
-
-
-@needs_cute
 def test_cute_wgrad_dynamic_auto_takes_dw1_with_many_tiles_an_expert(monkeypatch):
   """WGRAD_DYNAMIC_ORDER "auto" (the default): dW1 in the dynamic order where an expert's
   output has WGRAD_DYNAMIC_MIN_TILES tiles of BLOCK_M x block_n (partial tiles counted), dW2
@@ -1372,24 +1339,21 @@ def test_cute_wgrad_dynamic_auto_takes_dw1_with_many_tiles_an_expert(monkeypatch
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,dynamic,cluster_m,split", [
-    (128, None, False, False, 1, False), (256, 2, True, False, 1, False),
-    (256, None, False, False, 1, False), (256, None, False, True, 1, False),
-    (128, 3, True, True, 1, False), (256, None, False, True, 2, False),
-    (128, 3, True, False, 2, False), (256, None, False, True, 2, True),
-    (128, 3, True, False, 1, True)])
+@pytest.mark.parametrize("block_n,stages,transpose_out,dynamic,cluster_m", [
+    (128, None, False, False, 1), (256, 2, True, False, 1), (256, None, False, False, 1),
+    (256, None, False, True, 1), (128, 3, True, True, 1), (256, None, False, True, 2),
+    (128, 3, True, False, 2)])
 def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out, dynamic,
-                                                       cluster_m, split):
+                                                       cluster_m):
   """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers) compiles
   for sm_90a at the tiles and depths the layer and the sweep run, in either tile order, alone
-  or in clusters of 2, its epilogue one for both MMA warpgroups or one each (split)."""
+  or in clusters of 2."""
   from ffi import persistent
   P, M, N, E, T = 512, 256, 512, 4, 300
   offsets = jnp.arange(E + 1, dtype=jnp.int32) * (P // E)
   fn = lambda x, r, i: persistent.weight_grad(x, r, offsets, E, i, block_n=block_n,
                                               stages=stages, transpose_out=transpose_out,
-                                              dynamic=dynamic, cluster_m=cluster_m,
-                                              split_epilogue=split)
+                                              dynamic=dynamic, cluster_m=cluster_m)
   shapes = [jax.ShapeDtypeStruct((T, M), jnp.bfloat16), jax.ShapeDtypeStruct((P, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -1471,8 +1435,6 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
   for bad in (3, True, 2.0):
     with pytest.raises(ValueError, match=rf"cluster_m={bad!r} must be one of \(1, 2\)"):
       persistent.weight_grad(x, rhs, offsets, 4, index, cluster_m=bad)
-  with pytest.raises(ValueError, match="split_epilogue must be a bool; got 'dw1'"):
-    persistent.weight_grad(x, rhs, offsets, 4, index, split_epilogue="dw1")
   with pytest.raises(ValueError, match="M=384 must be a multiple of cluster_m x BLOCK_M = 256"):
     persistent.weight_grad(jnp.zeros((300, 384), jnp.bfloat16), rhs, offsets, 4, index,
                            cluster_m=2)
@@ -1488,27 +1450,23 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas,dynamic,cluster_m,split", [
-    (256, None, False, None, True, 2, True), (128, 3, True, 5, False, 1, True),
-    (256, 2, True, 1, True, 2, True), (256, None, False, 3, False, 1, True)] + [
-    (*case, False) for case in [
-        (128, None, False, None, False, 1), (256, None, True, None, False, 1),
-        (256, 2, False, 3, False, 1), (128, 3, True, 5, False, 1), (256, None, True, 1, False, 1),
-        (256, None, False, None, True, 1), (256, 2, False, 3, True, 1), (128, 3, True, 5, True, 1),
-        (256, None, True, 1, True, 1), (256, None, False, None, False, 2),
-        (256, 2, True, 4, False, 2), (256, None, False, None, True, 2), (128, 3, True, 6, True, 2),
-        (256, None, False, 3, True, 2), (256, 2, True, 1, True, 2)]])
+@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas,dynamic,cluster_m", [
+    (128, None, False, None, False, 1), (256, None, True, None, False, 1),
+    (256, 2, False, 3, False, 1), (128, 3, True, 5, False, 1), (256, None, True, 1, False, 1),
+    (256, None, False, None, True, 1), (256, 2, False, 3, True, 1), (128, 3, True, 5, True, 1),
+    (256, None, True, 1, True, 1), (256, None, False, None, False, 2),
+    (256, 2, True, 4, False, 2), (256, None, False, None, True, 2), (128, 3, True, 6, True, 2),
+    (256, None, False, 3, True, 2), (256, 2, True, 1, True, 2)])
 def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, transpose_out,
-                                                            num_ctas, dynamic, cluster_m, split):
+                                                            num_ctas, dynamic, cluster_m):
   """The persistent kernel gives grouped_gemm.weight_grad's bits, gathering X's rows (padding
   slots: index T): experts of 256, 0 (zeros), 640, 128 and 1152 rows, so that a CTA's tiles run
   2, 0, 10, 2 and 18 k steps and its ring of `stages` wraps within and across tiles; num_ctas
   3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each), in
   either tile order (dynamic: the CTAs ask a counter; twice in a row, so a second call's
   counter starts at 0 again), alone or in clusters of 2 (M = 512: two cluster rows of M
-  tiles; num_ctas 3 and 1 rounded to one whole cluster), through one epilogue for both MMA
-  warpgroups or one each (split). The output is written over a freed buffer of NaN, so an
-  element left unstored shows."""
+  tiles; num_ctas 3 and 1 rounded to one whole cluster). The output is written over a freed
+  buffer of NaN, so an element left unstored shows."""
   from ffi import grouped_gemm, persistent
   sizes = [256, 0, 640, 128, 1152]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
@@ -1521,7 +1479,7 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
   jax.block_until_ready(jnp.full((E, M, N), jnp.nan, jnp.bfloat16)).delete()
   run = jax.jit(lambda a, b, o, i: persistent.weight_grad(
       a, b, o, E, i, stages=stages, num_ctas=num_ctas, dynamic=dynamic, cluster_m=cluster_m,
-      split_epilogue=split, **kw))
+      **kw))
   got = run(x, rhs, offsets, index)
   want = jax.jit(lambda a, b, o, i: grouped_gemm.weight_grad(
       a, b, o, E, gather_index=i, **kw))(x, rhs, offsets, index)
@@ -1582,17 +1540,14 @@ def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypat
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("cluster_m,dynamic_order,split", [
-    (1, (), ()), (2, (), ()), (2, ("dw1", "dw2"), ()), (2, ("dw1",), ("dw1", "dw2"))])
+@pytest.mark.parametrize("cluster_m,dynamic_order", [(1, ()), (2, ()), (2, ("dw1", "dw2"))])
 def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(cluster_m, dynamic_order,
-                                                                        split, monkeypatch):
+                                                                        monkeypatch):
   """The layer's gradients with WGRAD_KERNEL "persistent" (dW1 and dW2 gathering their rows on
-  it; alone or in clusters of 2, in either tile order, through one epilogue or one per MMA
-  warpgroup) are bitwise those with "grouped"."""
+  it; alone or in clusters of 2, in either tile order) are bitwise those with "grouped"."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(74, 1000, 512, 256, 16, jnp.bfloat16)
   monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", cluster_m)
-  monkeypatch.setattr(cute_ops, "WGRAD_SPLIT_EPILOGUE", split)
   monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", dynamic_order)
   monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "grouped")
   grad = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
