@@ -380,7 +380,7 @@ def main(argv=None):
                  help="comma list of dw1, dw2: those persistent weight gradients in the dynamic "
                       "tile order; 'auto' for the rule (default: ffi/ops.py WGRAD_DYNAMIC_ORDER, "
                       "'auto'); '' for none")
-  p.add_argument("--cute-wgrad-cluster-m", type=int, choices=(1, 2, 4),
+  p.add_argument("--cute-wgrad-cluster-m", type=int, choices=(1, 2),
                  help="CTAs per cluster of the persistent gathering weight gradients (default: "
                       "ffi/ops.py WGRAD_CLUSTER_M)")
   a = p.parse_args(argv)

@@ -100,7 +100,7 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
     dx_tilde_persistent: the same on persistent CTAs (ffi/persistent.py); *_persistent_sized:
     the weight gradients skipping each expert's padding (the layer's), *_sized_dynamic: in the
     dynamic tile order, *_sized_cluster and *_sized_dynamic_cluster: in clusters of 2 CTAs
-    sharing the rhs's stages (M a multiple of 256), *_cluster4: of 4 (M a multiple of 512);
+    sharing the rhs's stages (M a multiple of 256);
   - up_proj, down_proj, dx_tilde, dh, dw1 and dw2 again as *_ws: a producer warpgroup issuing
     their TMA loads."""
   from ffi import grouped_gemm as cute_gemm, persistent, pingpong  # optional extra
@@ -185,14 +185,12 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
       static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
   # ... skipping the k steps of each expert's padding rows (group_sizes: what the layer runs),
   # and so with the tiles in the order the CTAs ask for them (persistent.weight_grad dynamic),
-  # and in clusters of 2 or 4 CTAs (cluster_m)
+  # and in clusters of 2 CTAs (cluster_m)
   for name, transpose_out in [("dw1_gather_persistent", False), ("dw2_gather_persistent", True)]:
     _, args, flops, _ = rows[name]
     for suffix, dynamic, cluster_m in [("_sized", False, 1), ("_sized_dynamic", True, 1),
                                        ("_sized_cluster", False, 2),
-                                       ("_sized_dynamic_cluster", True, 2),
-                                       ("_sized_cluster4", False, 4),
-                                       ("_sized_dynamic_cluster4", True, 4)]:
+                                       ("_sized_dynamic_cluster", True, 2)]:
       sized = lambda c, a, b, o, i, s, t=transpose_out, d=dynamic, cm=cluster_m: (
           persistent.weight_grad(a, b, o, E, i, transpose_out=t, group_sizes=s, dynamic=d,
                                  cluster_m=cm, **dataclasses.asdict(c)))

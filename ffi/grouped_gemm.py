@@ -150,9 +150,9 @@ def load_pipeline(storage, stages: cutlass.Constexpr, stage_bytes: cutlass.Const
   """The kernels' load ring: a PipelineTmaAsync over storage's first 2 x stages mbarriers (it
   initialises them, fences and syncs the CTA, or the cluster). A full barrier completes on the
   stage's TMA bytes and, gathering, every producer thread's copies (PRODUCER_ARRIVALS); an
-  empty one on each of the consumer_threads' warps, or with cluster_m 2 or 4 (a cluster of
-  that many CTAs along M sharing the rhs's stages by multicast: tma_operand) on each of all
-  its CTAs' consumer warps, lane r of a warp arriving on CTA r's barrier. Thread tidx 0 first initialises
+  empty one on each of the consumer_threads' warps, or with cluster_m 2 (a cluster of 2 CTAs
+  along M sharing the rhs's stages by multicast: tma_operand) on each of both CTAs' consumer
+  warps, lane r of a warp arriving on CTA r's barrier. Thread tidx 0 first initialises
   extra_barriers more after them: a count (one arrival each: an epilogue's H loads) or a tuple
   of each one's arrivals. Returns (the pipeline, the first extra barrier's pointer)."""
   extra = storage.barriers.data_ptr() + 2 * stages
@@ -162,7 +162,7 @@ def load_pipeline(storage, stages: cutlass.Constexpr, stage_bytes: cutlass.Const
       for i in cutlass.range_constexpr(len(arrivals)):
         cute.arch.mbarrier_init(extra + i, arrivals[i])
   consumers, multicast = consumer_threads // 32, {}   # one arrival per consumer warp
-  if cutlass.const_expr(cluster_m > 1):   # (the pipeline counts the warps of all CTAs)
+  if cutlass.const_expr(cluster_m > 1):   # (the pipeline counts the warps of both CTAs)
     consumers = consumer_threads
     multicast = dict(tidx=tidx, mcast_mode_mn=(0, 1), enable_multicast_signaling=True)
   loads = pipeline.PipelineTmaAsync.create(
@@ -176,9 +176,9 @@ def load_pipeline(storage, stages: cutlass.Constexpr, stage_bytes: cutlass.Const
 
 def tma_operand(atom, smem, gmem, cluster_rank=0, cluster_size: int = 1):
   """(atom, gmem tiles by k step, smem stages, multicast mask) of a TMA-loaded operand:
-  load_stage's operand. With cluster_size c > 1 (atom made with num_multicast=c) this CTA,
-  rank cluster_rank, loads its 1 / c of each tile into every CTA of the cluster; else the mask
-  is None (a plain load)."""
+  load_stage's operand. With cluster_size 2 (atom made with num_multicast=2) this CTA, rank
+  cluster_rank, loads its half of each tile into both CTAs of the cluster; else the mask is
+  None (a plain load)."""
   s_part, g_part = cpasync.tma_partition(atom, cluster_rank, cute.make_layout(cluster_size),
                                          cute.group_modes(smem, 0, 2),
                                          cute.group_modes(gmem, 0, 2))

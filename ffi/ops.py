@@ -377,15 +377,14 @@ def dx_tilde(dh, w1, plan, cols=None):
 def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bool = False):
   """weight_grad (of op, "dw1" or "dw2") with x's rows gathered by the plan's token_index, on
   WGRAD_KERNEL (persistent: in the dynamic tile order where WGRAD_DYNAMIC_ORDER takes op, in
-  clusters of WGRAD_CLUSTER_M CTAs where x's width allows, else of the largest size below it
-  that it allows)."""
+  clusters of WGRAD_CLUSTER_M CTAs where x's width allows)."""
   args = (x, rhs, plan.group_offsets, plan.num_experts)
   if _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "grouped":
     return grouped_gemm.weight_grad(*args, block_n=block_n, gather_index=plan.token_index,
                                     transpose_out=transpose_out, group_sizes=plan.group_sizes)
-  most = _setting("WGRAD_CLUSTER_M", WGRAD_CLUSTER_M, persistent.CLUSTER_SIZES)
-  cluster_m = max(c for c in persistent.CLUSTER_SIZES   # the largest that x's width (M) takes
-                  if c <= most and persistent.cluster_fits(c, x.shape[1]))
+  cluster_m = _setting("WGRAD_CLUSTER_M", WGRAD_CLUSTER_M, persistent.CLUSTER_SIZES)
+  if not persistent.cluster_fits(cluster_m, x.shape[1]):   # (x's width: M)
+    cluster_m = 1
   return persistent.weight_grad(*args, plan.token_index, block_n=block_n,
                                 transpose_out=transpose_out, group_sizes=plan.group_sizes,
                                 dynamic=_dynamic_order(op, x.shape[1], rhs.shape[1], block_n),

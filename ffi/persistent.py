@@ -14,11 +14,11 @@ Schedule:
               tile, then column tile (an expert's tiles together: its rows from L2); kind
               "store": M tile t // n_tiles, column tile t % n_tiles (an M tile's column tiles
               on neighbouring CTAs: its lhs rows from L2)
-  clusters  : "wgrad" with cluster_m c (2 or 4): clusters of c CTAs take cluster tiles as a
-              CTA takes tiles (in either order below), the c CTAs neighbouring M tiles of one
-              expert and one column tile (cluster_tile); each TMA-loads 1 / c of every rhs
-              stage into all c CTAs (multicast), and a stage is free once all c CTAs' MMA
-              warpgroups released it
+  clusters  : "wgrad" with cluster_m 2: clusters of 2 CTAs take cluster tiles as a CTA takes
+              tiles (in either order below), the two CTAs neighbouring M tiles of one expert
+              and one column tile (cluster_tile); each TMA-loads half of every rhs stage into
+              both CTAs (multicast), and a stage is free once both CTAs' MMA warpgroups
+              released it
   producer  : warpgroup 0 (grouped_gemm's PRODUCER_REGISTERS), its ring state running on
               across tiles: "wgrad", as grouped_gemm's gathering producer (gather_stage: each
               k step's BLOCK_K rows gathered, the tile's BLOCK_M columns of them; an expert
@@ -60,10 +60,10 @@ def stages_that_fit(block_n: int, itemsize: int) -> int:
                                              reserved=epilogue_bytes(itemsize)))
 
 
-# CTAs per cluster of the weight gradients: 1 (none), or 2 or 4 along M sharing the rhs's
-# stages, which each loads 1 / cluster of and multicasts to all (the PyTorch SonicMoE's dW1 at
-# olmoe runs 256 x 192 tiles in clusters of 2: 0.57 of our L2-to-SM bytes, session 43)
-CLUSTER_SIZES = (1, 2, 4)
+# CTAs per cluster of the weight gradients: 1 (none) or 2 along M sharing the rhs's stages,
+# which each loads half of and multicasts to both (the PyTorch SonicMoE's dW1 at olmoe runs
+# 256 x 192 tiles in clusters of 2: 0.57 of our L2-to-SM bytes, session 43)
+CLUSTER_SIZES = (1, 2)
 
 
 def cluster_tile(u, rank, num_m_tiles: int, num_n_tiles: int, cluster: int):
@@ -104,7 +104,7 @@ TILE_READERS = gg.THREADS + 128        # every thread of the CTA reads each tile
 
 def tile_barriers(cluster: int) -> tuple:
   """The dynamic order's mbarriers' arrivals: each slot's full barrier the publishing thread's
-  (tx-counted in the other ranks), its empty one every reader's, of every CTA of the cluster (rank
+  (tx-counted in CTA rank 1), its empty one every reader's, of every CTA of the cluster (rank
   0's: the other ranks' readers arrive there; theirs go unused)."""
   return (1,) * TILE_SLOTS + (TILE_READERS * cluster,) * TILE_SLOTS
 
@@ -118,9 +118,8 @@ def tile_barriers(cluster: int) -> tuple:
 # under that tile's loads) and publishes the answer as it starts the next, into a ring of
 # TILE_SLOTS SMEM slots (tile_ids); every thread reads it when it starts the tile after (so
 # each tile is asked for two tiles ahead). A tile id past the last: done. In clusters the
-# order's tiles are cluster tiles, asked for by rank 0 and published into every CTA's ring
-# (the other ranks' slots by asynchronous stores into their SMEM, completing on their full
-# barriers).
+# order's tiles are cluster tiles, asked for by rank 0 and published into both CTAs' rings
+# (rank 1's slot by an asynchronous store into its SMEM, completing on its full barrier).
 
 
 @cute.jit
@@ -145,9 +144,9 @@ def _publish_tile(barriers, tile_ids: cute.Tensor, i, t, cluster: cutlass.Conste
   if cute.arch.lane_idx() == 0:
     tile_ids[slot] = t
     cute.arch.mbarrier_arrive(barriers + slot)
-    for peer in cutlass.range_constexpr(1, cluster):   # its slot: 4 bytes its full barrier counts
-      cute.arch.mbarrier_arrive_and_expect_tx(barriers + slot, 4, peer_cta_rank_in_cluster=peer)
-      cute.arch.store_async_dsmem(tile_ids.iterator + slot, t, barriers + slot, peer)
+    if cutlass.const_expr(cluster > 1):   # rank 1's slot: 4 bytes its full barrier counts
+      cute.arch.mbarrier_arrive_and_expect_tx(barriers + slot, 4, peer_cta_rank_in_cluster=1)
+      cute.arch.store_async_dsmem(tile_ids.iterator + slot, t, barriers + slot, 1)
   cute.arch.sync_warp()
 
 
@@ -193,7 +192,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
   tile_info tile_expert (P / BLOCK_M,), gather_index unused. dynamic: the tiles in the order
   the CTAs ask for them (tile_counter (1,) starting at 0), else every grid-th (_next_tile).
-  cluster 2 or 4 ("wgrad"): the grid's clusters loop over cluster tiles (cluster_tile),
+  cluster 2 ("wgrad"): the grid's clusters of 2 CTAs loop over cluster tiles (cluster_tile),
   the rhs's stages multicast (tma_b made for it)."""
   gather = kind == "wgrad"
   tidx, _, _ = cute.arch.thread_idx()
@@ -291,8 +290,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
             kind: cutlass.Constexpr, dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr = 1):
   """The persistent grid and the kernel's static configuration (_kernel's operands; the
   output's modes (rows, columns, experts or 1); tile_counter unused unless dynamic); cluster
-  2 or 4: clusters of that many CTAs along M, the grid whole clusters, the rhs's TMA atom
-  multicasting."""
+  2: clusters of 2 CTAs along M, the grid whole clusters, the rhs's TMA atom multicasting."""
   dtype = lhs.element_type
   gather = kind == "wgrad"
   # the weight gradient's A tiles (M, rows) are M-major (filled by the gathers)

@@ -1291,10 +1291,9 @@ def test_cute_wgrad_dynamic_setting_lowers_with_its_counter(monkeypatch):
 
 @needs_cute
 def test_cute_wgrad_cluster_setting_reaches_the_kernel_where_m_allows(monkeypatch):
-  """WGRAD_CLUSTER_M 2 (the default): the layer's persistent gathering weight gradients run in
-  clusters of 2 where their M (the gathered rows' width) is a multiple of 256, else alone; 4:
-  of 4 where M is a multiple of 512, else of 2 where it allows; 1: alone; a size outside
-  persistent.CLUSTER_SIZES is refused by name."""
+  """WGRAD_CLUSTER_M 2: the layer's persistent gathering weight gradients run in clusters of 2
+  where their M (the gathered rows' width) is a multiple of 256, else alone; 1 (the default):
+  alone; a size other than 1 and 2 is refused by name."""
   cute_ops = importlib.import_module("ffi.ops")
   calls = []
   real = cute_ops.persistent.weight_grad
@@ -1308,14 +1307,13 @@ def test_cute_wgrad_cluster_setting_reaches_the_kernel_where_m_allows(monkeypatc
   def loss(*a):
     return jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
 
-  for d, cluster_m, want in [(256, 2, 2), (384, 2, 1), (256, 1, 1), (512, 4, 4), (256, 4, 2),
-                             (384, 4, 1)]:
+  for d, cluster_m, want in [(256, 2, 2), (384, 2, 1), (256, 1, 1)]:
     monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", cluster_m)
     calls.clear()
     _cuda_module(jax.grad(loss, argnums=(0, 2, 3)), *make_inputs(0, 256, d, 128, 8, jnp.bfloat16))
     assert calls and all(m == d and c == want for m, c in calls), calls
-  monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", 3)
-  with pytest.raises(ValueError, match=r"ffi.ops.WGRAD_CLUSTER_M must be one of \(1, 2, 4\); got 3"):
+  monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", 4)
+  with pytest.raises(ValueError, match=r"ffi.ops.WGRAD_CLUSTER_M must be one of \(1, 2\); got 4"):
     _cuda_module(jax.grad(loss), *make_inputs(0, 256, 256, 128, 8, jnp.bfloat16))
 
 
@@ -1344,14 +1342,14 @@ def test_cute_wgrad_dynamic_auto_takes_dw1_with_many_tiles_an_expert(monkeypatch
 @pytest.mark.parametrize("block_n,stages,transpose_out,dynamic,cluster_m", [
     (128, None, False, False, 1), (256, 2, True, False, 1), (256, None, False, False, 1),
     (256, None, False, True, 1), (128, 3, True, True, 1), (256, None, False, True, 2),
-    (128, 3, True, False, 2), (256, None, False, True, 4), (256, 2, True, False, 4)])
+    (128, 3, True, False, 2)])
 def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out, dynamic,
                                                        cluster_m):
   """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers) compiles
   for sm_90a at the tiles and depths the layer and the sweep run, in either tile order, alone
-  or in clusters of 2 or 4."""
+  or in clusters of 2."""
   from ffi import persistent
-  P, M, N, E, T = 512, 128 * max(2, cluster_m), 512, 4, 300
+  P, M, N, E, T = 512, 256, 512, 4, 300
   offsets = jnp.arange(E + 1, dtype=jnp.int32) * (P // E)
   fn = lambda x, r, i: persistent.weight_grad(x, r, offsets, E, i, block_n=block_n,
                                               stages=stages, transpose_out=transpose_out,
@@ -1362,24 +1360,22 @@ def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpos
 
 
 @needs_cute
-@pytest.mark.parametrize("cluster", [2, 4])
-def test_persistent_cluster_tiles_group_neighbouring_m_tiles_of_one_column_tile(cluster):
-  """cluster_tile (on plain integers): the `cluster` CTAs of a cluster at each cluster tile
-  take M tiles cj .. cj + c - 1 of one expert and one column tile; over the cluster tiles,
-  every tile once, in tile_work's order (expert, then M tile, then column tile); clusters of
-  1: the tile itself."""
+def test_persistent_cluster_tiles_pair_neighbouring_m_tiles_of_one_column_tile():
+  """cluster_tile (on plain integers): the two CTAs of a cluster at each cluster tile take M
+  tiles 2j and 2j + 1 of one expert and one column tile; over the cluster tiles, every tile
+  once, in tile_work's order (expert, then M tile, then column tile); clusters of 1: the tile
+  itself."""
   from ffi import persistent
-  m_tiles, n_tiles, experts = 8, 3, 2
-  units = m_tiles * n_tiles * experts // cluster
-  groups = [[persistent.cluster_tile(u, r, m_tiles, n_tiles, cluster) for r in range(cluster)]
-            for u in range(units)]
+  m_tiles, n_tiles, experts = 4, 3, 2
+  units = m_tiles * n_tiles * experts // 2
+  pairs = [[persistent.cluster_tile(u, r, m_tiles, n_tiles, 2) for r in (0, 1)]
+           for u in range(units)]
   split = lambda t: (t // (m_tiles * n_tiles), t % (m_tiles * n_tiles) // n_tiles, t % n_tiles)
-  for group in groups:
-    (e0, m0, n0), *rest = [split(t) for t in group]
-    assert m0 % cluster == 0
-    assert [(e, m, n) for e, m, n in rest] == [(e0, m0 + r, n0) for r in range(1, cluster)]
-  assert sorted(t for group in groups for t in group) == list(range(cluster * units))
-  assert [group[0] for group in groups] == sorted(group[0] for group in groups)
+  for t0, t1 in pairs:
+    (e0, m0, n0), (e1, m1, n1) = split(t0), split(t1)
+    assert (e0, n0) == (e1, n1) and m0 % 2 == 0 and m1 == m0 + 1
+  assert sorted(t for pair in pairs for t in pair) == list(range(2 * units))
+  assert [pair[0] for pair in pairs] == sorted(pair[0] for pair in pairs)
   assert [persistent.cluster_tile(u, 0, m_tiles, n_tiles, 1) for u in range(5)] == list(range(5))
 
 
@@ -1437,7 +1433,7 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
   with pytest.raises(ValueError, match="cute persistent weight_grad: block_n=64 must be a multiple of 128"):
     persistent.weight_grad(x, rhs, offsets, 4, index, block_n=64)
   for bad in (3, True, 2.0):
-    with pytest.raises(ValueError, match=rf"cluster_m={bad!r} must be one of \(1, 2, 4\)"):
+    with pytest.raises(ValueError, match=rf"cluster_m={bad!r} must be one of \(1, 2\)"):
       persistent.weight_grad(x, rhs, offsets, 4, index, cluster_m=bad)
   with pytest.raises(ValueError, match="M=384 must be a multiple of cluster_m x BLOCK_M = 256"):
     persistent.weight_grad(jnp.zeros((300, 384), jnp.bfloat16), rhs, offsets, 4, index,
@@ -1460,8 +1456,7 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
     (256, None, False, None, True, 1), (256, 2, False, 3, True, 1), (128, 3, True, 5, True, 1),
     (256, None, True, 1, True, 1), (256, None, False, None, False, 2),
     (256, 2, True, 4, False, 2), (256, None, False, None, True, 2), (128, 3, True, 6, True, 2),
-    (256, None, False, 3, True, 2), (256, 2, True, 1, True, 2), (256, None, False, None, False, 4),
-    (128, 3, True, 8, False, 4), (256, None, True, None, True, 4), (256, 2, False, 1, True, 4)])
+    (256, None, False, 3, True, 2), (256, 2, True, 1, True, 2)])
 def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, transpose_out,
                                                             num_ctas, dynamic, cluster_m):
   """The persistent kernel gives grouped_gemm.weight_grad's bits, gathering X's rows (padding
@@ -1470,8 +1465,7 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
   3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each), in
   either tile order (dynamic: the CTAs ask a counter; twice in a row, so a second call's
   counter starts at 0 again), alone or in clusters of 2 (M = 512: two cluster rows of M
-  tiles; num_ctas 3 and 1 rounded to one whole cluster) or 4 (M = 512: one cluster row; num_ctas
-  8 two clusters, 1 one). The output is written over a freed
+  tiles; num_ctas 3 and 1 rounded to one whole cluster). The output is written over a freed
   buffer of NaN, so an element left unstored shows."""
   from ffi import grouped_gemm, persistent
   sizes = [256, 0, 640, 128, 1152]
