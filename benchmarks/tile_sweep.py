@@ -185,15 +185,16 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
       static_argnums=0), (dout, a, offsets, plan.token_index), dw2_flops, None)
   # ... skipping the k steps of each expert's padding rows (group_sizes: what the layer runs),
   # and so with the tiles in the order the CTAs ask for them (persistent.weight_grad dynamic),
-  # and in clusters of 2 CTAs (cluster_m)
+  # and in clusters of 2 CTAs (cluster_m), and so with the rows loaded by TMA (_tma)
   for name, transpose_out in [("dw1_gather_persistent", False), ("dw2_gather_persistent", True)]:
     _, args, flops, _ = rows[name]
-    for suffix, dynamic, cluster_m in [("_sized", False, 1), ("_sized_dynamic", True, 1),
-                                       ("_sized_cluster", False, 2),
-                                       ("_sized_dynamic_cluster", True, 2)]:
-      sized = lambda c, a, b, o, i, s, t=transpose_out, d=dynamic, cm=cluster_m: (
+    for suffix, dynamic, cluster_m, tma in [
+        ("_sized", False, 1, False), ("_sized_dynamic", True, 1, False),
+        ("_sized_cluster", False, 2, False), ("_sized_dynamic_cluster", True, 2, False),
+        ("_sized_cluster_tma", False, 2, True), ("_sized_dynamic_cluster_tma", True, 2, True)]:
+      sized = lambda c, a, b, o, i, s, t=transpose_out, d=dynamic, cm=cluster_m, g=tma: (
           persistent.weight_grad(a, b, o, E, i, transpose_out=t, group_sizes=s, dynamic=d,
-                                 cluster_m=cm, **dataclasses.asdict(c)))
+                                 cluster_m=cm, tma_gather=g, **dataclasses.asdict(c)))
       rows[name + suffix] = (jax.jit(sized, static_argnums=0), (*args, plan.group_sizes), flops,
                              None)
   for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands

@@ -620,6 +620,70 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
   cute.arch.mbarrier_arrive(bar)
 
 
+ROW_BOX = 64   # a gathered row's columns per TMA box (one 128-byte line of a swizzle atom)
+ROWS_PER_WARP = BLOCK_K // 4   # the TMA-gathering producer: each of its 4 warps' k rows
+
+
+def row_tma_atom(x, a_smem_staged):
+  """(TMA atom, its coordinate tensor (M, T)) loading ROW_BOX columns of one row of X (T, M, 1)
+  at a time, swizzled as the weight gradient's A stages: a box is one 128-byte line of their
+  swizzle atom, and TMA swizzles by the destination address, so a box written at the line's
+  start lands as the M-major stage holds it (row_lines)."""
+  rows, cols = cute.size(x, mode=[0]), cute.size(x, mode=[1])
+  x_cols_rows = cute.make_tensor(x.iterator, cute.make_layout(
+      (cols, rows), stride=(1, x.layout.stride[0])))
+  box = cute.make_composed_layout(a_smem_staged.inner, 0,
+                                  cute.make_layout((ROW_BOX, 1), stride=(1, ROW_BOX)))
+  return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), x_cols_rows, box,
+                                     (ROW_BOX, 1))
+
+
+def row_lines(s_a_storage, a_smem_staged):
+  """The A stages seen unswizzled as ((ROW_BOX, 1) box, M half, k row, stage): element 0 of
+  each at its 128-byte line's start (where row_tma_atom's boxes go; the stage layout's M mode
+  is (ROW_BOX, WARPGROUPS), each warpgroup's columns one swizzle atom wide)."""
+  outer = a_smem_staged.outer
+  (box, halves), (one, half_stride) = outer.shape[0], outer.stride[0]
+  assert box == ROW_BOX and halves == WARPGROUPS and one == 1, outer
+  return s_a_storage.get_tensor(cute.make_layout(
+      ((box, 1), halves, outer.shape[1], outer.shape[2]),
+      stride=((1, 0), half_stride, outer.stride[1], outer.stride[2])))
+
+
+@cute.jit
+def produce_wgrad_steps_tma(loads, produce, row_tiles, gather_index, lines, rhs_operands,
+                            k_begin, num_k, ptid, col0):
+  """produce_wgrad_steps with the gathered rows loaded by TMA (row_tma_atom: its partitioned
+  coordinate tiles, row_tiles (box, 1, column box, row); lines: row_lines partitioned): each warp
+  ROWS_PER_WARP rows of every k step, lane l holding row l mod ROWS_PER_WARP's token (read a
+  step ahead), each row's token shuffled to the whole warp and its WARPGROUPS boxes issued
+  (one lane each, by cute.copy); a padding row's token (T or more) reads as zeros (TMA's out of
+  bounds fill). The full barrier completes on warp 0's arrive and the TMA bytes, A's included
+  (its expected bytes count both operands), so the MMA warpgroups need no proxy fence."""
+  atom, tiles = row_tiles
+  warp, lane = ptid // 32, ptid % 32
+  last = cute.size(gather_index) // BLOCK_K - 1
+  my_row = warp * ROWS_PER_WARP + lane % ROWS_PER_WARP
+  ahead = cute.local_tile(gather_index, (BLOCK_K,), (cutlass.min(k_begin, last),))[my_row]
+  for step in cutlass.range(num_k, unroll=1):
+    k = k_begin + step
+    token = ahead
+    ahead = cute.local_tile(gather_index, (BLOCK_K,), (cutlass.min(k + 1, last),))[my_row]
+    loads.sync_object_empty.wait(produce.index, produce.phase)
+    bar = loads.producer_get_barrier(produce)
+    if warp == 0:
+      loads.sync_object_full.arrive(produce.index, loads.producer_mask)
+      for operand in rhs_operands:
+        tma_load(operand, k, produce.index, bar)
+    for j in cutlass.range_constexpr(ROWS_PER_WARP):
+      row_token = cute.arch.shuffle_sync(token, j)
+      for half in cutlass.range_constexpr(WARPGROUPS):
+        cute.copy(atom, tiles[(None, 0, col0 // ROW_BOX + half, row_token)],
+                  lines[(None, half, warp * ROWS_PER_WARP + j, produce.index)], tma_bar_ptr=bar)
+    produce.advance()
+  return produce
+
+
 @cute.jit
 def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k, ptid,
                         col0):

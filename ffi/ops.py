@@ -177,6 +177,12 @@ WGRAD_DYNAMIC_MIN_TILES = 128
 # 0.96-0.97 in that round too: alone in the sweep 0.98-0.99); 30B-n256 0.989, 0.976;
 # 7B-n1024 0.985, 0.996; 7B-n256 1.001, 0.996.
 WGRAD_CLUSTER_M = 2
+# Which persistent gathering weight gradients ("dw1", "dw2") load their gathered rows by TMA,
+# a box a row (persistent.weight_grad tma_gather), instead of by their producer threads'
+# cp.async: a tuple of those names. Built in session 47 after probes of olmoe's dW1 (the
+# rows' LSU writes into SMEM cost 0.4 ms over the wgmmas' 2.7 there, the rhs's TMA loads,
+# twice the bytes, 0.09; results/2026-12-04-h200-session47); not yet measured.
+WGRAD_TMA_GATHER: tuple[str, ...] = ()
 
 
 def _setting(name: str, value, choices):
@@ -377,7 +383,8 @@ def dx_tilde(dh, w1, plan, cols=None):
 def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bool = False):
   """weight_grad (of op, "dw1" or "dw2") with x's rows gathered by the plan's token_index, on
   WGRAD_KERNEL (persistent: in the dynamic tile order where WGRAD_DYNAMIC_ORDER takes op, in
-  clusters of WGRAD_CLUSTER_M CTAs where x's width allows)."""
+  clusters of WGRAD_CLUSTER_M CTAs where x's width allows, its rows by TMA where
+  WGRAD_TMA_GATHER takes op)."""
   args = (x, rhs, plan.group_offsets, plan.num_experts)
   if _setting("WGRAD_KERNEL", WGRAD_KERNEL, WGRAD_KERNELS) == "grouped":
     return grouped_gemm.weight_grad(*args, block_n=block_n, gather_index=plan.token_index,
@@ -388,7 +395,17 @@ def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bo
   return persistent.weight_grad(*args, plan.token_index, block_n=block_n,
                                 transpose_out=transpose_out, group_sizes=plan.group_sizes,
                                 dynamic=_dynamic_order(op, x.shape[1], rhs.shape[1], block_n),
-                                cluster_m=cluster_m)
+                                cluster_m=cluster_m,
+                                tma_gather=op in _wgrad_ops("WGRAD_TMA_GATHER", WGRAD_TMA_GATHER))
+
+
+def _wgrad_ops(name: str, value, alternatives: str = "") -> tuple[str, ...]:
+  """A setting naming weight gradients (`name`, its value): a tuple of "dw1" and "dw2";
+  ValueError naming it (and its `alternatives`, e.g. "'auto' or ") otherwise."""
+  if not isinstance(value, tuple) or set(value) - {"dw1", "dw2"}:
+    raise ValueError(f"ffi.ops.{name} must be {alternatives}a tuple of 'dw1' and 'dw2'; got "
+                     f"{value!r}")
+  return value
 
 
 def _dynamic_order(op: str, m: int, n: int, block_n: int) -> bool:
@@ -397,10 +414,7 @@ def _dynamic_order(op: str, m: int, n: int, block_n: int) -> bool:
   if WGRAD_DYNAMIC_ORDER == "auto":
     tiles_an_expert = -(-m // persistent.BLOCK_M) * -(-n // block_n)
     return op == "dw1" and tiles_an_expert >= WGRAD_DYNAMIC_MIN_TILES
-  if isinstance(WGRAD_DYNAMIC_ORDER, str) or set(WGRAD_DYNAMIC_ORDER) - {"dw1", "dw2"}:
-    raise ValueError(f"ffi.ops.WGRAD_DYNAMIC_ORDER must be 'auto' or a tuple of 'dw1' and "
-                     f"'dw2'; got {WGRAD_DYNAMIC_ORDER!r}")
-  return op in WGRAD_DYNAMIC_ORDER
+  return op in _wgrad_ops("WGRAD_DYNAMIC_ORDER", WGRAD_DYNAMIC_ORDER, "'auto' or ")
 
 
 def dw1(x, dh_, plan):

@@ -186,8 +186,10 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             num_m_tiles: cutlass.Constexpr, num_n_tiles: cutlass.Constexpr,
             k_steps: cutlass.Constexpr, num_tiles: cutlass.Constexpr,
             out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr,
-            dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr):
-  """kind "wgrad": m_a X (T, M, 1) the gathered rows' source, m_b the rhs (N, P, 1) N-major,
+            dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr,
+            tma_gather: cutlass.Constexpr):
+  """kind "wgrad": m_a X (T, M, 1) the gathered rows' source (tma_gather: tma_a and m_a
+  grouped_gemm.row_tma_atom's, the rows loaded by TMA), m_b the rhs (N, P, 1) N-major,
   the output (M, N, E), tile_info group_rows (2 E,), gather_index (P,). kind "store":
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
   tile_info tile_expert (P / BLOCK_M,), gather_index unused. dynamic: the tiles in the order
@@ -195,11 +197,12 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   cluster 2 ("wgrad"): the grid's clusters of 2 CTAs loop over cluster tiles (cluster_tile),
   the rhs's stages multicast (tma_b made for it)."""
   gather = kind == "wgrad"
+  copies = gather and not tma_gather   # A's rows copied by the producer's threads (cp.async)
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
   num_ctas = cute.arch.grid_dim()[0]
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-  gg.prefetch_descriptors(warp, tma_a, tma_b, gather)
+  gg.prefetch_descriptors(warp, tma_a, tma_b, copies)
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   # the loop's tiles: this CTA's of the grid's, or its cluster's (rank `rank`) of the clusters'
   rank, first, stride, num_units = 0, cta, num_ctas, num_tiles
@@ -213,7 +216,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   storage = smem.allocate(shared_storage)
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
   s_b = storage.s_b.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-  loads, tile_bars = gg.load_pipeline(storage, stages, stage_bytes, gather, THREADS, tidx,
+  loads, tile_bars = gg.load_pipeline(storage, stages, stage_bytes, copies, THREADS, tidx,
                                       tile_barriers(cluster) if dynamic else 0, cluster)
   # (static: no ring; tile_counter stands in, unread)
   tile_ids = (storage.tile_ids.get_tensor(cute.make_layout(TILE_SLOTS)) if dynamic
@@ -222,6 +225,12 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   if warp < 4:   # the producer warpgroup
     cute.arch.setmaxregister_decrease(gg.PRODUCER_REGISTERS)
     produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    row_tiles, lines = None, None
+    if cutlass.const_expr(tma_gather):   # the rows' boxes and their lines in the stages
+      lines, tiles = cpasync.tma_partition(
+          tma_a, 0, cute.make_layout(1), gg.row_lines(storage.s_a, a_smem_staged),
+          cute.local_tile(m_a, (gg.ROW_BOX, 1), (None, None)))
+      row_tiles = (tma_a, tiles)
     asked = cutlass.Int32(0)   # (dynamic, warp 0's lane 0) the count its last ask returned
     if cutlass.const_expr(dynamic):
       if warp == 0:
@@ -239,9 +248,12 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
       m_tile, n_tile, k_begin, num_k, rhs_l, _ = work(t)
       operands = [gg.tma_operand(tma_b, s_b, cute.local_tile(
           m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)), rank, cluster)]
-      if cutlass.const_expr(gather):
+      if cutlass.const_expr(copies):
         produce = gg.produce_wgrad_steps(loads, produce, m_a, gather_index, s_a, operands,
                                          k_begin, num_k, tidx, m_tile * BLOCK_M)
+      elif cutlass.const_expr(gather):
+        produce = gg.produce_wgrad_steps_tma(loads, produce, row_tiles, gather_index, lines,
+                                             operands, k_begin, num_k, tidx, m_tile * BLOCK_M)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
         lhs_and_rhs = [gg.tma_operand(tma_a, s_a, cute.local_tile(
             m_a, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, None, 1)))] + operands
@@ -266,7 +278,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     while t < num_units:
       m_tile, n_tile, _, num_k, _, out_l = work(t)
       consume, release = gg.consume_tile(loads, consume, release, tiled_mma, [acc], frag_a,
-                                         [frag_b], num_k, gather)
+                                         [frag_b], num_k, copies)
       release = gg.release_last_stage(loads, release, num_k)
       out_tile = cute.local_tile(m_out_tma, tile_mnk, (m_tile, n_tile, None, out_l),
                                  proj=(1, 1, None))
@@ -287,7 +299,8 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
 def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
             gather_index: cute.Tensor, tile_counter: cute.Tensor, out: cute.Tensor,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr,
-            kind: cutlass.Constexpr, dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr = 1):
+            kind: cutlass.Constexpr, dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr = 1,
+            tma_gather: cutlass.Constexpr = False):
   """The persistent grid and the kernel's static configuration (_kernel's operands; the
   output's modes (rows, columns, experts or 1); tile_counter unused unless dynamic); cluster
   2: clusters of 2 CTAs along M, the grid whole clusters, the rhs's TMA atom multicasting."""
@@ -310,13 +323,17 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
     tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs, b_stage,
                                              (block_n, BLOCK_K))
   stage_bytes = cute.size_in_bytes(dtype, b_stage)
-  if cutlass.const_expr(gather):   # no TMA for A (the kernel takes an atom: B's, unused)
+  a_stage_bytes = cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
+  if cutlass.const_expr(gather and tma_gather):   # A's rows by TMA, one box a row and half
+    tma_a, m_a = gg.row_tma_atom(lhs, a_smem_staged)
+    stage_bytes += a_stage_bytes
+  elif cutlass.const_expr(gather):   # no TMA for A (the kernel takes an atom: B's, unused)
     tma_a, m_a = tma_b, lhs
   else:
     tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), lhs,
                                              cute.slice_(a_smem_staged, (None, None, 0)),
                                              (BLOCK_M, BLOCK_K))
-    stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
+    stage_bytes += a_stage_bytes
   out_layout = LayoutEnum.from_tensor(out)
   c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, EPI_TILE, gg.EPI_STAGES)
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(
@@ -335,7 +352,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
                    tile_counter, tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged,
                    cute.size(rhs, mode=[2]), storage, block_n, stages, stage_bytes, num_m_tiles,
                    num_n_tiles, k_steps, num_tiles, out_layout.is_m_major_c(), kind, dynamic,
-                   cluster)
+                   cluster, tma_gather)
   if cutlass.const_expr(cluster > 1):   # whole clusters, at least one
     grid = max(cluster, min(num_tiles, num_ctas) // cluster * cluster)
     kernel.launch(grid=(grid, 1, 1), block=(THREADS + 128, 1, 1), cluster=(cluster, 1, 1),
@@ -349,12 +366,12 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
 def _weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tensor,
                  gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
                  stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS,
-                 cluster_m: cutlass.Constexpr = 1):
+                 cluster_m: cutlass.Constexpr = 1, tma_gather: cutlass.Constexpr = False):
   """x (T, M, 1) the source rows, rhs (N, P, 1) N-major, group_rows (2 E,), gather_index (P,),
   out (M, N, E) N- or M-major: the operands of grouped_gemm._gathered_weight_grad; cluster_m:
   CTAs per cluster (_launch's cluster)."""
   _launch(stream, x, rhs, group_rows, gather_index, gather_index, out, block_n, stages,
-          num_ctas, "wgrad", False, cluster_m)
+          num_ctas, "wgrad", False, cluster_m, tma_gather)
 
 
 @cute.jit
@@ -362,11 +379,11 @@ def _weight_grad_dynamic(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: c
                          gather_index: cute.Tensor, tile_counter: cute.Tensor, out: cute.Tensor,
                          counter_out: cute.Tensor, block_n: cutlass.Constexpr,
                          stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr = NUM_SMS,
-                         cluster_m: cutlass.Constexpr = 1):
+                         cluster_m: cutlass.Constexpr = 1, tma_gather: cutlass.Constexpr = False):
   """_weight_grad's with the tiles in the order the CTAs ask for them (the dynamic tile order,
   above _ask_tile): tile_counter (1,) at 0, counted up in place (counter_out, its buffer)."""
   _launch(stream, x, rhs, group_rows, gather_index, tile_counter, out, block_n, stages,
-          num_ctas, "wgrad", True, cluster_m)
+          num_ctas, "wgrad", True, cluster_m, tma_gather)
 
 
 @cute.jit
@@ -424,7 +441,7 @@ def _grid_config(num_ctas, name: str) -> dict:
 def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: int = 128,
                 stages: int | None = None, transpose_out: bool = False,
                 num_ctas: int | None = None, group_sizes=None, dynamic: bool = False,
-                cluster_m: int = 1):
+                cluster_m: int = 1, tma_gather: bool = False):
   """grouped_gemm.weight_grad with gather_index on persistent CTAs (module docstring): x
   [T, M] (slot r reads X[gather_index[r]], zeros where it is T or more), rhs [P, N] rows in
   slot order, expert e's rows group_offsets[e] .. group_offsets[e + 1] (multiples of BLOCK_M),
@@ -444,6 +461,8 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
     raise ValueError(f"cute persistent weight_grad: {reason}")
   stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
   clusters = dict(cluster_m=cluster_m) if cluster_m > 1 else {}
+  if tma_gather:
+    clusters["tma_gather"] = True
   return gg.weight_grad_call((None, _weight_grad_dynamic if dynamic else _weight_grad), x, rhs,
                              routing.group_row_ranges(group_offsets, group_sizes), num_experts,
                              gather_index, transpose_out, tile_counter=dynamic, block_n=block_n,

@@ -1318,6 +1318,38 @@ def test_cute_wgrad_cluster_setting_reaches_the_kernel_where_m_allows(monkeypatc
 
 
 @needs_cute
+def test_cute_wgrad_tma_gather_setting_reaches_the_kernel_it_names(monkeypatch):
+  """WGRAD_TMA_GATHER names the persistent gathering weight gradients whose rows TMA loads
+  (dW1 untransposed, dW2 transposed; the layer lowers with either); none by default; a bare
+  name is refused by name."""
+  cute_ops = importlib.import_module("ffi.ops")
+  assert cute_ops.WGRAD_TMA_GATHER == ()
+  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", 1 << 30)   # dW2 gathers too
+  calls = []
+  real = cute_ops.persistent.weight_grad
+
+  def spy(x, *args, **kw):
+    calls.append(("dw2" if kw["transpose_out"] else "dw1", kw["tma_gather"]))
+    return real(x, *args, **kw)
+
+  monkeypatch.setattr(cute_ops.persistent, "weight_grad", spy)
+
+  def loss(*a):
+    return jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
+
+  args = make_inputs(0, 256, 256, 128, 8, jnp.bfloat16)
+  for setting in [(), ("dw1",), ("dw1", "dw2")]:
+    monkeypatch.setattr(cute_ops, "WGRAD_TMA_GATHER", setting)
+    calls.clear()
+    assert FFI_TARGET in _cuda_module(jax.grad(loss, argnums=(0, 2, 3)), *args)
+    assert sorted(calls) == [(op, op in setting) for op in ("dw1", "dw2")], calls
+  monkeypatch.setattr(cute_ops, "WGRAD_TMA_GATHER", "dw1")
+  with pytest.raises(ValueError, match=r"ffi.ops.WGRAD_TMA_GATHER must be a tuple of 'dw1' and "
+                                       r"'dw2'; got 'dw1'"):
+    _cuda_module(jax.grad(loss), *args)
+
+
+@needs_cute
 def test_cute_wgrad_dynamic_auto_takes_dw1_with_many_tiles_an_expert(monkeypatch):
   """WGRAD_DYNAMIC_ORDER "auto" (the default): dW1 in the dynamic order where an expert's
   output has WGRAD_DYNAMIC_MIN_TILES tiles of BLOCK_M x block_n (partial tiles counted), dW2
@@ -1339,21 +1371,24 @@ def test_cute_wgrad_dynamic_auto_takes_dw1_with_many_tiles_an_expert(monkeypatch
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,dynamic,cluster_m", [
-    (128, None, False, False, 1), (256, 2, True, False, 1), (256, None, False, False, 1),
-    (256, None, False, True, 1), (128, 3, True, True, 1), (256, None, False, True, 2),
-    (128, 3, True, False, 2)])
+@pytest.mark.parametrize("block_n,stages,transpose_out,dynamic,cluster_m,tma_gather", [
+    (128, None, False, False, 1, False), (256, 2, True, False, 1, False),
+    (256, None, False, False, 1, False), (256, None, False, True, 1, False),
+    (128, 3, True, True, 1, False), (256, None, False, True, 2, False),
+    (128, 3, True, False, 2, False), (256, None, False, True, 2, True),
+    (128, 3, True, False, 1, True)])
 def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out, dynamic,
-                                                       cluster_m):
+                                                       cluster_m, tma_gather):
   """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers) compiles
   for sm_90a at the tiles and depths the layer and the sweep run, in either tile order, alone
-  or in clusters of 2."""
+  or in clusters of 2, the rows by cp.async or TMA."""
   from ffi import persistent
   P, M, N, E, T = 512, 256, 512, 4, 300
   offsets = jnp.arange(E + 1, dtype=jnp.int32) * (P // E)
   fn = lambda x, r, i: persistent.weight_grad(x, r, offsets, E, i, block_n=block_n,
                                               stages=stages, transpose_out=transpose_out,
-                                              dynamic=dynamic, cluster_m=cluster_m)
+                                              dynamic=dynamic, cluster_m=cluster_m,
+                                              tma_gather=tma_gather)
   shapes = [jax.ShapeDtypeStruct((T, M), jnp.bfloat16), jax.ShapeDtypeStruct((P, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
@@ -1450,22 +1485,28 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas,dynamic,cluster_m", [
-    (128, None, False, None, False, 1), (256, None, True, None, False, 1),
-    (256, 2, False, 3, False, 1), (128, 3, True, 5, False, 1), (256, None, True, 1, False, 1),
-    (256, None, False, None, True, 1), (256, 2, False, 3, True, 1), (128, 3, True, 5, True, 1),
-    (256, None, True, 1, True, 1), (256, None, False, None, False, 2),
-    (256, 2, True, 4, False, 2), (256, None, False, None, True, 2), (128, 3, True, 6, True, 2),
-    (256, None, False, 3, True, 2), (256, 2, True, 1, True, 2)])
+@pytest.mark.parametrize("block_n,stages,transpose_out,num_ctas,dynamic,cluster_m,tma_gather", [
+    (128, None, False, None, False, 1, False), (256, None, True, None, False, 1, False),
+    (256, 2, False, 3, False, 1, False), (128, 3, True, 5, False, 1, False),
+    (256, None, True, 1, False, 1, False), (256, None, False, None, True, 1, False),
+    (256, 2, False, 3, True, 1, False), (128, 3, True, 5, True, 1, False),
+    (256, None, True, 1, True, 1, False), (256, None, False, None, False, 2, False),
+    (256, 2, True, 4, False, 2, False), (256, None, False, None, True, 2, False),
+    (128, 3, True, 6, True, 2, False), (256, None, False, 3, True, 2, False),
+    (256, 2, True, 1, True, 2, False), (128, None, False, None, False, 1, True),
+    (256, 2, True, 3, False, 1, True), (256, None, False, None, True, 2, True),
+    (128, 3, True, 6, True, 2, True), (256, 2, False, 1, False, 2, True)])
 def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, transpose_out,
-                                                            num_ctas, dynamic, cluster_m):
+                                                            num_ctas, dynamic, cluster_m,
+                                                            tma_gather):
   """The persistent kernel gives grouped_gemm.weight_grad's bits, gathering X's rows (padding
   slots: index T): experts of 256, 0 (zeros), 640, 128 and 1152 rows, so that a CTA's tiles run
   2, 0, 10, 2 and 18 k steps and its ring of `stages` wraps within and across tiles; num_ctas
   3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each), in
   either tile order (dynamic: the CTAs ask a counter; twice in a row, so a second call's
   counter starts at 0 again), alone or in clusters of 2 (M = 512: two cluster rows of M
-  tiles; num_ctas 3 and 1 rounded to one whole cluster). The output is written over a freed
+  tiles; num_ctas 3 and 1 rounded to one whole cluster), the rows copied by the producer's
+  threads or (tma_gather) loaded by TMA, a box a row. The output is written over a freed
   buffer of NaN, so an element left unstored shows."""
   from ffi import grouped_gemm, persistent
   sizes = [256, 0, 640, 128, 1152]
@@ -1479,7 +1520,7 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
   jax.block_until_ready(jnp.full((E, M, N), jnp.nan, jnp.bfloat16)).delete()
   run = jax.jit(lambda a, b, o, i: persistent.weight_grad(
       a, b, o, E, i, stages=stages, num_ctas=num_ctas, dynamic=dynamic, cluster_m=cluster_m,
-      **kw))
+      tma_gather=tma_gather, **kw))
   got = run(x, rhs, offsets, index)
   want = jax.jit(lambda a, b, o, i: grouped_gemm.weight_grad(
       a, b, o, E, gather_index=i, **kw))(x, rhs, offsets, index)
@@ -1540,15 +1581,18 @@ def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypat
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("cluster_m,dynamic_order", [(1, ()), (2, ()), (2, ("dw1", "dw2"))])
+@pytest.mark.parametrize("cluster_m,dynamic_order,tma_gather", [
+    (1, (), ()), (2, (), ()), (2, ("dw1", "dw2"), ()), (2, ("dw1",), ("dw1", "dw2"))])
 def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(cluster_m, dynamic_order,
-                                                                        monkeypatch):
+                                                                        tma_gather, monkeypatch):
   """The layer's gradients with WGRAD_KERNEL "persistent" (dW1 and dW2 gathering their rows on
-  it; alone or in clusters of 2, in either tile order) are bitwise those with "grouped"."""
+  it; alone or in clusters of 2, in either tile order, the rows by cp.async or TMA) are bitwise
+  those with "grouped"."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(74, 1000, 512, 256, 16, jnp.bfloat16)
   monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", cluster_m)
   monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", dynamic_order)
+  monkeypatch.setattr(cute_ops, "WGRAD_TMA_GATHER", tma_gather)
   monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "grouped")
   grad = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
       jnp.float32)), argnums=(2, 3)))
