@@ -385,7 +385,7 @@ def main(argv=None):
                       "ffi/ops.py WGRAD_CLUSTER_M)")
   p.add_argument("--cute-wgrad-tma-gather", default=None,
                  help="comma list of dw1, dw2: those persistent weight gradients loading their "
-                      "gathered rows by TMA (default: ffi/ops.py WGRAD_TMA_GATHER); '' for none")
+                      "gathered rows by TMA (default: ffi/ops.py WGRAD_TMA_GATHER, both); '' for none")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"

@@ -181,8 +181,10 @@ WGRAD_CLUSTER_M = 2
 # a box a row (persistent.weight_grad tma_gather), instead of by their producer threads'
 # cp.async: a tuple of those names. Built in session 47 after probes of olmoe's dW1 (the
 # rows' LSU writes into SMEM cost 0.4 ms over the wgmmas' 2.7 there, the rhs's TMA loads,
-# twice the bytes, 0.09; results/2026-12-04-h200-session47); not yet measured.
-WGRAD_TMA_GATHER: tuple[str, ...] = ()
+# twice the bytes, 0.09). Measured (results/2026-12-04-h200-session47), the step's dW1 and
+# dW2, two rounds, TMA / cp.async: olmoe 0.943, 0.960; 120B-n1024 0.894, 0.940; 30B-n256
+# 0.957, 0.960; 7B-n256 0.960, 0.973; 7B-n1024 0.968, 0.972 (the same bits: GPU tests).
+WGRAD_TMA_GATHER: tuple[str, ...] = ("dw1", "dw2")
 
 
 def _setting(name: str, value, choices):
@@ -419,7 +421,7 @@ def _dynamic_order(op: str, m: int, n: int, block_n: int) -> bool:
 
 def dw1(x, dh_, plan):
   """dW1_e = X_e^T dH_e over expert e's rows; block_n 256 where 2n allows. X's rows are
-  gathered in the kernel by cp.async where dW1 has at most DW1_GATHER_MAX_COLUMN_TILES column
+  gathered in the kernel (by TMA or cp.async: WGRAD_TMA_GATHER) where dW1 has at most DW1_GATHER_MAX_COLUMN_TILES column
   tiles (each tile gathers the rows again), else by XLA first."""
   block_n = _wide_tile(dh_.shape[1], 256)
   if dh_.shape[1] // block_n <= DW1_GATHER_MAX_COLUMN_TILES:

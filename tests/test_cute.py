@@ -1320,10 +1320,10 @@ def test_cute_wgrad_cluster_setting_reaches_the_kernel_where_m_allows(monkeypatc
 @needs_cute
 def test_cute_wgrad_tma_gather_setting_reaches_the_kernel_it_names(monkeypatch):
   """WGRAD_TMA_GATHER names the persistent gathering weight gradients whose rows TMA loads
-  (dW1 untransposed, dW2 transposed; the layer lowers with either); none by default; a bare
+  (dW1 untransposed, dW2 transposed; the layer lowers with either); both by default; a bare
   name is refused by name."""
   cute_ops = importlib.import_module("ffi.ops")
-  assert cute_ops.WGRAD_TMA_GATHER == ()
+  assert cute_ops.WGRAD_TMA_GATHER == ("dw1", "dw2")
   monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", 1 << 30)   # dW2 gathers too
   calls = []
   real = cute_ops.persistent.weight_grad
