@@ -421,8 +421,9 @@ def _dynamic_order(op: str, m: int, n: int, block_n: int) -> bool:
 
 def dw1(x, dh_, plan):
   """dW1_e = X_e^T dH_e over expert e's rows; block_n 256 where 2n allows. X's rows are
-  gathered in the kernel (by TMA or cp.async: WGRAD_TMA_GATHER) where dW1 has at most DW1_GATHER_MAX_COLUMN_TILES column
-  tiles (each tile gathers the rows again), else by XLA first."""
+  gathered in the kernel (by TMA or cp.async: WGRAD_TMA_GATHER) where dW1 has at most
+  DW1_GATHER_MAX_COLUMN_TILES column tiles (each tile gathers the rows again), else by XLA
+  first."""
   block_n = _wide_tile(dh_.shape[1], 256)
   if dh_.shape[1] // block_n <= DW1_GATHER_MAX_COLUMN_TILES:
     return _gathered_weight_grad("dw1", x, dh_, plan, block_n)
