@@ -383,9 +383,9 @@ def main(argv=None):
   p.add_argument("--cute-wgrad-cluster-m", type=int, choices=(1, 2),
                  help="CTAs per cluster of the persistent gathering weight gradients (default: "
                       "ffi/ops.py WGRAD_CLUSTER_M)")
-  p.add_argument("--cute-wgrad-tma-gather", default=None,
-                 help="comma list of dw1, dw2: those persistent weight gradients loading their "
-                      "gathered rows by TMA (default: ffi/ops.py WGRAD_TMA_GATHER, both); '' for none")
+  p.add_argument("--cute-tma-gather", default=None,
+                 help="comma list of up_proj, dh, dw1, dw2: those ops loading their gathered rows "
+                      "by TMA (default: ffi/ops.py TMA_GATHER, dw1 and dw2); '' for none")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
@@ -398,8 +398,8 @@ def main(argv=None):
   if a.cute_wgrad_dynamic is not None:
     cute_settings["WGRAD_DYNAMIC_ORDER"] = ("auto" if a.cute_wgrad_dynamic == "auto" else
                                            tuple(filter(None, a.cute_wgrad_dynamic.split(","))))
-  if a.cute_wgrad_tma_gather is not None:
-    cute_settings["WGRAD_TMA_GATHER"] = tuple(filter(None, a.cute_wgrad_tma_gather.split(",")))
+  if a.cute_tma_gather is not None:
+    cute_settings["TMA_GATHER"] = tuple(filter(None, a.cute_tma_gather.split(",")))
   if a.cute_dh_h_smem:
     cute_settings["DH_H_SMEM"] = a.cute_dh_h_smem == "on"
   if a.cute_dout_gather:

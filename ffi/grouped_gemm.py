@@ -621,7 +621,8 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
 
 
 ROW_BOX = 64   # a gathered row's columns per TMA box (one 128-byte line of a swizzle atom)
-ROWS_PER_WARP = BLOCK_K // 4   # the TMA-gathering producer: each of its 4 warps' k rows
+ROWS_PER_WARP = BLOCK_K // 4   # the TMA-gathering weight gradient: each producer warp's k rows
+TILE_ROWS_PER_WARP = BLOCK_M // 4   # ... the TMA-gathering row tiles: each producer warp's rows
 
 
 def row_tma_atom(x, a_smem_staged):
@@ -638,16 +639,46 @@ def row_tma_atom(x, a_smem_staged):
                                      (ROW_BOX, 1))
 
 
-def row_lines(s_a_storage, a_smem_staged):
-  """The A stages seen unswizzled as ((ROW_BOX, 1) box, M half, k row, stage): element 0 of
-  each at its 128-byte line's start (where row_tma_atom's boxes go; the stage layout's M mode
-  is (ROW_BOX, WARPGROUPS), each warpgroup's columns one swizzle atom wide)."""
+def row_lines(s_a_storage, a_smem_staged, m_major: bool):
+  """The A stages seen unswizzled, element 0 of each box at its 128-byte line's start (where
+  row_tma_atom's boxes go). M-major (the weight gradient's: k rows gathered): ((ROW_BOX, 1)
+  box, M half, k row, stage), the stage layout's M mode being (ROW_BOX, WARPGROUPS), each
+  warpgroup's columns one swizzle atom wide. K-major (the M tile's rows gathered): ((ROW_BOX,
+  1) box, row, stage), its K mode (BLOCK_K, 1) one line."""
   outer = a_smem_staged.outer
-  (box, halves), (one, half_stride) = outer.shape[0], outer.stride[0]
-  assert box == ROW_BOX and halves == WARPGROUPS and one == 1, outer
-  return s_a_storage.get_tensor(cute.make_layout(
-      ((box, 1), halves, outer.shape[1], outer.shape[2]),
-      stride=((1, 0), half_stride, outer.stride[1], outer.stride[2])))
+  if m_major:
+    (box, halves), (one, half_stride) = outer.shape[0], outer.stride[0]
+    assert box == ROW_BOX and halves == WARPGROUPS and one == 1, outer
+    layout = cute.make_layout(((box, 1), halves, outer.shape[1], outer.shape[2]),
+                              stride=((1, 0), half_stride, outer.stride[1], outer.stride[2]))
+  else:
+    assert outer.shape[1] == (ROW_BOX, 1) and outer.stride[1][0] == 1, outer
+    layout = cute.make_layout((outer.shape[1], outer.shape[0], outer.shape[2]),
+                              stride=(outer.stride[1], outer.stride[0], outer.stride[2]))
+  return s_a_storage.get_tensor(layout)
+
+
+def row_boxes(atom, m_a, s_a_storage, a_smem_staged, m_major: bool):
+  """(atom, its coordinate tiles (box, 1, column box, row)) and the stages' lines
+  (row_lines, partitioned alike) of row_tma_atom's loads: the TMA producers' operands."""
+  lines, tiles = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                       row_lines(s_a_storage, a_smem_staged, m_major),
+                                       cute.local_tile(m_a, (ROW_BOX, 1), (None, None)))
+  return (atom, tiles), lines
+
+
+@cute.jit
+def _start_tma_stage(loads, produce, rhs_operands, k, warp):
+  """A TMA producer's k step k into stage produce.index: every warp waits until the stage is
+  free, warp 0 arrives with the stage's expected bytes (every operand's) and TMA-loads the rhs
+  tiles; returns the stage's full barrier for the rows' boxes."""
+  loads.sync_object_empty.wait(produce.index, produce.phase)
+  bar = loads.producer_get_barrier(produce)
+  if warp == 0:
+    loads.sync_object_full.arrive(produce.index, loads.producer_mask)
+    for operand in rhs_operands:
+      tma_load(operand, k, produce.index, bar)
+  return bar
 
 
 @cute.jit
@@ -669,17 +700,35 @@ def produce_wgrad_steps_tma(loads, produce, row_tiles, gather_index, lines, rhs_
     k = k_begin + step
     token = ahead
     ahead = cute.local_tile(gather_index, (BLOCK_K,), (cutlass.min(k + 1, last),))[my_row]
-    loads.sync_object_empty.wait(produce.index, produce.phase)
-    bar = loads.producer_get_barrier(produce)
-    if warp == 0:
-      loads.sync_object_full.arrive(produce.index, loads.producer_mask)
-      for operand in rhs_operands:
-        tma_load(operand, k, produce.index, bar)
+    bar = _start_tma_stage(loads, produce, rhs_operands, k, warp)
     for j in cutlass.range_constexpr(ROWS_PER_WARP):
       row_token = cute.arch.shuffle_sync(token, j)
       for half in cutlass.range_constexpr(WARPGROUPS):
         cute.copy(atom, tiles[(None, 0, col0 // ROW_BOX + half, row_token)],
                   lines[(None, half, warp * ROWS_PER_WARP + j, produce.index)], tma_bar_ptr=bar)
+    produce.advance()
+  return produce
+
+
+@cute.jit
+def produce_tile_rows_tma(loads, produce, row_tiles, gather_index, lines, rhs_operands, m_tile,
+                          k_begin, num_k, ptid):
+  """The gathering producer of a K-major A tile (the M tile's BLOCK_M rows gathered: the
+  up-projection's X, dH's dO) with the rows loaded by TMA (row_boxes' operands): each of its 4
+  warps TILE_ROWS_PER_WARP rows of the tile, lane l holding row l's token (read once: every k
+  step loads the same rows' next ROW_BOX = BLOCK_K columns), each row's token shuffled to the
+  warp and its box issued by one lane (cute.copy); padding rows (token T or more) read as
+  zeros."""
+  atom, tiles = row_tiles
+  warp, lane = ptid // 32, ptid % 32
+  token = gather_index[m_tile * BLOCK_M + warp * TILE_ROWS_PER_WARP + lane]
+  for step in cutlass.range(num_k, unroll=1):
+    k = k_begin + step
+    bar = _start_tma_stage(loads, produce, rhs_operands, k, warp)
+    for j in cutlass.range_constexpr(TILE_ROWS_PER_WARP):
+      row_token = cute.arch.shuffle_sync(token, j)
+      cute.copy(atom, tiles[(None, 0, k, row_token)],
+                lines[(None, warp * TILE_ROWS_PER_WARP + j, produce.index)], tma_bar_ptr=bar)
     produce.advance()
   return produce
 
@@ -711,12 +760,21 @@ def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_be
 
 @cute.jit
 def _produce_gathered(loads, rhs_operands, x, gather_index, s_a, num_k, m_tile, k_begin, ptid,
-                      stages: cutlass.Constexpr, kind: cutlass.Constexpr):
+                      stages: cutlass.Constexpr, kind: cutlass.Constexpr, rows_by_tma=None):
   """The gathering kernels' producer warpgroup (thread ptid of 128): fills the `stages`-deep
   ring with every k step's tiles (gather_stage), the M tile's rows' tokens read once per
-  tile; or the weight gradient's (produce_wgrad_steps)."""
+  tile; or the weight gradient's (produce_wgrad_steps). rows_by_tma: row_boxes' operands,
+  the rows then loaded by TMA (produce_wgrad_steps_tma, produce_tile_rows_tma)."""
   produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-  if cutlass.const_expr(kind == "wgrad"):
+  if cutlass.const_expr(rows_by_tma is not None):
+    row_tiles, lines = rows_by_tma
+    if cutlass.const_expr(kind == "wgrad"):
+      produce_wgrad_steps_tma(loads, produce, row_tiles, gather_index, lines, rhs_operands,
+                              k_begin, num_k, ptid, m_tile * BLOCK_M)
+    else:
+      produce_tile_rows_tma(loads, produce, row_tiles, gather_index, lines, rhs_operands, m_tile,
+                            k_begin, num_k, ptid)
+  elif cutlass.const_expr(kind == "wgrad"):
     produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k, ptid,
                         m_tile * BLOCK_M)
   else:   # rows of the M tile: the same for every k step
@@ -741,8 +799,9 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
             out_m_major: cutlass.Constexpr, producer: cutlass.Constexpr,
-            h_smem: cutlass.Constexpr):
+            h_smem: cutlass.Constexpr, tma_gather: cutlass.Constexpr):
   swiglu = kind == "swiglu"
+  copies = gather and not tma_gather   # A's rows copied by the producer's threads (cp.async)
   # with a producer warpgroup (always when gathering) warpgroup 0 loads and warpgroups 1, 2
   # compute: their threads' and warps' indices in the MMA warpgroups (else those are the CTA's)
   first_mma_warp = 4 if producer else 0
@@ -750,7 +809,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   n_tile, m_tile, z_tile = cute.arch.block_idx()
   num_n_tiles = cute.arch.grid_dim()[0]
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-  prefetch_descriptors(warp, tma_a, tma_b, gather)
+  prefetch_descriptors(warp, tma_a, tma_b, copies)
 
   num_k = cutlass.Int32(0)   # k steps: none for a tile past the last group or an empty expert
   k_begin = cutlass.Int32(0)
@@ -768,7 +827,6 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     rhs_l, out_l = expert, 0
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   tile_of = lambda t, n, l, proj: cute.local_tile(t, tile_mnk, (m_tile, n, None, l), proj=proj)
-  g_a = tile_of(m_a, n_tile, 0, (1, None, 1))                     # (bM, bK, k)
   # rhs column blocks: one, or SwiGLU's gate and up blocks (columns c and n + c of W1)
   half_cols = [n_tile, n_tile + num_n_tiles]   # a [P, 2n] tensor's gate and up column tiles
   rhs_cols = half_cols if cutlass.const_expr(swiglu) else [n_tile]
@@ -780,11 +838,12 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   s_bs = [buf.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
           for buf in ([storage.s_b, storage.s_b2] if cutlass.const_expr(swiglu) else [storage.s_b])]
   # (h_smem: h_bar, H's tile landed)
-  loads, h_bar = load_pipeline(storage, stages, stage_bytes, gather, THREADS, tidx,
+  loads, h_bar = load_pipeline(storage, stages, stage_bytes, copies, THREADS, tidx,
                                1 if h_smem else 0)
 
   operands = [tma_operand(tma_b, sb, gb) for sb, gb in zip(s_bs, g_bs)]
   if cutlass.const_expr(not gather):   # else A's stages are filled by the gathers
+    g_a = tile_of(m_a, n_tile, 0, (1, None, 1))                     # (bM, bK, k)
     operands = [tma_operand(tma_a, s_a, g_a)] + operands
   cute.arch.sync_threads()   # barriers initialised before anyone waits on them
 
@@ -792,8 +851,11 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     if cutlass.const_expr(producer):
       cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
       if cutlass.const_expr(gather):
+        rows_by_tma = None   # (tma_gather: the rows' boxes and their lines in the stages)
+        if cutlass.const_expr(tma_gather):
+          rows_by_tma = row_boxes(tma_a, m_a, storage.s_a, a_smem_staged, kind == "wgrad")
         _produce_gathered(loads, operands, m_a, gather_index, s_a, num_k, m_tile, k_begin, tidx,
-                          stages, kind)
+                          stages, kind, rows_by_tma)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
         produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
         for _ in cutlass.range(num_k, unroll=1):
@@ -827,7 +889,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
 
     for kk in cutlass.range(num_k, unroll=1):
       loads.consumer_wait(consume)
-      if cutlass.const_expr(gather):   # the gathered rows are generic-proxy writes
+      if cutlass.const_expr(copies):   # the copied rows are generic-proxy writes
         cute.arch.fence_proxy("async.shared", space="cta")
       issue_k_step(tiled_mma, accs, frag_a, frag_bs, consume.index)
       consume.advance()
@@ -936,10 +998,12 @@ def _up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor, 
 @cute.jit
 def _gathered_up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor,
                       gather_index: cute.Tensor, h: cute.Tensor, a: cute.Tensor,
-                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
-  """_up_proj with x (T, d, 1) the source rows and slot r reading x[gather_index[r]]."""
+                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+                      tma_gather: cutlass.Constexpr = False):
+  """_up_proj with x (T, d, 1) the source rows and slot r reading x[gather_index[r]]
+  (tma_gather: loaded by TMA)."""
   _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True,
-          False)
+          False, tma_gather=tma_gather)
 
 
 @cute.jit
@@ -958,10 +1022,11 @@ def _gathered_dh(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.T
                  gather_index: cute.Tensor, h: cute.Tensor, scores: cute.Tensor, dh: cute.Tensor,
                  a_scaled: cute.Tensor, ds_parts: cute.Tensor, block_n: cutlass.Constexpr,
                  stages: cutlass.Constexpr, register_store: cutlass.Constexpr,
-                 h_smem: cutlass.Constexpr = False):
-  """_dh with dout (T, d, 1) the source rows and slot r reading dout[gather_index[r]]."""
+                 h_smem: cutlass.Constexpr = False, tma_gather: cutlass.Constexpr = False):
+  """_dh with dout (T, d, 1) the source rows and slot r reading dout[gather_index[r]]
+  (tma_gather: loaded by TMA)."""
   _launch(stream, dout, w2, tile_expert, gather_index, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", True, register_store, False, h_smem)
+          block_n, stages, "dh", True, register_store, False, h_smem, tma_gather)
 
 
 @cute.jit
@@ -977,10 +1042,11 @@ def _weight_grad(stream, lhs: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Te
 @cute.jit
 def _gathered_weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tensor,
                           gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-                          stages: cutlass.Constexpr):
-  """_weight_grad with x (T, M, 1) the source rows and slot r reading x[gather_index[r]]."""
+                          stages: cutlass.Constexpr, tma_gather: cutlass.Constexpr = False):
+  """_weight_grad with x (T, M, 1) the source rows and slot r reading x[gather_index[r]]
+  (tma_gather: loaded by TMA)."""
   _launch(stream, x, rhs, group_rows, gather_index, out, out, None, block_n, stages, "wgrad",
-          True, False)
+          True, False, tma_gather=tma_gather)
 
 
 def shared_storage(dtype, num_barriers: int, a_elems: int, b_elems: int, num_rhs: int = 1,
@@ -1015,14 +1081,16 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
-            warp_specialized: cutlass.Constexpr = False, h_smem: cutlass.Constexpr = False):
+            warp_specialized: cutlass.Constexpr = False, h_smem: cutlass.Constexpr = False,
+            tma_gather: cutlass.Constexpr = False):
   """The grid over (output column tiles, M tiles[, experts]) and the kernel's static
   configuration. kind: "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs
   W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
   parts)); for those two the grid covers n's columns; or "wgrad" (lhs (M, P, 1) M-major, rhs
   (N, P, 1), out (M, N, E) N- or M-major: out[e] = lhs_e rhs_e^T over expert e's rows,
   tile_expert holding group_rows: routing.group_row_steps). With gather lhs is the source of the rows
-  gather_index names (A's stages filled by a third, producer warpgroup: _produce_gathered).
+  gather_index names (A's stages filled by a third, producer warpgroup: _produce_gathered; by
+  its threads' cp.async, or with tma_gather by TMA, a box a row: row_tma_atom).
   register_store (dh only): each thread stores its fragments from registers instead of the
   TMA-store epilogue. warp_specialized: a producer warpgroup issues the TMA loads of a kernel
   that does not gather too (the MMA warpgroups' first warp otherwise). h_smem (dh): the
@@ -1044,7 +1112,9 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
                                            cute.slice_(b_smem_staged, (None, None, 0)),
                                            (block_n, BLOCK_K))
-  if cutlass.const_expr(gather and kind == "wgrad"):   # no TMA for A (the kernel takes an atom: B's, unused)
+  if cutlass.const_expr(gather and tma_gather):   # A's rows by TMA, a box a row
+    tma_a, m_a = row_tma_atom(lhs, a_smem_staged)
+  elif cutlass.const_expr(gather and kind == "wgrad"):   # no TMA for A (the kernel takes an atom: B's, unused)
     tma_a, m_a = tma_b, m_b
   else:
     tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), lhs,
@@ -1074,7 +1144,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   num_barriers = stages * 2 + (1 if h_smem else 0)   # the pipeline's, (h_smem) H's
 
   stage_bytes = num_rhs * cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
-  if cutlass.const_expr(not gather):   # TMA brings A's tile too
+  if cutlass.const_expr(not gather or tma_gather):   # TMA brings A's tile too
     stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
   num_n_tiles = cute.size(out, mode=[1]) // ((1 if kind in ("store", "wgrad") else 2) * block_n)
@@ -1082,13 +1152,21 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   storage = shared_storage(dtype, num_barriers, cute.cosize(a_smem_staged), b_elems, num_rhs)
   producer = gather or warp_specialized   # a producer warpgroup loads the stages
   _kernel.set_name_prefix(kernel_label(kind, gather), remove_cutlass_symbol=True)
-  _kernel(tma_a, lhs if gather else m_a, tma_b, m_b, out, out2, tma_out, m_out_tma, tma_out2,
-          m_out2_tma, m_h, m_scores, m_ds, tma_h, m_h_tma, h_smem_staged, chunk_mma, tile_expert,
-          gather_index, tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged,
+  _kernel(tma_a, lhs if gather and not tma_gather else m_a, tma_b, m_b, out, out2, tma_out,
+          m_out_tma, tma_out2, m_out2_tma, m_h, m_scores, m_ds, tma_h, m_h_tma, h_smem_staged,
+          chunk_mma, tile_expert, gather_index, tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged,
           cute.size(rhs, mode=[2]), storage, block_n, stages, stage_bytes, kind, gather,
-          register_store, out_layout.is_m_major_c(), producer, h_smem).launch(
+          register_store, out_layout.is_m_major_c(), producer, h_smem, tma_gather).launch(
               grid=(num_n_tiles, num_m_tiles, num_z),
               block=(THREADS + (128 if producer else 0), 1, 1), stream=stream)
+
+
+def tma_gather_config(tma_gather: bool, gather_index, name: str) -> dict:
+  """The kernel option of tma_gather=True ({} for the default, which the FFI targets leave
+  out); ValueError where there are no rows to gather."""
+  if tma_gather and gather_index is None:
+    raise ValueError(f"cute {name}: tma_gather loads gathered rows; it needs gather_index")
+  return dict(tma_gather=True) if tma_gather else {}
 
 
 def _warp_specialized_config(warp_specialized: bool, gather_index=None) -> dict:
@@ -1180,12 +1258,13 @@ def rows_read(rows, gather_index):
 
 
 def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
-            stages: int | None = None, warp_specialized: bool = False):
+            stages: int | None = None, warp_specialized: bool = False, tma_gather: bool = False):
   """H = Xg W1_e (gate and up halves) and A = silu(gate) * up per M tile: xg [P, d] rows in
   slot order, w1 [E, d, 2n]; returns H [P, 2n], A [P, n] (the SwiGLU epilogue). With
   gather_index [P], xg is X [T, d] and slot r reads X[gather_index[r]] (zeros where it is T or
-  more), gathered inside the kernel by cp.async (by a producer warpgroup). stages and
-  warp_specialized (without gather_index): as grouped_matmul's."""
+  more), gathered inside the kernel by cp.async (by a producer warpgroup), or with tma_gather
+  by TMA, a box a row (the same bits). stages and warp_specialized (without gather_index): as
+  grouped_matmul's."""
   n = w1.shape[2] // 2
   reason = unsupported(rows_read(xg, gather_index),
                        jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n)
@@ -1197,7 +1276,8 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
   stages = _pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)
   return up_proj_call((_up_proj, _gathered_up_proj), xg, w1, tile_expert, gather_index,
                       block_n=block_n, stages=stages,
-                      **_warp_specialized_config(warp_specialized, gather_index))
+                      **_warp_specialized_config(warp_specialized, gather_index),
+                      **tma_gather_config(tma_gather, gather_index, "up_proj"))
 
 
 def up_proj_call(kernels, xg, w1, tile_expert, gather_index, **config):
@@ -1234,7 +1314,7 @@ def dh_unsupported(dout_g, w2, h, scores, block_n: int):
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None,
        tma_store: bool = False, gather_index=None, over_h: bool = True,
-       warp_specialized: bool = False, h_smem: bool = False):
+       warp_specialized: bool = False, h_smem: bool = False, tma_gather: bool = False):
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
@@ -1242,7 +1322,7 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   stored straight from registers, or with tma_store through SMEM by TMA stores (bitwise the
   same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
-  by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call).
+  by cp.async as up_proj gathers X (or by TMA: tma_gather, as up_proj's). over_h: dH written over H's buffer (dh_call).
   warp_specialized (without gather_index): as grouped_matmul's. h_smem: the epilogue reads H
   from SMEM, its tile TMA-loaded over the rhs stages once the mainloop is done (coalesced,
   where the per-thread global loads read 16 of each 32-byte sector); with tma_store too, dH
@@ -1263,7 +1343,8 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   option = dict(h_smem=True) if h_smem else {}   # (off: the targets leave it out)
   return dh_call((_dh, _gathered_dh), dout_g, w2, h, scores, tile_expert, gather_index,
                  over_h, block_n=block_n, stages=stages, register_store=not tma_store,
-                 **_warp_specialized_config(warp_specialized, gather_index), **option)
+                 **_warp_specialized_config(warp_specialized, gather_index), **option,
+                 **tma_gather_config(tma_gather, gather_index, "dh"))
 
 
 def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: bool, *,
@@ -1308,7 +1389,7 @@ def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, grou
 
 def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
                 stages: int | None = None, gather_index=None, transpose_out: bool = False,
-                warp_specialized: bool = False, group_sizes=None):
+                warp_specialized: bool = False, group_sizes=None, tma_gather: bool = False):
   """out[e] = lhs[rows of e]^T rhs[rows of e] ([E, M, N] in lhs's dtype, fp32 accumulation):
   lhs [P, M] and rhs [P, N] rows in slot order, expert e's rows group_offsets[e] ..
   group_offsets[e + 1] (multiples of BLOCK_M, an aligned plan; an expert without rows gets
@@ -1317,7 +1398,8 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   past that end; the padding rows it still reads, in the last step, must be zeros (as the
   plan's). dW1 = weight_grad(Xg, dH), dW2 = weight_grad(A', dOg). With gather_index [P], lhs
   is X [T, M] and slot r reads X[gather_index[r]] (zeros where it is T or more), gathered inside
-  the kernel by cp.async (bitwise equal to gathering first; H200 timings in ops.dw1). With
+  the kernel by cp.async (bitwise equal to gathering first; H200 timings in ops.dw1), or with
+  tma_gather by TMA, a box a row and warpgroup half (the same bits). With
   transpose_out the kernel stores out[e]^T: [E, N, M] (its epilogue writes M-major tiles; no
   separate transpose). warp_specialized (without gather_index): as grouped_matmul's."""
   slots = rows_read(lhs, gather_index)   # the rows the GEMM reads
@@ -1328,7 +1410,8 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   group_rows = routing.group_row_ranges(group_offsets, group_sizes)
   return weight_grad_call((_weight_grad, _gathered_weight_grad), lhs, rhs, group_rows,
                           num_experts, gather_index, transpose_out, block_n=block_n, stages=stages,
-                          **_warp_specialized_config(warp_specialized, gather_index))
+                          **_warp_specialized_config(warp_specialized, gather_index),
+                          **tma_gather_config(tma_gather, gather_index, "weight_grad"))
 
 
 def weight_grad_call(kernels, lhs, rhs, group_rows, num_experts: int, gather_index,

@@ -229,10 +229,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     row_tiles, lines = None, None
     if cutlass.const_expr(tma_gather):   # the rows' boxes and their lines in the stages
-      lines, tiles = cpasync.tma_partition(
-          tma_a, 0, cute.make_layout(1), gg.row_lines(storage.s_a, a_smem_staged),
-          cute.local_tile(m_a, (gg.ROW_BOX, 1), (None, None)))
-      row_tiles = (tma_a, tiles)
+      row_tiles, lines = gg.row_boxes(tma_a, m_a, storage.s_a, a_smem_staged, True)
     asked = cutlass.Int32(0)   # (dynamic, warp 0's lane 0) the count its last ask returned
     if cutlass.const_expr(dynamic):
       if warp == 0:
@@ -464,13 +461,12 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
   stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
-  clusters = dict(cluster_m=cluster_m) if cluster_m > 1 else {}
-  if tma_gather:
-    clusters["tma_gather"] = True
+  options = dict(cluster_m=cluster_m) if cluster_m > 1 else {}
+  options.update(gg.tma_gather_config(tma_gather, gather_index, "persistent weight_grad"))
   return gg.weight_grad_call((None, _weight_grad_dynamic if dynamic else _weight_grad), x, rhs,
                              routing.group_row_ranges(group_offsets, group_sizes), num_experts,
                              gather_index, transpose_out, tile_counter=dynamic, block_n=block_n,
-                             stages=stages, **_grid_config(num_ctas, "weight_grad"), **clusters)
+                             stages=stages, **_grid_config(num_ctas, "weight_grad"), **options)
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,

@@ -111,11 +111,12 @@ def test_cute_gather_sum_matches_numpy_on_gpu(d, dtype):
     assert np.all(np.asarray(got.astype(jnp.float32))[counts == 0] == 0)
 
 
-def _assert_gathering_matches_pregathered(op, rows, index, *operands, **kw):
+def _assert_gathering_matches_pregathered(op, rows, index, *operands, tma_gather=False, **kw):
   """op(rows, *operands, gather_index=index), the kernel gathering rows[index] itself (zeros
-  where the index is past the end; its producer warpgroup), equals op on the rows gathered by
-  XLA first, bit for bit."""
-  fused = jax.jit(lambda r, i, *o: op(r, *o, gather_index=i, **kw))(rows, index, *operands)
+  where the index is past the end; its producer warpgroup, by cp.async or with tma_gather by
+  TMA), equals op on the rows gathered by XLA first, bit for bit."""
+  fused_kw = dict(kw, tma_gather=True) if tma_gather else kw
+  fused = jax.jit(lambda r, i, *o: op(r, *o, gather_index=i, **fused_kw))(rows, index, *operands)
   gathered = rows.at[index].get(mode="fill", fill_value=0)
   pregathered = jax.jit(lambda r, *o: op(r, *o, **kw))(gathered, *operands)
   for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(pregathered)):
@@ -146,9 +147,10 @@ def test_cute_aggregate_past_2_31_elements_on_gpu():
 
 @pytest.mark.gpu
 @needs_cute
-def test_cute_gathers_past_2_31_elements_on_gpu():
-  """up_proj and dW1 gathering X's last rows, where token * d passes 2^31: bitwise equal to
-  the kernels on rows gathered by XLA first."""
+@pytest.mark.parametrize("tma_gather", [False, True])
+def test_cute_gathers_past_2_31_elements_on_gpu(tma_gather):
+  """up_proj and dW1 gathering X's last rows, where token * d passes 2^31 (by cp.async or
+  TMA): bitwise equal to the kernels on rows gathered by XLA first."""
   from ffi import grouped_gemm
   n, P = 128, 2 * grouped_gemm.BLOCK_M
   x = jax.random.normal(jax.random.key(44), (BIG_ROWS, BIG_D), jnp.bfloat16)
@@ -156,9 +158,10 @@ def test_cute_gathers_past_2_31_elements_on_gpu():
   rhs = jax.random.normal(jax.random.key(46), (P, 2 * n), jnp.bfloat16)
   index = BIG_ROWS - 1 - jax.random.permutation(jax.random.key(47), P).astype(jnp.int32)
   tile_expert, offsets = jnp.zeros((2,), jnp.int32), jnp.array([0, P], jnp.int32)
-  _assert_gathering_matches_pregathered(grouped_gemm.up_proj, x, index, w1, tile_expert)
+  _assert_gathering_matches_pregathered(grouped_gemm.up_proj, x, index, w1, tile_expert,
+                                        tma_gather=tma_gather)
   _assert_gathering_matches_pregathered(grouped_gemm.weight_grad, x, index, rhs, offsets,
-                                        num_experts=1)
+                                        num_experts=1, tma_gather=tma_gather)
 
 
 @needs_cute
@@ -347,12 +350,18 @@ def test_dh_over_h_can_be_turned_off(monkeypatch):
     ("weight_grad_t", 256, None), ("weight_grad_gather_t", 128, 3), ("up_proj_gather", 128, None),
     ("dh_gather", 256, None), ("weight_grad_gather_t", 256, None), ("matmul_ws", 256, None),
     ("up_proj_ws", 128, None), ("dh_ws", 256, None), ("weight_grad_ws", 256, 4),
-    ("dh_h_smem", 256, None), ("dh_gather_h_smem", 128, None), ("dh_tma_h_smem", 256, None)])
+    ("dh_h_smem", 256, None), ("dh_gather_h_smem", 128, None), ("dh_tma_h_smem", 256, None),
+    ("up_proj_gather+tma", 128, None), ("up_proj_gather+tma", 64, 3), ("dh_gather+tma", 256, None),
+    ("dh_gather_h_smem+tma", 128, None), ("weight_grad_gather+tma", 256, 2),
+    ("weight_grad_gather_t+tma", 128, 3)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
-  """The tile widths and pipeline depths the sweep tries compile for sm_90a."""
+  """The tile widths and pipeline depths the sweep tries compile for sm_90a; "+tma": the
+  gathered rows loaded by TMA (tma_gather)."""
   from ffi import grouped_gemm
   P, K, N, E = 512, 256, 512, 4
   kw = dict(block_n=block_n, stages=stages)
+  if kernel.endswith("+tma"):
+    kernel, kw = kernel.removesuffix("+tma"), dict(kw, tma_gather=True)
   fn = {"matmul": lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, **kw),
         "matmul_t": lambda a, b, t: grouped_gemm.grouped_matmul(
             a, jnp.swapaxes(b, 1, 2), t, transpose_rhs=True, **kw),
@@ -401,6 +410,25 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
   assert FFI_TARGET in _cuda_module(fn, *shapes)
+
+
+@needs_cute
+def test_cute_tma_gather_needs_gather_index():
+  """tma_gather without rows to gather is refused by name, each kernel naming itself."""
+  from ffi import grouped_gemm
+  x, tiles = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32)
+  calls = {
+      "up_proj": lambda: grouped_gemm.up_proj(x, jnp.zeros((2, 128, 256), jnp.bfloat16), tiles,
+                                              tma_gather=True),
+      "dh": lambda: grouped_gemm.dh(x, jnp.zeros((2, 128, 128), jnp.bfloat16),
+                                    jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((256,)), tiles,
+                                    tma_gather=True),
+      "weight_grad": lambda: grouped_gemm.weight_grad(x, x, jnp.array([0, 128, 256], jnp.int32),
+                                                      2, tma_gather=True)}
+  for name, call in calls.items():
+    with pytest.raises(ValueError, match=f"cute {name}: tma_gather loads gathered rows; it "
+                                         f"needs gather_index"):
+      call()
 
 
 @needs_cute
@@ -488,12 +516,14 @@ def test_cute_up_proj_with_gather_compiles_for_cuda():
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,d", [
-    (128, None, 512), (64, None, 512), (128, 2, 512), (128, 3, 1024), (64, 2, 1024)])
-def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, d):
-  """Gathering X's rows in the kernel (padding slots: index T, zero rows) gives the bitwise
-  same H and A as the kernel on rows gathered by XLA first (16 k steps at d = 1024: the
-  pipeline's ring wraps)."""
+@pytest.mark.parametrize("block_n,stages,d,tma_gather", [
+    (128, None, 512, False), (64, None, 512, False), (128, 2, 512, False),
+    (128, 3, 1024, False), (64, 2, 1024, False), (128, None, 512, True), (64, 2, 1024, True),
+    (128, 3, 1024, True)])
+def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, d, tma_gather):
+  """Gathering X's rows in the kernel (padding slots: index T, zero rows; by cp.async or TMA)
+  gives the bitwise same H and A as the kernel on rows gathered by XLA first (16 k steps at
+  d = 1024: the pipeline's ring wraps)."""
   from ffi import grouped_gemm
   T, n, E = 1000, 256, 4
   tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
@@ -502,7 +532,7 @@ def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, d)
   w1 = (jax.random.normal(jax.random.key(8), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(9), (P,), 0, T).at[::7].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.up_proj, x, index, w1, tile_expert,
-                                        block_n=block_n, stages=stages)
+                                        block_n=block_n, stages=stages, tma_gather=tma_gather)
 
 
 @pytest.mark.gpu
@@ -1116,10 +1146,13 @@ def test_cute_weight_grad_skips_padding_steps_on_gpu(kernel, gather, transpose_o
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,tma_store", [(128, False), (64, False), (128, True), (256, False)])
-def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store):
-  """Gathering dO's rows in the dH kernel (padding slots: index T, zero rows) gives the
-  bitwise same dH, A' and dS parts as the kernel on rows gathered by XLA first."""
+@pytest.mark.parametrize("block_n,tma_store,tma_gather", [
+    (128, False, False), (64, False, False), (128, True, False), (256, False, False),
+    (128, False, True), (256, True, True)])
+def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store, tma_gather):
+  """Gathering dO's rows in the dH kernel (padding slots: index T, zero rows; by cp.async or
+  TMA) gives the bitwise same dH, A' and dS parts as the kernel on rows gathered by XLA
+  first."""
   from ffi import grouped_gemm
   T, d, n, E = 1000, 512, 256, 4
   tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
@@ -1130,7 +1163,8 @@ def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store):
   scores = jax.random.uniform(jax.random.key(54), (P,))
   index = jax.random.randint(jax.random.key(55), (P,), 0, T).at[::7].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.dh, dout, index, w2, h, scores,
-                                        tile_expert, block_n=block_n, tma_store=tma_store)
+                                        tile_expert, block_n=block_n, tma_store=tma_store,
+                                        tma_gather=tma_gather)
 
 
 @needs_cute
@@ -1164,12 +1198,14 @@ def test_cute_dh_h_smem_needs_its_stages():
 @needs_cute
 @pytest.mark.parametrize("block_n,gather,tma_store,d", [
     (256, True, False, 640), (128, False, False, 640), (256, False, True, 640),
-    (128, True, True, 128), (256, True, False, 128)])
+    (128, True, True, 128), (256, True, False, 128), (256, "tma", True, 640),
+    (128, "tma", False, 128)])
 def test_cute_dh_h_smem_keeps_outputs_on_gpu(block_n, gather, tma_store, d):
   """dH's epilogue reading H from SMEM (TMA-loaded over the rhs stages after the mainloop;
   with tma_store its outputs written there and stored by TMA; experts of 0 to 10 k steps,
-  fewer k steps than stages at d 128, a tile past the last group) gives the bitwise same dH,
-  A' and dS parts as reading it from global memory."""
+  fewer k steps than stages at d 128, a tile past the last group; dO's rows gathered by
+  cp.async or "tma") gives the bitwise same dH, A' and dS parts as reading it from global
+  memory."""
   from ffi import grouped_gemm
   T, n, E = 1000, 256, 4
   tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
@@ -1182,7 +1218,7 @@ def test_cute_dh_h_smem_keeps_outputs_on_gpu(block_n, gather, tma_store, d):
   index = jax.random.randint(keys[4], (P,), 0, T).at[::7].set(T) if gather else None
   run = jax.jit(lambda h_smem: grouped_gemm.dh(
       dout, w2, h, scores, tile_expert, block_n=block_n, gather_index=index, over_h=False,
-      tma_store=tma_store, h_smem=h_smem), static_argnums=0)
+      tma_store=tma_store, h_smem=h_smem, tma_gather=gather == "tma"), static_argnums=0)
   for g, w in zip(run(True), run(False)):
     assert np.any(np.asarray(w, np.float32) != 0)
     np.testing.assert_array_equal(g, w)
@@ -1190,12 +1226,14 @@ def test_cute_dh_h_smem_keeps_outputs_on_gpu(block_n, gather, tma_store, d):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages", [(128, None), (256, None), (128, 2), (256, 3)])
-def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n, stages):
+@pytest.mark.parametrize("block_n,stages,tma_gather", [
+    (128, None, False), (256, None, False), (128, 2, False), (256, 3, False), (256, None, True),
+    (128, 2, True)])
+def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n, stages, tma_gather):
   """Gathering X's rows in the weight-gradient kernel (rows are its contraction; padding slots:
   index T, zero rows; experts of 2, 4 and 10 k steps fill the producer's ring of `stages`
-  partly, exactly and wrap it) gives the bitwise same dW as the kernel on rows gathered by XLA
-  first."""
+  partly, exactly and wrap it; by cp.async or TMA) gives the bitwise same dW as the kernel on
+  rows gathered by XLA first."""
   from ffi import grouped_gemm
   sizes = [256, 0, 640, 128]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
@@ -1204,7 +1242,8 @@ def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n, stages
   rhs = jax.random.normal(jax.random.key(32), (P, N)).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(33), (P,), 0, T).at[::5].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.weight_grad, x, index, rhs, offsets,
-                                        num_experts=E, block_n=block_n, stages=stages)
+                                        num_experts=E, block_n=block_n, stages=stages,
+                                        tma_gather=tma_gather)
 
 
 @pytest.mark.gpu
@@ -1318,35 +1357,48 @@ def test_cute_wgrad_cluster_setting_reaches_the_kernel_where_m_allows(monkeypatc
 
 
 @needs_cute
-def test_cute_wgrad_tma_gather_setting_reaches_the_kernel_it_names(monkeypatch):
-  """WGRAD_TMA_GATHER names the persistent gathering weight gradients whose rows TMA loads
-  (dW1 untransposed, dW2 transposed; the layer lowers with either); both by default; a bare
-  name is refused by name."""
+@pytest.mark.parametrize("wgrad_kernel", ["persistent", "grouped"])
+def test_cute_tma_gather_setting_reaches_the_kernels_it_names(wgrad_kernel, monkeypatch):
+  """TMA_GATHER names the gathering ops whose rows TMA loads: the up-projection, dH (on
+  grouped_gemm's kernel, d 2048 here), dW1 (untransposed) and dW2 (transposed), on either
+  weight-gradient kernel; the layer lowers with any; dW1 and dW2 by default; a bare name or
+  another op is refused by name."""
   cute_ops = importlib.import_module("ffi.ops")
-  assert cute_ops.WGRAD_TMA_GATHER == ("dw1", "dw2")
-  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", 1 << 30)   # dW2 gathers too
+  assert cute_ops.TMA_GATHER == ("dw1", "dw2")
+  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", 1 << 30)   # dH, dW2 gather too
+  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", wgrad_kernel)
   calls = []
-  real = cute_ops.persistent.weight_grad
 
-  def spy(x, *args, **kw):
-    calls.append(("dw2" if kw["transpose_out"] else "dw1", kw["tma_gather"]))
-    return real(x, *args, **kw)
+  def spy(op, module, name):
+    real = getattr(module, name)
 
-  monkeypatch.setattr(cute_ops.persistent, "weight_grad", spy)
+    def call(*args, **kw):   # (persistent.weight_grad takes its gather_index positionally)
+      if kw.get("gather_index") is not None or module is cute_ops.persistent:
+        calls.append((op(kw), kw.get("tma_gather", False)))
+      return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, call)
+
+  wgrad_module = cute_ops.persistent if wgrad_kernel == "persistent" else cute_ops.grouped_gemm
+  spy(lambda kw: "dw2" if kw["transpose_out"] else "dw1", wgrad_module, "weight_grad")
+  spy(lambda kw: "up_proj", cute_ops.grouped_gemm, "up_proj")
+  spy(lambda kw: "dh", cute_ops.grouped_gemm, "dh")
 
   def loss(*a):
     return jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
 
-  args = make_inputs(0, 256, 256, 128, 8, jnp.bfloat16)
-  for setting in [(), ("dw1",), ("dw1", "dw2")]:
-    monkeypatch.setattr(cute_ops, "WGRAD_TMA_GATHER", setting)
+  args = make_inputs(0, 256, 2048, 128, 8, jnp.bfloat16)
+  ops = ("dh", "dw1", "dw2", "up_proj")
+  for setting in [(), ("dw1",), ("dw1", "dw2"), ("up_proj", "dh"), ops]:
+    monkeypatch.setattr(cute_ops, "TMA_GATHER", setting)
     calls.clear()
-    assert FFI_TARGET in _cuda_module(jax.grad(loss, argnums=(0, 2, 3)), *args)
-    assert sorted(calls) == [(op, op in setting) for op in ("dw1", "dw2")], calls
-  monkeypatch.setattr(cute_ops, "WGRAD_TMA_GATHER", "dw1")
-  with pytest.raises(ValueError, match=r"ffi.ops.WGRAD_TMA_GATHER must be a tuple of 'dw1' and "
-                                       r"'dw2'; got 'dw1'"):
-    _cuda_module(jax.grad(loss), *args)
+    assert FFI_TARGET in _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
+    assert sorted(calls) == [(op, op in setting) for op in ops], calls
+  for bad in ["dw1", ("dw1", "dx")]:
+    monkeypatch.setattr(cute_ops, "TMA_GATHER", bad)
+    with pytest.raises(ValueError, match=r"ffi.ops.TMA_GATHER must be a tuple of 'up_proj', "
+                                         r"'dh', 'dw1' and 'dw2'; got "):
+      _cuda_module(jax.grad(loss), *args)
 
 
 @needs_cute
@@ -1592,7 +1644,7 @@ def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(cluster_
   args = make_inputs(74, 1000, 512, 256, 16, jnp.bfloat16)
   monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", cluster_m)
   monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", dynamic_order)
-  monkeypatch.setattr(cute_ops, "WGRAD_TMA_GATHER", tma_gather)
+  monkeypatch.setattr(cute_ops, "TMA_GATHER", tma_gather)
   monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "grouped")
   grad = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
       jnp.float32)), argnums=(2, 3)))
