@@ -1263,8 +1263,9 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
   slot order, w1 [E, d, 2n]; returns H [P, 2n], A [P, n] (the SwiGLU epilogue). With
   gather_index [P], xg is X [T, d] and slot r reads X[gather_index[r]] (zeros where it is T or
   more), gathered inside the kernel by cp.async (by a producer warpgroup), or with tma_gather
-  by TMA, a box a row (the same bits). stages and warp_specialized (without gather_index): as
-  grouped_matmul's."""
+  by TMA, a box a row (experimental: bitwise right at d 512 with 4 stages and d 4096, wrong at
+  d 1024 with 2 and 3 stages in session 47's GPU tests; the layer does not use it). stages
+  and warp_specialized (without gather_index): as grouped_matmul's."""
   n = w1.shape[2] // 2
   reason = unsupported(rows_read(xg, gather_index),
                        jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n)
@@ -1322,7 +1323,8 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   stored straight from registers, or with tma_store through SMEM by TMA stores (bitwise the
   same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
-  by cp.async as up_proj gathers X (or by TMA: tma_gather, as up_proj's). over_h: dH written over H's buffer (dh_call).
+  by cp.async as up_proj gathers X (or by TMA: tma_gather, experimental as up_proj's; its
+  GPU bit tests passed in session 47). over_h: dH written over H's buffer (dh_call).
   warp_specialized (without gather_index): as grouped_matmul's. h_smem: the epilogue reads H
   from SMEM, its tile TMA-loaded over the rhs stages once the mainloop is done (coalesced,
   where the per-thread global loads read 16 of each 32-byte sector); with tma_store too, dH
