@@ -822,8 +822,9 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   else:
     owner = tile_expert[m_tile]
     expert = cutlass.min(owner, num_experts - 1)   # a valid coordinate; unused past the groups
-    if owner < num_experts:
-      num_k = cute.size(m_a, mode=[1]) // BLOCK_K
+    if owner < num_experts:   # the contraction: lhs's columns (mode 0 of the row boxes' (columns,
+      # rows) tensor: its mode 1 is X's rows, whose count is no k extent)
+      num_k = cute.size(m_a, mode=[0 if tma_gather else 1]) // BLOCK_K
     rhs_l, out_l = expert, 0
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   tile_of = lambda t, n, l, proj: cute.local_tile(t, tile_mnk, (m_tile, n, None, l), proj=proj)
@@ -1263,9 +1264,9 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
   slot order, w1 [E, d, 2n]; returns H [P, 2n], A [P, n] (the SwiGLU epilogue). With
   gather_index [P], xg is X [T, d] and slot r reads X[gather_index[r]] (zeros where it is T or
   more), gathered inside the kernel by cp.async (by a producer warpgroup), or with tma_gather
-  by TMA, a box a row (experimental: bitwise right at d 512 with 4 stages and d 4096, wrong at
-  d 1024 with 2 and 3 stages in session 47's GPU tests; the layer does not use it). stages
-  and warp_specialized (without gather_index): as grouped_matmul's."""
+  by TMA, a box a row (the layer does not use it yet: session 47's GPU tests found its k steps
+  counted from X's rows, fixed since and not yet rerun). stages and warp_specialized (without
+  gather_index): as grouped_matmul's."""
   n = w1.shape[2] // 2
   reason = unsupported(rows_read(xg, gather_index),
                        jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n)
@@ -1323,8 +1324,8 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   stored straight from registers, or with tma_store through SMEM by TMA stores (bitwise the
   same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
-  by cp.async as up_proj gathers X (or by TMA: tma_gather, experimental as up_proj's; its
-  GPU bit tests passed in session 47). over_h: dH written over H's buffer (dh_call).
+  by cp.async as up_proj gathers X (or by TMA: tma_gather, not yet used by the layer, as
+  up_proj's). over_h: dH written over H's buffer (dh_call).
   warp_specialized (without gather_index): as grouped_matmul's. h_smem: the epilogue reads H
   from SMEM, its tile TMA-loaded over the rhs stages once the mainloop is done (coalesced,
   where the per-thread global loads read 16 of each 32-byte sector); with tma_store too, dH
