@@ -177,17 +177,19 @@ WGRAD_DYNAMIC_MIN_TILES = 128
 # 0.96-0.97 in that round too: alone in the sweep 0.98-0.99); 30B-n256 0.989, 0.976;
 # 7B-n1024 0.985, 0.996; 7B-n256 1.001, 0.996.
 WGRAD_CLUSTER_M = 2
-# Which gathering weight gradients ("dw1", "dw2") load their gathered rows by TMA, a box a row
-# (the kernels' tma_gather, grouped or persistent), instead of by their producer threads'
-# cp.async: a tuple of those names. Built in session 47 after probes of olmoe's dW1
+# Which gathering ops ("up_proj", "dh", "dw1", "dw2") load their gathered rows by TMA, a box a
+# row (the kernels' tma_gather), instead of by their producer threads' cp.async: a tuple of
+# those names; on grouped_gemm's and persistent's kernels (the ping-pong ones, ffi/pingpong.py,
+# copy their rows by cp.async either way). Built in session 47 after probes of olmoe's dW1
 # (the rows' LSU writes into SMEM cost 0.4 ms over the wgmmas' 2.7 there, the rhs's TMA loads,
 # twice the bytes, 0.09). Measured (results/2026-12-04-h200-session47), the step's dW1 and
 # dW2, two rounds, TMA / cp.async: olmoe 0.943, 0.960; 120B-n1024 0.894, 0.940; 30B-n256
-# 0.957, 0.960; 7B-n256 0.960, 0.973; 7B-n1024 0.968, 0.972 (the same bits: GPU tests). Not
-# yet offered for up_proj and dh: their kernels' K-major TMA rows (grouped_gemm tma_gather)
-# failed two GPU bit tests in session 47 (k steps counted from X's rows: fixed after, on the
-# CPU, not yet run on the GPU) and are unmeasured.
+# 0.957, 0.960; 7B-n256 0.960, 0.973; 7B-n1024 0.968, 0.972 (the same bits: GPU tests). The
+# up-projection's and dH's (K-major rows) are not in the default: two of their GPU bit tests
+# failed in session 47 (k steps counted from X's rows; fixed after on the CPU, not yet rerun
+# on the GPU), and they are unmeasured.
 TMA_GATHER: tuple[str, ...] = ("dw1", "dw2")
+TMA_GATHER_OPS = ("up_proj", "dh", "dw1", "dw2")
 
 
 def _setting(name: str, value, choices):
@@ -241,7 +243,8 @@ def up_proj(x, w1, plan):
   if UP_PROJ_GATHER_IN_KERNEL and UP_PROJ_KERNEL == "pingpong":
     return pingpong.up_proj(x, w1, _tiles(plan), plan.token_index)
   if UP_PROJ_GATHER_IN_KERNEL:
-    return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index)
+    return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index,
+                                tma_gather=_tma_gather("up_proj"))
   return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan))
 
 
@@ -366,6 +369,8 @@ def dh(dout, w2, h, scores, plan):
   block_n = _dh_block_n(n, d)
   if _dout_gathered_in_kernel(n, d):
     rows, gather = dout, dict(gather_index=plan.token_index)
+    if not kernel.startswith("pingpong") and _tma_gather("dh"):
+      gather["tma_gather"] = True
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
   if kernel.startswith("pingpong"):
@@ -404,18 +409,18 @@ def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bo
                                 cluster_m=cluster_m, tma_gather=_tma_gather(op))
 
 
-def _wgrad_ops(name: str, value, alternatives: str = "") -> tuple[str, ...]:
-  """A setting naming weight gradients (`name`, its value): a tuple of "dw1" and "dw2";
-  ValueError naming it (and its `alternatives`, e.g. "'auto' or ") otherwise."""
-  if not isinstance(value, tuple) or set(value) - {"dw1", "dw2"}:
-    raise ValueError(f"ffi.ops.{name} must be {alternatives}a tuple of 'dw1' and 'dw2'; got "
-                     f"{value!r}")
+def _ops_named(name: str, value, ops=("dw1", "dw2"), alternatives: str = "") -> tuple[str, ...]:
+  """A setting naming ops (`name`, its value): a tuple of some of `ops`; ValueError naming it
+  (and its `alternatives`, e.g. "'auto' or ") otherwise."""
+  if not isinstance(value, tuple) or set(value) - set(ops):
+    names = ", ".join(map(repr, ops[:-1])) + f" and {ops[-1]!r}"
+    raise ValueError(f"ffi.ops.{name} must be {alternatives}a tuple of {names}; got {value!r}")
   return value
 
 
 def _tma_gather(op: str) -> bool:
   """Whether op's kernel loads its gathered rows by TMA: TMA_GATHER."""
-  return op in _wgrad_ops("TMA_GATHER", TMA_GATHER)
+  return op in _ops_named("TMA_GATHER", TMA_GATHER, TMA_GATHER_OPS)
 
 
 def _dynamic_order(op: str, m: int, n: int, block_n: int) -> bool:
@@ -424,7 +429,7 @@ def _dynamic_order(op: str, m: int, n: int, block_n: int) -> bool:
   if WGRAD_DYNAMIC_ORDER == "auto":
     tiles_an_expert = -(-m // persistent.BLOCK_M) * -(-n // block_n)
     return op == "dw1" and tiles_an_expert >= WGRAD_DYNAMIC_MIN_TILES
-  return op in _wgrad_ops("WGRAD_DYNAMIC_ORDER", WGRAD_DYNAMIC_ORDER, "'auto' or ")
+  return op in _ops_named("WGRAD_DYNAMIC_ORDER", WGRAD_DYNAMIC_ORDER, alternatives="'auto' or ")
 
 
 def dw1(x, dh_, plan):

@@ -1361,10 +1361,10 @@ def test_cute_wgrad_cluster_setting_reaches_the_kernel_where_m_allows(monkeypatc
 @needs_cute
 @pytest.mark.parametrize("wgrad_kernel", ["persistent", "grouped"])
 def test_cute_tma_gather_setting_reaches_the_kernels_it_names(wgrad_kernel, monkeypatch):
-  """TMA_GATHER names the weight gradients whose gathered rows TMA loads, dW1 (untransposed)
-  and dW2 (transposed), on either weight-gradient kernel, while the up-projection and dH
-  (grouped_gemm's kernel at d 2048 here) copy theirs; the layer lowers with any; both by
-  default; a bare name or another op is refused by name."""
+  """TMA_GATHER names the gathering ops whose rows TMA loads: the up-projection, dH (on
+  grouped_gemm's kernel, d 2048 here), dW1 (untransposed) and dW2 (transposed), on either
+  weight-gradient kernel; the layer lowers with any; dW1 and dW2 by default; a bare name or
+  another op is refused by name."""
   cute_ops = importlib.import_module("ffi.ops")
   assert cute_ops.TMA_GATHER == ("dw1", "dw2")
   monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", 1 << 30)   # dH, dW2 gather too
@@ -1391,15 +1391,15 @@ def test_cute_tma_gather_setting_reaches_the_kernels_it_names(wgrad_kernel, monk
 
   args = make_inputs(0, 256, 2048, 128, 8, jnp.bfloat16)
   ops = ("dh", "dw1", "dw2", "up_proj")
-  for setting in [(), ("dw1",), ("dw2",), ("dw1", "dw2")]:
+  for setting in [(), ("dw1",), ("dw1", "dw2"), ("up_proj", "dh"), ops]:
     monkeypatch.setattr(cute_ops, "TMA_GATHER", setting)
     calls.clear()
     assert FFI_TARGET in _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
     assert sorted(calls) == [(op, op in setting) for op in ops], calls
-  for bad in ["dw1", ("dw1", "up_proj")]:
+  for bad in ["dw1", ("dw1", "dx")]:
     monkeypatch.setattr(cute_ops, "TMA_GATHER", bad)
-    with pytest.raises(ValueError, match=r"ffi.ops.TMA_GATHER must be a tuple of 'dw1' and "
-                                         r"'dw2'; got "):
+    with pytest.raises(ValueError, match=r"ffi.ops.TMA_GATHER must be a tuple of 'up_proj', "
+                                         r"'dh', 'dw1' and 'dw2'; got "):
       _cuda_module(jax.grad(loss), *args)
 
 
