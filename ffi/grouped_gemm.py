@@ -626,10 +626,10 @@ TILE_ROWS_PER_WARP = BLOCK_M // 4   # ... the TMA-gathering row tiles: each prod
 
 
 def row_tma_atom(x, a_smem_staged):
-  """(TMA atom, its coordinate tensor (M, T)) loading ROW_BOX columns of one row of X (T, M, 1)
-  at a time, swizzled as the weight gradient's A stages: a box is one 128-byte line of their
-  swizzle atom, and TMA swizzles by the destination address, so a box written at the line's
-  start lands as the M-major stage holds it (row_lines)."""
+  """(TMA atom, its coordinate tensor (columns, rows)) loading ROW_BOX columns of one row of X
+  (T, C, 1) at a time, swizzled as the A stages: in either major a box is one 128-byte line of
+  their swizzle atom, and TMA swizzles by the destination address, so a box written at the
+  line's start lands as the stage holds it (row_lines)."""
   rows, cols = cute.size(x, mode=[0]), cute.size(x, mode=[1])
   x_cols_rows = cute.make_tensor(x.iterator, cute.make_layout(
       (cols, rows), stride=(1, x.layout.stride[0])))
