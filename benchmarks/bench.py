@@ -395,11 +395,12 @@ def main(argv=None):
                        STORE_WIDE_MIN_K=a.cute_store_wide_min_k,
                        STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n, WGRAD_KERNEL=a.cute_wgrad,
                        STORE_WIDE_KERNEL=a.cute_store_wide, WGRAD_CLUSTER_M=a.cute_wgrad_cluster_m)
+  op_names = lambda csv: tuple(filter(None, csv.split(",")))   # ('' for none)
   if a.cute_wgrad_dynamic is not None:
     cute_settings["WGRAD_DYNAMIC_ORDER"] = ("auto" if a.cute_wgrad_dynamic == "auto" else
-                                           tuple(filter(None, a.cute_wgrad_dynamic.split(","))))
+                                           op_names(a.cute_wgrad_dynamic))
   if a.cute_tma_gather is not None:
-    cute_settings["TMA_GATHER"] = tuple(filter(None, a.cute_tma_gather.split(",")))
+    cute_settings["TMA_GATHER"] = op_names(a.cute_tma_gather)
   if a.cute_dh_h_smem:
     cute_settings["DH_H_SMEM"] = a.cute_dh_h_smem == "on"
   if a.cute_dout_gather:

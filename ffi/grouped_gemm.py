@@ -591,12 +591,26 @@ def _gather_k_step(x, tokens, a_stage, col0, tidx):
 
 
 @cute.jit
+def start_stage(loads, state, rhs_operands, k, first_warp):
+  """A gathering producer's k step k into stage state.index: each of its warps waits until the
+  stage is free; its first warp (first_warp: whether this thread is in it; the whole warp: the
+  arrive and the copies elect one lane with elect.sync, which one lane alone must not reach)
+  arrives with the stage's expected TMA bytes and TMA-loads the rhs tiles. Returns the
+  stage's full barrier."""
+  loads.sync_object_empty.wait(state.index, state.phase)
+  bar = loads.producer_get_barrier(state)
+  if first_warp:
+    loads.sync_object_full.arrive(state.index, loads.producer_mask)
+    for operand in rhs_operands:
+      tma_load(operand, k, state.index, bar)
+  return bar
+
+
+@cute.jit
 def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
                  kind: cutlass.Constexpr):
   """A gathering producer warpgroup's k step k into stage state.index, by all 128 of its
-  threads (ptid): wait until the MMA warpgroups released the stage; warp 0 sets the full
-  barrier's expected TMA bytes and TMA-loads the rhs tiles (the whole warp: the arrive and the
-  copies elect one lane with elect.sync, which one lane alone must not reach); every thread
+  threads (ptid): start_stage (the stage free, the rhs tiles TMA-loaded); every thread
   cp.async-copies its share of A's gathered rows for both MMA warpgroups, as if it were each
   of their threads in turn (rows of the M tile, _gather_step, tokens a list of each
   warpgroup's rows' tokens; or kind "wgrad", the weight gradient's BLOCK_K rows of the k step
@@ -604,12 +618,7 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
   zeros by plain stores), then arrives on the full barrier twice: once its copies land
   (cp.async's noinc arrive) and once at once (a release arrive publishing its plain stores).
   The barrier counts PRODUCER_ARRIVALS."""
-  loads.sync_object_empty.wait(state.index, state.phase)
-  bar = loads.producer_get_barrier(state)
-  if ptid < 32:
-    loads.sync_object_full.arrive(state.index, loads.producer_mask)
-    for operand in rhs_operands:
-      tma_load(operand, k, state.index, bar)
+  bar = start_stage(loads, state, rhs_operands, k, ptid < 32)
   stage = s_a[None, None, state.index]
   for wg in cutlass.range_constexpr(WARPGROUPS):
     if cutlass.const_expr(kind == "wgrad"):
@@ -668,20 +677,6 @@ def row_boxes(atom, m_a, s_a_storage, a_smem_staged, m_major: bool):
 
 
 @cute.jit
-def _start_tma_stage(loads, produce, rhs_operands, k, warp):
-  """A TMA producer's k step k into stage produce.index: every warp waits until the stage is
-  free, warp 0 arrives with the stage's expected bytes (every operand's) and TMA-loads the rhs
-  tiles; returns the stage's full barrier for the rows' boxes."""
-  loads.sync_object_empty.wait(produce.index, produce.phase)
-  bar = loads.producer_get_barrier(produce)
-  if warp == 0:
-    loads.sync_object_full.arrive(produce.index, loads.producer_mask)
-    for operand in rhs_operands:
-      tma_load(operand, k, produce.index, bar)
-  return bar
-
-
-@cute.jit
 def produce_wgrad_steps_tma(loads, produce, row_tiles, gather_index, lines, rhs_operands,
                             k_begin, num_k, ptid, col0):
   """produce_wgrad_steps with the gathered rows loaded by TMA (row_tma_atom: its partitioned
@@ -700,7 +695,7 @@ def produce_wgrad_steps_tma(loads, produce, row_tiles, gather_index, lines, rhs_
     k = k_begin + step
     token = ahead
     ahead = cute.local_tile(gather_index, (BLOCK_K,), (cutlass.min(k + 1, last),))[my_row]
-    bar = _start_tma_stage(loads, produce, rhs_operands, k, warp)
+    bar = start_stage(loads, produce, rhs_operands, k, warp == 0)
     for j in cutlass.range_constexpr(ROWS_PER_WARP):
       row_token = cute.arch.shuffle_sync(token, j)
       for half in cutlass.range_constexpr(WARPGROUPS):
@@ -724,7 +719,7 @@ def produce_tile_rows_tma(loads, produce, row_tiles, gather_index, lines, rhs_op
   token = gather_index[m_tile * BLOCK_M + warp * TILE_ROWS_PER_WARP + lane]
   for step in cutlass.range(num_k, unroll=1):
     k = k_begin + step
-    bar = _start_tma_stage(loads, produce, rhs_operands, k, warp)
+    bar = start_stage(loads, produce, rhs_operands, k, warp == 0)
     for j in cutlass.range_constexpr(TILE_ROWS_PER_WARP):
       row_token = cute.arch.shuffle_sync(token, j)
       cute.copy(atom, tiles[(None, 0, k, row_token)],
@@ -799,7 +794,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
             out_m_major: cutlass.Constexpr, producer: cutlass.Constexpr,
-            h_smem: cutlass.Constexpr, tma_gather: cutlass.Constexpr):
+            h_smem: cutlass.Constexpr, tma_gather: cutlass.Constexpr,
+            k_steps: cutlass.Constexpr):
   swiglu = kind == "swiglu"
   copies = gather and not tma_gather   # A's rows copied by the producer's threads (cp.async)
   # with a producer warpgroup (always when gathering) warpgroup 0 loads and warpgroups 1, 2
@@ -822,9 +818,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   else:
     owner = tile_expert[m_tile]
     expert = cutlass.min(owner, num_experts - 1)   # a valid coordinate; unused past the groups
-    if owner < num_experts:   # the contraction: lhs's columns (mode 0 of the row boxes' (columns,
-      # rows) tensor: its mode 1 is X's rows, whose count is no k extent)
-      num_k = cute.size(m_a, mode=[0 if tma_gather else 1]) // BLOCK_K
+    if owner < num_experts:
+      num_k = k_steps
     rhs_l, out_l = expert, 0
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   tile_of = lambda t, n, l, proj: cute.local_tile(t, tile_mnk, (m_tile, n, None, l), proj=proj)
@@ -1150,6 +1145,9 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
   num_n_tiles = cute.size(out, mode=[1]) // ((1 if kind in ("store", "wgrad") else 2) * block_n)
   num_z = cute.size(out, mode=[2]) if kind == "wgrad" else 1   # wgrad: one per expert
+  # (but wgrad) the contraction's k steps: lhs's columns (session 47's TMA rows counted them
+  # from the row boxes' tensor, whose mode 1 is X's rows)
+  k_steps = cute.size(lhs, mode=[1]) // BLOCK_K
   storage = shared_storage(dtype, num_barriers, cute.cosize(a_smem_staged), b_elems, num_rhs)
   producer = gather or warp_specialized   # a producer warpgroup loads the stages
   _kernel.set_name_prefix(kernel_label(kind, gather), remove_cutlass_symbol=True)
@@ -1157,7 +1155,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
           m_out_tma, tma_out2, m_out2_tma, m_h, m_scores, m_ds, tma_h, m_h_tma, h_smem_staged,
           chunk_mma, tile_expert, gather_index, tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged,
           cute.size(rhs, mode=[2]), storage, block_n, stages, stage_bytes, kind, gather,
-          register_store, out_layout.is_m_major_c(), producer, h_smem, tma_gather).launch(
+          register_store, out_layout.is_m_major_c(), producer, h_smem, tma_gather,
+          k_steps).launch(
               grid=(num_n_tiles, num_m_tiles, num_z),
               block=(THREADS + (128 if producer else 0), 1, 1), stream=stream)
 
