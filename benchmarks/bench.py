@@ -384,8 +384,8 @@ def main(argv=None):
                  help="CTAs per cluster of the persistent gathering weight gradients (default: "
                       "ffi/ops.py WGRAD_CLUSTER_M)")
   p.add_argument("--cute-tma-gather", default=None,
-                 help="comma list of up_proj, dh, dw1, dw2: those ops loading their gathered rows "
-                      "by TMA (default: ffi/ops.py TMA_GATHER, dw1 and dw2); '' for none")
+                 help="comma list of dw1, dw2: those weight gradients loading their gathered "
+                      "rows by TMA (default: ffi/ops.py TMA_GATHER, dw1 and dw2); '' for none")
   a = p.parse_args(argv)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"

@@ -101,7 +101,6 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
     the weight gradients skipping each expert's padding (the layer's), *_sized_dynamic: in the
     dynamic tile order, *_sized_cluster and *_sized_dynamic_cluster: in clusters of 2 CTAs
     sharing the rhs's stages (M a multiple of 256), *_tma: the rows loaded by TMA;
-    up_proj_gather_rowtma, dh_gather_tma_hsmem_rowtma: those two gathering rows by TMA;
   - up_proj, down_proj, dx_tilde, dh, dw1 and dw2 again as *_ws: a producer warpgroup issuing
     their TMA loads."""
   from ffi import grouped_gemm as cute_gemm, persistent, pingpong  # optional extra
@@ -169,14 +168,6 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   rows["dh_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(
       g, w2, h, s, t, gather_index=i, over_h=False, **dataclasses.asdict(c)),
       static_argnums=0), (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
-  # up_proj_gather and dh_gather_tma_hsmem with the gathered rows loaded by TMA (tma_gather)
-  rows["up_proj_gather_rowtma"] = (jax.jit(lambda c, x, w1, i, t: cute_gemm.up_proj(
-      x, w1, t, gather_index=i, tma_gather=True, **dataclasses.asdict(c)), static_argnums=0),
-      up_args, up_flops, up_n)
-  rows["dh_gather_tma_hsmem_rowtma"] = (jax.jit(lambda c, g, w2, h, s, t, i: cute_gemm.dh(
-      g, w2, h, s, t, gather_index=i, over_h=False, tma_store=True, h_smem=True,
-      tma_gather=True, **dataclasses.asdict(c)), static_argnums=0),
-      (dout, *dh_args[1:], plan.token_index), dh_flops, dh_n)
   rows["dw1_gather"] = (jax.jit(lambda c, x, h, o, i: cute_gemm.weight_grad(
       x, h, o, E, gather_index=i, **dataclasses.asdict(c)), static_argnums=0),
       (x, h, offsets, plan.token_index), dw1_flops, None)

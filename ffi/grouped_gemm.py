@@ -631,14 +631,13 @@ def gather_stage(loads, state, x, tokens, s_a, rhs_operands, k, ptid, col0,
 
 ROW_BOX = 64   # a gathered row's columns per TMA box (one 128-byte line of a swizzle atom)
 ROWS_PER_WARP = BLOCK_K // 4   # the TMA-gathering weight gradient: each producer warp's k rows
-TILE_ROWS_PER_WARP = BLOCK_M // 4   # ... the TMA-gathering row tiles: each producer warp's rows
 
 
 def row_tma_atom(x, a_smem_staged):
   """(TMA atom, its coordinate tensor (columns, rows)) loading ROW_BOX columns of one row of X
-  (T, C, 1) at a time, swizzled as the A stages: in either major a box is one 128-byte line of
-  their swizzle atom, and TMA swizzles by the destination address, so a box written at the
-  line's start lands as the stage holds it (row_lines)."""
+  (T, C, 1) at a time, swizzled as the weight gradient's M-major A stages: a box is one
+  128-byte line of their swizzle atom, and TMA swizzles by the destination address, so a box
+  written at the line's start lands as the stage holds it (row_lines)."""
   rows, cols = cute.size(x, mode=[0]), cute.size(x, mode=[1])
   x_cols_rows = cute.make_tensor(x.iterator, cute.make_layout(
       (cols, rows), stride=(1, x.layout.stride[0])))
@@ -648,30 +647,24 @@ def row_tma_atom(x, a_smem_staged):
                                      (ROW_BOX, 1))
 
 
-def row_lines(s_a_storage, a_smem_staged, m_major: bool):
-  """The A stages seen unswizzled, element 0 of each box at its 128-byte line's start (where
-  row_tma_atom's boxes go). M-major (the weight gradient's: k rows gathered): ((ROW_BOX, 1)
-  box, M half, k row, stage), the stage layout's M mode being (ROW_BOX, WARPGROUPS), each
-  warpgroup's columns one swizzle atom wide. K-major (the M tile's rows gathered): ((ROW_BOX,
-  1) box, row, stage), its K mode (BLOCK_K, 1) one line."""
+def row_lines(s_a_storage, a_smem_staged):
+  """The weight gradient's M-major A stages (k rows gathered) seen unswizzled, element 0 of
+  each box at its 128-byte line's start (where row_tma_atom's boxes go): ((ROW_BOX, 1) box, M
+  half, k row, stage), the stage layout's M mode being (ROW_BOX, WARPGROUPS), each
+  warpgroup's columns one swizzle atom wide."""
   outer = a_smem_staged.outer
-  if m_major:
-    (box, halves), (one, half_stride) = outer.shape[0], outer.stride[0]
-    assert box == ROW_BOX and halves == WARPGROUPS and one == 1, outer
-    layout = cute.make_layout(((box, 1), halves, outer.shape[1], outer.shape[2]),
-                              stride=((1, 0), half_stride, outer.stride[1], outer.stride[2]))
-  else:
-    assert outer.shape[1] == (ROW_BOX, 1) and outer.stride[1][0] == 1, outer
-    layout = cute.make_layout((outer.shape[1], outer.shape[0], outer.shape[2]),
-                              stride=(outer.stride[1], outer.stride[0], outer.stride[2]))
+  (box, halves), (one, half_stride) = outer.shape[0], outer.stride[0]
+  assert box == ROW_BOX and halves == WARPGROUPS and one == 1, outer
+  layout = cute.make_layout(((box, 1), halves, outer.shape[1], outer.shape[2]),
+                            stride=((1, 0), half_stride, outer.stride[1], outer.stride[2]))
   return s_a_storage.get_tensor(layout)
 
 
-def row_boxes(atom, m_a, s_a_storage, a_smem_staged, m_major: bool):
+def row_boxes(atom, m_a, s_a_storage, a_smem_staged):
   """(atom, its coordinate tiles (box, 1, column box, row)) and the stages' lines
-  (row_lines, partitioned alike) of row_tma_atom's loads: the TMA producers' operands."""
+  (row_lines, partitioned alike) of row_tma_atom's loads: the TMA producer's operands."""
   lines, tiles = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                       row_lines(s_a_storage, a_smem_staged, m_major),
+                                       row_lines(s_a_storage, a_smem_staged),
                                        cute.local_tile(m_a, (ROW_BOX, 1), (None, None)))
   return (atom, tiles), lines
 
@@ -706,29 +699,6 @@ def produce_wgrad_steps_tma(loads, produce, row_tiles, gather_index, lines, rhs_
 
 
 @cute.jit
-def produce_tile_rows_tma(loads, produce, row_tiles, gather_index, lines, rhs_operands, m_tile,
-                          k_begin, num_k, ptid):
-  """The gathering producer of a K-major A tile (the M tile's BLOCK_M rows gathered: the
-  up-projection's X, dH's dO) with the rows loaded by TMA (row_boxes' operands): each of its 4
-  warps TILE_ROWS_PER_WARP rows of the tile, lane l holding row l's token (read once: every k
-  step loads the same rows' next ROW_BOX = BLOCK_K columns), each row's token shuffled to the
-  warp and its box issued by one lane (cute.copy); padding rows (token T or more) read as
-  zeros."""
-  atom, tiles = row_tiles
-  warp, lane = ptid // 32, ptid % 32
-  token = gather_index[m_tile * BLOCK_M + warp * TILE_ROWS_PER_WARP + lane]
-  for step in cutlass.range(num_k, unroll=1):
-    k = k_begin + step
-    bar = start_stage(loads, produce, rhs_operands, k, warp == 0)
-    for j in cutlass.range_constexpr(TILE_ROWS_PER_WARP):
-      row_token = cute.arch.shuffle_sync(token, j)
-      cute.copy(atom, tiles[(None, 0, k, row_token)],
-                lines[(None, warp * TILE_ROWS_PER_WARP + j, produce.index)], tma_bar_ptr=bar)
-    produce.advance()
-  return produce
-
-
-@cute.jit
 def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k, ptid,
                         col0):
   """The weight gradient's gathering producer (thread ptid of 128) over one output tile's k
@@ -758,17 +728,13 @@ def _produce_gathered(loads, rhs_operands, x, gather_index, s_a, num_k, m_tile, 
                       stages: cutlass.Constexpr, kind: cutlass.Constexpr, rows_by_tma=None):
   """The gathering kernels' producer warpgroup (thread ptid of 128): fills the `stages`-deep
   ring with every k step's tiles (gather_stage), the M tile's rows' tokens read once per
-  tile; or the weight gradient's (produce_wgrad_steps). rows_by_tma: row_boxes' operands,
-  the rows then loaded by TMA (produce_wgrad_steps_tma, produce_tile_rows_tma)."""
+  tile; or the weight gradient's (produce_wgrad_steps). rows_by_tma (the weight gradient
+  only): row_boxes' operands, the rows then loaded by TMA (produce_wgrad_steps_tma)."""
   produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
   if cutlass.const_expr(rows_by_tma is not None):
     row_tiles, lines = rows_by_tma
-    if cutlass.const_expr(kind == "wgrad"):
-      produce_wgrad_steps_tma(loads, produce, row_tiles, gather_index, lines, rhs_operands,
-                              k_begin, num_k, ptid, m_tile * BLOCK_M)
-    else:
-      produce_tile_rows_tma(loads, produce, row_tiles, gather_index, lines, rhs_operands, m_tile,
-                            k_begin, num_k, ptid)
+    produce_wgrad_steps_tma(loads, produce, row_tiles, gather_index, lines, rhs_operands,
+                            k_begin, num_k, ptid, m_tile * BLOCK_M)
   elif cutlass.const_expr(kind == "wgrad"):
     produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_begin, num_k, ptid,
                         m_tile * BLOCK_M)
@@ -849,7 +815,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
       if cutlass.const_expr(gather):
         rows_by_tma = None   # (tma_gather: the rows' boxes and their lines in the stages)
         if cutlass.const_expr(tma_gather):
-          rows_by_tma = row_boxes(tma_a, m_a, storage.s_a, a_smem_staged, kind == "wgrad")
+          rows_by_tma = row_boxes(tma_a, m_a, storage.s_a, a_smem_staged)
         _produce_gathered(loads, operands, m_a, gather_index, s_a, num_k, m_tile, k_begin, tidx,
                           stages, kind, rows_by_tma)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
@@ -994,12 +960,10 @@ def _up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor, 
 @cute.jit
 def _gathered_up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor,
                       gather_index: cute.Tensor, h: cute.Tensor, a: cute.Tensor,
-                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                      tma_gather: cutlass.Constexpr = False):
-  """_up_proj with x (T, d, 1) the source rows and slot r reading x[gather_index[r]]
-  (tma_gather: loaded by TMA)."""
+                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+  """_up_proj with x (T, d, 1) the source rows and slot r reading x[gather_index[r]]."""
   _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True,
-          False, tma_gather=tma_gather)
+          False)
 
 
 @cute.jit
@@ -1018,11 +982,10 @@ def _gathered_dh(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.T
                  gather_index: cute.Tensor, h: cute.Tensor, scores: cute.Tensor, dh: cute.Tensor,
                  a_scaled: cute.Tensor, ds_parts: cute.Tensor, block_n: cutlass.Constexpr,
                  stages: cutlass.Constexpr, register_store: cutlass.Constexpr,
-                 h_smem: cutlass.Constexpr = False, tma_gather: cutlass.Constexpr = False):
-  """_dh with dout (T, d, 1) the source rows and slot r reading dout[gather_index[r]]
-  (tma_gather: loaded by TMA)."""
+                 h_smem: cutlass.Constexpr = False):
+  """_dh with dout (T, d, 1) the source rows and slot r reading dout[gather_index[r]]."""
   _launch(stream, dout, w2, tile_expert, gather_index, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", True, register_store, False, h_smem, tma_gather)
+          block_n, stages, "dh", True, register_store, False, h_smem)
 
 
 @cute.jit
@@ -1086,7 +1049,9 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   (N, P, 1), out (M, N, E) N- or M-major: out[e] = lhs_e rhs_e^T over expert e's rows,
   tile_expert holding group_rows: routing.group_row_steps). With gather lhs is the source of the rows
   gather_index names (A's stages filled by a third, producer warpgroup: _produce_gathered; by
-  its threads' cp.async, or with tma_gather by TMA, a box a row: row_tma_atom).
+  its threads' cp.async, or, the weight gradient's, with tma_gather by TMA, a box a row:
+  row_tma_atom; session 48 measured K-major rows by TMA, a box a row for the up-projection
+  and dH, 6-40% slower than cp.async and removed them).
   register_store (dh only): each thread stores its fragments from registers instead of the
   TMA-store epilogue. warp_specialized: a producer warpgroup issues the TMA loads of a kernel
   that does not gather too (the MMA warpgroups' first warp otherwise). h_smem (dh): the
@@ -1145,8 +1110,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
   num_n_tiles = cute.size(out, mode=[1]) // ((1 if kind in ("store", "wgrad") else 2) * block_n)
   num_z = cute.size(out, mode=[2]) if kind == "wgrad" else 1   # wgrad: one per expert
-  # (but wgrad) the contraction's k steps: lhs's columns (session 47's TMA rows counted them
-  # from the row boxes' tensor, whose mode 1 is X's rows)
+  # (but wgrad) the contraction's k steps: lhs's columns
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K
   storage = shared_storage(dtype, num_barriers, cute.cosize(a_smem_staged), b_elems, num_rhs)
   producer = gather or warp_specialized   # a producer warpgroup loads the stages
@@ -1258,14 +1222,12 @@ def rows_read(rows, gather_index):
 
 
 def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
-            stages: int | None = None, warp_specialized: bool = False, tma_gather: bool = False):
+            stages: int | None = None, warp_specialized: bool = False):
   """H = Xg W1_e (gate and up halves) and A = silu(gate) * up per M tile: xg [P, d] rows in
   slot order, w1 [E, d, 2n]; returns H [P, 2n], A [P, n] (the SwiGLU epilogue). With
   gather_index [P], xg is X [T, d] and slot r reads X[gather_index[r]] (zeros where it is T or
-  more), gathered inside the kernel by cp.async (by a producer warpgroup), or with tma_gather
-  by TMA, a box a row (the layer does not use it yet: session 47's GPU tests found its k steps
-  counted from X's rows, fixed since and not yet rerun). stages and warp_specialized (without
-  gather_index): as grouped_matmul's."""
+  more), gathered inside the kernel by cp.async (by a producer warpgroup). stages and
+  warp_specialized (without gather_index): as grouped_matmul's."""
   n = w1.shape[2] // 2
   reason = unsupported(rows_read(xg, gather_index),
                        jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n)
@@ -1277,8 +1239,7 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
   stages = _pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)
   return up_proj_call((_up_proj, _gathered_up_proj), xg, w1, tile_expert, gather_index,
                       block_n=block_n, stages=stages,
-                      **_warp_specialized_config(warp_specialized, gather_index),
-                      **tma_gather_config(tma_gather, gather_index, "up_proj"))
+                      **_warp_specialized_config(warp_specialized, gather_index))
 
 
 def up_proj_call(kernels, xg, w1, tile_expert, gather_index, **config):
@@ -1315,7 +1276,7 @@ def dh_unsupported(dout_g, w2, h, scores, block_n: int):
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None,
        tma_store: bool = False, gather_index=None, over_h: bool = True,
-       warp_specialized: bool = False, h_smem: bool = False, tma_gather: bool = False):
+       warp_specialized: bool = False, h_smem: bool = False):
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
@@ -1323,8 +1284,7 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   stored straight from registers, or with tma_store through SMEM by TMA stores (bitwise the
   same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
-  by cp.async as up_proj gathers X (or by TMA: tma_gather, not yet used by the layer, as
-  up_proj's). over_h: dH written over H's buffer (dh_call).
+  by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call).
   warp_specialized (without gather_index): as grouped_matmul's. h_smem: the epilogue reads H
   from SMEM, its tile TMA-loaded over the rhs stages once the mainloop is done (coalesced,
   where the per-thread global loads read 16 of each 32-byte sector); with tma_store too, dH
@@ -1345,8 +1305,7 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   option = dict(h_smem=True) if h_smem else {}   # (off: the targets leave it out)
   return dh_call((_dh, _gathered_dh), dout_g, w2, h, scores, tile_expert, gather_index,
                  over_h, block_n=block_n, stages=stages, register_store=not tma_store,
-                 **_warp_specialized_config(warp_specialized, gather_index), **option,
-                 **tma_gather_config(tma_gather, gather_index, "dh"))
+                 **_warp_specialized_config(warp_specialized, gather_index), **option)
 
 
 def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: bool, *,

@@ -177,19 +177,16 @@ WGRAD_DYNAMIC_MIN_TILES = 128
 # 0.96-0.97 in that round too: alone in the sweep 0.98-0.99); 30B-n256 0.989, 0.976;
 # 7B-n1024 0.985, 0.996; 7B-n256 1.001, 0.996.
 WGRAD_CLUSTER_M = 2
-# Which gathering ops ("up_proj", "dh", "dw1", "dw2") load their gathered rows by TMA, a box a
-# row (the kernels' tma_gather), instead of by their producer threads' cp.async: a tuple of
-# those names; on grouped_gemm's and persistent's kernels (the ping-pong ones, ffi/pingpong.py,
-# copy their rows by cp.async either way). Built in session 47 after probes of olmoe's dW1
+# Which weight gradients ("dw1", "dw2") load their gathered rows by TMA, a box a row (the
+# kernels' tma_gather), instead of by their producer threads' cp.async: a tuple of those
+# names. Built in session 47 after probes of olmoe's dW1
 # (the rows' LSU writes into SMEM cost 0.4 ms over the wgmmas' 2.7 there, the rhs's TMA loads,
 # twice the bytes, 0.09). Measured (results/2026-12-04-h200-session47), the step's dW1 and
 # dW2, two rounds, TMA / cp.async: olmoe 0.943, 0.960; 120B-n1024 0.894, 0.940; 30B-n256
 # 0.957, 0.960; 7B-n256 0.960, 0.973; 7B-n1024 0.968, 0.972 (the same bits: GPU tests). The
-# up-projection's and dH's (K-major rows) are not in the default: two of their GPU bit tests
-# failed in session 47 (k steps counted from X's rows; fixed after on the CPU, not yet rerun
-# on the GPU), and they are unmeasured.
+# up-projection's and dH's rows (K-major: a box a row every k step, 128 a stage) ran 6-40%
+# slower by TMA than by cp.async (session 48) and were removed.
 TMA_GATHER: tuple[str, ...] = ("dw1", "dw2")
-TMA_GATHER_OPS = ("up_proj", "dh", "dw1", "dw2")
 
 
 def _setting(name: str, value, choices):
@@ -243,8 +240,7 @@ def up_proj(x, w1, plan):
   if UP_PROJ_GATHER_IN_KERNEL and UP_PROJ_KERNEL == "pingpong":
     return pingpong.up_proj(x, w1, _tiles(plan), plan.token_index)
   if UP_PROJ_GATHER_IN_KERNEL:
-    return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index,
-                                tma_gather=_tma_gather("up_proj"))
+    return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index)
   return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan))
 
 
@@ -369,8 +365,6 @@ def dh(dout, w2, h, scores, plan):
   block_n = _dh_block_n(n, d)
   if _dout_gathered_in_kernel(n, d):
     rows, gather = dout, dict(gather_index=plan.token_index)
-    if not kernel.startswith("pingpong") and _tma_gather("dh"):
-      gather["tma_gather"] = True
   else:
     rows, gather = xla_ops.gather_rows(dout, plan.token_index), {}
   if kernel.startswith("pingpong"):
@@ -420,7 +414,7 @@ def _ops_named(name: str, value, ops=("dw1", "dw2"), alternatives: str = "") -> 
 
 def _tma_gather(op: str) -> bool:
   """Whether op's kernel loads its gathered rows by TMA: TMA_GATHER."""
-  return op in _ops_named("TMA_GATHER", TMA_GATHER, TMA_GATHER_OPS)
+  return op in _ops_named("TMA_GATHER", TMA_GATHER)
 
 
 def _dynamic_order(op: str, m: int, n: int, block_n: int) -> bool:

@@ -229,7 +229,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     row_tiles, lines = None, None
     if cutlass.const_expr(tma_gather):   # the rows' boxes and their lines in the stages
-      row_tiles, lines = gg.row_boxes(tma_a, m_a, storage.s_a, a_smem_staged, True)
+      row_tiles, lines = gg.row_boxes(tma_a, m_a, storage.s_a, a_smem_staged)
     asked = cutlass.Int32(0)   # (dynamic, warp 0's lane 0) the count its last ask returned
     if cutlass.const_expr(dynamic):
       if warp == 0:

@@ -149,8 +149,8 @@ def test_cute_aggregate_past_2_31_elements_on_gpu():
 @needs_cute
 @pytest.mark.parametrize("tma_gather", [False, True])
 def test_cute_gathers_past_2_31_elements_on_gpu(tma_gather):
-  """up_proj and dW1 gathering X's last rows, where token * d passes 2^31 (by cp.async or
-  TMA): bitwise equal to the kernels on rows gathered by XLA first."""
+  """up_proj and dW1 gathering X's last rows, where token * d passes 2^31 (dW1's by cp.async
+  or TMA): bitwise equal to the kernels on rows gathered by XLA first."""
   from ffi import grouped_gemm
   n, P = 128, 2 * grouped_gemm.BLOCK_M
   x = jax.random.normal(jax.random.key(44), (BIG_ROWS, BIG_D), jnp.bfloat16)
@@ -158,8 +158,7 @@ def test_cute_gathers_past_2_31_elements_on_gpu(tma_gather):
   rhs = jax.random.normal(jax.random.key(46), (P, 2 * n), jnp.bfloat16)
   index = BIG_ROWS - 1 - jax.random.permutation(jax.random.key(47), P).astype(jnp.int32)
   tile_expert, offsets = jnp.zeros((2,), jnp.int32), jnp.array([0, P], jnp.int32)
-  _assert_gathering_matches_pregathered(grouped_gemm.up_proj, x, index, w1, tile_expert,
-                                        tma_gather=tma_gather)
+  _assert_gathering_matches_pregathered(grouped_gemm.up_proj, x, index, w1, tile_expert)
   _assert_gathering_matches_pregathered(grouped_gemm.weight_grad, x, index, rhs, offsets,
                                         num_experts=1, tma_gather=tma_gather)
 
@@ -351,8 +350,7 @@ def test_dh_over_h_can_be_turned_off(monkeypatch):
     ("dh_gather", 256, None), ("weight_grad_gather_t", 256, None), ("matmul_ws", 256, None),
     ("up_proj_ws", 128, None), ("dh_ws", 256, None), ("weight_grad_ws", 256, 4),
     ("dh_h_smem", 256, None), ("dh_gather_h_smem", 128, None), ("dh_tma_h_smem", 256, None),
-    ("up_proj_gather+tma", 128, None), ("up_proj_gather+tma", 64, 3), ("dh_gather+tma", 256, None),
-    ("dh_gather_h_smem+tma", 128, None), ("weight_grad_gather+tma", 256, 2),
+    ("weight_grad_gather+tma", 256, 2),
     ("weight_grad_gather_t+tma", 128, 3)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a; "+tma": the
@@ -415,14 +413,11 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
 @needs_cute
 def test_cute_tma_gather_needs_gather_index():
   """tma_gather without rows to gather is refused by name, each kernel naming itself."""
-  from ffi import grouped_gemm
-  x, tiles = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32)
+  from ffi import grouped_gemm, persistent
+  x = jnp.zeros((256, 128), jnp.bfloat16)
   calls = {
-      "up_proj": lambda: grouped_gemm.up_proj(x, jnp.zeros((2, 128, 256), jnp.bfloat16), tiles,
-                                              tma_gather=True),
-      "dh": lambda: grouped_gemm.dh(x, jnp.zeros((2, 128, 128), jnp.bfloat16),
-                                    jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((256,)), tiles,
-                                    tma_gather=True),
+      "persistent weight_grad": lambda: persistent.weight_grad(
+          x, x, jnp.array([0, 128, 256], jnp.int32), 2, None, tma_gather=True),
       "weight_grad": lambda: grouped_gemm.weight_grad(x, x, jnp.array([0, 128, 256], jnp.int32),
                                                       2, tma_gather=True)}
   for name, call in calls.items():
@@ -516,15 +511,12 @@ def test_cute_up_proj_with_gather_compiles_for_cuda():
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,d,tma_gather", [
-    (128, None, 512, False), (64, None, 512, False), (128, 2, 512, False),
-    (128, 3, 1024, False), (64, 2, 1024, False), (128, None, 512, True), (64, 2, 1024, True),
-    (128, 3, 1024, True)])
-def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, d, tma_gather):
-  """Gathering X's rows in the kernel (padding slots: index T, zero rows; by cp.async or TMA)
-  gives the bitwise same H and A as the kernel on rows gathered by XLA first (16 k steps at
-  d = 1024: the pipeline's ring wraps; d above T = 1000 there: session 47's TMA rows counted
-  their k steps from X's rows, 15, and so dropped the last)."""
+@pytest.mark.parametrize("block_n,stages,d", [
+    (128, None, 512), (64, None, 512), (128, 2, 512), (128, 3, 1024), (64, 2, 1024)])
+def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, d):
+  """Gathering X's rows in the kernel (padding slots: index T, zero rows) gives the bitwise
+  same H and A as the kernel on rows gathered by XLA first (16 k steps at d = 1024: the
+  pipeline's ring wraps; d above T = 1000 there: the k steps are d's, not the rows')."""
   from ffi import grouped_gemm
   T, n, E = 1000, 256, 4
   tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
@@ -533,7 +525,7 @@ def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, d,
   w1 = (jax.random.normal(jax.random.key(8), (E, d, 2 * n)) / 8).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(9), (P,), 0, T).at[::7].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.up_proj, x, index, w1, tile_expert,
-                                        block_n=block_n, stages=stages, tma_gather=tma_gather)
+                                        block_n=block_n, stages=stages)
 
 
 @pytest.mark.gpu
@@ -1147,14 +1139,13 @@ def test_cute_weight_grad_skips_padding_steps_on_gpu(kernel, gather, transpose_o
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("block_n,tma_store,tma_gather,d", [
-    (128, False, False, 512), (64, False, False, 512), (128, True, False, 512),
-    (256, False, False, 512), (128, False, True, 512), (256, True, True, 512),
-    (128, True, True, 1280)])
-def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store, tma_gather, d):
-  """Gathering dO's rows in the dH kernel (padding slots: index T, zero rows; by cp.async or
-  TMA) gives the bitwise same dH, A' and dS parts as the kernel on rows gathered by XLA first
-  (d above T = 1000 too: the k steps are d's, not the rows')."""
+@pytest.mark.parametrize("block_n,tma_store,d", [
+    (128, False, 512), (64, False, 512), (128, True, 512), (256, False, 512), (256, True, 512),
+    (128, True, 1280)])
+def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store, d):
+  """Gathering dO's rows in the dH kernel (padding slots: index T, zero rows) gives the
+  bitwise same dH, A' and dS parts as the kernel on rows gathered by XLA first (d above T =
+  1000 too: the k steps are d's, not the rows')."""
   from ffi import grouped_gemm
   T, n, E = 1000, 256, 4
   tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
@@ -1165,8 +1156,7 @@ def test_cute_dh_with_gather_matches_pregathered_on_gpu(block_n, tma_store, tma_
   scores = jax.random.uniform(jax.random.key(54), (P,))
   index = jax.random.randint(jax.random.key(55), (P,), 0, T).at[::7].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.dh, dout, index, w2, h, scores,
-                                        tile_expert, block_n=block_n, tma_store=tma_store,
-                                        tma_gather=tma_gather)
+                                        tile_expert, block_n=block_n, tma_store=tma_store)
 
 
 @needs_cute
@@ -1200,13 +1190,13 @@ def test_cute_dh_h_smem_needs_its_stages():
 @needs_cute
 @pytest.mark.parametrize("block_n,gather,tma_store,d", [
     (256, True, False, 640), (128, False, False, 640), (256, False, True, 640),
-    (128, True, True, 128), (256, True, False, 128), (256, "tma", True, 640),
-    (128, "tma", False, 128)])
+    (128, True, True, 128), (256, True, False, 128), (256, True, True, 640),
+    (128, True, False, 128)])
 def test_cute_dh_h_smem_keeps_outputs_on_gpu(block_n, gather, tma_store, d):
   """dH's epilogue reading H from SMEM (TMA-loaded over the rhs stages after the mainloop;
   with tma_store its outputs written there and stored by TMA; experts of 0 to 10 k steps,
-  fewer k steps than stages at d 128, a tile past the last group; dO's rows gathered by
-  cp.async or "tma") gives the bitwise same dH, A' and dS parts as reading it from global
+  fewer k steps than stages at d 128, a tile past the last group; dO's rows gathered or
+  not) gives the bitwise same dH, A' and dS parts as reading it from global
   memory."""
   from ffi import grouped_gemm
   T, n, E = 1000, 256, 4
@@ -1220,7 +1210,7 @@ def test_cute_dh_h_smem_keeps_outputs_on_gpu(block_n, gather, tma_store, d):
   index = jax.random.randint(keys[4], (P,), 0, T).at[::7].set(T) if gather else None
   run = jax.jit(lambda h_smem: grouped_gemm.dh(
       dout, w2, h, scores, tile_expert, block_n=block_n, gather_index=index, over_h=False,
-      tma_store=tma_store, h_smem=h_smem, tma_gather=gather == "tma"), static_argnums=0)
+      tma_store=tma_store, h_smem=h_smem), static_argnums=0)
   for g, w in zip(run(True), run(False)):
     assert np.any(np.asarray(w, np.float32) != 0)
     np.testing.assert_array_equal(g, w)
@@ -1361,10 +1351,9 @@ def test_cute_wgrad_cluster_setting_reaches_the_kernel_where_m_allows(monkeypatc
 @needs_cute
 @pytest.mark.parametrize("wgrad_kernel", ["persistent", "grouped"])
 def test_cute_tma_gather_setting_reaches_the_kernels_it_names(wgrad_kernel, monkeypatch):
-  """TMA_GATHER names the gathering ops whose rows TMA loads: the up-projection, dH (on
-  grouped_gemm's kernel, d 2048 here), dW1 (untransposed) and dW2 (transposed), on either
-  weight-gradient kernel; the layer lowers with any; dW1 and dW2 by default; a bare name or
-  another op is refused by name."""
+  """TMA_GATHER names the weight gradients whose gathered rows TMA loads: dW1 (untransposed)
+  and dW2 (transposed), on either weight-gradient kernel; the layer lowers with any; both by
+  default; a bare name or another op is refused by name."""
   cute_ops = importlib.import_module("ffi.ops")
   assert cute_ops.TMA_GATHER == ("dw1", "dw2")
   monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", 1 << 30)   # dH, dW2 gather too
@@ -1383,23 +1372,21 @@ def test_cute_tma_gather_setting_reaches_the_kernels_it_names(wgrad_kernel, monk
 
   wgrad_module = cute_ops.persistent if wgrad_kernel == "persistent" else cute_ops.grouped_gemm
   spy(lambda kw: "dw2" if kw["transpose_out"] else "dw1", wgrad_module, "weight_grad")
-  spy(lambda kw: "up_proj", cute_ops.grouped_gemm, "up_proj")
-  spy(lambda kw: "dh", cute_ops.grouped_gemm, "dh")
 
   def loss(*a):
     return jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
 
   args = make_inputs(0, 256, 2048, 128, 8, jnp.bfloat16)
-  ops = ("dh", "dw1", "dw2", "up_proj")
-  for setting in [(), ("dw1",), ("dw1", "dw2"), ("up_proj", "dh"), ops]:
+  ops = ("dw1", "dw2")
+  for setting in [(), ("dw1",), ("dw2",), ops]:
     monkeypatch.setattr(cute_ops, "TMA_GATHER", setting)
     calls.clear()
     assert FFI_TARGET in _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
     assert sorted(calls) == [(op, op in setting) for op in ops], calls
-  for bad in ["dw1", ("dw1", "dx")]:
+  for bad in ["dw1", ("dw1", "dh")]:
     monkeypatch.setattr(cute_ops, "TMA_GATHER", bad)
-    with pytest.raises(ValueError, match=r"ffi.ops.TMA_GATHER must be a tuple of 'up_proj', "
-                                         r"'dh', 'dw1' and 'dw2'; got "):
+    with pytest.raises(ValueError, match=r"ffi.ops.TMA_GATHER must be a tuple of 'dw1' and "
+                                         r"'dw2'; got "):
       _cuda_module(jax.grad(loss), *args)
 
 
