@@ -14,6 +14,12 @@
 #   cute  : test_cute.py's GPU tests, every CUTE_PARTS-th from CUTE_PART (default 1 of 3),
 #           compiling into the disk cache /tmp/cute-cache (carry the cute wheels first,
 #           ../shared/tools/device-wheels cute; source their env.sh; exits 3 without them) (5-7 min a part)
+#   cute_all: all of test_cute.py's GPU tests in one call, in CUTE_WORKERS (default 6)
+#           pytest-xdist processes on the one GPU (its wheels carried in XDIST_WHEELS, default
+#           .devwheels/xdist/: `pip download --no-deps pytest-xdist execnet -d .devwheels/xdist`;
+#           exits 3 without them),
+#           then the failed ones again in one process (one that ran out of memory beside the
+#           others passes there) (after cute staging; 190 tests: ~4.5 min at 6 workers)
 #   pingpong: the ping-pong kernels' GPU tests (90 s cap per kernel: a hang), their sweep
 #           rows beside grouped_gemm's at 30B-n256                                     (~8 min)
 #   new_tests: the cute top-K, the CUDA-graph test, the counting routing plan on the GPU (~4 min)
@@ -570,6 +576,23 @@ PY
         > "$OUT/pytest_cute_part$part.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cute_part$part.log" | tail -12
       echo "disk cache entries: $(ls "$SONICMOE_CUTE_CACHE" 2>/dev/null | grep -c '\.o$')" ;;
+    cute_all)  # (see above)
+      cute_staged || { echo "cute_all: the cute wheels are not staged here"; exit 3; }
+      wheels=${XDIST_WHEELS:-.devwheels/xdist}
+      ls "$wheels"/*.whl > /dev/null 2>&1 || { echo "cute_all: no $wheels/*.whl"; exit 3; }
+      site=${TMPDIR:-/tmp}/xdist-site; mkdir -p "$site"
+      for w in "$wheels"/*.whl; do python3 -m zipfile -e "$w" "$site"; done
+      cache=${TMPDIR:-/tmp}/cute-all-pytest-cache
+      PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} XLA_PYTHON_CLIENT_PREALLOCATE=false \
+        timeout 400 python3 -m pytest -m gpu tests/test_cute.py -n "${CUTE_WORKERS:-6}" -rfE \
+        -o cache_dir="$cache" > "$OUT/pytest_cute_all.log" 2>&1
+      rc=$?; echo "cute_all: rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed|skipped" "$OUT/pytest_cute_all.log" | tail -12
+      if [ "$rc" = 1 ]; then   # some failed: those again, alone
+        timeout 150 python3 -m pytest -m gpu tests/test_cute.py --lf -rfE -o cache_dir="$cache" \
+          > "$OUT/pytest_cute_rerun.log" 2>&1
+        echo "cute_all, the failed ones alone: rc $?"
+        grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cute_rerun.log" | tail -12
+      fi ;;
     pingpong)  # after `cute`: the ping-pong kernels' GPU tests under a short timeout (rc 124:
                # a hang), then their tile sweep rows at 30B-n256
       # one kernel at a time, unbuffered and verbose: a hang names its test

@@ -115,6 +115,42 @@ def test_cute_mode_runs_every_nth_of_test_cutes_gpu_tests(tmp_path):
   assert re.search(rf"\b{len(part)} (passed|skipped)", log), log[-500:]
 
 
+def _wheel_of(module, wheels):
+  """A stand-in wheel (a zip of the installed package and its dist-info) of module's
+  distribution into the folder wheels."""
+  import importlib.metadata
+  import zipfile
+  dist = importlib.metadata.distribution(importlib.metadata.packages_distributions()[module][0])
+  root = pathlib.Path(dist.locate_file(""))
+  with zipfile.ZipFile(wheels / f"{dist.metadata['Name']}.whl", "w") as wheel:
+    for f in dist.files:
+      if "__pycache__" not in f.parts:
+        wheel.write(root / f, str(f))
+
+
+def test_cute_all_mode_runs_test_cutes_gpu_tests_in_xdist_workers(tmp_path):
+  """`cute_all` unpacks the pytest-xdist wheels it is given and runs all of test_cute.py's GPU
+  tests in CUTE_WORKERS processes (off the GPU they skip); without the cute wheels, or without
+  xdist's, it stops at once (exit 3)."""
+  (tmp_path / ".quack-restored").touch()   # (keeps a local .devcache/ out)
+  wheels = tmp_path / "wheels"
+  wheels.mkdir()
+  run = lambda: _run(SCRIPT.parents[1], tmp_path, tmp_path, tmp_path / "out", "cute_all",
+                     XDIST_WHEELS=str(wheels), CUTE_WORKERS="2")
+  result = run()
+  if not backends._cute_installed():
+    assert result.returncode == 3 and "not staged" in result.stdout
+    return
+  assert result.returncode == 3 and f"no {wheels}/*.whl" in result.stdout
+  _wheel_of("xdist", wheels)
+  _wheel_of("execnet", wheels)
+  result = run()
+  log = (tmp_path / "out" / "pytest_cute_all.log").read_text()
+  assert "cute_all: rc 0" in result.stdout, log[-500:]
+  assert (tmp_path / "xdist-site" / "xdist" / "plugin.py").exists()
+  assert "bringing up nodes" in log and re.search(r"\b\d{3} skipped", log), log[-500:]
+
+
 def test_torch_cache_save_without_caches_says_so(tmp_path):
   """On a machine where the PyTorch SonicMoE never ran there is nothing to save: no files."""
   result = _run(tmp_path, tmp_path / "empty_home", tmp_path, tmp_path / "out", "torch_cache_save")
