@@ -1050,8 +1050,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   tile_expert holding group_rows: routing.group_row_steps). With gather lhs is the source of the rows
   gather_index names (A's stages filled by a third, producer warpgroup: _produce_gathered; by
   its threads' cp.async, or, the weight gradient's, with tma_gather by TMA, a box a row:
-  row_tma_atom; session 48 measured K-major rows by TMA, a box a row for the up-projection
-  and dH, 6-40% slower than cp.async and removed them).
+  row_tma_atom).
   register_store (dh only): each thread stores its fragments from registers instead of the
   TMA-store epilogue. warp_specialized: a producer warpgroup issues the TMA loads of a kernel
   that does not gather too (the MMA warpgroups' first warp otherwise). h_smem (dh): the

@@ -415,12 +415,12 @@ def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, transpose_out: bo
                                 cluster_m=cluster_m, tma_gather=_tma_gather(op))
 
 
-def _ops_named(name: str, value, ops=("dw1", "dw2"), alternatives: str = "") -> tuple[str, ...]:
-  """A setting naming ops (`name`, its value): a tuple of some of `ops`; ValueError naming it
-  (and its `alternatives`, e.g. "'auto' or ") otherwise."""
-  if not isinstance(value, tuple) or set(value) - set(ops):
-    names = ", ".join(map(repr, ops[:-1])) + f" and {ops[-1]!r}"
-    raise ValueError(f"ffi.ops.{name} must be {alternatives}a tuple of {names}; got {value!r}")
+def _ops_named(name: str, value, alternatives: str = "") -> tuple[str, ...]:
+  """A setting naming weight gradients (`name`, its value): a tuple of some of "dw1" and
+  "dw2"; ValueError naming it (and its `alternatives`, e.g. "'auto' or ") otherwise."""
+  if not isinstance(value, tuple) or set(value) - {"dw1", "dw2"}:
+    raise ValueError(f"ffi.ops.{name} must be {alternatives}a tuple of 'dw1' and 'dw2'; got "
+                     f"{value!r}")
   return value
 
 

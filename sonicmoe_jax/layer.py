@@ -72,14 +72,14 @@ def window_pair(windows) -> tuple[int, int]:
 
 
 def window_sum(matmul, aggregate, lhs, rhs, scores, plan: RoutingPlan, windows: int,
-               num_cols: int, into: bool = False):
+               num_cols: int, one_output: bool = False):
   """aggregate(matmul(lhs, rhs, plan), scores, plan), the [slots, num_cols] product made over
   column_windows one window at a time: each window's columns are summed per token before the
   next window's GEMM starts (an optimization barrier orders them), so the product is never
   whole in memory: its peak is one window's. The sums are the result's columns (no partial
-  sums: each window is complete in its columns): concatenated, or with `into` (the backend's
-  aggregate taking out_cols and into: Ops.aggregate_into) written into one [T, num_cols]
-  output, the first window's call making it and each later one writing over it."""
+  sums: each window is complete in its columns): concatenated, or with one_output (the
+  backend's aggregate taking out_cols and into: Ops.aggregate_into) written into one
+  [T, num_cols] output, the first window's call making it and each later one writing over it."""
   bounds = column_windows(num_cols, windows)
   if len(bounds) == 1:
     return aggregate(matmul(lhs, rhs, plan), scores, plan)
@@ -88,11 +88,11 @@ def window_sum(matmul, aggregate, lhs, rhs, scores, plan: RoutingPlan, windows: 
     if outs:
       outs[-1], lhs = jax.lax.optimization_barrier((outs[-1], lhs))
     y = matmul(lhs, rhs, plan, cols=(lo, hi))
-    if into:
+    if one_output:
       outs = [aggregate(y, scores, plan, out_cols=(lo, num_cols), into=outs[0] if outs else None)]
     else:
       outs.append(aggregate(y, scores, plan))
-  return outs[0] if into else jnp.concatenate(outs, axis=1)
+  return outs[0] if one_output else jnp.concatenate(outs, axis=1)
 
 
 def _expert_mlp_fwd(ops, x, scores, w1, w2, plan, windows):

@@ -73,7 +73,7 @@ def test_window_sum_orders_each_window_after_the_last_ones_sum():
 
 
 def test_window_sum_into_one_output_matches_the_concatenation():
-  """window_sum(into=True), each window's sums written into one [T, d] output by an aggregate
+  """window_sum(one_output=True), each window's sums written into one [T, d] output by an aggregate
   taking out_cols and into (here xla_ops.aggregate with a dynamic update slice, the columns
   outside the first window poisoned with NaN as a new buffer's may hold anything), gives the
   concatenation's bits, with no concatenate left in the program."""
@@ -99,7 +99,7 @@ def test_window_sum_into_one_output_matches_the_concatenation():
     calls.clear()
     run = lambda into: jax.jit(lambda a, w, plan: sm.layer.window_sum(
         matmul, aggregate_into if into else xla_ops.aggregate, a, w, plan.scores, plan, windows,
-        d, into=into))
+        d, one_output=into))
     assert "concatenate" not in run(True).lower(a, w, plan).as_text()
     assert calls == [(lo, d, lo == 0) for lo, _ in sm.layer.column_windows(d, windows)]
     np.testing.assert_array_equal(run(True)(a, w, plan), run(False)(a, w, plan))
