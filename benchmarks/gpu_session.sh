@@ -536,9 +536,10 @@ PY
                  # five; its CuTe compiles and autotuning, cached on its disk for `bench`: > 570 s
                  # for all five on a fresh machine in session 10, 7B-n256 then took 44 s); its
                  # autotuner's picks saved (save_autotune: they differ between machines, and
-                 # session 40's were lost with its machine)
+                 # session 40's were lost with its machine); TORCH_WARM_S: its time limit
+                 # (default 570 s; less where the call stages wheels first)
       tp=$(torch_pythonpath)
-      PYTHONPATH=$tp timeout 570 python3 benchmarks/torch_sonicmoe.py "$(anchors_json "${TORCH_CONFIGS:-}")" \
+      PYTHONPATH=$tp timeout "${TORCH_WARM_S:-570}" python3 benchmarks/torch_sonicmoe.py "$(anchors_json "${TORCH_CONFIGS:-}")" \
         > "$OUT/torch_warm.jsonl" 2> "$OUT/torch_warm.log"; echo "torch_warm: rc $?"
       grep "first forward" "$OUT/torch_warm.log"
       save_autotune ;;
