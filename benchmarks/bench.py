@@ -368,6 +368,9 @@ def main(argv=None):
                       "(default: ffi/ops.py STORE_BLOCK_N)")
   p.add_argument("--cute-store-tile-m", type=int, choices=(128, 192),
                  help="the ping-pong store kernels' rows a tile (default: ffi/ops.py STORE_TILE_M)")
+  p.add_argument("--cute-store-cluster-n", type=int, choices=(1, 2),
+                 help="the ping-pong store kernels' CTAs per cluster (default: ffi/ops.py "
+                      "STORE_CLUSTER_N)")
   p.add_argument("--cute-store-wide-min-k", type=int,
                  help="the contraction from which down_proj and dx_tilde take the wide grouped "
                       "kernel instead (default: ffi/ops.py STORE_WIDE_MIN_K)")
@@ -395,6 +398,7 @@ def main(argv=None):
   cute_settings = dict(DH_KERNEL=a.cute_dh, DH_BLOCK_N=a.cute_dh_block_n,
                        UP_PROJ_KERNEL=a.cute_up_proj, STORE_KERNEL=a.cute_store,
                        STORE_BLOCK_N=a.cute_store_block_n, STORE_TILE_M=a.cute_store_tile_m,
+                       STORE_CLUSTER_N=a.cute_store_cluster_n,
                        STORE_WIDE_MIN_K=a.cute_store_wide_min_k,
                        STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n, WGRAD_KERNEL=a.cute_wgrad,
                        STORE_WIDE_KERNEL=a.cute_store_wide, WGRAD_CLUSTER_M=a.cute_wgrad_cluster_m)

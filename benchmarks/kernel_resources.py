@@ -47,6 +47,7 @@ VARIANTS = [
     ("store pingpong bn128 fit", "matmul_pingpong", 128, 0),
     ("store pingpong tma bn128 fit", "matmul_pingpong_tma", 128, 0),
     ("store pingpong tma bn192 fit", "matmul_pingpong_tma", 192, 0),
+    ("store pingpong tma bn192 cluster2 fit", "matmul_pingpong_tma_cluster2", 192, 0),
     ("store pingpong tma 192-row bn128 fit", "matmul_pingpong_tma_rows192", 128, 0),
     ("dh pingpong bn128 fit", "dh_pingpong", 128, 0), ("dh pingpong bn64 fit", "dh_pingpong", 64, 0),
     ("dh pingpong gather bn128 fit", "dh_pingpong_gather", 128, 0),
@@ -108,6 +109,9 @@ def variant(kernel, bn, stages):
                         (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "matmul_pingpong_tma": (lambda a, b, t: pp.grouped_matmul(a, b, t, tma_store=True, **kw),
                             (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
+    "matmul_pingpong_tma_cluster2": (   # clusters of 2 along N (N / bn: 4 column tiles)
+        lambda a, b, t: pp.grouped_matmul(a, b, t, tma_store=True, cluster_n=2, **kw),
+        (sds(P, K), sds(E, K, N), sds(P // 128, dt=jnp.int32))),
     "matmul_pingpong_tma_rows192": (  # 192-row tiles: schedule.row_tiles' table
         lambda a, b, t: pp.grouped_matmul(a, b, t, tma_store=True, tile_m=192, **kw),
         (sds(P, K), sds(E, K, N), sds(schedule.ROW_TILE_FIELDS * schedule.row_tile_entries(
@@ -199,7 +203,7 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
     return g.smem_bytes(block_n, 1, 2, depth) + pw.epilogue_bytes(2)
   if "pingpong" in kernel:
     tile_m = pp.ROW_TILE_M if kernel.endswith("_rows192") else pp.TILE_M
-    tma_store = kernel.removesuffix("_rows192").endswith("_tma")
+    tma_store = kernel.removesuffix("_rows192").removesuffix("_cluster2").endswith("_tma")
     kind = "dh" if kernel.startswith("dh") else "store"
     depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store, kind, tile_m)
     return (g.smem_bytes(block_n, num_rhs, 2, depth, rows=tile_m)

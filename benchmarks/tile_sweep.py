@@ -94,7 +94,7 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   - the ping-pong kernels (ffi/pingpong.py): up_proj_pingpong, dh_pingpong,
     dh_pingpong_gather (gathering dO), dh_pingpong_gather_tma (with its SMEM epilogue),
     down_proj_pingpong and dx_tilde_pingpong (_tma: with the TMA-store epilogue; _tma_rows192:
-    on 192-row tiles);
+    on 192-row tiles; either _cluster2: in clusters of 2 CTAs sharing each lhs stage);
   - dw1, dw1_gather: dW1 gathering X's rows in the kernel; dw2, dw2_gather: dW2 transposed
     gathering dO's rows; dw1_gather_persistent, dw2_gather_persistent, down_proj_persistent,
     dx_tilde_persistent: the same on persistent CTAs (ffi/persistent.py); *_persistent_sized:
@@ -132,16 +132,23 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
   row_tiles = schedule.plan_row_tiles(plan, pingpong.ROW_TILE_M, pingpong.MMA_M)
   for name, transpose_rhs in [("down_proj", False), ("dx_tilde", True)]:   # the same operands
     _, mm_args, mm_flops, mm_n = rows[name]
-    for suffix, tma_store in [("", False), ("_tma", True)]:
-      rows[f"{name}_pingpong{suffix}"] = (jax.jit(
-          lambda c, lhs, rhs, t, tr=transpose_rhs, tma=tma_store: pingpong.grouped_matmul(
-              lhs, rhs, t, transpose_rhs=tr, tma_store=tma, **dataclasses.asdict(c)),
-          static_argnums=0), mm_args, mm_flops, mm_n)
-    # on 192-row tiles from each expert's start (their table instead of tile_expert)
-    rows[f"{name}_pingpong_tma_rows192"] = (jax.jit(
+    rows[f"{name}_pingpong"] = (jax.jit(   # stored from registers
         lambda c, lhs, rhs, t, tr=transpose_rhs: pingpong.grouped_matmul(
-            lhs, rhs, t, transpose_rhs=tr, tma_store=True, tile_m=pingpong.ROW_TILE_M,
-            **dataclasses.asdict(c)), static_argnums=0), (*mm_args[:2], row_tiles), mm_flops, mm_n)
+            lhs, rhs, t, transpose_rhs=tr, **dataclasses.asdict(c)),
+        static_argnums=0), mm_args, mm_flops, mm_n)
+    # _tma: TMA stores; _rows192: on 192-row tiles from each expert's start (their table instead
+    # of tile_expert); _cluster2: in clusters of 2 CTAs sharing each lhs stage (the column tiles
+    # an even number)
+    for cluster_n, cluster in [(1, ""), (2, "_cluster2")]:
+      rows[f"{name}_pingpong_tma{cluster}"] = (jax.jit(
+          lambda c, lhs, rhs, t, tr=transpose_rhs, cn=cluster_n: pingpong.grouped_matmul(
+              lhs, rhs, t, transpose_rhs=tr, tma_store=True, cluster_n=cn,
+              **dataclasses.asdict(c)), static_argnums=0), mm_args, mm_flops, mm_n)
+      rows[f"{name}_pingpong_tma_rows192{cluster}"] = (jax.jit(
+          lambda c, lhs, rhs, t, tr=transpose_rhs, cn=cluster_n: pingpong.grouped_matmul(
+              lhs, rhs, t, transpose_rhs=tr, tma_store=True, tile_m=pingpong.ROW_TILE_M,
+              cluster_n=cn, **dataclasses.asdict(c)), static_argnums=0),
+          (*mm_args[:2], row_tiles), mm_flops, mm_n)
   # dO's rows gathered too
   rows["dh_pingpong_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: pingpong.dh(
       g, w2, h, s, t, gather_index=i, over_h=False, **dataclasses.asdict(c)), static_argnums=0),

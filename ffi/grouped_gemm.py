@@ -146,15 +146,18 @@ def prefetch_descriptors(warp, tma_a, tma_b, gather: cutlass.Constexpr):
 @cute.jit
 def load_pipeline(storage, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
                   gather: cutlass.Constexpr, consumer_threads: cutlass.Constexpr, tidx,
-                  extra_barriers: cutlass.Constexpr = 0, cluster_m: cutlass.Constexpr = 1):
+                  extra_barriers: cutlass.Constexpr = 0, cluster_m: cutlass.Constexpr = 1,
+                  cluster_n: cutlass.Constexpr = 1):
   """The kernels' load ring: a PipelineTmaAsync over storage's first 2 x stages mbarriers (it
   initialises them, fences and syncs the CTA, or the cluster). A full barrier completes on the
   stage's TMA bytes and, gathering, every producer thread's copies (PRODUCER_ARRIVALS); an
-  empty one on each of the consumer_threads' warps, or with cluster_m 2 (a cluster of 2 CTAs
-  along M sharing the rhs's stages by multicast: tma_operand) on each of both CTAs' consumer
-  warps, lane r of a warp arriving on CTA r's barrier. Thread tidx 0 first initialises
-  extra_barriers more after them: a count (one arrival each: an epilogue's H loads) or a tuple
-  of each one's arrivals. Returns (the pipeline, the first extra barrier's pointer)."""
+  empty one on each of the consumer_threads' warps. In a cluster of 2 CTAs, along M
+  (cluster_m 2: neighbouring row tiles sharing the rhs's stages by multicast: tma_operand) or
+  along N (cluster_n 2: neighbouring column tiles of one row tile sharing the lhs's stages), it
+  counts each of both CTAs' consumer warps, lane r of a warp arriving on CTA r's barrier (a
+  stage is refilled in both CTAs at once). Thread tidx 0 first initialises extra_barriers more
+  after them: a count (one arrival each: an epilogue's H loads) or a tuple of each one's
+  arrivals. Returns (the pipeline, the first extra barrier's pointer)."""
   extra = storage.barriers.data_ptr() + 2 * stages
   arrivals = ((1,) * extra_barriers if isinstance(extra_barriers, int) else tuple(extra_barriers))
   if cutlass.const_expr(len(arrivals) > 0):
@@ -162,15 +165,18 @@ def load_pipeline(storage, stages: cutlass.Constexpr, stage_bytes: cutlass.Const
       for i in cutlass.range_constexpr(len(arrivals)):
         cute.arch.mbarrier_init(extra + i, arrivals[i])
   consumers, multicast = consumer_threads // 32, {}   # one arrival per consumer warp
-  if cutlass.const_expr(cluster_m > 1):   # (the pipeline counts the warps of both CTAs)
+  if cutlass.const_expr(cluster_m * cluster_n > 1):   # (the pipeline counts the warps of both CTAs)
     consumers = consumer_threads
-    multicast = dict(tidx=tidx, mcast_mode_mn=(0, 1), enable_multicast_signaling=True)
+    # the multicast mode names the tile coordinate the cluster's CTAs share: N along M, M along N
+    multicast = dict(tidx=tidx, mcast_mode_mn=(0, 1) if cluster_m > 1 else (1, 0),
+                     enable_multicast_signaling=True)
   loads = pipeline.PipelineTmaAsync.create(
       barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
       producer_group=pipeline.CooperativeGroup(
           pipeline.Agent.Thread, PRODUCER_ARRIVALS if gather else 1),
       consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
-      tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, cluster_m, 1, 1)), **multicast)
+      tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, cluster_m, cluster_n, 1)),
+      **multicast)
   return loads, extra
 
 

@@ -139,6 +139,15 @@ STORE_BLOCK_NS = (128, 192)
 # 192-row tiles replaced them.
 STORE_TILE_M = "auto"
 STORE_TILE_MS = ("auto",) + pingpong.TILE_MS
+# The ping-pong store kernels' CTAs per cluster (pingpong.grouped_matmul's cluster_n): 2 pairs
+# neighbouring column tiles of one row tile, which share its lhs stages by TMA multicast (where
+# the column tiles are an even number; else 1). On the H200 (session 40, results/2026-12-03-
+# h200-session40) they were bitwise right but dX~ 0.7-1.5% slower at 7B-n256 and 30B-n256, the
+# down-projection level. On an H100 (session 49, results/2026-12-05-h100-session49) the PyTorch
+# SonicMoE's store GEMMs, in clusters of 2 there, led ours at 7B-n256 by 5% (down-projection,
+# one window) and 11% (dX~): rebuilt to measure them there.
+STORE_CLUSTER_N = 1
+STORE_CLUSTER_NS = pingpong.CLUSTER_NS
 
 
 # The weight gradients' kernel where they gather rows (dw1's X, dw2's dO): "grouped"
@@ -305,7 +314,8 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
   (they pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the kernels read rhs
   from column lo: no copy), their tile's width halved until it divides them (the ping-pong
   kernels' 192 wide where STORE_BLOCK_N asks and it divides them; or their 192-row tiles, 128
-  wide, where STORE_TILE_M asks: "auto" where 192 wide does not divide them)."""
+  wide, where STORE_TILE_M asks: "auto" where 192 wide does not divide them), in clusters of
+  STORE_CLUSTER_N CTAs where their column tiles pair up)."""
   _setting("STORE_KERNEL", STORE_KERNEL, STORE_KERNELS)
   width = n_out if cols is None else cols[1] - cols[0]
   wide_kernel = _setting("STORE_WIDE_KERNEL", STORE_WIDE_KERNEL, STORE_WIDE_KERNELS)
@@ -323,6 +333,7 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
     tma_store = (STORE_KERNEL == "pingpong_tma"
                  or not pingpong.register_stores_fit(lhs.shape[0], width))
     tile_m = _setting("STORE_TILE_M", STORE_TILE_M, STORE_TILE_MS)
+    cluster_n = _setting("STORE_CLUSTER_N", STORE_CLUSTER_N, STORE_CLUSTER_NS)
     if tile_m == "auto":
       tile_m = pingpong.TILE_M if width % widest == 0 else pingpong.ROW_TILE_M
     if tma_store and tile_m == pingpong.ROW_TILE_M:   # (its widest column tile: 128)
@@ -331,8 +342,11 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
       tile_m, tiles = pingpong.TILE_M, _tiles(plan)
       if width % widest == 0:
         block_n = widest
+    if pingpong.column_tiles(width, block_n) % cluster_n:
+      cluster_n = 1
     return pingpong.grouped_matmul(lhs, rhs, tiles, transpose_rhs=transpose_rhs, block_n=block_n,
-                                   tma_store=tma_store, cols=cols, tile_m=tile_m)
+                                   tma_store=tma_store, cols=cols, tile_m=tile_m,
+                                   cluster_n=cluster_n)
   return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                      block_n=block_n, stages=STORE_STAGES, cols=cols)
 

@@ -22,6 +22,10 @@ Schedule:
               row tile r the r-th entry of schedule.row_tiles' table (tiles from each expert's
               start, its last one stored down to the expert's end) in place of M tile r
   grid      : min(tiles, NUM_SMS) persistent CTAs; CTA c takes tiles c, c + grid, c + 2 grid..
+              The store kernels may run in clusters of 2 (cluster_n): CTAs 2i and 2i + 1 then
+              take neighbouring column tiles of one row tile and share its lhs stages (each
+              TMA-loads half and multicasts it into both; a stage refilled once both CTAs'
+              consumers released it)
   producer  : warpgroup 0, its registers lowered by setmaxnreg (REGISTERS), fills a
               `stages`-deep ring running ahead across tiles (tiles past the last group load
               nothing). dh: warp 0 TMA-loads dOg [128, 64] and W2_e^T [block_n, 64].
@@ -67,6 +71,9 @@ MMA_M = 64                  # one wgmma's rows: a consumer warpgroup covers TILE
 ROW_TILE_M = 192
 ROW_TILE_EPI = (MMA_M, EPI_TILE[1])
 TILE_MS = (TILE_M, ROW_TILE_M)
+# The store kernels' CTAs per cluster along N: 1 (none) or 2 neighbouring column tiles of one
+# row tile sharing its lhs tiles by TMA multicast (half the lhs's L2-to-SMEM traffic)
+CLUSTER_NS = (1, 2)
 # fp32 accumulator registers per consumer thread (of its 232), all its accumulators', by kernel
 # kind: the store kernels' epilogue converts and stores one EPI_TILE column chunk at a time, so
 # 192 (block_n 192) compile without stack, register or TMA stores (sm_90a cubins, session 27);
@@ -282,7 +289,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             shared_storage: cutlass.Constexpr, block_n: cutlass.Constexpr,
             stages: cutlass.Constexpr, tx_bytes: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, tma_store: cutlass.Constexpr,
-            tile_m: cutlass.Constexpr):
+            tile_m: cutlass.Constexpr, cluster_n: cutlass.Constexpr):
   """kind "dh": m_a dOg (P, d, 1) by TMA, or with gather dO (T, d, 1) gathered by
   gather_index; m_b W2 (n, d, E), m_out dH, m_out2 A', m_h H, m_scores, m_ds dS parts. kind
   "swiglu" (gather always): m_a X (T, d, 1) gathered by gather_index, m_b W1 (2n, d, E) (its
@@ -294,7 +301,11 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   H's TMA atom and tensor, the wgmma on EPI_TILE's columns); () otherwise. (Unused operands:
   m_h, m_scores, m_ds outside dh; tma_out, m_out_tma, c_smem_staged without tma_store.)
   tile_m: TILE_M, or (kind "store" with tma_store) ROW_TILE_M rows a tile, tile_expert then
-  schedule.row_tiles' table (row_tile)."""
+  schedule.row_tiles' table (row_tile). cluster_n > 1 (kind "store"): clusters of that many
+  CTAs, CTA c of the grid rank c % cluster_n in its, take neighbouring column tiles of one row
+  tile (CTA c's tiles are c, c + grid, ..; grid and the column tiles multiples of cluster_n)
+  and share its lhs tiles: each loads 1 / cluster_n of a stage's and multicasts it to all
+  (tma_a made for it)."""
   swiglu = kind == "swiglu"
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -321,7 +332,10 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
   # (dh_smem_epilogue: h_bars, each consumer's H landed; a consumer warpgroup releases a stage)
   loads, h_bars = grouped_gemm.load_pipeline(storage, stages, tx_bytes, gather, 128, tidx,
-                                             2 if dh_smem_epilogue else 0)
+                                             2 if dh_smem_epilogue else 0, cluster_n)
+  rank = 0   # this CTA's place in its cluster
+  if cutlass.const_expr(cluster_n > 1):
+    rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
 
   if role == 0:
     cute.arch.setmaxregister_decrease(producer_regs)
@@ -347,7 +361,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
               produce.advance()
           else:
             g_a = tile_at(m_a, tile_mnk, rows, first_row, cols, (1, None, 1))
-            operands = [grouped_gemm.tma_operand(tma_a, s_a, g_a)] + operands
+            operands = [grouped_gemm.tma_operand(tma_a, s_a, g_a, rank, cluster_n)] + operands
             for k in cutlass.range(k_steps, unroll=1):
               grouped_gemm.load_stage(loads, produce, operands, k)
               produce.advance()
@@ -417,6 +431,10 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     if cutlass.const_expr(dh_smem_epilogue):   # the last stores have read SMEM before exit
       if warp % 4 == 0:
         cute.arch.cp_async_bulk_wait_group(0, read=True)
+  if cutlass.const_expr(cluster_n > 1):
+    # no CTA exits while another may still multicast into its SMEM or arrive on its barriers
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
 
 
 @cute.jit
@@ -424,8 +442,9 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
             gather_index: cute.Tensor, out: cute.Tensor, out2: cute.Tensor, dh_inputs,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, tma_store: cutlass.Constexpr = False,
-            tile_m: cutlass.Constexpr = TILE_M):
-  """The persistent grid and the kernel's static configuration (see _kernel's operands)."""
+            tile_m: cutlass.Constexpr = TILE_M, cluster_n: cutlass.Constexpr = 1):
+  """The persistent grid and the kernel's static configuration (see _kernel's operands); with
+  cluster_n > 1 clusters of that many CTAs, the lhs's TMA atom multicasting."""
   dtype = lhs.element_type
   swiglu = kind == "swiglu"
   m_h, m_scores, m_ds = dh_inputs if kind == "dh" else (out, tile_expert, out)   # (unused)
@@ -441,7 +460,11 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
                                            cute.slice_(b_smem_staged, (None, None, 0)),
                                            (block_n, BLOCK_K))
   tma_a, m_a = tma_b, lhs   # gathering: lhs stays the source rows, no TMA (B's atom, unused)
-  if cutlass.const_expr(not gather):
+  if cutlass.const_expr(not gather and cluster_n > 1):
+    tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), lhs,
+                                             cute.slice_(a_smem_staged, (None, None, 0)),
+                                             (tile_m, BLOCK_K), num_multicast=cluster_n)
+  elif cutlass.const_expr(not gather):
     tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), lhs,
                                              cute.slice_(a_smem_staged, (None, None, 0)),
                                              (tile_m, BLOCK_K))
@@ -479,11 +502,17 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
       2 if swiglu else 1, cute.cosize(c_smem_staged) if tma_store else 0)
   _kernel.set_name_prefix(grouped_gemm.kernel_label(kind, gather, "pingpong"),
                           remove_cutlass_symbol=True)
-  _kernel(tma_a, m_a, tma_b, m_b, out, out2, m_h, m_scores, m_ds, tile_expert, gather_index,
-          tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma, c_smem_staged, smem_epilogue,
-          cute.size(rhs, mode=[2]), storage, block_n, stages, tx_bytes, kind, gather,
-          tma_store, tile_m).launch(grid=(min(num_tiles, NUM_SMS), 1, 1), block=(THREADS, 1, 1),
-                       stream=stream, min_blocks_per_mp=1)
+  kernel = _kernel(tma_a, m_a, tma_b, m_b, out, out2, m_h, m_scores, m_ds, tile_expert,
+                   gather_index, tiled_mma, a_smem_staged, b_smem_staged, tma_out, m_out_tma,
+                   c_smem_staged, smem_epilogue, cute.size(rhs, mode=[2]), storage, block_n,
+                   stages, tx_bytes, kind, gather, tma_store, tile_m, cluster_n)
+  # (the column tiles a multiple of cluster_n, and NUM_SMS even: the grid is whole clusters)
+  grid = (min(num_tiles, NUM_SMS), 1, 1)
+  if cutlass.const_expr(cluster_n > 1):
+    kernel.launch(grid=grid, block=(THREADS, 1, 1), cluster=(cluster_n, 1, 1), stream=stream,
+                  min_blocks_per_mp=1)
+  else:
+    kernel.launch(grid=grid, block=(THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
 
 
 @cute.jit
@@ -513,12 +542,12 @@ def _gathered_dh_pingpong(stream, dout: cute.Tensor, w2: cute.Tensor, tile_exper
 def _matmul_pingpong(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
                      out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
                      tma_store: cutlass.Constexpr, first_col: cutlass.Constexpr = 0,
-                     tile_m: cutlass.Constexpr = TILE_M):
+                     tile_m: cutlass.Constexpr = TILE_M, cluster_n: cutlass.Constexpr = 1):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, W, 1): the operands of
   grouped_gemm._matmul (first_col as its); with tile_m ROW_TILE_M tile_expert is
-  schedule.row_tiles' table."""
+  schedule.row_tiles' table; cluster_n as _kernel's."""
   _launch(stream, lhs, grouped_gemm.rhs_window(rhs, out, first_col), tile_expert, tile_expert,
-          out, out, None, block_n, stages, "store", False, tma_store, tile_m)
+          out, out, None, block_n, stages, "store", False, tma_store, tile_m, cluster_n)
 
 
 @cute.jit
@@ -556,7 +585,7 @@ def register_stores_fit(num_rows: int, num_cols: int) -> bool:
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
                    stages: int | None = None, tma_store: bool = False, cols=None,
-                   tile_m: int = TILE_M):
+                   tile_m: int = TILE_M, cluster_n: int = 1):
   """grouped_gemm.grouped_matmul on the ping-pong schedule: out [P, N] = lhs_e rhs_e per M
   tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major. out is stored from
   registers, or with tma_store through SMEM buffers of each consumer's own and TMA stores
@@ -570,7 +599,10 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   tile is clipped (column_tiles). tile_m: TILE_M rows a tile (the plan's M tiles: tile_expert
   [P / 128]), or with tma_store ROW_TILE_M (three m64 wgmmas per consumer, block_n at most
   128): tile_expert is then schedule.row_tiles(group_offsets, P, ROW_TILE_M)'s table, the
-  groups starting on multiples of MMA_M (schedule.plan_row_tiles checks a plan's)."""
+  groups starting on multiples of MMA_M (schedule.plan_row_tiles checks a plan's). cluster_n:
+  CTAs per cluster (CLUSTER_NS; 2: neighbouring column tiles of one row tile share its lhs
+  tiles, each CTA loading half of a stage's and multicasting it; the column tiles then an even
+  number)."""
   rhs_ekn = grouped_gemm.rhs_as_ekn(rhs, transpose_rhs)
   reason = grouped_gemm.unsupported(lhs, rhs_ekn, block_n, cols, clipped_last_tile=tma_store)
   if not reason and tile_m not in TILE_MS:
@@ -586,11 +618,19 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
     reason = (f"out [{lhs.shape[0]}, {out_cols}] has more than "
               f"{grouped_gemm.MAX_REGISTER_ADDRESSED} elements, past the register stores' 32-bit "
               f"offsets: use tma_store=True")
+  if not reason and (type(cluster_n) is not int or cluster_n not in CLUSTER_NS):
+    reason = f"cluster_n={cluster_n!r} must be one of {CLUSTER_NS}"
+  if not reason and column_tiles(out_cols, block_n) % cluster_n:
+    reason = (f"cluster_n={cluster_n} needs the column tiles in whole clusters: "
+              f"{column_tiles(out_cols, block_n)} tiles of block_n={block_n} in {out_cols} columns")
   if reason:
     raise ValueError(f"cute ping-pong grouped_matmul: {reason}")
   stages = _check_tile(block_n, lhs.dtype.itemsize, 1, stages, "grouped_matmul", tma_store,
                        tile_m=tile_m)
-  option = dict(tile_m=tile_m) if tile_m != TILE_M else {}   # (the default: left out)
+  # (the defaults left out of the call: the kernels' cache keys as before)
+  option = dict(tile_m=tile_m) if tile_m != TILE_M else {}
+  if cluster_n > 1:
+    option["cluster_n"] = cluster_n
   return grouped_gemm.matmul_call(_matmul_pingpong, lhs, rhs, tile_expert, transpose_rhs, cols,
                                   block_n=block_n, stages=stages, tma_store=tma_store, **option)
 

@@ -771,6 +771,42 @@ def test_cute_pingpong_matmul_compiles_for_cuda(transpose_rhs, tma_store, block_
 
 
 @needs_cute
+def test_cute_pingpong_matmul_in_clusters_compiles_for_cuda():
+  """The ping-pong grouped_matmul in clusters of 2 along N (cluster_n) compiles for sm_90a to
+  a kernel of its own (another FFI target than cluster_n 1's); cluster sizes outside
+  CLUSTER_NS and column tiles that do not pair up are refused by name."""
+  from ffi import pingpong
+  P, K, E = 1024, 256, 4
+  shapes = lambda N: [jax.ShapeDtypeStruct((P, K), jnp.bfloat16),
+                      jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16),
+                      jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
+  fn = lambda cluster_n, **kw: (lambda a, b, t: pingpong.grouped_matmul(
+      a, b, t, tma_store=True, block_n=192, cluster_n=cluster_n, **kw))
+  targets = {c: set(re.findall(r"@(sonicmoe_cute_\w+)", _cuda_module(fn(c), *shapes(768))))
+             for c in (1, 2)}
+  assert len(targets[1]) == len(targets[2]) == 1 and targets[1] != targets[2]
+  # on 192-row tiles (schedule.row_tiles' table), 128 wide: 6 column tiles pair up
+  table = jax.ShapeDtypeStruct((3 * (-(-P // 192) + E + 1),), jnp.int32)
+  rows192 = lambda a, b, t: pingpong.grouped_matmul(a, b, t, tma_store=True, block_n=128,
+                                                    cluster_n=2, tile_m=192)
+  rows192 = set(re.findall(r"@(sonicmoe_cute_\w+)",
+                           _cuda_module(rows192, *shapes(768)[:2], table)))
+  assert len(rows192) == 1 and not rows192 & (targets[1] | targets[2])
+  for bad in (3, 2.0, True):
+    with pytest.raises(ValueError, match=rf"cluster_n={bad!r} must be one of \(1, 2\)"):
+      jax.eval_shape(fn(bad), *shapes(768))
+  # 640 columns: 4 tiles of 192 (the last clipped) pair up; 384 in a window: 2 pair up;
+  # 576: 3 do not, nor a 192-column window's one
+  assert jax.eval_shape(fn(2), *shapes(640)).shape == (P, 640)
+  assert jax.eval_shape(fn(2, cols=(192, 576)), *shapes(768)).shape == (P, 384)
+  with pytest.raises(ValueError, match=r"cluster_n=2 needs the column tiles in whole clusters: "
+                                       r"3 tiles of block_n=192 in 576 columns"):
+    jax.eval_shape(fn(2), *shapes(576))
+  with pytest.raises(ValueError, match=r"1 tiles of block_n=192 in 192 columns"):
+    jax.eval_shape(fn(2, cols=(0, 192)), *shapes(768))
+
+
+@needs_cute
 @pytest.mark.parametrize("block_n,stages", [(64, None), (64, 3)])
 def test_cute_pingpong_up_proj_compiles_for_cuda(block_n, stages):
   """The ping-pong up-projection (the producer warpgroup gathering X) compiles for sm_90a and
@@ -828,16 +864,51 @@ def test_cute_pingpong_matmul_matches_grouped_matmul_on_gpu(num_tiles, transpose
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("transpose_rhs,N,cols", [
-    (True, 768, None), (False, 768, None), (True, 640, None), (False, 1024, (256, 768)),
-    (True, 1024, (136, 392))])
+@pytest.mark.parametrize("num_tiles,transpose_rhs,N,block_n,cols", [
+    (1, True, 768, 192, None), (4, False, 768, 192, None), (81, True, 768, 192, None),
+    (300, True, 1536, 192, None), (300, False, 768, 192, (384, 768)),
+    (81, True, 640, 192, None), (81, False, 512, 128, None)])
+def test_cute_pingpong_matmul_in_clusters_matches_one_cta_on_gpu(num_tiles, transpose_rhs, N,
+                                                                 block_n, cols):
+  """The ping-pong grouped_matmul in clusters of 2 (each CTA loading half of an lhs stage and
+  multicasting it into both) gives cluster_n 1's bits on every row: experts without rows,
+  tiles past the last group, one tile (a grid of one cluster) and several per consumer, a
+  window, the last column tile clipped (640); its output written over a freed buffer of NaN
+  first, so a row it did not store shows."""
+  from ffi import grouped_gemm, pingpong
+  E, K = 5, 512
+  tile_expert = jnp.sort(jax.random.randint(jax.random.key(86), (num_tiles,), 0, E + 1))
+  tile_expert = tile_expert.at[tile_expert == 1].set(2).astype(jnp.int32)
+  P = num_tiles * grouped_gemm.BLOCK_M
+  lhs = jax.random.normal(jax.random.key(87), (P, K)).astype(jnp.bfloat16)
+  rhs = (jax.random.normal(jax.random.key(88), (E, N, K) if transpose_rhs else (E, K, N))
+         / 8).astype(jnp.bfloat16)
+  run = lambda cluster_n: jax.jit(lambda *a: pingpong.grouped_matmul(
+      *a, transpose_rhs=transpose_rhs, tma_store=True, block_n=block_n, cols=cols,
+      cluster_n=cluster_n))(lhs, rhs, tile_expert)
+  want = run(1)
+  width = N if cols is None else cols[1] - cols[0]
+  jax.block_until_ready(jnp.full((P, width), jnp.nan, jnp.bfloat16)).delete()
+  got = run(2)
+  np.testing.assert_array_equal(got, want)
+  assert not np.any(np.isnan(np.asarray(got, np.float32)))
+  assert np.any(np.asarray(got, np.float32) != 0)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("transpose_rhs,N,cols,cluster_n", [
+    (True, 768, None, 1), (False, 768, None, 1), (True, 640, None, 1),
+    (False, 1024, (256, 768), 1), (True, 1024, (136, 392), 1), (True, 768, None, 2),
+    (False, 1024, (256, 768), 2), (True, 1024, (136, 392), 2)])
 def test_cute_pingpong_matmul_on_192_row_tiles_matches_grouped_matmul_on_gpu(transpose_rhs, N,
-                                                                              cols):
+                                                                              cols, cluster_n):
   """The ping-pong grouped_matmul on 192-row tiles (schedule.row_tiles: tiles from each
   group's start, a group's last one stored down to its end) gives grouped_gemm.grouped_matmul's
   bits on every row: groups of 0, 128 (one clipped tile), 256, 384 (two full), 1920 and 2048
-  rows, zeros past the last group, columns clipped (640) or a window; its output written over
-  a freed buffer of NaN first, so a row it did not store shows."""
+  rows, zeros past the last group, columns clipped (640) or a window; alone or in clusters of
+  2 (cluster_n: neighbouring column tiles sharing each lhs stage); its output written over a
+  freed buffer of NaN first, so a row it did not store shows."""
   from ffi import grouped_gemm, pingpong
   from pallas_kernels import schedule
   sizes = np.array([128, 0, 256, 384, 1920, 0, 2048, 128])
@@ -850,8 +921,8 @@ def test_cute_pingpong_matmul_on_192_row_tiles_matches_grouped_matmul_on_gpu(tra
          / 8).astype(jnp.bfloat16)
   jax.block_until_ready(jnp.full((P, N), jnp.nan, jnp.bfloat16)).delete()
   got = jax.jit(lambda *a: pingpong.grouped_matmul(*a, transpose_rhs=transpose_rhs, tma_store=True,
-                                                   cols=cols, tile_m=pingpong.ROW_TILE_M))(
-      lhs, rhs, row_tiles)
+                                                   cols=cols, tile_m=pingpong.ROW_TILE_M,
+                                                   cluster_n=cluster_n))(lhs, rhs, row_tiles)
   want = jax.jit(lambda *a: grouped_gemm.grouped_matmul(*a, transpose_rhs=transpose_rhs,
                                                         cols=cols))(lhs, rhs, tile_expert)
   np.testing.assert_array_equal(got, want)
@@ -961,6 +1032,32 @@ def test_cute_layer_with_192_row_store_tiles_matches_128_on_gpu(shape, monkeypat
 
 
 @needs_cute
+@pytest.mark.parametrize("d, paired", [(768, 4), (384, 2)])
+def test_cute_store_cluster_n_setting_lowers_the_store_gemms_to_clustered_kernels(
+    d, paired, monkeypatch):
+  """STORE_CLUSTER_N 2 lowers (for CUDA) down_proj and dx_tilde to kernels of their own in
+  each of the default's two column windows where their column tiles pair up (d = 768: two
+  192-wide tiles a window, 4 kernels), and only there (d = 384, on the 192-row tiles 128 wide:
+  the 256-column windows' two tiles pair up, the 128-column windows' one does not: 2); the
+  other ops' kernels unchanged."""
+  targets = _store_targets_under(monkeypatch, "STORE_CLUSTER_N", (1, 2),
+                                 make_inputs(9, 256, d, 128, 4, jnp.bfloat16))
+  assert len(targets[2] - targets[1]) == len(targets[1] - targets[2]) == paired
+  assert targets[1] & targets[2]
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("shape", [(4096, 1536, 256, 128, 8), (2048, 768, 256, 16, 2)])
+def test_cute_layer_with_clustered_store_gemms_matches_one_cta_on_gpu(shape, monkeypatch):
+  """The default layer with its store GEMMs in clusters of 2 (STORE_CLUSTER_N) gives the same
+  bits as without: output and every gradient (two column windows of 768 or 384 columns)."""
+  results = _layer_results_under(monkeypatch, "STORE_CLUSTER_N", (2, 1), shape, seed=7)
+  for got, want in zip(jax.tree.leaves(results[2]), jax.tree.leaves(results[1])):
+    np.testing.assert_array_equal(got, want)
+
+
+@needs_cute
 def test_cute_store_wide_min_k_routes_each_store_gemm_by_its_contraction(monkeypatch):
   """STORE_WIDE_MIN_K picks the store GEMMs' kernel by contraction, each GEMM on its own: at
   n = 1024, d = 2048 (two 1024-column windows) the down-projection (K = n) leaves the wide
@@ -1020,8 +1117,8 @@ def test_cute_dh_kernel_auto_follows_the_model_width(monkeypatch):
 @needs_cute
 def test_cute_kernel_settings_are_checked(monkeypatch):
   """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL, STORE_KERNEL, STORE_WIDE_KERNEL, STORE_BLOCK_N,
-  STORE_TILE_M or WGRAD_KERNEL outside its list is refused by name (runs on CPU: the error comes before any
-  kernel)."""
+  STORE_TILE_M, STORE_CLUSTER_N or WGRAD_KERNEL outside its list is refused by name (runs on
+  CPU: the error comes before any kernel)."""
   cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(6, 256, 128, 64, 4, jnp.bfloat16)
   grad = lambda: jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={
@@ -1050,6 +1147,10 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
   monkeypatch.setattr(cute_ops, "STORE_TILE_M", 256)
   with pytest.raises(ValueError,
                      match=r"STORE_TILE_M must be one of \('auto', 128, 192\); got 256"):
+    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
+  monkeypatch.setattr(cute_ops, "STORE_TILE_M", "auto")
+  monkeypatch.setattr(cute_ops, "STORE_CLUSTER_N", 4)
+  with pytest.raises(ValueError, match=r"STORE_CLUSTER_N must be one of \(1, 2\); got 4"):
     sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
   monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"WGRAD_KERNEL must be one of .*'fast'"):
