@@ -64,6 +64,10 @@
 #   clusters: the persistent weight gradients in clusters of 2 (session 43): their GPU tests,
 #           the default against float32 at 120B-n1024, sweep rows at olmoe and 120B-n1024
 #           with and without clusters (three rounds interleaved)                    (~5 min)
+#   store_clusters: the ping-pong store GEMMs in clusters of 2 along N (session 49, for the
+#           H100): their GPU tests, then down_proj's and dx_tilde's sweep rows alone and in
+#           clusters, 128 x 192 and 192 x 128 tiles, at CLUSTER_CONFIGS (default
+#           7B-n256,30B-n256; three rounds interleaved)                            (~5 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
@@ -367,6 +371,14 @@ PY
         --configs olmoe,120B-n1024 --interleave 3 \
         --kernels dw1_gather_persistent_sized_dynamic,dw1_gather_persistent_sized_dynamic_cluster,dw1_gather_persistent_sized_cluster,dw2_gather_persistent_sized,dw2_gather_persistent_sized_cluster \
         --out "$OUT/sweep_clusters.json" 2>&1 | grep -v '^{' ;;
+    store_clusters)  # after `cute` staging (see above)
+      cute_gpu_tests store_clusters 240 \
+        "in_clusters_matches_one_cta or 192_row_tiles or clustered_store_gemms" || continue
+      k=""; for gemm in down_proj dx_tilde; do for tile in tma tma_cluster2 tma_rows192 tma_rows192_cluster2; do
+        k="$k${k:+,}${gemm}_pingpong_$tile"; done; done
+      timeout 240 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 128,192 \
+        --configs "${CLUSTER_CONFIGS:-7B-n256,30B-n256}" --interleave 3 --kernels "$k" \
+        --out "$OUT/sweep_store_clusters.json" 2>&1 | grep -v '^{' ;;
     step_memory)  # after `cute` staging: the step's peak memory and XLA's memory-usage report
                   # (its largest buffers) at MEM_CONFIGS (default 30B-n256 7B-n256)   (~2 min)
       for cfg in ${MEM_CONFIGS:-30B-n256 7B-n256}; do
