@@ -829,6 +829,19 @@ def test_cute_pingpong_up_proj_compiles_for_cuda(block_n, stages):
     jax.eval_shape(lambda *a: pingpong.up_proj(*a, block_n=128), *shapes)
 
 
+def _store_operands(seed, num_tiles, transpose_rhs, N, E=5, K=384):
+  """A store GEMM's operands: tile_expert of num_tiles 128-row tiles (sorted; expert 1 without
+  rows, E marking tiles past the last group), lhs [P, K], rhs [E, N, K] or [E, K, N]."""
+  from ffi import grouped_gemm
+  tile_expert = jnp.sort(jax.random.randint(jax.random.key(seed), (num_tiles,), 0, E + 1))
+  tile_expert = tile_expert.at[tile_expert == 1].set(2).astype(jnp.int32)
+  P = num_tiles * grouped_gemm.BLOCK_M
+  lhs = jax.random.normal(jax.random.key(seed + 1), (P, K)).astype(jnp.bfloat16)
+  rhs = (jax.random.normal(jax.random.key(seed + 2), (E, N, K) if transpose_rhs else (E, K, N))
+         / 8).astype(jnp.bfloat16)
+  return tile_expert, lhs, rhs
+
+
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("num_tiles,transpose_rhs,tma_store,block_n,N", [
@@ -846,13 +859,8 @@ def test_cute_pingpong_matmul_matches_grouped_matmul_on_gpu(num_tiles, transpose
   grouped_gemm.grouped_matmul's bits (experts without rows, tiles past the last group: zeros;
   one tile, and several per CTA)."""
   from ffi import grouped_gemm, pingpong
-  E, K = 5, 384
-  tile_expert = jnp.sort(jax.random.randint(jax.random.key(81), (num_tiles,), 0, E + 1))
-  tile_expert = tile_expert.at[tile_expert == 1].set(2).astype(jnp.int32)
-  P = num_tiles * grouped_gemm.BLOCK_M
-  lhs = jax.random.normal(jax.random.key(82), (P, K)).astype(jnp.bfloat16)
-  rhs = (jax.random.normal(jax.random.key(83), (E, N, K) if transpose_rhs else (E, K, N))
-         / 8).astype(jnp.bfloat16)
+  E = 5
+  tile_expert, lhs, rhs = _store_operands(81, num_tiles, transpose_rhs, N, E)
   got = jax.jit(lambda *a: pingpong.grouped_matmul(*a, transpose_rhs=transpose_rhs,
                                                    tma_store=tma_store, block_n=block_n))(
       lhs, rhs, tile_expert)
@@ -875,14 +883,9 @@ def test_cute_pingpong_matmul_in_clusters_matches_one_cta_on_gpu(num_tiles, tran
   tiles past the last group, one tile (a grid of one cluster) and several per consumer, a
   window, the last column tile clipped (640); its output written over a freed buffer of NaN
   first, so a row it did not store shows."""
-  from ffi import grouped_gemm, pingpong
-  E, K = 5, 512
-  tile_expert = jnp.sort(jax.random.randint(jax.random.key(86), (num_tiles,), 0, E + 1))
-  tile_expert = tile_expert.at[tile_expert == 1].set(2).astype(jnp.int32)
-  P = num_tiles * grouped_gemm.BLOCK_M
-  lhs = jax.random.normal(jax.random.key(87), (P, K)).astype(jnp.bfloat16)
-  rhs = (jax.random.normal(jax.random.key(88), (E, N, K) if transpose_rhs else (E, K, N))
-         / 8).astype(jnp.bfloat16)
+  from ffi import pingpong
+  tile_expert, lhs, rhs = _store_operands(86, num_tiles, transpose_rhs, N, K=512)
+  P = lhs.shape[0]
   run = lambda cluster_n: jax.jit(lambda *a: pingpong.grouped_matmul(
       *a, transpose_rhs=transpose_rhs, tma_store=True, block_n=block_n, cols=cols,
       cluster_n=cluster_n))(lhs, rhs, tile_expert)
