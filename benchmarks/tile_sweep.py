@@ -139,16 +139,14 @@ def cute_kernels(x, w1, w2, dout, plan, pairs):
     # _tma: TMA stores; _rows192: on 192-row tiles from each expert's start (their table instead
     # of tile_expert); _cluster2: in clusters of 2 CTAs sharing each lhs stage (the column tiles
     # an even number)
-    for cluster_n, cluster in [(1, ""), (2, "_cluster2")]:
-      rows[f"{name}_pingpong_tma{cluster}"] = (jax.jit(
-          lambda c, lhs, rhs, t, tr=transpose_rhs, cn=cluster_n: pingpong.grouped_matmul(
-              lhs, rhs, t, transpose_rhs=tr, tma_store=True, cluster_n=cn,
-              **dataclasses.asdict(c)), static_argnums=0), mm_args, mm_flops, mm_n)
-      rows[f"{name}_pingpong_tma_rows192{cluster}"] = (jax.jit(
-          lambda c, lhs, rhs, t, tr=transpose_rhs, cn=cluster_n: pingpong.grouped_matmul(
-              lhs, rhs, t, transpose_rhs=tr, tma_store=True, tile_m=pingpong.ROW_TILE_M,
-              cluster_n=cn, **dataclasses.asdict(c)), static_argnums=0),
-          (*mm_args[:2], row_tiles), mm_flops, mm_n)
+    for tile_m, rows_suffix, tiles in [(pingpong.TILE_M, "", mm_args[2]),
+                                       (pingpong.ROW_TILE_M, "_rows192", row_tiles)]:
+      for cluster_n, cluster in [(1, ""), (2, "_cluster2")]:
+        rows[f"{name}_pingpong_tma{rows_suffix}{cluster}"] = (jax.jit(
+            lambda c, lhs, rhs, t, tr=transpose_rhs, tm=tile_m, cn=cluster_n:
+            pingpong.grouped_matmul(lhs, rhs, t, transpose_rhs=tr, tma_store=True, tile_m=tm,
+                                    cluster_n=cn, **dataclasses.asdict(c)),
+            static_argnums=0), (*mm_args[:2], tiles), mm_flops, mm_n)
   # dO's rows gathered too
   rows["dh_pingpong_gather"] = (jax.jit(lambda c, g, w2, h, s, t, i: pingpong.dh(
       g, w2, h, s, t, gather_index=i, over_h=False, **dataclasses.asdict(c)), static_argnums=0),

@@ -342,7 +342,7 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
       tile_m, tiles = pingpong.TILE_M, _tiles(plan)
       if width % widest == 0:
         block_n = widest
-    if pingpong.column_tiles(width, block_n) % cluster_n:
+    if not pingpong.cluster_fits(cluster_n, width, block_n):
       cluster_n = 1
     return pingpong.grouped_matmul(lhs, rhs, tiles, transpose_rhs=transpose_rhs, block_n=block_n,
                                    tma_store=tma_store, cols=cols, tile_m=tile_m,

@@ -171,6 +171,11 @@ def column_tiles(num_cols, block_n: int):
   return (num_cols + block_n - 1) // block_n
 
 
+def cluster_fits(cluster_n: int, num_cols: int, block_n: int) -> bool:
+  """Whether an output num_cols wide splits into whole clusters of cluster_n column tiles."""
+  return column_tiles(num_cols, block_n) % cluster_n == 0
+
+
 @cute.jit
 def skip_tile(consume, release, num_k):
   """The other consumer's tile: this one's ring states stepped over its num_k stages."""
@@ -620,7 +625,7 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
               f"offsets: use tma_store=True")
   if not reason and (type(cluster_n) is not int or cluster_n not in CLUSTER_NS):
     reason = f"cluster_n={cluster_n!r} must be one of {CLUSTER_NS}"
-  if not reason and column_tiles(out_cols, block_n) % cluster_n:
+  if not reason and not cluster_fits(cluster_n, out_cols, block_n):
     reason = (f"cluster_n={cluster_n} needs the column tiles in whole clusters: "
               f"{column_tiles(out_cols, block_n)} tiles of block_n={block_n} in {out_cols} columns")
   if reason:

@@ -789,9 +789,9 @@ def test_cute_pingpong_matmul_in_clusters_compiles_for_cuda():
   table = jax.ShapeDtypeStruct((3 * (-(-P // 192) + E + 1),), jnp.int32)
   rows192 = lambda a, b, t: pingpong.grouped_matmul(a, b, t, tma_store=True, block_n=128,
                                                     cluster_n=2, tile_m=192)
-  rows192 = set(re.findall(r"@(sonicmoe_cute_\w+)",
-                           _cuda_module(rows192, *shapes(768)[:2], table)))
-  assert len(rows192) == 1 and not rows192 & (targets[1] | targets[2])
+  rows192_targets = set(re.findall(r"@(sonicmoe_cute_\w+)",
+                                   _cuda_module(rows192, *shapes(768)[:2], table)))
+  assert len(rows192_targets) == 1 and not rows192_targets & (targets[1] | targets[2])
   for bad in (3, 2.0, True):
     with pytest.raises(ValueError, match=rf"cluster_n={bad!r} must be one of \(1, 2\)"):
       jax.eval_shape(fn(bad), *shapes(768))
