@@ -145,7 +145,10 @@ STORE_TILE_MS = ("auto",) + pingpong.TILE_MS
 # h200-session40) they were bitwise right but dX~ 0.7-1.5% slower at 7B-n256 and 30B-n256, the
 # down-projection level. On an H100 (session 49, results/2026-12-05-h100-session49) the PyTorch
 # SonicMoE's store GEMMs, in clusters of 2 there, led ours at 7B-n256 by 5% (down-projection,
-# one window) and 11% (dX~): rebuilt to measure them there.
+# one window) and 11% (dX~): rebuilt to measure them there. On that H100 (session 50,
+# results/2026-12-05-h100-session50) the clustered 192-wide dX~ led alone by 5% on the whole
+# product, but in the step at 7B-n256 (two rounds) the down-projection and dX~ each ran 1.6%
+# slower in clusters (0.378 / 0.548 vs 0.372 / 0.540 ms): 1 on both cards.
 STORE_CLUSTER_N = 1
 STORE_CLUSTER_NS = pingpong.CLUSTER_NS
 
@@ -241,8 +244,10 @@ def top_k(logits, k):
 # into: the first window's call makes the buffer, each later one writes its columns over it in
 # place) instead of concatenating the windows' [T, w] sums, one more pass over [T, d] (about
 # 0.17 ms of 30B-n256's step, session 22). Read by backends.resolve (Ops.aggregate_into).
-# Off until its GPU tests and the step's kernels are measured (built in session 48, after the
-# GPU budget).
+# Its GPU tests pass (bitwise the concatenating layer's, H100 session 49). Timed on an H100
+# (session 50, results/2026-12-05-h100-session50), 7B-n256, two rounds: the step's kernels
+# 3.514 vs 3.521 ms, inside the rounds' spread, the same step peak. Off until a timing (30B-n256,
+# an H200) shows a gain.
 AGGREGATE_INTO = False
 
 
