@@ -356,9 +356,6 @@ def main(argv=None):
   p.add_argument("--cute-dh-h-smem", choices=("on", "off"),
                  help="cute dh's epilogue reads H from SMEM, TMA-loaded after the mainloop "
                       "(default: ffi/ops.py DH_H_SMEM)")
-  p.add_argument("--cute-aggregate-into", choices=("on", "off"),
-                 help="the layer's column windows summed into one output by cute's aggregate "
-                      "instead of concatenated (default: ffi/ops.py AGGREGATE_INTO)")
   p.add_argument("--cute-up-proj", choices=("grouped", "pingpong"),
                  help="cute up_proj's kernel variant (default: ffi/ops.py UP_PROJ_KERNEL)")
   p.add_argument("--cute-store", choices=("grouped", "pingpong", "pingpong_tma"),
@@ -410,8 +407,6 @@ def main(argv=None):
     cute_settings["TMA_GATHER"] = op_names(a.cute_tma_gather)
   if a.cute_dh_h_smem:
     cute_settings["DH_H_SMEM"] = a.cute_dh_h_smem == "on"
-  if a.cute_aggregate_into:
-    cute_settings["AGGREGATE_INTO"] = a.cute_aggregate_into == "on"
   if a.cute_dout_gather:
     cute_settings["DOUT_GATHER_MAX_COLUMN_TILES"] = 0 if a.cute_dout_gather == "xla" else 1 << 30
   cute_settings = {k: v for k, v in cute_settings.items() if v is not None}

@@ -4,11 +4,9 @@ One CTA per token, 128 threads striding over the row in chunks of `vec` columns 
 bf16 values, one vector load each); each thread accumulates its chunks in fp32 over the
 token's slots (token_slots[token_offsets[t]:token_offsets[t+1]]), optionally weighted by the
 slot's score, and writes O[t] in Y's dtype. Bandwidth-bound: reads each slot row once, writes
-each token row once. Into a wider output (out_cols: a column window's sums), O[t]'s columns
-lo .. lo + w - 1 are written and the others left: those of the buffer given (written in place,
-FFI operand aliasing), or unset in a new one. Callable from any jitted JAX program: the kernel
-is compiled for the GPU when the program is lowered (CUTE_DSL_ARCH=sm_90a compiles it on a
-machine without a GPU) and runs as an XLA FFI custom call on XLA's stream.
+each token row once. Callable from any jitted JAX program: the kernel is compiled for the GPU
+when the program is lowered (CUTE_DSL_ARCH=sm_90a compiles it on a machine without a GPU) and
+runs as an XLA FFI custom call on XLA's stream.
 """
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ ACCESS_BYTES = 16   # one vector load or store per chunk
 @cute.kernel
 def _gather_sum_kernel(y: cute.Tensor, scores: cute.Tensor, token_slots: cute.Tensor,
                        token_offsets: cute.Tensor, out: cute.Tensor, weighted: cutlass.Constexpr,
-                       vec: cutlass.Constexpr, out_chunk0: cutlass.Constexpr):
-  """out_chunk0: out's chunk (of vec columns) that y's chunk 0 sums into."""
+                       vec: cutlass.Constexpr):
   tidx, _, _ = cute.arch.thread_idx()
   token, _, _ = cute.arch.block_idx()
   start = token_offsets[token]
@@ -44,57 +41,27 @@ def _gather_sum_kernel(y: cute.Tensor, scores: cute.Tensor, token_slots: cute.Te
       acc.store(acc.load() + values)
     result = cute.make_rmem_tensor((vec,), out.element_type)
     result.store(acc.load().to(out.element_type))
-    cute.autovec_copy(result, cute.local_tile(out[cutlass.Int64(token), None], (vec,),
-                                              (out_chunk0 + chunk,)))
+    cute.autovec_copy(result, cute.local_tile(out[cutlass.Int64(token), None], (vec,), (chunk,)))
 
 
 @cute.jit
 def _gather_sum(stream, y: cute.Tensor, scores: cute.Tensor, token_slots: cute.Tensor,
                 token_offsets: cute.Tensor, out: cute.Tensor, weighted: cutlass.Constexpr,
-                vec: cutlass.Constexpr, out_chunk0: cutlass.Constexpr):
-  _gather_sum_kernel(y, scores, token_slots, token_offsets, out, weighted, vec,
-                     out_chunk0).launch(
+                vec: cutlass.Constexpr):
+  _gather_sum_kernel(y, scores, token_slots, token_offsets, out, weighted, vec).launch(
       grid=(out.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream)
 
 
-@cute.jit
-def _gather_sum_into(stream, y: cute.Tensor, scores: cute.Tensor, token_slots: cute.Tensor,
-                     token_offsets: cute.Tensor, into: cute.Tensor, out: cute.Tensor,
-                     weighted: cutlass.Constexpr, vec: cutlass.Constexpr,
-                     out_chunk0: cutlass.Constexpr):
-  """_gather_sum writing over `into` (out is its buffer: the FFI call aliases them)."""
-  _gather_sum(stream, y, scores, token_slots, token_offsets, out, weighted, vec, out_chunk0)
-
-
-def gather_sum(y, scores, token_slots, token_offsets, num_tokens: int, out_cols=None,
-               into=None):
-  """[num_tokens, d] in y's dtype (y [slots, d]); scores=None sums unweighted. Rows whose
-  width (or out_cols' lo or width) is not a multiple of a 16-byte access are read one value at
-  a time.
-
-  out_cols=(lo, width): the sums are columns lo .. lo + d - 1 of a [num_tokens, width] result
-  whose other columns are into's (a [num_tokens, width] array of y's dtype, written in place
-  where XLA can: its buffer is the result's) or, without into, unset (left for later calls to
-  fill). Raises ValueError when the window does not fit in width or into's shape or dtype is
-  not the result's."""
-  lo, width = (0, y.shape[1]) if out_cols is None else out_cols
-  if not 0 <= lo <= width - y.shape[1]:
-    raise ValueError(f"cute gather_sum: out_cols=(lo={lo}, width={width}) must hold y's "
-                     f"{y.shape[1]} columns from lo")
-  if into is not None and (into.shape != (num_tokens, width) or into.dtype != y.dtype):
-    raise ValueError(f"cute gather_sum: into must be [{num_tokens}, {width}] {y.dtype}; got "
-                     f"{into.shape} {into.dtype}")
+def gather_sum(y, scores, token_slots, token_offsets, num_tokens: int):
+  """[num_tokens, d] in y's dtype; scores=None sums unweighted. Rows whose width is not a
+  multiple of a 16-byte access are read one value at a time."""
   weighted = scores is not None
   if scores is None:
     scores = jax.numpy.zeros((y.shape[0],), jax.numpy.float32)
   vec = ACCESS_BYTES // y.dtype.itemsize
-  if y.shape[1] % vec or lo % vec or width % vec:
+  if y.shape[1] % vec:
     vec = 1
-  inputs = [y, scores.astype(jax.numpy.float32), token_slots, token_offsets]
-  kernel, in_place = _gather_sum, None
-  if into is not None:
-    kernel, in_place = _gather_sum_into, {len(inputs): 0}
-    inputs.append(into)
-  out, = xla_call.call(kernel, inputs, [jax.ShapeDtypeStruct((num_tokens, width), y.dtype)],
-                       in_place=in_place, weighted=weighted, vec=vec, out_chunk0=lo // vec)
+  out, = xla_call.call(
+      _gather_sum, [y, scores.astype(jax.numpy.float32), token_slots, token_offsets],
+      [jax.ShapeDtypeStruct((num_tokens, y.shape[1]), y.dtype)], weighted=weighted, vec=vec)
   return out

@@ -240,23 +240,9 @@ def top_k(logits, k):
   return topk.top_k(logits, k)
 
 
-# Whether the layer's column windows sum into one [T, d] output (aggregate's out_cols and
-# into: the first window's call makes the buffer, each later one writes its columns over it in
-# place) instead of concatenating the windows' [T, w] sums, one more pass over [T, d] (about
-# 0.17 ms of 30B-n256's step, session 22). Read by backends.resolve (Ops.aggregate_into).
-# Its GPU tests pass (bitwise the concatenating layer's, H100 session 49). Timed on an H100
-# (session 50, results/2026-12-05-h100-session50), 7B-n256, two rounds: the step's kernels
-# 3.514 vs 3.521 ms, inside the rounds' spread, the same step peak. Off until a timing (30B-n256,
-# an H200) shows a gain.
-AGGREGATE_INTO = False
-
-
-def aggregate(y, scores, plan, out_cols=None, into=None):
-  """O_t = sum over token t's slots of score * Y_slot (fp32 sum), as xla_ops.aggregate; with
-  out_cols=(lo, d) those sums are columns lo.. of a [T, d] result whose other columns are
-  into's (written in place) or, without into, unset (gather_sum.gather_sum)."""
-  return gather_sum.gather_sum(y, scores, plan.token_slots, plan.token_offsets, plan.num_tokens,
-                               out_cols=out_cols, into=into)
+def aggregate(y, scores, plan):
+  """O_t = sum over token t's slots of score * Y_slot (fp32 sum), as xla_ops.aggregate."""
+  return gather_sum.gather_sum(y, scores, plan.token_slots, plan.token_offsets, plan.num_tokens)
 
 
 def up_proj(x, w1, plan):

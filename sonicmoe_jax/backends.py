@@ -4,11 +4,7 @@ Ops (signatures as in xla_ops.py):
   top_k(logits, k) -> (values, experts)   router top-K over fp32 logits [T, E], as jax.lax.top_k
   up_proj(x, w1, plan) -> (H, A)          gather-fused varlen-M GEMM + SwiGLU
   down_proj(a, w2, plan, cols=None) -> Y  varlen-M GEMM, contiguous store
-  aggregate(y, scores|None, plan) -> O    per-token gather-and-sum (where the backend's
-                                          AGGREGATE_INTO is true also
-                                          aggregate(..., out_cols=(lo, d), into=None|O):
-                                          the sums as columns lo.. of a [T, d] O, the
-                                          others into's, written in place, or unset)
+  aggregate(y, scores|None, plan) -> O    per-token gather-and-sum
   dh(dO, w2, H, scores, plan) -> (dH, dS, A')
   dx_tilde(dH, w1, plan, cols=None) -> dX~  varlen-M GEMM with W1^T
   dw1(x, dH, plan) -> dW1                 varlen-K GEMM, X rows gathered
@@ -19,9 +15,7 @@ the product's columns lo .. hi - 1.
 
 A backend is a module exposing OPS: {op name: function}, imported on first use, and optionally
 ALIGN: the row alignment its kernels need for each expert's group of slots (the routing plan
-is built with the largest ALIGN among the chosen backends), and AGGREGATE_INTO: whether its
-aggregate sums column windows into one output (the layer's `windows` then make no
-concatenation). Every backend implements every
+is built with the largest ALIGN among the chosen backends). Every backend implements every
 op. Users pick a backend by name for all ops ("xla", "pallas", "cute"), "auto" for the
 platform default, or a mapping {op: backend} for a mix (ops left out use "auto").
 
@@ -144,7 +138,6 @@ class Ops(NamedTuple):
   dw2: Callable
   align: int = 1
   windows: int = 1   # the layer's default column windows (default_windows)
-  aggregate_into: bool = False   # aggregate takes out_cols and into (AGGREGATE_INTO)
 
 
 def _backend_module(name: str):
@@ -208,5 +201,4 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype
     impls[op], names[op] = module.OPS[op], name
     align = max(align, getattr(module, "ALIGN", 1))
   windows = default_windows((names["down_proj"], names["dx_tilde"]), d, n)
-  aggregate_into = bool(getattr(_backend_module(names["aggregate"]), "AGGREGATE_INTO", False))
-  return Ops(**impls, align=align, windows=windows, aggregate_into=aggregate_into)
+  return Ops(**impls, align=align, windows=windows)

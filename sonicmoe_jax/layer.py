@@ -72,33 +72,27 @@ def window_pair(windows) -> tuple[int, int]:
 
 
 def window_sum(matmul, aggregate, lhs, rhs, scores, plan: RoutingPlan, windows: int,
-               num_cols: int, one_output: bool = False):
+               num_cols: int):
   """aggregate(matmul(lhs, rhs, plan), scores, plan), the [slots, num_cols] product made over
   column_windows one window at a time: each window's columns are summed per token before the
   next window's GEMM starts (an optimization barrier orders them), so the product is never
   whole in memory: its peak is one window's. The sums are the result's columns (no partial
-  sums: each window is complete in its columns): concatenated, or with one_output (the
-  backend's aggregate taking out_cols and into: Ops.aggregate_into) written into one
-  [T, num_cols] output, the first window's call making it and each later one writing over it."""
+  sums: each window is complete in its columns), concatenated."""
   bounds = column_windows(num_cols, windows)
   if len(bounds) == 1:
     return aggregate(matmul(lhs, rhs, plan), scores, plan)
   outs = []
-  for lo, hi in bounds:
+  for cols in bounds:
     if outs:
       outs[-1], lhs = jax.lax.optimization_barrier((outs[-1], lhs))
-    y = matmul(lhs, rhs, plan, cols=(lo, hi))
-    if one_output:
-      outs = [aggregate(y, scores, plan, out_cols=(lo, num_cols), into=outs[0] if outs else None)]
-    else:
-      outs.append(aggregate(y, scores, plan))
-  return outs[0] if one_output else jnp.concatenate(outs, axis=1)
+    outs.append(aggregate(matmul(lhs, rhs, plan, cols=cols), scores, plan))
+  return jnp.concatenate(outs, axis=1)
 
 
 def _expert_mlp_fwd(ops, x, scores, w1, w2, plan, windows):
   h, a = ops.up_proj(x, w1, plan)
   out = window_sum(ops.down_proj, ops.aggregate, a, w2, scores, plan, window_pair(windows)[0],
-                   x.shape[1], ops.aggregate_into)
+                   x.shape[1])
   return out, (x, h, scores, w1, w2, plan)
 
 
@@ -109,7 +103,7 @@ def _expert_mlp_bwd(ops, windows, residuals, dout):
   # dW2 first: A' (and dO's rows, where a backend gathers them in XLA) die before dX~ is made
   dw2 = ops.dw2(a_scaled, dout, plan).astype(w2.dtype)
   dx = window_sum(ops.dx_tilde, ops.aggregate, dh, w1, None, plan, window_pair(windows)[1],
-                  x.shape[1], ops.aggregate_into)
+                  x.shape[1])
   # The barrier keeps XLA from merging dW1's gather of X's rows with the forward's (when a
   # backend gathers them in XLA): merged, the gathered X [pairs, d] would be kept from the
   # forward to the backward, which is what this layer exists to avoid.

@@ -111,50 +111,6 @@ def test_cute_gather_sum_matches_numpy_on_gpu(d, dtype):
     assert np.all(np.asarray(got.astype(jnp.float32))[counts == 0] == 0)
 
 
-@pytest.mark.gpu
-@needs_cute
-@pytest.mark.parametrize("d,lo,width", [(512, 0, 1024), (512, 512, 1024), (256, 384, 768),
-                                        (100, 200, 400), (200, 8, 208), (256, 0, 260)])
-def test_cute_gather_sum_into_writes_only_its_columns_on_gpu(d, lo, width):
-  """gather_sum with out_cols=(lo, width): the window's sums, bitwise the plain call's, at
-  columns lo.. of the [T, width] result; with into (poisoned with NaN) its other columns
-  kept bit for bit (in place: the FFI call aliases it); with 16-byte accesses where d, lo and
-  width allow, one value at a time where not."""
-  from ffi import gather_sum
-  rng = np.random.default_rng(d + lo)
-  T, P = 300, 1000
-  y = jnp.asarray(rng.normal(size=(P, d)), jnp.bfloat16)
-  scores = jnp.asarray(rng.random(P), jnp.float32)
-  counts = rng.integers(0, 7, T)
-  counts[::17] = 0
-  offsets = jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
-  slots = jnp.asarray(rng.integers(0, P, int(counts.sum())), jnp.int32)
-  plain = jax.jit(lambda *a: gather_sum.gather_sum(*a, num_tokens=T))(y, scores, slots, offsets)
-  poison = jnp.full((T, width), jnp.nan, jnp.bfloat16)
-  into = jax.jit(lambda p, *a: gather_sum.gather_sum(*a, num_tokens=T, out_cols=(lo, width),
-                                                     into=p))(poison, y, scores, slots, offsets)
-  fresh = jax.jit(lambda *a: gather_sum.gather_sum(*a, num_tokens=T, out_cols=(lo, width)))(
-      y, scores, slots, offsets)
-  np.testing.assert_array_equal(into[:, lo:lo + d], plain)
-  np.testing.assert_array_equal(fresh[:, lo:lo + d], plain)
-  outside = np.ones(width, bool)
-  outside[lo:lo + d] = False
-  assert np.all(np.isnan(np.asarray(into, np.float32)[:, outside]))
-
-
-@needs_cute
-def test_cute_gather_sum_names_a_window_that_does_not_fit():
-  from ffi import gather_sum
-  y, slots = jnp.zeros((64, 128), jnp.bfloat16), jnp.zeros((64,), jnp.int32)
-  offsets = jnp.arange(33, dtype=jnp.int32) * 2
-  with pytest.raises(ValueError, match=r"out_cols=\(lo=128, width=192\) must hold y's 128 "
-                                       r"columns from lo"):
-    gather_sum.gather_sum(y, None, slots, offsets, 32, out_cols=(128, 192))
-  with pytest.raises(ValueError, match=r"into must be \[32, 256\] bfloat16; got \(32, 128\)"):
-    gather_sum.gather_sum(y, None, slots, offsets, 32, out_cols=(0, 256),
-                          into=jnp.zeros((32, 128), jnp.bfloat16))
-
-
 def _assert_gathering_matches_pregathered(op, rows, index, *operands, tma_gather=False, **kw):
   """op(rows, *operands, gather_index=index), the kernel gathering rows[index] itself (zeros
   where the index is past the end; its producer warpgroup, by cp.async or with tma_gather by
@@ -2258,46 +2214,6 @@ def test_layer_with_windows_matches_without_on_gpu(windows):
   assert rel_err(out_w, out_1) < 1e-2
   for name, a, b in zip(("dx", "drouter_w", "dw1", "dw2"), g_w, g_1):
     assert rel_err(a, b) < 1e-2, name
-
-
-@needs_cute
-def test_cute_windows_sum_into_one_output_without_concatenating(monkeypatch):
-  """ffi.ops.AGGREGATE_INTO: the layer's windows on backend "cute" sum into one [T, d] output
-  (gather_sum writing each later window over the first's buffer: operand aliases) and export
-  with no concatenation of the windows' bf16 sums, which they have without it."""
-  cute_ops = importlib.import_module("ffi.ops")
-  T, d, n, E, K = 256, 256, 128, 32, 4
-  args = make_inputs(0, T, d, n, E, jnp.bfloat16)
-  loss = lambda *a: jnp.sum(sm.moe(*a, k=K, backend="cute", windows=2).out.astype(jnp.float32))
-  modules = {}
-  for into in (False, True):
-    monkeypatch.setattr(cute_ops, "AGGREGATE_INTO", into)
-    assert sm.backends.resolve("cute").aggregate_into == into
-    modules[into] = _cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
-  joins = lambda m: re.findall(r"stablehlo.concatenate .*-> tensor<256x256xbf16>", m)
-  assert len(joins(modules[False])) >= 2 and not joins(modules[True])
-  assert (modules[True].count("output_operand_alias")
-          >= modules[False].count("output_operand_alias") + 2)
-
-
-@pytest.mark.gpu
-@needs_cute
-@pytest.mark.parametrize("windows", [2, 3, (1, 2)])
-def test_cute_windows_summed_into_one_output_keep_the_layers_bits_on_gpu(windows, monkeypatch):
-  """The default layer with its windows summed into one output (AGGREGATE_INTO) gives the
-  concatenating layer's forward and gradients bit for bit."""
-  cute_ops = importlib.import_module("ffi.ops")
-  T, d, n, E, K = 2048, 1024, 256, 32, 8
-  args = make_inputs(7, T, d, n, E, jnp.bfloat16)
-  cot = jax.random.normal(jax.random.key(8), (T, d))
-
-  def run(into):
-    monkeypatch.setattr(cute_ops, "AGGREGATE_INTO", into)
-    f = lambda *a: jnp.sum(sm.moe(*a, k=K, windows=windows).out.astype(jnp.float32) * cot)
-    return jax.jit(lambda *a: sm.moe(*a, k=K, windows=windows).out)(*args), \
-        jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(*args)
-  for got, want in zip(jax.tree.leaves(run(True)), jax.tree.leaves(run(False))):
-    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,4 @@
 """The layer's column windows (moe(..., windows=W)): the same result as without, a smaller peak."""
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,51 +68,6 @@ def test_window_sum_orders_each_window_after_the_last_ones_sum():
         matmul, xla_ops.aggregate, a, w, plan.scores, plan, windows, d))
     assert fn.lower(a, w, plan).as_text().count("optimization_barrier") == windows - 1
     np.testing.assert_array_equal(fn(a, w, plan), whole)   # each column's sum as without
-
-
-def test_window_sum_into_one_output_matches_the_concatenation():
-  """window_sum(one_output=True), each window's sums written into one [T, d] output by an aggregate
-  taking out_cols and into (here xla_ops.aggregate with a dynamic update slice, the columns
-  outside the first window poisoned with NaN as a new buffer's may hold anything), gives the
-  concatenation's bits, with no concatenate left in the program."""
-  T, d, n, E, K = 256, 384, 16, 8, 4
-  x, router_w, _, _ = make_inputs(7, T, 32, n, E, jnp.bfloat16)
-  plan, _ = sm.route(sm.router_logits(x, router_w), k=K, align=128)
-  a = jax.random.normal(jax.random.key(8), (plan.num_slots, n), jnp.bfloat16)
-  w = jax.random.normal(jax.random.key(9), (n, d), jnp.bfloat16)
-  calls = []
-
-  def matmul(lhs, rhs, plan, cols=None):
-    lo, hi = (0, d) if cols is None else cols
-    return jnp.dot(lhs, rhs[:, lo:hi], preferred_element_type=jnp.float32).astype(lhs.dtype)
-
-  def aggregate_into(y, scores, plan, out_cols=None, into=None):
-    lo, width = out_cols
-    calls.append((lo, width, into is None))
-    if into is None:
-      into = jnp.full((plan.num_tokens, width), jnp.nan, y.dtype)
-    return jax.lax.dynamic_update_slice(into, xla_ops.aggregate(y, scores, plan), (0, lo))
-
-  for windows in (2, 3):
-    calls.clear()
-    run = lambda into: jax.jit(lambda a, w, plan: sm.layer.window_sum(
-        matmul, aggregate_into if into else xla_ops.aggregate, a, w, plan.scores, plan, windows,
-        d, one_output=into))
-    assert "concatenate" not in run(True).lower(a, w, plan).as_text()
-    assert calls == [(lo, d, lo == 0) for lo, _ in sm.layer.column_windows(d, windows)]
-    np.testing.assert_array_equal(run(True)(a, w, plan), run(False)(a, w, plan))
-
-
-def test_resolve_takes_aggregate_into_from_the_aggregates_backend(monkeypatch):
-  """Ops.aggregate_into: the AGGREGATE_INTO of the module running aggregate (off where it
-  has none)."""
-  assert not sm.backends.resolve("xla").aggregate_into
-  fake = types.SimpleNamespace(OPS=xla_ops.OPS, AGGREGATE_INTO=True)
-  real = sm.backends._backend_module
-  monkeypatch.setattr(sm.backends, "_backend_module",
-                      lambda name: fake if name == "pallas" else real(name))
-  assert sm.backends.resolve({"aggregate": "pallas"}, platform="cpu").aggregate_into
-  assert not sm.backends.resolve({"dh": "pallas"}, platform="cpu").aggregate_into
 
 
 @pytest.mark.parametrize("stores,d,n,expected", [
