@@ -8,14 +8,16 @@ CUTE_DSL_KEEP=cubin, each adding one cubin; its .nv.info section gives the regis
 (EIATTR_REGCOUNT; the ping-pong and gathering kernels' count at launch, before setmaxnreg
 moves registers between their warpgroups) and the stack frame (EIATTR_FRAME_SIZE: non-zero
 means registers spilled to local memory). The kernels' shared memory is the pipeline's stages
-plus 1 KiB of barriers (grouped_gemm.smem_bytes) at the depth the kernel runs
+plus 1 KiB of barriers (mainloop.smem_bytes) at the depth the kernel runs
 (grouped_gemm._pipeline_depth; the compiled shapes have K_STEPS k steps, enough for any depth).
 CTAs per SM = min(by registers: 64K / (threads x registers rounded up to 8), by SMEM: 227 KiB /
-the CTA's SMEM).
+the CTA's SMEM). Each record also has its cubin's sha256: two --out files, written before and
+after a change, show whether the change left each kernel's machine code as it was.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -61,6 +63,10 @@ VARIANTS = [
     ("wgrad persistent gather cluster bn256 fit", "wgrad_persistent_gather_cluster", 256, 0),
     ("wgrad persistent gather dynamic cluster bn256 fit",
      "wgrad_persistent_gather_dynamic_cluster", 256, 0),
+    ("wgrad persistent gather tmarows cluster bn256 fit",   # the default dW2; dW1 where static
+     "wgrad_persistent_gather_cluster_tmarows", 256, 0),
+    ("wgrad persistent gather tmarows dynamic cluster bn256 fit",   # the default dW1, many tiles
+     "wgrad_persistent_gather_dynamic_cluster_tmarows", 256, 0),
     ("store persistent bn256 fit", "matmul_persistent", 256, 0),
 ]
 
@@ -81,6 +87,8 @@ sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
 def variant(kernel, bn, stages):
   N, E = (768 if bn == 192 else 512), 4   # (192-wide tiles need N a multiple of 192)
   kw = dict(block_n=bn, stages=stages or None)
+  if kernel.endswith("_tmarows"):   # the persistent weight gradient's gathered rows by TMA
+    kernel, kw["tma_gather"] = kernel.removesuffix("_tmarows"), True
   if kernel.endswith("_h_smem"):   # dh's epilogue reading H from SMEM
     kernel, kw["h_smem"] = kernel.removesuffix("_h_smem"), True
   if kernel.endswith("_ws"):   # a kernel that does not gather, warp-specialized
@@ -176,7 +184,8 @@ def cubin_resources(data: bytes) -> dict:
 
 def measure_many(variants) -> list[dict]:
   """Compiles each (kernel, block_n, stages) in turn in one fresh process and reads the one
-  cubin each adds: cubin_resources per variant, in order."""
+  cubin each adds: cubin_resources per variant, in order, with the cubin's sha256 (the same
+  digests before and after a change: the change leaves the machine code as it was)."""
   repo = pathlib.Path(__file__).resolve().parent.parent
   variants = [list(v) for v in variants]
   with tempfile.TemporaryDirectory() as tmp:
@@ -190,36 +199,37 @@ def measure_many(variants) -> list[dict]:
     for (kernel, block_n, _), cubins in zip(variants, added, strict=True):
       if len(cubins) != 1:
         raise RuntimeError(f"expected one cubin for {kernel} at block_n={block_n}, found {len(cubins)}")
-      resources.append(cubin_resources(pathlib.Path(cubins[0]).read_bytes()))
+      data = pathlib.Path(cubins[0]).read_bytes()
+      resources.append(dict(cubin_resources(data), cubin_sha256=hashlib.sha256(data).hexdigest()))
     return resources
 
 
 def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
   """The variant's SMEM at the pipeline depth its kernel runs (stages 0: as many as fit)."""
-  from ffi import grouped_gemm as g, persistent as pw, pingpong as pp
+  from ffi import grouped_gemm as g, mainloop, persistent as pw, pingpong as pp
   num_rhs = 2 if kernel.startswith("up_proj") else 1
   if "persistent" in kernel:   # the ring beside the epilogue's own buffers
     depth = stages or min(pw.stages_that_fit(block_n, 2), K_STEPS)
-    return g.smem_bytes(block_n, 1, 2, depth) + pw.epilogue_bytes(2)
+    return mainloop.smem_bytes(block_n, 1, 2, depth) + pw.epilogue_bytes(2)
   if "pingpong" in kernel:
     tile_m = pp.ROW_TILE_M if kernel.endswith("_rows192") else pp.TILE_M
     tma_store = kernel.removesuffix("_rows192").removesuffix("_cluster2").endswith("_tma")
     kind = "dh" if kernel.startswith("dh") else "store"
     depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store, kind, tile_m)
-    return (g.smem_bytes(block_n, num_rhs, 2, depth, rows=tile_m)
+    return (mainloop.smem_bytes(block_n, num_rhs, 2, depth, rows=tile_m)
             + (pp.epilogue_bytes(2, kind, tile_m) if tma_store else 0))
   depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None)
-  return g.smem_bytes(block_n, num_rhs, 2, depth)
+  return mainloop.smem_bytes(block_n, num_rhs, 2, depth)
 
 
 def threads(kernel: str) -> int:
   """The variant's threads per CTA."""
-  from ffi import grouped_gemm as g, pingpong as pp
+  from ffi import mainloop, pingpong as pp
   if "pingpong" in kernel:
     return pp.THREADS
-  base = kernel.removesuffix("_cluster").removesuffix("_dynamic")
+  base = kernel.removesuffix("_tmarows").removesuffix("_cluster").removesuffix("_dynamic")
   producer = base.endswith(("_gather", "_ws", "_persistent"))   # + the producer warpgroup
-  return g.THREADS + (128 if producer else 0)
+  return mainloop.THREADS + (128 if producer else 0)
 
 
 def ctas_per_sm(registers: int, smem: int, threads: int) -> int:
@@ -240,9 +250,10 @@ def main(argv=None):
     rec["ctas_per_sm"] = ctas_per_sm(rec["registers"], rec["smem_bytes"], threads(kernel))
     recs.append(rec)
     print(json.dumps(rec), flush=True)
-  print(f"{'variant':34s} {'regs':>5s} {'stack B':>8s} {'SMEM KiB':>9s} {'CTAs/SM':>8s}")
+  width = max([len("variant")] + [len(r["variant"]) for r in recs])
+  print(f"{'variant':{width}s} {'regs':>5s} {'stack B':>8s} {'SMEM KiB':>9s} {'CTAs/SM':>8s}")
   for r in recs:
-    print(f"{r['variant']:34s} {r['registers']:5d} {r['stack_bytes']:8d} "
+    print(f"{r['variant']:{width}s} {r['registers']:5d} {r['stack_bytes']:8d} "
           f"{r['smem_bytes'] / 1024:9.1f} {r['ctas_per_sm']:8d}")
   if a.out:
     with open(a.out, "w") as f:

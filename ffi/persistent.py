@@ -19,17 +19,17 @@ Schedule:
               and one column tile (cluster_tile); each TMA-loads half of every rhs stage into
               both CTAs (multicast), and a stage is free once both CTAs' MMA warpgroups
               released it
-  producer  : warpgroup 0 (grouped_gemm's PRODUCER_REGISTERS), its ring state running on
+  producer  : warpgroup 0 (mainloop.PRODUCER_REGISTERS), its ring state running on
               across tiles: "wgrad", as grouped_gemm's gathering producer (gather_stage: each
               k step's BLOCK_K rows gathered, the tile's BLOCK_M columns of them, by its
               threads' cp.async; or with tma_gather by TMA, a box a row and warpgroup half,
-              grouped_gemm.produce_wgrad_steps_tma; an expert without rows loads nothing);
+              row_gather.produce_wgrad_steps_tma; an expert without rows loads nothing);
               "store", its warp 0 TMA-loading the lhs and rhs tiles of every k step (a tile
               past the last group loads nothing)
   MMA       : warpgroups 1 and 2 (BLOCK_M / 2 rows of a tile each), per tile: zero the
               accumulators, the mainloop, release the tile's last stage, the epilogue through
               SMEM buffers of its own (EPI_STAGES x EPI_TILE, not over the stages, which the
-              producer is refilling) and TMA stores (grouped_gemm._tma_store_epilogue, rolling:
+              producer is refilling) and TMA stores (epilogue.tma_store_epilogue, rolling:
               a tile's last stores read on under the next tile's mainloop; M-major for a
               transposed weight gradient); a tile without k steps stores zeros
 """
@@ -43,8 +43,10 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from ffi import epilogue, mainloop, row_gather
 from ffi import grouped_gemm as gg
-from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE, THREADS
+from ffi.epilogue import EPI_TILE
+from ffi.mainloop import BLOCK_K, BLOCK_M, THREADS
 from sonicmoe_jax import routing
 
 NUM_SMS = 132     # H100 / H200 SXM: the default grid (fewer SMs only queue CTAs)
@@ -53,13 +55,13 @@ MAX_STAGES = 8
 
 def epilogue_bytes(itemsize: int) -> int:
   """SMEM of the epilogue's own TMA-store buffers."""
-  return gg.EPI_STAGES * EPI_TILE[0] * EPI_TILE[1] * itemsize
+  return epilogue.EPI_STAGES * EPI_TILE[0] * EPI_TILE[1] * itemsize
 
 
 def stages_that_fit(block_n: int, itemsize: int) -> int:
   """The ring's deepest beside the epilogue's buffers (at most MAX_STAGES)."""
-  return min(MAX_STAGES, gg._stages_that_fit(block_n, 1, itemsize,
-                                             reserved=epilogue_bytes(itemsize)))
+  return min(MAX_STAGES, mainloop.stages_that_fit(block_n, 1, itemsize,
+                                                   reserved=epilogue_bytes(itemsize)))
 
 
 # CTAs per cluster of the weight gradients: 1 (none) or 2 along M sharing the rhs's stages,
@@ -101,7 +103,7 @@ def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_ste
 
 
 TILE_SLOTS = 2                         # the dynamic order's tile ids in SMEM, a ring
-TILE_READERS = gg.THREADS + 128        # every thread of the CTA reads each tile id
+TILE_READERS = mainloop.THREADS + 128        # every thread of the CTA reads each tile id
 
 
 def tile_barriers(cluster: int) -> tuple:
@@ -191,7 +193,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr,
             tma_gather: cutlass.Constexpr):
   """kind "wgrad": m_a X (T, M, 1) the gathered rows' source (tma_gather: tma_a and m_a
-  grouped_gemm.row_tma_atom's, the rows loaded by TMA), m_b the rhs (N, P, 1) N-major,
+  row_gather.row_tma_atom's, the rows loaded by TMA), m_b the rhs (N, P, 1) N-major,
   the output (M, N, E), tile_info group_rows (2 E,), gather_index (P,). kind "store":
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
   tile_info tile_expert (P / BLOCK_M,), gather_index unused. dynamic: the tiles in the order
@@ -204,7 +206,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   cta, _, _ = cute.arch.block_idx()
   num_ctas = cute.arch.grid_dim()[0]
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-  gg.prefetch_descriptors(warp, tma_a, tma_b, copies)
+  mainloop.prefetch_descriptors(warp, tma_a, tma_b, copies)
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   # the loop's tiles: this CTA's of the grid's, or its cluster's (rank `rank`) of the clusters'
   rank, first, stride, num_units = 0, cta, num_ctas, num_tiles
@@ -218,18 +220,19 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   storage = smem.allocate(shared_storage)
   s_a = storage.s_a.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
   s_b = storage.s_b.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-  loads, tile_bars = gg.load_pipeline(storage, stages, stage_bytes, copies, THREADS, tidx,
-                                      tile_barriers(cluster) if dynamic else 0, cluster)
+  loads, tile_bars = mainloop.load_pipeline(storage, stages, stage_bytes, copies, THREADS,
+                                            tidx, tile_barriers(cluster) if dynamic else 0,
+                                            cluster)
   # (static: no ring; tile_counter stands in, unread)
   tile_ids = (storage.tile_ids.get_tensor(cute.make_layout(TILE_SLOTS)) if dynamic
               else tile_counter)
 
   if warp < 4:   # the producer warpgroup
-    cute.arch.setmaxregister_decrease(gg.PRODUCER_REGISTERS)
+    cute.arch.setmaxregister_decrease(mainloop.PRODUCER_REGISTERS)
     produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     row_tiles, lines = None, None
     if cutlass.const_expr(tma_gather):   # the rows' boxes and their lines in the stages
-      row_tiles, lines = gg.row_boxes(tma_a, m_a, storage.s_a, a_smem_staged)
+      row_tiles, lines = row_gather.row_boxes(tma_a, m_a, storage.s_a, a_smem_staged)
     asked = cutlass.Int32(0)   # (dynamic, warp 0's lane 0) the count its last ask returned
     if cutlass.const_expr(dynamic):
       if warp == 0:
@@ -245,24 +248,26 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             _publish_tile(tile_bars, tile_ids, i + 1, stride + asked, cluster)
             asked = _ask_tile(tile_counter, asked)
       m_tile, n_tile, k_begin, num_k, rhs_l, _ = work(t)
-      operands = [gg.tma_operand(tma_b, s_b, cute.local_tile(
+      operands = [mainloop.tma_operand(tma_b, s_b, cute.local_tile(
           m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)), rank, cluster)]
       if cutlass.const_expr(copies):
-        produce = gg.produce_wgrad_steps(loads, produce, m_a, gather_index, s_a, operands,
-                                         k_begin, num_k, tidx, m_tile * BLOCK_M)
+        produce = row_gather.produce_wgrad_steps(loads, produce, m_a, gather_index, s_a,
+                                                 operands, k_begin, num_k, tidx,
+                                                 m_tile * BLOCK_M)
       elif cutlass.const_expr(gather):
-        produce = gg.produce_wgrad_steps_tma(loads, produce, row_tiles, gather_index, lines,
-                                             operands, k_begin, num_k, tidx, m_tile * BLOCK_M)
+        produce = row_gather.produce_wgrad_steps_tma(loads, produce, row_tiles, gather_index,
+                                                     lines, operands, k_begin, num_k, tidx,
+                                                     m_tile * BLOCK_M)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
-        lhs_and_rhs = [gg.tma_operand(tma_a, s_a, cute.local_tile(
+        lhs_and_rhs = [mainloop.tma_operand(tma_a, s_a, cute.local_tile(
             m_a, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, None, 1)))] + operands
         for step in cutlass.range(num_k, unroll=1):
-          gg.load_stage(loads, produce, lhs_and_rhs, k_begin + step)
+          mainloop.load_stage(loads, produce, lhs_and_rhs, k_begin + step)
           produce.advance()
       i += 1
       t = _next_tile(tile_bars, tile_ids, i, t, stride, dynamic, cluster)
   else:   # the MMA warpgroups
-    cute.arch.setmaxregister_increase(gg.MMA_REGISTERS)
+    cute.arch.setmaxregister_increase(mainloop.MMA_REGISTERS)
     mma_tidx = tidx - 128
     thr_mma = tiled_mma.get_slice(mma_tidx)
     frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
@@ -276,18 +281,18 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
     t = _next_tile(tile_bars, tile_ids, i, first, stride, dynamic, cluster)
     while t < num_units:
       m_tile, n_tile, _, num_k, _, out_l = work(t)
-      consume, release = gg.consume_tile(loads, consume, release, tiled_mma, [acc], frag_a,
-                                         [frag_b], num_k, copies)
-      release = gg.release_last_stage(loads, release, num_k)
+      consume, release = mainloop.consume_tile(loads, consume, release, tiled_mma, [acc],
+                                               frag_a, [frag_b], num_k, copies)
+      release = mainloop.release_last_stage(loads, release, num_k)
       out_tile = cute.local_tile(m_out_tma, tile_mnk, (m_tile, n_tile, None, out_l),
                                  proj=(1, 1, None))
       # rolling: before writing a buffer the leader waits for its last store, which may be
       # the previous tile's (block_n, a multiple of 128, fills the buffers whole)
-      gg._tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx, warp == 4,
-                             False, m_major=out_m_major, rolling=True)
+      epilogue.tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx,
+                                  warp == 4, False, m_major=out_m_major, rolling=True)
       i += 1
       t = _next_tile(tile_bars, tile_ids, i, t, stride, dynamic, cluster)
-    gg.store_tail(warp == 4)
+    epilogue.store_tail(warp == 4)
   if cutlass.const_expr(cluster > 1):
     # no CTA exits while the other may still multicast into its SMEM or arrive on its barriers
     cute.arch.cluster_arrive()
@@ -311,7 +316,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   tiled_mma = sm90_utils.make_trivial_tiled_mma(
       dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-      cutlass.Float32, (gg.WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
+      cutlass.Float32, (mainloop.WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
   a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
   b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
   b_stage = cute.slice_(b_smem_staged, (None, None, 0))
@@ -324,7 +329,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   stage_bytes = cute.size_in_bytes(dtype, b_stage)
   a_stage_bytes = cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   if cutlass.const_expr(gather and tma_gather):   # A's rows by TMA, one box a row and half
-    tma_a, m_a = gg.row_tma_atom(lhs, a_smem_staged)
+    tma_a, m_a = row_gather.row_tma_atom(lhs, a_smem_staged)
     stage_bytes += a_stage_bytes
   elif cutlass.const_expr(gather):   # no TMA for A (the kernel takes an atom: B's, unused)
     tma_a, m_a = tma_b, lhs
@@ -334,12 +339,13 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
                                              (BLOCK_M, BLOCK_K))
     stage_bytes += a_stage_bytes
   out_layout = LayoutEnum.from_tensor(out)
-  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, EPI_TILE, gg.EPI_STAGES)
+  c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, EPI_TILE,
+                                                  epilogue.EPI_STAGES)
   tma_out, m_out_tma = cpasync.make_tiled_tma_atom(
       cpasync.CopyBulkTensorTileS2GOp(), out, cute.slice_(c_smem_staged, (None, None, 0)),
       EPI_TILE)
   ring_barriers = len(tile_barriers(cluster)) if dynamic else 0
-  storage = gg.shared_storage(
+  storage = mainloop.shared_storage(
       dtype, stages * 2 + ring_barriers, cute.cosize(a_smem_staged), cute.cosize(b_smem_staged),
       1, cute.cosize(c_smem_staged), TILE_SLOTS if dynamic else 0)
   num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
@@ -410,7 +416,7 @@ def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int
 def _tile_unsupported(block_n: int):
   """Why the rolling epilogue cannot take this column tile, or None: its chunks must fill the
   EPI_STAGES buffers whole, so that each tile starts on the first buffer."""
-  whole = gg.EPI_STAGES * EPI_TILE[1]
+  whole = epilogue.EPI_STAGES * EPI_TILE[1]
   return None if block_n % whole == 0 else f"block_n={block_n} must be a multiple of {whole}"
 
 
@@ -452,7 +458,7 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   dynamic tile order, above _ask_tile) instead of every grid-th; the same bits. cluster_m:
   CTAs per cluster (CLUSTER_SIZES; 2: neighbouring M tiles share the rhs's stages by
   multicast, M a multiple of 2 x BLOCK_M); the same bits. tma_gather: the gathered rows
-  loaded by TMA (grouped_gemm.produce_wgrad_steps_tma) instead of the producer's cp.async;
+  loaded by TMA (row_gather.produce_wgrad_steps_tma) instead of the producer's cp.async;
   the same bits (session 47: dW1 and dW2 3-11% faster in the step)."""
   slots = gg.rows_read(x, gather_index)
   reason = (gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,

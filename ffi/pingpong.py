@@ -1,6 +1,6 @@
 """Persistent, warp-specialized ping-pong grouped GEMMs for Hopper (CuTe DSL), beside
 grouped_gemm.py's kernels with the same operands, outputs and epilogue math: dh (the dSwiGLU
-epilogue, grouped_gemm._dh_outputs; dO's rows read in slot order or gathered), up_proj
+epilogue, epilogue.dh_outputs; dO's rows read in slot order or gathered), up_proj
 gathering X's rows (the SwiGLU epilogue) and grouped_matmul (out = lhs_e rhs_e: down_proj,
 dx_tilde), storing their outputs from registers or (dh and grouped_matmul) through SMEM by TMA
 stores (tma_store: each consumer's own buffers).
@@ -31,9 +31,9 @@ Schedule:
               nothing). dh: warp 0 TMA-loads dOg [128, 64] and W2_e^T [block_n, 64].
               Gathering (up_proj; dh given gather_index): warp 0 TMA-loads the weight tiles
               (W1's gate and up tiles, or W2_e^T's) and all 128 threads cp.async-copy the 128
-              gathered rows (grouped_gemm.gather_stage, as grouped_gemm's gathering
+              gathered rows (row_gather.gather_stage, as grouped_gemm's gathering
               producer: 8 rows' 16-byte chunks each); a stage's full barrier then completes on
-              the TMA bytes and grouped_gemm.PRODUCER_ARRIVALS arrivals (per thread:
+              the TMA bytes and mainloop.PRODUCER_ARRIVALS arrivals (per thread:
               cp.async.mbarrier.arrive.noinc for its copies, a release arrive for its padding
               rows' plain zero stores)
   consumers : warpgroups 1 and 2, registers raised, take the CTA's tiles in turn (its i-th
@@ -58,8 +58,9 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ffi import grouped_gemm
-from ffi.grouped_gemm import BLOCK_K, BLOCK_M, EPI_TILE
+from ffi import epilogue, grouped_gemm, mainloop, row_gather
+from ffi.epilogue import EPI_TILE
+from ffi.mainloop import BLOCK_K, BLOCK_M
 from pallas_kernels import schedule
 
 TILE_M = BLOCK_M            # a work tile's rows: one M tile of the plan (one expert's rows)
@@ -87,7 +88,7 @@ THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 # then keeps its rows' token ids and copy addresses in registers: grouped_gemm's gathering
 # producer's budgets)
 REGISTERS = {False: (40, 232),
-             True: (grouped_gemm.PRODUCER_REGISTERS, grouped_gemm.MMA_REGISTERS)}
+             True: (mainloop.PRODUCER_REGISTERS, mainloop.MMA_REGISTERS)}
 # dh's SMEM epilogue (tma_store) with a gathering producer: its consumers spilled 92 bytes at
 # 224 (sm_90a cubin, block_n 128); at 232 none (40 bytes since session 24's approximate
 # sigmoid). (24, 240) spills 8 bytes but ran slower on the H200 (session 31, ms at 7B-n256 /
@@ -105,8 +106,8 @@ OUTPUT_BUFFERS = 3
 
 def epilogue_buffers(kind: str) -> int:
   """EPI_TILE buffers of each consumer's TMA-store epilogue: dh's (a chunk's three outputs:
-  OUTPUT_BUFFERS) or the store kernels' (grouped_gemm.EPI_STAGES)."""
-  return OUTPUT_BUFFERS if kind == "dh" else grouped_gemm.EPI_STAGES
+  OUTPUT_BUFFERS) or the store kernels' (epilogue.EPI_STAGES)."""
+  return OUTPUT_BUFFERS if kind == "dh" else epilogue.EPI_STAGES
 
 
 def epi_tile(tile_m: int):
@@ -127,8 +128,7 @@ def stages_that_fit(block_n: int, itemsize: int, num_rhs: int = 1, tma_store: bo
   BLOCK_K] rhs tiles that fit in SMEM (beside the epilogue's buffers with tma_store), at most
   MAX_STAGES."""
   reserved = epilogue_bytes(itemsize, kind, tile_m) if tma_store else 0
-  return min(MAX_STAGES, grouped_gemm._stages_that_fit(block_n, num_rhs, itemsize, tile_m,
-                                                       reserved))
+  return min(MAX_STAGES, mainloop.stages_that_fit(block_n, num_rhs, itemsize, tile_m, reserved))
 
 
 def widest_block_n(num_rhs: int, kind: str, tile_m: int = TILE_M) -> int:
@@ -211,7 +211,7 @@ def _register_outputs(accs, out_tiles, thr_mma, dtype, block_n: cutlass.Constexp
   for m in cutlass.range_constexpr(cute.size(accs[0], mode=[1])):
     for k in cutlass.range_constexpr(block_n // 8):
       group = ((None, None, k), m, 0)
-      values = grouped_gemm._epilogue_values([acc[group].load() for acc in accs], swiglu)
+      values = epilogue.epilogue_values([acc[group].load() for acc in accs], swiglu)
       for q in cutlass.range_constexpr(len(out_tiles)):
         frag = cute.make_rmem_tensor(accs[0][group].shape, dtype)
         frag.store(values[q].to(dtype))
@@ -240,21 +240,21 @@ def _dh_smem_epilogue(acc, h_tiles, out_tiles, atoms, s_c, first, chunk_mma,
   EPI_TILE column chunk at a time: the leader warp TMA-loads H's gate and up chunks (h_tiles,
   of H's TMA tensor; atoms[0]) once the previous chunk's stores have read the buffers,
   completing on mbarrier h_bar (its phase phase0 + chunk); every thread computes its values of
-  the chunk (grouped_gemm.dswiglu on acc = dA''s columns of the chunk), writing dH's gate and up
+  the chunk (epilogue.dswiglu on acc = dA''s columns of the chunk), writing dH's gate and up
   over H's and A' to the third buffer; then the leader stores the three by TMA (out_tiles: dH
-  gate, dH up, A', of their TMA tensors; atoms[1:]). dS's part as grouped_gemm._dh_outputs.
+  gate, dH up, A', of their TMA tensors; atoms[1:]). dS's part as epilogue.dh_outputs.
   chunk_mma: the wgmma on EPI_TILE's columns, so that a thread's values of a buffer are its
   accumulator's values of the chunk's columns."""
   groups = EPI_TILE[1] // 8   # column groups of a chunk
   # this thread's values of each buffer (one chunk: [q][0]) and the buffers' TMA views
-  bufs = grouped_gemm.smem_chunks(s_c, chunk_mma, wg_tidx,
-                                  [first + q for q in range(OUTPUT_BUFFERS)], 1)
-  loads = [grouped_gemm.epi_tma_views(atoms[0], s_c, t) for t in h_tiles]
-  stores = [grouped_gemm.epi_tma_views(atom, s_c, t) for atom, t in zip(atoms[1:], out_tiles)]
+  bufs = epilogue.smem_chunks(s_c, chunk_mma, wg_tidx,
+                              [first + q for q in range(OUTPUT_BUFFERS)], 1)
+  loads = [epilogue.epi_tma_views(atoms[0], s_c, t) for t in h_tiles]
+  stores = [epilogue.epi_tma_views(atom, s_c, t) for atom, t in zip(atoms[1:], out_tiles)]
   s_src = thr_mma.partition_C(score_tile)
   m_blocks = cute.size(acc, mode=[1])
   # the rows' scores (the same in every column), loaded once for every chunk
-  scores = [grouped_gemm._group_fp32(s_src[((None, None, 0), m, 0)]) for m in range(m_blocks)]
+  scores = [epilogue.group_fp32(s_src[((None, None, 0), m, 0)]) for m in range(m_blocks)]
   row_sums = cute.make_rmem_tensor((2 * m_blocks,), cutlass.Float32)   # rows r, r + 8 per block
   row_sums.fill(0.0)
   for c in cutlass.range_constexpr(block_n // EPI_TILE[1]):
@@ -272,16 +272,16 @@ def _dh_smem_epilogue(acc, h_tiles, out_tiles, atoms, s_c, first, chunk_mma,
       for k in cutlass.range_constexpr(groups):
         group = ((None, None, k), m, 0)
         acc_group = ((None, None, c * groups + k), m, 0)
-        gate, up = [grouped_gemm._group_fp32(buf[0][group]) for buf in bufs[:2]]
+        gate, up = [epilogue.group_fp32(buf[0][group]) for buf in bufs[:2]]
         da = acc[acc_group].load()
-        values, a = grouped_gemm.dswiglu(gate, up, da, s)
+        values, a = epilogue.dswiglu(gate, up, da, s)
         for q in cutlass.range_constexpr(OUTPUT_BUFFERS):
           frag = cute.make_rmem_tensor(acc[acc_group].shape, s_c.element_type)
           frag.store(values[q].to(s_c.element_type))
           cute.autovec_copy(frag, bufs[q][0][group])
-        grouped_gemm.add_row_sums(row_sums, m, da * a, acc[acc_group].shape)
+        epilogue.add_row_sums(row_sums, m, da * a, acc[acc_group].shape)
     _store_buffers(atoms[1:], stores, first, c, leader, barrier_id)
-  grouped_gemm.store_ds_part(row_sums, thr_mma, m_ds, wg_tidx, row0, n_tile, block_n, TILE_M)
+  epilogue.store_ds_part(row_sums, thr_mma, m_ds, wg_tidx, row0, n_tile, block_n, TILE_M)
 
 
 @cute.kernel
@@ -336,8 +336,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   if cutlass.const_expr(tma_store):   # consumer c's epilogue buffers: c * their number onwards
     s_c = storage.s_c.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
   # (dh_smem_epilogue: h_bars, each consumer's H landed; a consumer warpgroup releases a stage)
-  loads, h_bars = grouped_gemm.load_pipeline(storage, stages, tx_bytes, gather, 128, tidx,
-                                             2 if dh_smem_epilogue else 0, cluster_n)
+  loads, h_bars = mainloop.load_pipeline(storage, stages, tx_bytes, gather, 128, tidx,
+                                         2 if dh_smem_epilogue else 0, cluster_n)
   rank = 0   # this CTA's place in its cluster
   if cutlass.const_expr(cluster_n > 1):
     rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -345,30 +345,30 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   if role == 0:
     cute.arch.setmaxregister_decrease(producer_regs)
     if warp < (4 if gather else 1):   # gathering, the whole warpgroup; else warp 0
-      grouped_gemm.prefetch_descriptors(warp, tma_a, tma_b, gather)
+      mainloop.prefetch_descriptors(warp, tma_a, tma_b, gather)
       produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
       for t in cutlass.range(cta, num_tiles, num_ctas, unroll=1):
         rows, cols = t // num_n_tiles, t % num_n_tiles
         first_row, owner, _ = row_tile(tile_expert, rows, tile_m)
         if owner < num_experts:
           rhs_cols = [cols, cols + num_n_tiles] if cutlass.const_expr(swiglu) else [cols]
-          operands = [grouped_gemm.tma_operand(tma_b, sb, cute.local_tile(
+          operands = [mainloop.tma_operand(tma_b, sb, cute.local_tile(
               m_b, tile_mnk, (rows, c, None, owner), proj=(None, 1, 1)))
               for sb, c in zip(s_bs, rhs_cols)]
           if cutlass.const_expr(gather):
             # this thread's rows' tokens in each of grouped_gemm's warpgroups' row blocks of
             # the M tile (TILE_M = BLOCK_M: the same rows)
-            tokens = [grouped_gemm._gather_tokens(gather_index, rows, tidx + 128 * block)
-                      for block in range(grouped_gemm.WARPGROUPS)]
+            tokens = [row_gather.gather_tokens(gather_index, rows, tidx + 128 * block)
+                      for block in range(mainloop.WARPGROUPS)]
             for k in cutlass.range(k_steps, unroll=1):
-              grouped_gemm.gather_stage(loads, produce, m_a, tokens, s_a, operands, k, tidx, 0,
-                                        kind)
+              row_gather.gather_stage(loads, produce, m_a, tokens, s_a, operands, k, tidx, 0,
+                                      kind)
               produce.advance()
           else:
             g_a = tile_at(m_a, tile_mnk, rows, first_row, cols, (1, None, 1))
-            operands = [grouped_gemm.tma_operand(tma_a, s_a, g_a, rank, cluster_n)] + operands
+            operands = [mainloop.tma_operand(tma_a, s_a, g_a, rank, cluster_n)] + operands
             for k in cutlass.range(k_steps, unroll=1):
-              grouped_gemm.load_stage(loads, produce, operands, k)
+              mainloop.load_stage(loads, produce, operands, k)
               produce.advance()
       if warp == 0:
         loads.producer_tail(produce)
@@ -398,15 +398,15 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
         consume, release = skip_tile(consume, release, num_k)
       else:
         wait_turn(me, i)
-        consume, release = grouped_gemm.consume_tile(loads, consume, release, tiled_mma, accs,
-                                                     frag_a, frag_bs, num_k, gather)
+        consume, release = mainloop.consume_tile(loads, consume, release, tiled_mma, accs,
+                                                 frag_a, frag_bs, num_k, gather)
         pass_turn(me, i, my_tiles)
-        release = grouped_gemm.release_last_stage(loads, release, num_k)
+        release = mainloop.release_last_stage(loads, release, num_k)
         tile_of = lambda m, c: tile_at(m, tile_mnk, rows, first_row, c, (1, 1, None))
         if cutlass.const_expr(kind == "store" and tma_store):
-          grouped_gemm._tma_store_epilogue(
+          epilogue.tma_store_epilogue(
               accs, [(tma_out, tile_of(m_out_tma, cols))], s_c, tiled_mma, wg_tidx, warp % 4 == 0,
-              False, EPILOGUE_BARRIER + me, 128, me * grouped_gemm.EPI_STAGES,
+              False, EPILOGUE_BARRIER + me, 128, me * epilogue.EPI_STAGES,
               epi_tile=epi_tile(tile_m), row_limit=None if tile_m == TILE_M else rows_stored)
         elif cutlass.const_expr(kind == "store"):
           _register_outputs(accs, [tile_of(m_out, cols)], thr_mma, m_out.element_type, block_n,
@@ -427,11 +427,11 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
                 warp % 4 == 0, h_bars + me, i // 2 * (block_n // EPI_TILE[1]), rows * TILE_M,
                 cols, block_n, EPILOGUE_BARRIER + me)
           else:
-            grouped_gemm._dh_outputs(
-                accs[0], grouped_gemm.acc_chunks([tile_of(m_h, c) for c in halves], thr_mma),
+            epilogue.dh_outputs(
+                accs[0], epilogue.acc_chunks([tile_of(m_h, c) for c in halves], thr_mma),
                 tile_of(scores, 0), m_ds, thr_mma,
                 wg_tidx, rows * TILE_M, cols, m_out.element_type,
-                grouped_gemm.acc_chunks(outs, thr_mma), block_n, TILE_M)
+                epilogue.acc_chunks(outs, thr_mma), block_n, TILE_M)
       i += 1
     if cutlass.const_expr(dh_smem_epilogue):   # the last stores have read SMEM before exit
       if warp % 4 == 0:
@@ -502,7 +502,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
                * column_tiles(cute.size(out2, mode=[1]), block_n))
   # (the TMA-store epilogue's buffers: the store kernels' and dh's with tma_store; dh's H
   # barriers, one per consumer)
-  storage = grouped_gemm.shared_storage(
+  storage = mainloop.shared_storage(
       dtype, stages * 2 + (2 if kind == "dh" and tma_store else 0), a_elems, b_elems,
       2 if swiglu else 1, cute.cosize(c_smem_staged) if tma_store else 0)
   _kernel.set_name_prefix(grouped_gemm.kernel_label(kind, gather, "pingpong"),
@@ -594,7 +594,7 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   """grouped_gemm.grouped_matmul on the ping-pong schedule: out [P, N] = lhs_e rhs_e per M
   tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major. out is stored from
   registers, or with tma_store through SMEM buffers of each consumer's own and TMA stores
-  (grouped_gemm._tma_store_epilogue; fewer ring stages fit). block_n: at most
+  (epilogue.tma_store_epilogue; fewer ring stages fit). block_n: at most
   widest_block_n(1, "store") (192); stages: the ring's depth (default: as many as fit). ffi.ops runs
   down_proj and dx_tilde on it with STORE_KERNEL = "pingpong" / "pingpong_tma". On an H200
   both give grouped_matmul's bits (sessions 10, 11); the TMA stores are the default, 20-25%

@@ -633,13 +633,13 @@ def test_tma_store_epilogue_reads_each_accumulator_element_once(row_blocks, bloc
   each chunk its own 64 columns, row blocks and column groups kept (the ping-pong kernel's two
   m64 accumulators came out in the wrong order on the H200 when read as a contiguous range);
   with one row block it is that contiguous range (grouped_gemm's kernels, bitwise checked)."""
-  from ffi.grouped_gemm import EPI_TILE, _acc_coord
+  from ffi.epilogue import EPI_TILE, acc_coord
   values, groups = 8, EPI_TILE[1] // 16                 # stmatrix x4 values; groups per chunk
   chunks = block_n // EPI_TILE[1]
   seen = []
   for chunk in range(chunks):
     for v in range(values * row_blocks * groups):
-      (value, group), m, _ = _acc_coord(v, chunk, values, row_blocks, groups)
+      (value, group), m, _ = acc_coord(v, chunk, values, row_blocks, groups)
       assert (value, m) == (v % values, v // values % row_blocks)
       assert group // groups == chunk and group % groups == v // (values * row_blocks)
       seen.append(value + values * (group + chunks * groups * m))   # the view's linear index
@@ -652,14 +652,14 @@ def test_tma_store_epilogue_reads_192_row_tiles_one_row_block_a_buffer():
   """The 192-row ping-pong tiles' epilogue (buffers of one m64 row block: pingpong.ROW_TILE_EPI)
   reads row block r's values of each 64-column chunk from the accumulator view's row block r:
   over the three row blocks and the chunks, every element once."""
-  from ffi.grouped_gemm import _acc_coord
+  from ffi.epilogue import acc_coord
   from ffi.pingpong import MMA_M, ROW_TILE_EPI, ROW_TILE_M
   values, groups, chunks = 8, ROW_TILE_EPI[1] // 16, 128 // ROW_TILE_EPI[1]
   seen = set()
   for row_block in range(ROW_TILE_M // MMA_M):
     for chunk in range(chunks):
       for v in range(values * groups):
-        (value, group), m, _ = _acc_coord(v, chunk, values, 1, groups, row_block)
+        (value, group), m, _ = acc_coord(v, chunk, values, 1, groups, row_block)
         assert m == row_block and group // groups == chunk
         seen.add((value, group, m))
   assert len(seen) == values * groups * chunks * ROW_TILE_M // MMA_M
@@ -1047,10 +1047,10 @@ def test_setmaxnreg_budgets_fit_what_the_cta_gets_at_launch():
   """Every warp-specialized kernel's (producer, MMA warpgroups) register budgets fit the
   384-thread CTA's launch allocation (168 registers a thread): a consumer's setmaxnreg
   increase past it waits for ever (48 / 232 hung the ping-pong dH on an H200)."""
-  from ffi import grouped_gemm, pingpong
+  from ffi import mainloop, pingpong
   launch = pingpong.THREADS * 168
   budgets = [*pingpong.REGISTERS.values(), pingpong.SMEM_EPILOGUE_GATHER_REGISTERS,
-             (grouped_gemm.PRODUCER_REGISTERS, grouped_gemm.MMA_REGISTERS)]
+             (mainloop.PRODUCER_REGISTERS, mainloop.MMA_REGISTERS)]
   for producer, consumers in budgets:
     assert producer % 8 == 0 and consumers % 8 == 0, (producer, consumers)
     assert 128 * producer + 256 * consumers <= launch, (producer, consumers)
@@ -2069,9 +2069,9 @@ def test_kernel_resources_keep_the_tiles_ffi_ops_relies_on():
   (what ffi/ops.py's STORE_STAGES is for), and the dH kernel at block_n 128 does not spill in
   at most 128 registers (the other kernels' spills: KERNEL_SPILLS)."""
   from benchmarks import kernel_resources as kr
-  from ffi import grouped_gemm
+  from ffi import mainloop
   store, dh = kr.measure_many([("matmul", 128, 3), ("dh", 128, 0)])
-  assert kr.ctas_per_sm(store["registers"], kr.smem_bytes("matmul", 128, 3), grouped_gemm.THREADS) == 2
+  assert kr.ctas_per_sm(store["registers"], kr.smem_bytes("matmul", 128, 3), mainloop.THREADS) == 2
   assert dh["stack_bytes"] == 0 and 0 < dh["registers"] <= 128
 
 
@@ -2090,6 +2090,8 @@ KERNEL_SPILLS = [("dh_pingpong", 128, 0), ("dh_pingpong_gather", 128, 0),
                  ("matmul_pingpong_tma_rows192", 128, 0),
                  ("up_proj_gather", 128, 0), ("dh_gather_tma_h_smem", 256, 0),
                  ("dh_pingpong_gather_tma", 128, 40), ("wgrad_persistent_gather", 256, 0),
+                 ("wgrad_persistent_gather_cluster_tmarows", 256, 0),
+                 ("wgrad_persistent_gather_dynamic_cluster_tmarows", 256, 0),
                  ("matmul_persistent", 256, 0)]
 
 
