@@ -370,10 +370,10 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
   parts)); for those two the grid covers n's columns; or "wgrad" (lhs (M, P, 1) M-major, rhs
   (N, P, 1), out (M, N, E) N- or M-major: out[e] = lhs_e rhs_e^T over expert e's rows,
-  tile_expert holding group_rows: routing.group_row_steps). With gather lhs is the source of the rows
-  gather_index names (A's stages filled by a third, producer warpgroup: produce_gathered; by
-  its threads' cp.async, or, the weight gradient's, with tma_gather by TMA, a box a row:
-  row_tma_atom).
+  tile_expert holding group_rows: routing.group_row_steps). With gather lhs is the source of
+  the rows gather_index names (A's stages filled by a third, producer warpgroup:
+  row_gather.produce_gathered; by its threads' cp.async, or, the weight gradient's, with
+  tma_gather by TMA, a box a row: row_gather.row_tma_atom).
   register_store (dh only): each thread stores its fragments from registers instead of the
   TMA-store epilogue. warp_specialized: a producer warpgroup issues the TMA loads of a kernel
   that does not gather too (the MMA warpgroups' first warp otherwise). h_smem (dh): the
@@ -603,8 +603,8 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
-  The epilogue math runs in registers (it loads H ahead of the math, dh_outputs); dH and A' are
-  stored straight from registers, or with tma_store through SMEM by TMA stores (bitwise the
+  The epilogue math runs in registers (it loads H ahead of the math, epilogue.dh_outputs); dH
+  and A' are stored straight from registers, or with tma_store through SMEM by TMA stores (bitwise the
   same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
   by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call).

@@ -20,7 +20,7 @@ Schedule:
               both CTAs (multicast), and a stage is free once both CTAs' MMA warpgroups
               released it
   producer  : warpgroup 0 (mainloop.PRODUCER_REGISTERS), its ring state running on
-              across tiles: "wgrad", as grouped_gemm's gathering producer (gather_stage: each
+              across tiles: "wgrad", as the gathering producers of row_gather.py (each
               k step's BLOCK_K rows gathered, the tile's BLOCK_M columns of them, by its
               threads' cp.async; or with tma_gather by TMA, a box a row and warpgroup half,
               row_gather.produce_wgrad_steps_tma; an expert without rows loads nothing);
