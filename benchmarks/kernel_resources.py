@@ -9,7 +9,7 @@ CUTE_DSL_KEEP=cubin, each adding one cubin; its .nv.info section gives the regis
 moves registers between their warpgroups) and the stack frame (EIATTR_FRAME_SIZE: non-zero
 means registers spilled to local memory). The kernels' shared memory is the pipeline's stages
 plus 1 KiB of barriers (mainloop.smem_bytes) at the depth the kernel runs
-(grouped_gemm._pipeline_depth; the compiled shapes have K_STEPS k steps, enough for any depth).
+(grouped_gemm.pipeline_depth; the compiled shapes have K_STEPS k steps, enough for any depth).
 CTAs per SM = min(by registers: 64K / (threads x registers rounded up to 8), by SMEM: 227 KiB /
 the CTA's SMEM). Each record also has its cubin's sha256: two --out files, written before and
 after a change, show whether the change left each kernel's machine code as it was.
@@ -218,7 +218,7 @@ def smem_bytes(kernel: str, block_n: int, stages: int) -> int:
     depth = stages or pp.stages_that_fit(block_n, 2, num_rhs, tma_store, kind, tile_m)
     return (mainloop.smem_bytes(block_n, num_rhs, 2, depth, rows=tile_m)
             + (pp.epilogue_bytes(2, kind, tile_m) if tma_store else 0))
-  depth = g._pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None)
+  depth = g.pipeline_depth(block_n, num_rhs, 2, K_STEPS, stages or None)
   return mainloop.smem_bytes(block_n, num_rhs, 2, depth)
 
 

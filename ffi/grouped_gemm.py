@@ -74,7 +74,7 @@ WGMMA_MAX_N = 256           # the widest N of one Hopper wgmma: dH's widest colu
 UP_PROJ_MAX_BLOCK_N = 128
 
 
-def _pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, stages) -> int:
+def pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, stages) -> int:
   """The stages a kernel runs: `stages` if given (fewer leave SMEM for a second CTA per SM),
   else as many as fit, at most 8 and at most the k steps (at least 2). Raises ValueError,
   naming the limit, if the given ones do not fit."""
@@ -510,7 +510,7 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   reason = unsupported(lhs, rhs_as_ekn(rhs, transpose_rhs), block_n, cols)
   if reason:
     raise ValueError(f"cute grouped_matmul: {reason}")
-  stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K, stages)
+  stages = pipeline_depth(block_n, 1, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K, stages)
   return matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, cols, block_n=block_n,
                      stages=stages, **_warp_specialized_config(warp_specialized))
 
@@ -559,7 +559,7 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
               f"accumulators would not fit in registers)")
   if reason:
     raise ValueError(f"cute up_proj: {reason}")
-  stages = _pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)
+  stages = pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)
   return up_proj_call((_up_proj, _gathered_up_proj), xg, w1, tile_expert, gather_index,
                       block_n=block_n, stages=stages,
                       **_warp_specialized_config(warp_specialized, gather_index))
@@ -621,7 +621,7 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   k_steps = dout_g.shape[1] // BLOCK_K
   if h_smem and stages is None:   # (a ring deeper than the k steps holds H's tile)
     k_steps = max(k_steps, H_SMEM_MIN_STAGES)
-  stages = _pipeline_depth(block_n, 1, dout_g.dtype.itemsize, k_steps, stages)
+  stages = pipeline_depth(block_n, 1, dout_g.dtype.itemsize, k_steps, stages)
   if h_smem and stages < H_SMEM_MIN_STAGES:
     raise ValueError(f"cute dh: h_smem needs stages >= {H_SMEM_MIN_STAGES} (H's tile over the "
                      f"rhs stages); got stages={stages}")
@@ -653,7 +653,7 @@ def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: b
   return dh_[0], a_scaled[0], ds_parts
 
 
-def _weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, group_sizes=None):
+def weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, group_sizes=None):
   """Why weight_grad cannot run these operands (a sentence naming the limit), or None."""
   reason = _dtype_unsupported(lhs, rhs)
   if reason:
@@ -687,10 +687,10 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   transpose_out the kernel stores out[e]^T: [E, N, M] (its epilogue writes M-major tiles; no
   separate transpose). warp_specialized (without gather_index): as grouped_matmul's."""
   slots = rows_read(lhs, gather_index)   # the rows the GEMM reads
-  reason = _weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n, group_sizes)
+  reason = weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n, group_sizes)
   if reason:
     raise ValueError(f"cute weight_grad: {reason}")
-  stages = _pipeline_depth(block_n, 1, lhs.dtype.itemsize, slots.shape[0] // BLOCK_K, stages)
+  stages = pipeline_depth(block_n, 1, lhs.dtype.itemsize, slots.shape[0] // BLOCK_K, stages)
   group_rows = routing.group_row_ranges(group_offsets, group_sizes)
   return weight_grad_call((_weight_grad, _gathered_weight_grad), lhs, rhs, group_rows,
                           num_experts, gather_index, transpose_out, block_n=block_n, stages=stages,

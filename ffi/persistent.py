@@ -461,8 +461,8 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   loaded by TMA (row_gather.produce_wgrad_steps_tma) instead of the producer's cp.async;
   the same bits (session 47: dW1 and dW2 3-11% faster in the step)."""
   slots = gg.rows_read(x, gather_index)
-  reason = (gg._weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
-                                        group_sizes) or _tile_unsupported(block_n)
+  reason = (gg.weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
+                                       group_sizes) or _tile_unsupported(block_n)
             or _cluster_unsupported(cluster_m, x.shape[1]))
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
