@@ -9,8 +9,6 @@
 #   anchors: check_anchors (pallas vs float32 references) at the five paper configs  (~6 min)
 #   cute_anchors: the same with every CuTe op (after `cute`)                          (~7 min)
 #   omnimoe: OmniMoE tests and latency benchmark on the GPU
-#   gathers: the in-kernel row gathers (up-projection default, dW1 optional): bitwise GPU
-#           tests, then the per-op rows of benchmarks.kernels at 30B-n256 and 7B-n256    (~4 min)
 #   cute  : test_cute.py's GPU tests, every CUTE_PARTS-th from CUTE_PART (default 1 of 3),
 #           compiling into the disk cache /tmp/cute-cache (carry the cute wheels first,
 #           ../shared/tools/device-wheels cute; source their env.sh; exits 3 without them) (5-7 min a part)
@@ -20,29 +18,14 @@
 #           exits 3 without them),
 #           then the failed ones again in one process (one that ran out of memory beside the
 #           others passes there) (after cute staging; 190 tests: ~4.5 min at 6 workers)
-#   pingpong: the ping-pong kernels' GPU tests (90 s cap per kernel: a hang), their sweep
-#           rows beside grouped_gemm's at 30B-n256                                     (~8 min)
-#   new_tests: the cute top-K, the CUDA-graph test, the counting routing plan on the GPU (~4 min)
-#   pingpong_store: the ping-pong down_proj / dx_tilde (tests, sweep at 7B-n256 and 30B-n256,
-#           the layer with them)                                                        (~7 min)
 #   cute_sweep: their tile/epilogue sweep at 30B-n256                                 (~5 min)
-#   cute_dh: the layer with the cute dH's register-store / TMA-store / ping-pong kernel (~7 min)
 #   cute_bench: then (kernels read back from the disk cache) the FFI call cost and the layer
 #           at the five anchors, the default ("auto") vs all-pallas                  (~5 min)
 #   kernels_auto: the per-op breakdown of the default at 7B-n256 and 30B-n256, then the
 #           router logits (bf16 operands vs an fp32 copy of X) at 30B-n256           (~4 min)
 #   pallas_layer: the Pallas layer's GPU tests against xla (timed out at 120 s in session 11) (~4 min)
-#   dh_wide: cute dH at block_n 256 (dO's rows gathered once per M tile at n = 256) beside 128:
-#           sweep at 7B-n256, 30B-n256, olmoe, then the layer with it            (~6 min)
 #   per_op_wide: the per-op breakdown of the default at 120B-n1024 and 30B-n256 (after `cute`
 #           staging: source /tmp/devsite-cute/env.sh first)                              (~3 min)
-#   cute_gathers: the cute kernels gathering rows (their producer warpgroup): bitwise GPU
-#           tests, then the sweep beside rows gathered first at 30B-n256 and 120B-n1024 (~5 min)
-#   ws    : the kernels that do not gather with a producer warpgroup issuing their TMA loads
-#           (warp_specialized): bitwise GPU tests, then the sweep beside the MMA warpgroups
-#           loading, at 30B-n256 and 120B-n1024                                   (~6 min)
-#   dh_hsmem: dH's epilogue reading H from SMEM (TMA-loaded after the mainloop): tests, sweep
-#           at four anchors, ncu at 7B-n256, the layer at 7B-n256 and olmoe           (~8 min)
 #   clocks: SM clock, power and temperature sampled while the default runs at 30B-n256  (~2 min)
 #   windows: the layer's column windows: GPU tests, the default with two windows against float32
 #           at 30B-n256                                                            (~6 min)
@@ -59,15 +42,6 @@
 #           commit) copied over it: a kernel change before and after in one call   (~2-5 min)
 #   ab_bench: bench (AB_BENCH: its arguments) on this tree and with .ab/before/ over it, two
 #           interleaved rounds: a change's effect on the step in one call          (~4-9 min)
-#   sized : the weight gradients skipping their experts' padding k steps: GPU tests, sweep
-#           rows with and without, check_anchors at 30B-n256 and 7B-n256             (~8 min)
-#   clusters: the persistent weight gradients in clusters of 2 (session 43): their GPU tests,
-#           the default against float32 at 120B-n1024, sweep rows at olmoe and 120B-n1024
-#           with and without clusters (three rounds interleaved)                    (~5 min)
-#   store_clusters: the ping-pong store GEMMs in clusters of 2 along N (session 49, for the
-#           H100): their GPU tests, then down_proj's and dx_tilde's sweep rows alone and in
-#           clusters, 128 x 192 and 192 x 128 tiles, at CLUSTER_CONFIGS (default
-#           7B-n256,30B-n256; three rounds interleaved)                            (~5 min)
 #   step_memory: the step's peak memory and XLA's report of its largest buffers    (~2 min)
 #   ncu_pair: Nsight Compute on one step's GEMMs, ours and the PyTorch SonicMoE's, at
 #           NCU_CONFIG (after cute and upstream staging and torch_warm)              (~4 min)
@@ -77,11 +51,6 @@
 #           SonicMoE's step GEMMs at NCU_CONFIG (default olmoe; after cute and upstream staging and
 #           torch_warm); NCU_STALLS=1: a second pass each, the warps' stall reasons per issued
 #           instruction (smsp__average_warps_issue_stalled_*)                 (~3 min, ~5 with it)
-#   dout_gather: dO's rows gathered by dh and dw2 themselves vs XLA's shared gather at n = 1024
-#           (olmoe, 120B-n1024), and the ping-pong dH with session 12's epilogue     (~5 min)
-#   rows192: the ping-pong store GEMMs on 192-row tiles against 128-row ones (ROWS192_CONFIGS,
-#           default 30B-n256,7B-n256): bitwise GPU tests, interleaved sweep rows, the step's
-#           kernels two rounds each (after cute staging)                            (~8 min)
 #   pair  : one config side by side in one call, ours then the PyTorch SonicMoE's first run
 #           and timed loop (PAIR_CONFIG; after cute and upstream staging)            (~10 min)
 #   pair_rounds: after `pair` at those configs: ours and theirs in turn, PAIR_ROUNDS rounds at
@@ -130,14 +99,6 @@ rows = json.load(open(out)) if r and os.path.exists(out) else []
 new = (json.load(open(ours)) if os.path.exists(ours) else []) + (
     [json.loads(l) for l in open(theirs) if l.strip()] if os.path.exists(theirs) else [])
 json.dump(rows + [dict(x, round=int(r)) if r else x for x in new], open(out, 'w'))" "$@"; }
-# cute_gpu_tests NAME TIMEOUT FILTER: the -m gpu tests of tests/test_cute.py matching FILTER into
-# $OUT/pytest_NAME.log, their rc and summary printed; returns pytest's rc (124: a hang)
-cute_gpu_tests() {
-  timeout "$2" python3 -m pytest -m gpu tests/test_cute.py -p no:cacheprovider -rA -k "$3" \
-    > "$OUT/pytest_$1.log" 2>&1
-  local rc=$?; echo "tests: rc $rc"
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_$1.log" | cut -c1-160 | tail -8
-  return $rc; }
 # round_bench LOG ARGS...: one round of ours for the *_rounds modes, bench ARGS at their
 # iterations into /tmp/round_ours.json (its log appended to LOG)
 round_bench() { local log=$1; shift
@@ -188,61 +149,9 @@ for mode in "$@"; do
       XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 280 python3 -m pytest -p no:cacheprovider -rA \
         -m gpu tests/test_pallas.py -k "matches_xla or gather_in_kernel" > "$OUT/pytest_pallas_layer.log" 2>&1
       echo "pallas layer tests: rc $?"; grep -E "^(PASSED|FAILED|ERROR)" "$OUT/pytest_pallas_layer.log" ;;
-    dh_wide)  # after `cute` staging
-      timeout 240 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256,30B-n256,olmoe \
-        --stages 3,0 --block-n 128,256 --kernels dh,dh_gather --out "$OUT/sweep_dh_wide.json" \
-        2>&1 | grep -v '^{' | grep -v "^config"
-      for bn in 128 256; do
-        timeout 150 python3 -m benchmarks.bench --configs 7B-n256,30B-n256 --impls auto \
-          --cute-dh-block-n $bn --iters 5 --reps 3 --out "$OUT/bench_dh_bn$bn" 2>&1 | tail -4
-      done ;;
     per_op_wide)
       timeout 280 python3 -m benchmarks.kernels --backend auto --configs 120B-n1024,30B-n256 \
         --out "$OUT/kernels_auto_wide.json" 2>&1 | grep -v '^{' | tail -40 ;;
-    cute_gathers)  # after `cute` staging
-      timeout 200 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "with_gather_matches_pregathered" > "$OUT/pytest_cute_gathers.log" 2>&1
-      grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_cute_gathers.log" | tail -14
-      timeout 100 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,120B-n1024 --stages 0 \
-        --block-n 128 --kernels up_proj,up_proj_gather \
-        --out "$OUT/sweep_gathers_up.json" 2>&1 | grep -v '^{' | grep -v "^config"
-      timeout 240 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,120B-n1024 \
-        --stages 0 --block-n 256 --out "$OUT/sweep_gathers.json" --kernels \
-        dh,dh_gather,dw1,dw1_gather,dw2,dw2_gather 2>&1 | grep -v '^{' | grep -v "^config" ;;
-    ws)  # after `cute` staging
-      timeout 200 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "warp_specialized" > "$OUT/pytest_ws.log" 2>&1
-      grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_ws.log" | tail -8
-      timeout 300 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,120B-n1024 \
-        --stages 0 --block-n 256 --out "$OUT/sweep_ws.json" --kernels \
-        down_proj,down_proj_ws,dx_tilde,dx_tilde_ws,dw1,dw1_ws,dw2,dw2_ws,dh,dh_ws \
-        2>&1 | grep -v '^{' | grep -v "^config"
-      timeout 100 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,120B-n1024 \
-        --stages 0 --block-n 128 --out "$OUT/sweep_ws_up.json" --kernels up_proj,up_proj_ws \
-        2>&1 | grep -v '^{' | grep -v "^config" ;;
-    dh_hsmem)  # after `cute` staging: dH's epilogue reading H from SMEM (TMA-loaded after the
-               # mainloop): bitwise tests, the sweep beside reading it from global memory at
-               # four anchors, Nsight Compute's view at 7B-n256, the layer        (~8 min)
-      timeout 200 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
-        -k "h_smem" > "$OUT/pytest_dh_hsmem.log" 2>&1
-      rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_dh_hsmem.log" | tail -8
-      [ $rc -ne 0 ] && { echo "h_smem tests: rc $rc, not timed"; continue; }
-      timeout 240 python3 -m benchmarks.tile_sweep --impl cute \
-        --configs 7B-n256,olmoe,30B-n256,120B-n1024 --stages 0 --block-n 256 \
-        --kernels dh_gather,dh_gather_hsmem,dh_gather_tma_hsmem,dh,dh_hsmem,dh_tma,dh_tma_hsmem,dh_gemm \
-        --out "$OUT/sweep_dh_hsmem.json" 2>&1 | grep -v '^{' | grep -v "^config"
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none -k regex:sonicmoe_dh_gather \
-        --launch-count 4 --section SpeedOfLight --section WarpStateStats --section SourceCounters \
-        python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256 --stages 0 --block-n 256 \
-        --kernels dh_gather_tma_hsmem --iters 1 --reps 1 > "$OUT/ncu_dh_hsmem.txt" 2>&1
-      grep -E "Duration|Compute \(SM\) Throughput|DRAM Throughput|excessive sectors" \
-        "$OUT/ncu_dh_hsmem.txt" | tail -5
-      for variant in "registers off" "registers on" "tma_store on"; do
-        read -r dh_kernel h_smem <<< "$variant"
-        timeout 150 python3 -m benchmarks.bench --configs 7B-n256,olmoe --impls auto \
-          --cute-dh "$dh_kernel" --cute-dh-h-smem "$h_smem" --iters 5 --reps 3 \
-          --out "$OUT/bench_dh_${dh_kernel}_$h_smem" 2>&1 | tail -6
-      done ;;
     clocks)  # after `cute` staging: SM clock, power and temperature every 20 ms (nvidia-smi)
              # while the default runs at CLOCK_CONFIG (default 30B-n256): does the step run
              # below the clock its kernels get alone?                                (~2 min)
@@ -350,35 +259,6 @@ PY
         done
       done
       cp -r /tmp/ab_after/. . ;;
-    sized)  # after `cute` staging: the weight gradients skipping their experts' padding k steps
-            # (group_sizes): GPU tests, the sweep rows with and without (interleaved: 25
-            # rounds), the default against float32 at two anchors                  (~7 min)
-      cute_gpu_tests sized 200 \
-        "skips_padding or weight_grad_against or persistent_weight_grad or weight_grads_matches" \
-        || continue
-      timeout 280 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 256 \
-        --configs 30B-n256,7B-n256,olmoe,120B-n1024,7B-n1024 --interleave 25 --iters 5 \
-        --kernels dw1_gather_persistent,dw1_gather_persistent_sized,dw2_gather_persistent,dw2_gather_persistent_sized \
-        --out "$OUT/sweep_sized.json" 2>&1 | grep -v '^{' | grep -v "^config"
-      timeout 200 python3 -m benchmarks.check_anchors --backend auto --configs 30B-n256,7B-n256 \
-        --out "$OUT/check_anchors_sized.json" 2>&1 | grep '^{' | cut -c1-200 ;;
-    clusters)  # after `cute` staging (see above)
-      cute_gpu_tests clusters 200 \
-        "persistent_weight_grad_matches or layer_with_persistent_weight_grads" || continue
-      timeout 150 python3 -m benchmarks.check_anchors --backend auto --configs 120B-n1024 \
-        --out "$OUT/check_anchors_auto.json" 2>&1 | grep '^{' | cut -c1-200
-      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 256 \
-        --configs olmoe,120B-n1024 --interleave 3 \
-        --kernels dw1_gather_persistent_sized_dynamic,dw1_gather_persistent_sized_dynamic_cluster,dw1_gather_persistent_sized_cluster,dw2_gather_persistent_sized,dw2_gather_persistent_sized_cluster \
-        --out "$OUT/sweep_clusters.json" 2>&1 | grep -v '^{' ;;
-    store_clusters)  # after `cute` staging (see above)
-      cute_gpu_tests store_clusters 240 \
-        "in_clusters_matches_one_cta or 192_row_tiles or clustered_store_gemms" || continue
-      k=""; for gemm in down_proj dx_tilde; do for tile in tma tma_cluster2 tma_rows192 tma_rows192_cluster2; do
-        k="$k${k:+,}${gemm}_pingpong_$tile"; done; done
-      timeout 240 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 128,192 \
-        --configs "${CLUSTER_CONFIGS:-7B-n256,30B-n256}" --interleave 3 --kernels "$k" \
-        --out "$OUT/sweep_store_clusters.json" 2>&1 | grep -v '^{' ;;
     step_memory)  # after `cute` staging: the step's peak memory and XLA's memory-usage report
                   # (its largest buffers) at MEM_CONFIGS (default 30B-n256 7B-n256)   (~2 min)
       for cfg in ${MEM_CONFIGS:-30B-n256 7B-n256}; do
@@ -443,30 +323,6 @@ PY
         grep -hE "^  [a-zA-Z_]+|stalled_.*(long_sc|wait|barrier|gmma|math|mio|lg_thr|short|sleep|membar|dispatch)" \
           "$OUT/ncu_stalls_ours_$cfg.txt" "$OUT/ncu_stalls_torch_$cfg.txt" | cut -c1-120
       fi ;;
-    dout_gather)
-      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs olmoe,120B-n1024 \
-        --stages 3,0 --block-n 256 --kernels dh,dh_gather,dw2,dw2_gather \
-        --out "$OUT/sweep_dout_gather.json" 2>&1 | grep -v '^{' | grep -v "^config"
-      timeout 120 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256,olmoe \
-        --stages 0 --block-n 128,256 --kernels dh_gather,dh_pingpong,dh_pingpong_gather \
-        --out "$OUT/sweep_dh_pingpong.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
-    rows192)  # after cute staging: the ping-pong store GEMMs on 192-row tiles (ffi/ops.py
-              # STORE_TILE_M) against 128: their bitwise GPU tests (rc 124: a hang), the sweep
-              # rows (three rounds interleaved), then the step, two rounds in turn  (~8 min)
-      cute_gpu_tests rows192 180 "192_row" || continue
-      # (128 and 192 wide: the 128-row kernels' tiles; the 192-row kernel's 192 rows are an
-      # error row, wider than its 128)
-      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --stages 0 --block-n 128,192 \
-        --configs "${ROWS192_CONFIGS:-30B-n256,7B-n256}" --interleave 3 \
-        --kernels down_proj_pingpong_tma,down_proj_pingpong_tma_rows192,dx_tilde_pingpong_tma,dx_tilde_pingpong_tma_rows192 \
-        --out "$OUT/sweep_rows192.json" 2>&1 | grep -v '^{' | grep -v "^config"
-      for round in 1 2; do
-        for tile_m in 128 192; do
-          timeout 80 python3 -m benchmarks.bench --impls auto --iters 5 --reps 3 \
-            --configs "${ROWS192_CONFIGS:-30B-n256,7B-n256}" --cute-store-tile-m "$tile_m" \
-            --out "$OUT/bench_rows${tile_m}_$round" 2>&1 | grep -E "its kernels"
-        done
-      done ;;
     pair)  # after cute and upstream staging: one config (PAIR_CONFIG, default olmoe) side by
            # side in one call on a fresh PyTorch cache: ours first (bench, auto), then the
            # PyTorch SonicMoE's first run, timed loop and profiled step in what is left of the
@@ -570,12 +426,6 @@ PY
       configs=(); [ -n "${BENCH_CONFIGS:-}" ] && configs=(--configs "$BENCH_CONFIGS")
       timeout 580 python3 -m benchmarks.bench --impls "$impls" "${configs[@]}" --iters 5 --reps 3 \
         --torch-timeout 300 "${torch[@]}" --out "$OUT/bench" 2>&1 | tail -40 ;;
-    gathers)
-      timeout 240 python3 -m pytest -p no:cacheprovider -rA -k "gather" tests/test_pallas.py \
-        tests/test_residuals.py > "$OUT/pytest_gathers.log" 2>&1
-      grep -E "^(PASSED|FAILED|ERROR)" "$OUT/pytest_gathers.log" | tail -20
-      timeout 200 python3 -m benchmarks.kernels --backend pallas --configs 30B-n256,7B-n256 \
-        --out "$OUT/kernels_pallas.json" 2>&1 | grep -v '^{' | tail -40 ;;
     cute)  # test_cute.py's GPU tests, part CUTE_PART of CUTE_PARTS (default 1 of 3: the whole
            # file, 160 tests, runs past one call's 9 minutes; their order by collection)
       cute_staged || { echo "cute: the cute wheels are not staged here"; exit 3; }
@@ -606,50 +456,6 @@ PY
         echo "cute_all, the failed ones alone: rc $?"
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cute_rerun.log" | tail -12
       fi ;;
-    pingpong)  # after `cute`: the ping-pong kernels' GPU tests under a short timeout (rc 124:
-               # a hang), then their tile sweep rows at 30B-n256
-      # one kernel at a time, unbuffered and verbose: a hang names its test
-      for part in "pingpong and dh" "pingpong and up_proj" "pingpong and matmul" "layer and pingpong"; do
-        PYTHONUNBUFFERED=1 timeout 90 python3 -m pytest -p no:cacheprovider -v -m gpu \
-          tests/test_cute.py -k "$part" >> "$OUT/pytest_pingpong.log" 2>&1
-        echo "ping-pong tests ($part): rc $?"
-      done
-      grep -E "(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_pingpong.log" | tail -12
-      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 --stages 3,0 \
-        --kernels up_proj_gather,up_proj_pingpong,dh,dh_pingpong,dh_gather,dh_pingpong_gather \
-        --block-n 64,128 --out "$OUT/sweep_pingpong.json" 2>&1 | grep -v '^{'
-      timeout 150 python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 --stages 3,0 \
-        --kernels down_proj,down_proj_pingpong,down_proj_pingpong_tma,dx_tilde,dx_tilde_pingpong,dx_tilde_pingpong_tma \
-        --block-n 128 \
-        --out "$OUT/sweep_pingpong_store.json" 2>&1 | grep -v '^{' | grep -v "^config" ;;
-    new_tests)  # after `cute`: session 10's CPU work on the GPU: the cute top-K against
-                # jax.lax.top_k and the layer on backend "cute", the CUDA-graph test's thunk
-                # dump, the counting plan against the sorted one (on the GPU's matmul)   (~4 min)
-      timeout 400 python3 -m pytest -p no:cacheprovider -rA tests/test_cute.py tests/test_routing.py \
-        -k "top_k or cuda_graphs or (gemms_match and shape4) or counting or column_prefix" \
-        > "$OUT/pytest_new.log" 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_new.log" | tail -12 ;;
-    pingpong_store)  # after `cute`: the ping-pong store GEMMs (down_proj, dx_tilde) after the
-                     # TMA-store epilogue's fix: their GPU tests, the sweep at 7B-n256 and
-                     # 30B-n256 beside grouped_gemm's, the layer with each store kernel  (~7 min)
-      for part in "pingpong and matmul" "layer and pingpong"; do
-        PYTHONUNBUFFERED=1 timeout 120 python3 -m pytest -p no:cacheprovider -v -m gpu \
-          tests/test_cute.py -k "$part" >> "$OUT/pytest_pingpong_store.log" 2>&1
-        echo "ping-pong tests ($part): rc $?"
-      done
-      grep -E "(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_pingpong_store.log" | tail -12
-      timeout 200 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256,30B-n256 \
-        --stages 3,0 --block-n 128 --out "$OUT/sweep_pingpong_store.json" \
-        --kernels down_proj,down_proj_pingpong,down_proj_pingpong_tma,dx_tilde,dx_tilde_pingpong_tma \
-        2>&1 | grep -v '^{' | grep -v "^config"
-      # the up-projections at 7B-n256 (Pallas's 0.79 ms there, the PyTorch SonicMoE's 0.52)
-      timeout 90 python3 -m benchmarks.tile_sweep --impl cute --configs 7B-n256 --stages 0 \
-        --block-n 64,128 --kernels up_proj_gather,up_proj_pingpong --out "$OUT/sweep_up_7b.json" \
-        2>&1 | grep -v '^{' | grep -v "^config"
-      for store in grouped pingpong_tma; do
-        timeout 150 python3 -m benchmarks.bench --configs 7B-n256,30B-n256 --impls auto \
-          --cute-store $store --iters 5 --reps 3 --out "$OUT/bench_store_$store" 2>&1 | tail -3
-      done ;;
     cute_sweep)
       sweep() { timeout "$1" python3 -m benchmarks.tile_sweep --impl cute --configs 30B-n256 \
         --stages 3,0 "${@:3}" --out "$OUT/sweep_cute_$2.json" 2>&1 | grep -v '^{' | grep -v "^config"; }
@@ -665,13 +471,6 @@ PY
         2>&1 | grep -v '^{' | tail -5
       timeout 300 python3 -m benchmarks.bench --impls pallas,auto \
         --iters 5 --reps 3 --out "$OUT/bench_cute" 2>&1 | tail -11 ;;
-    cute_dh)  # after `cute`: the layer with dH's three kernels (ffi/ops.py DH_KERNEL; dO's
-              # rows gathered by XLA for all three: the ping-pong kernel does not gather)
-      for k in registers tma_store pingpong; do
-        timeout 190 python3 -m benchmarks.bench --configs 7B-n1024,30B-n256,120B-n1024 \
-          --impls dh=cute+dx_tilde=cute+dw1=cute --cute-dh $k --cute-dout-gather xla \
-          --iters 5 --reps 3 --out "$OUT/bench_dh_$k" 2>&1 | tail -4
-      done ;;
     rounding)  # token rounding vs plain top-K at a sparse config (issue #4), pallas backend
       for r in none nearest; do
         flag=(); [ "$r" = nearest ] && flag=(--rounding nearest)
