@@ -9,11 +9,11 @@
 #   anchors: check_anchors (pallas vs float32 references) at the five paper configs  (~6 min)
 #   cute_anchors: the same with every CuTe op (after `cute`)                          (~7 min)
 #   omnimoe: OmniMoE tests and latency benchmark on the GPU
-#   cute  : test_cute.py's GPU tests, every CUTE_PARTS-th from CUTE_PART (default 1 of 3),
-#           compiling into the disk cache /tmp/cute-cache (carry the cute wheels first,
+#   cute  : the cute GPU tests (tests/test_cute_*.py), every CUTE_PARTS-th from CUTE_PART
+#           (default 1 of 3), compiling into the disk cache /tmp/cute-cache (carry the cute wheels first,
 #           ../shared/tools/device-wheels cute; source their env.sh; exits 3 without them) (5-7 min a part)
-#   cute_all: all of test_cute.py's GPU tests in one call, in CUTE_WORKERS (default 6)
-#           pytest-xdist processes on the one GPU (its wheels carried in XDIST_WHEELS, default
+#   cute_all: all of the cute GPU tests (tests/test_cute_*.py) in one call, in CUTE_WORKERS
+#           (default 6) pytest-xdist processes on the one GPU (its wheels carried in XDIST_WHEELS, default
 #           .devwheels/xdist/: `pip download --no-deps pytest-xdist execnet -d .devwheels/xdist`;
 #           exits 3 without them),
 #           then the failed ones again in one process (one that ran out of memory beside the
@@ -131,7 +131,7 @@ for mode in "$@"; do
       # -m gpu, plus the varlen-K test with olmoe-length pipelines (it runs on any platform)
       XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 300 python3 -m pytest \
         -k "gpu or long_pipelines" -p no:cacheprovider \
-        tests/test_pallas.py tests/test_sharding.py tests/test_cute.py > "$OUT/pytest_gpu.log" 2>&1
+        tests/test_pallas.py tests/test_sharding.py tests/test_cute_*.py > "$OUT/pytest_gpu.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu.log" | tail -12
       timeout 200 python3 -m benchmarks.kernels --backend pallas --configs 30B-n256,7B-n256 \
         --out "$OUT/kernels_pallas.json" 2>&1 | grep -v '^{' | tail -22 ;;
@@ -171,7 +171,7 @@ PY
     windows)  # after `cute` staging: the layer's column windows (moe's `windows`): GPU tests (the
               # windowed store GEMMs bitwise, the layer, its peak memory),
               # then the default with two windows against float32 at 30B-n256   (~6 min)
-      timeout 240 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
+      timeout 240 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute_*.py \
         tests/test_windows.py -k "window" > "$OUT/pytest_windows.log" 2>&1
       rc=$?; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_windows.log" | tail -6
       [ $rc -ne 0 ] && { echo "windows tests: rc $rc"; continue; }
@@ -186,7 +186,7 @@ PY
                  # tests against grouped_gemm's and in the layer, the weight gradients' sweep rows
                  # at 120B-n1024 and 7B-n1024 and the wide store GEMMs' at olmoe and 120B-n1024
                  # beside grouped_gemm's, then the step with either store kernel (~9 min)
-      timeout 240 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute.py \
+      timeout 240 python3 -m pytest -p no:cacheprovider -rA -m gpu tests/test_cute_*.py \
         -k "persistent" > "$OUT/pytest_persistent.log" 2>&1
       rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_persistent.log" | tail -14
       [ $rc -ne 0 ] && { echo "persistent tests: rc $rc"; continue; }
@@ -426,10 +426,11 @@ PY
       configs=(); [ -n "${BENCH_CONFIGS:-}" ] && configs=(--configs "$BENCH_CONFIGS")
       timeout 580 python3 -m benchmarks.bench --impls "$impls" "${configs[@]}" --iters 5 --reps 3 \
         --torch-timeout 300 "${torch[@]}" --out "$OUT/bench" 2>&1 | tail -40 ;;
-    cute)  # test_cute.py's GPU tests, part CUTE_PART of CUTE_PARTS (default 1 of 3: the whole
-           # file, 160 tests, runs past one call's 9 minutes; their order by collection)
+    cute)  # the cute GPU tests (tests/test_cute_*.py), part CUTE_PART of CUTE_PARTS (default 1
+           # of 3: the whole set, ~200 tests, runs past one call's 9 minutes; their order by
+           # collection)
       cute_staged || { echo "cute: the cute wheels are not staged here"; exit 3; }
-      python3 -m pytest -p no:cacheprovider -m gpu tests/test_cute.py --co 2>/dev/null \
+      python3 -m pytest -p no:cacheprovider -m gpu tests/test_cute_*.py --co 2>/dev/null \
         | grep '::' > "$OUT/cute_test_ids.txt"   # (pyproject's -q: one node id a line)
       part=${CUTE_PART:-1} parts=${CUTE_PARTS:-3}
       awk -v p="$part" -v n="$parts" '(NR - 1) % n == p - 1' "$OUT/cute_test_ids.txt" > "$OUT/cute_part$part.txt"
@@ -447,11 +448,11 @@ PY
       for w in "$wheels"/*.whl; do python3 -m zipfile -e "$w" "$site"; done
       cache=${TMPDIR:-/tmp}/cute-all-pytest-cache
       PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} XLA_PYTHON_CLIENT_PREALLOCATE=false \
-        timeout 400 python3 -m pytest -m gpu tests/test_cute.py -n "${CUTE_WORKERS:-6}" -rfE \
+        timeout 400 python3 -m pytest -m gpu tests/test_cute_*.py -n "${CUTE_WORKERS:-6}" -rfE \
         -o cache_dir="$cache" > "$OUT/pytest_cute_all.log" 2>&1
       rc=$?; echo "cute_all: rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed|skipped" "$OUT/pytest_cute_all.log" | tail -12
       if [ "$rc" = 1 ]; then   # some failed: those again, alone
-        timeout 150 python3 -m pytest -m gpu tests/test_cute.py --lf -rfE -o cache_dir="$cache" \
+        timeout 150 python3 -m pytest -m gpu tests/test_cute_*.py --lf -rfE -o cache_dir="$cache" \
           > "$OUT/pytest_cute_rerun.log" 2>&1
         echo "cute_all, the failed ones alone: rc $?"
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cute_rerun.log" | tail -12

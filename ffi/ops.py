@@ -7,7 +7,7 @@ kernel up to DW1_GATHER_MAX_COLUMN_TILES column tiles) and dw2 (dO's rows for dh
 gathered by both kernels up to DOUT_GATHER_MAX_COLUMN_TILES of dH, else once by XLA; where
 they gather, on grouped_gemm's kernel or persistent.py's, WGRAD_KERNEL); the gathering
 kernels' copies are issued by a producer warpgroup. All match float32 references
-(top_k: jax.lax.top_k) and the xla backend on an H200 (tests/test_cute.py). Speed against the
+(top_k: jax.lax.top_k) and the xla backend on an H200 (tests/test_cute_*.py). Speed against the
 pallas backend: benchmarks/results/2026-11-30-h200-session8 to -session14; the shapes where each
 of the GEMMs is the GPU default: sonicmoe_jax/backends.py.
 

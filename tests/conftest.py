@@ -22,7 +22,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # Interpreted Pallas kernels compile their thread bodies once a process (interpret_cache.py).
 INTERPRET_CACHE = interpret_cache.install()
 # CuTe kernels compile afresh in the tests (no disk cache from earlier runs; the cache has its
-# own test, tests/test_cute.py)
+# own test, tests/test_cute_ffi.py)
 os.environ.setdefault("SONICMOE_CUTE_CACHE", "")
 
 
@@ -44,9 +44,9 @@ def pytest_configure(config):
 # run alone.
 LONGEST_FIRST = ("test_sharding.py::test_multidevice_suite",
                  "test_train.py::test_token_rounding_study_runs",
-                 "test_cute.py::test_cute_store_wide_min_k_routes_each_store_gemm_by_its_contraction",
+                 "test_cute_ops.py::test_cute_store_wide_min_k_routes_each_store_gemm_by_its_contraction",
                  "test_windows.py::test_pallas_layer_with_windows_matches_xla_interpret",
-                 "test_cute.py::test_cute_store_tile_m_setting_lowers_the_store_gemms_to_192_row_kernels",
+                 "test_cute_ops.py::test_cute_store_tile_m_setting_lowers_the_store_gemms_to_192_row_kernels",
                  "test_bench.py::test_tile_sweep_custom_shape")
 
 

@@ -1,7 +1,7 @@
 """benchmarks/gpu_session.sh, the device calls' script: it parses, documents every mode,
 carries the PyTorch SonicMoE's caches from one machine to the next (torch_cache_save, then the
 restore at the start of a later run), keeps its autotuner's picks after torch_warm, and splits
-test_cute.py's GPU tests into parts. Runs on the CPU: no mode here needs a GPU."""
+the cute GPU tests (tests/test_cute_*.py) into parts. Runs on the CPU: no mode here needs a GPU."""
 import os
 import pathlib
 import re
@@ -99,7 +99,7 @@ def test_unknown_mode_fails(tmp_path):
 
 
 def test_cute_mode_runs_every_nth_of_test_cutes_gpu_tests(tmp_path):
-  """`cute` lists test_cute.py's GPU tests and runs every CUTE_PARTS-th from the CUTE_PART-th
+  """`cute` lists the cute GPU tests and runs every CUTE_PARTS-th from the CUTE_PART-th
   (off the GPU they skip); without the cute wheels it stops at once (exit 3)."""
   out = tmp_path / "out"
   result = _run(SCRIPT.parents[1], tmp_path, tmp_path, out, "cute", CUTE_PART="2", CUTE_PARTS="60")
@@ -108,7 +108,7 @@ def test_cute_mode_runs_every_nth_of_test_cutes_gpu_tests(tmp_path):
     return
   ids = (out / "cute_test_ids.txt").read_text().split()
   part = ids[1::60]
-  assert len(ids) > 100 and all("test_cute.py::" in i for i in ids)
+  assert len(ids) > 100 and all(i.startswith("tests/test_cute_") for i in ids)
   assert (out / "cute_part2.txt").read_text().split() == part
   assert f"part 2 of 60, {len(part)} of {len(ids)} tests" in result.stdout
   log = (out / "pytest_cute_part2.log").read_text()
@@ -129,7 +129,7 @@ def _wheel_of(module, wheels):
 
 
 def test_cute_all_mode_runs_test_cutes_gpu_tests_in_xdist_workers(tmp_path):
-  """`cute_all` unpacks the pytest-xdist wheels it is given and runs all of test_cute.py's GPU
+  """`cute_all` unpacks the pytest-xdist wheels it is given and runs all of the cute GPU
   tests in CUTE_WORKERS processes (off the GPU they skip); without the cute wheels, or without
   xdist's, it stops at once (exit 3)."""
   (tmp_path / ".quack-restored").touch()   # (keeps a local .devcache/ out)

@@ -1,0 +1,660 @@
+"""ffi/ops.py, the cute backend's op table: its settings reach the kernels they name (in the
+lowered program), the layer's default takes cute ops where they measured faster, falls back
+where a kernel cannot run, windows its store GEMMs, and matches the xla backend on the GPU."""
+import importlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sonicmoe_jax as sm
+from conftest import make_inputs, rel_err
+from cute_helpers import CUTE_GEMMS, FFI_TARGET, cuda_module, needs_cute
+
+
+@needs_cute
+def test_cute_dh_past_its_offsets_falls_back_to_xla(monkeypatch):
+  """The cute dh op hands an H too large for its kernel to xla_ops.dh, saying so: the layer's
+  gradients equal the xla backend's (runs on CPU: no cute kernel is called)."""
+  from ffi import grouped_gemm
+  monkeypatch.setattr(grouped_gemm, "MAX_REGISTER_ADDRESSED", 1000)
+  T, d, n, E, K = 200, 128, 64, 4, 2
+  args = make_inputs(5, T, d, n, E, jnp.float32)
+
+  def grads(backend):
+    loss = lambda *a: jnp.sum(sm.moe(*a, k=K, backend=backend).out ** 2)
+    return jax.grad(loss, argnums=(0, 2, 3))(*args)
+
+  with pytest.warns(UserWarning, match=r"backend 'cute' dh: H \(\d+, 128\) has more than 1000"):
+    got = grads({op: "xla" for op in sm.OP_NAMES} | {"dh": "cute"})
+  for a, b in zip(got, grads("xla")):   # (cute's ALIGN pads the plan: other fp32 sum orders)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@needs_cute
+def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
+  """On GPUs "auto" runs the six GEMM ops on cute at every width and the router's top-K where
+  E >= 256 and its kernel takes k (where each measured faster), pallas elsewhere and without
+  the extra; float32 goes to xla."""
+  from sonicmoe_jax import backends, xla_ops
+  # the modules as the dispatch table imports them (an earlier test may re-import ffi.ops)
+  cute_ops, pallas_ops = map(importlib.import_module, ("ffi.ops", "pallas_kernels.ops"))
+  resolve = lambda d, n, dtype=jnp.bfloat16: backends.resolve("auto", platform="gpu",
+                                                              dtype=dtype, d=d, n=n)
+  for d, n in [(4096, 1024), (4096, 256), (1536, 256), (1536, 1024), (2048, 1024)]:
+    ops = resolve(d, n)
+    assert ((ops.up_proj, ops.down_proj, ops.dh, ops.dx_tilde, ops.dw1, ops.dw2, ops.align)
+            == (cute_ops.up_proj, cute_ops.down_proj, cute_ops.dh, cute_ops.dx_tilde, cute_ops.dw1,
+                cute_ops.dw2, 128))
+    assert ops.top_k is pallas_ops.top_k   # E and k not given
+  top_k = lambda E, k: backends.resolve("auto", platform="gpu", dtype=jnp.bfloat16, d=4096, n=256,
+                                        num_experts=E, k=k).top_k
+  assert top_k(256, 16) is cute_ops.top_k and top_k(1024, 8) is cute_ops.top_k
+  assert top_k(128, 8) is pallas_ops.top_k and top_k(64, 8) is pallas_ops.top_k
+  assert top_k(256, 64) is pallas_ops.top_k and top_k(2048, 8) is pallas_ops.top_k   # its limits
+  with pytest.warns(UserWarning, match="float32"):
+    assert resolve(4096, 256, jnp.float32).dh is xla_ops.dh
+  assert "multiple of 64" in cute_ops.unsupported(jnp.bfloat16, 4096, 96)
+  monkeypatch.setattr(backends, "_cute_installed", lambda: False)
+  assert resolve(4096, 1024).dh is pallas_ops.dh
+
+
+@needs_cute
+def test_cute_layer_step_has_no_device_loops():
+  """A forward+backward step on backend "cute", lowered for CUDA, has no while loop: on a GPU
+  each step of one waits for the host (two came from the tiles' owner search)."""
+  T, d, n, E, K = 1024, 256, 128, 32, 4
+  args = make_inputs(0, T, d, n, E, jnp.bfloat16)
+  step = jax.value_and_grad(   # (the value too: the whole forward, down_proj and aggregate)
+      lambda *a: jnp.sum(sm.moe(*a, k=K, backend="cute").out.astype(jnp.float32)),
+      argnums=(0, 1, 2, 3))
+  text = cuda_module(step, *args)
+  assert FFI_TARGET in text and "stablehlo.while" not in text
+
+
+@needs_cute
+@pytest.mark.parametrize("dout_gather_max_column_tiles,dh_kernel,dh_block_n", [
+    (0, "registers", 128), (2, "registers", 128), (0, "pingpong", 128), (2, "pingpong", 128),
+    (1, "registers", 256), (1, "tma_store", 256), (1, "pingpong_tma", 128), (2, "auto", 256)])
+def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_kernel,
+                                               dh_block_n, monkeypatch):
+  """The layer's forward and gradients with the CuTe grouped GEMMs: the kernels compile for
+  sm_90a here and the program exports for CUDA with them as FFI calls (forward: up_proj,
+  down_proj and aggregate; backward adds dh, dx_tilde, aggregate, dw1 and dw2), with dO's rows
+  gathered by XLA or by dh and dw2, with dH's register or TMA stores (H read from SMEM: the
+  default DH_H_SMEM) and with the ping-pong kernels (dH with register stores or its SMEM
+  epilogue, which "auto" picks at this d; up_proj and the store GEMMs)."""
+  cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", dout_gather_max_column_tiles)
+  monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
+  monkeypatch.setattr(cute_ops, "DH_BLOCK_N", dh_block_n)
+  T, d, n, E, K = 256, 256, max(128, dh_block_n), 8, 2
+  pingpong = cute_ops._dh_kernel(d).startswith("pingpong")   # "auto" at d 256: pingpong_tma
+  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong" if pingpong else "grouped")
+  monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong" if pingpong else "grouped")
+  dh_block_ns = []   # the dH kernel's column tile, as ffi.ops calls it
+  kernel_module = importlib.import_module("ffi.pingpong" if pingpong else "ffi.grouped_gemm")
+  real_dh = kernel_module.dh
+  monkeypatch.setattr(kernel_module, "dh", lambda *a, block_n, **k: (
+      dh_block_ns.append(block_n), real_dh(*a, block_n=block_n, **k))[1])
+  args = make_inputs(0, T, d, n, E, jnp.bfloat16)
+
+  def loss(*a):
+    return jnp.sum(sm.moe(*a, k=K, backend=CUTE_GEMMS).out.astype(jnp.float32))
+
+  text = cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
+  assert text.count(FFI_TARGET) >= 8
+  assert set(dh_block_ns) == {min(dh_block_n, 128) if pingpong else dh_block_n}
+  # dH written over H: dh's FFI call aliases its output 0 to H (operand 3, after dOg, W2,
+  # tile_expert and, when it gathers, the gather index); no other call aliases
+  h_operand = 4 if dout_gather_max_column_tiles else 3
+  assert re.findall(r"output_operand_alias<[^>]*>", text) == [
+      f"output_operand_alias<output_tuple_indices = [0], operand_index = {h_operand}, "
+      "operand_tuple_indices = []>"]
+
+
+@needs_cute
+def test_dh_over_h_can_be_turned_off(monkeypatch):
+  """ffi.ops.DH_OVER_H = False (per-op timings) lowers the layer with no operand aliasing."""
+  cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "DH_OVER_H", False)
+  args = make_inputs(0, 256, 256, 128, 8, jnp.bfloat16)
+  loss = lambda *a: jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
+  text = cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
+  assert text.count(FFI_TARGET) >= 8 and "output_operand_alias" not in text
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("dh_kernel", ["pingpong", "pingpong_tma"])
+def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(dh_kernel, monkeypatch):
+  """The layer with every op on cute, dH (gathering dO's rows: n = 256; register stores or its
+  SMEM epilogue), up_proj, down_proj and dx_tilde (TMA stores) on the ping-pong kernels,
+  against the xla backend."""
+  cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
+  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong")
+  monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong_tma")
+  T, d, n, E, K = 4096, 1536, 256, 128, 8
+  args = make_inputs(3, T, d, n, E, jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(4), (T, d))
+  f = lambda backend: jax.grad(lambda *a: jnp.sum(
+      sm.moe(*a, k=K, backend=backend).out.astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(*args)
+  for a, b in zip(f(CUTE_GEMMS), f("xla")):
+    assert rel_err(a, b) < 1e-2
+
+
+def _store_targets_under(monkeypatch, setting: str, values, args):
+  """{value: the FFI targets the cute layer's value_and_grad lowers to (for CUDA) with ffi.ops'
+  `setting` at that value} (k = 2)."""
+  cute_ops = importlib.import_module("ffi.ops")
+  targets = {}
+  for value in values:
+    monkeypatch.setattr(cute_ops, setting, value)
+    grad = lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
+        *b, k=2, backend="cute").out.astype(jnp.float32)))(*a)
+    targets[value] = set(re.findall(r"@(sonicmoe_cute_\w+)", cuda_module(grad, *args)))
+  return targets
+
+
+def _layer_results_under(monkeypatch, setting: str, values, shape, seed: int):
+  """{value: the cute layer's loss value and its gradients for every input, with ffi.ops'
+  `setting` at that value}, on random inputs of shape (T, d, n, E, K) from seed."""
+  cute_ops = importlib.import_module("ffi.ops")
+  T, d, n, E, K = shape
+  args = make_inputs(seed, T, d, n, E, jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(seed + 1), (T, d))
+  results = {}
+  for value in values:
+    monkeypatch.setattr(cute_ops, setting, value)
+    # (a new function each time: jit would reuse the first one's trace)
+    results[value] = jax.jit(lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
+        *b, k=K, backend="cute").out.astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(*a))(*args)
+  return results
+
+
+@needs_cute
+@pytest.mark.parametrize("d, auto_tile_m", [(768, 128), (384, 192)])
+def test_cute_store_tile_m_setting_lowers_the_store_gemms_to_192_row_kernels(
+    d, auto_tile_m, monkeypatch):
+  """STORE_TILE_M 192 lowers (for CUDA) down_proj and dx_tilde to kernels of their own (the
+  192-row ping-pong tiles, taking schedule.row_tiles' table) in each of the default's two
+  column windows, the other ops' kernels unchanged; "auto" takes 128 rows where 192-wide
+  column tiles divide the windows (d = 768: 384 columns each) and 192 rows where they do not
+  (d = 384: 128 and 256 columns)."""
+  targets = _store_targets_under(monkeypatch, "STORE_TILE_M", (128, 192, "auto"),
+                                 make_inputs(9, 256, d, 128, 4, jnp.bfloat16))
+  # (two column windows: each GEMM's windows are two targets)
+  assert len(targets[192] - targets[128]) == len(targets[128] - targets[192]) == 4
+  assert targets[128] & targets[192]   # the other ops' kernels
+  assert targets["auto"] == targets[auto_tile_m]
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("shape", [(4096, 1536, 256, 128, 8), (2048, 2048, 256, 16, 2)])
+def test_cute_layer_with_192_row_store_tiles_matches_128_on_gpu(shape, monkeypatch):
+  """The default layer with its store GEMMs on 192-row tiles (STORE_TILE_M) gives the same
+  bits as on 128-row tiles: output and every gradient (two column windows; a 1024-column
+  window at d = 2048 in 128-wide tiles)."""
+  results = _layer_results_under(monkeypatch, "STORE_TILE_M", (192, 128), shape, seed=5)
+  for got, want in zip(jax.tree.leaves(results[192]), jax.tree.leaves(results[128])):
+    np.testing.assert_array_equal(got, want)
+
+
+@needs_cute
+@pytest.mark.parametrize("d, paired", [(768, 4), (384, 2)])
+def test_cute_store_cluster_n_setting_lowers_the_store_gemms_to_clustered_kernels(
+    d, paired, monkeypatch):
+  """STORE_CLUSTER_N 2 lowers (for CUDA) down_proj and dx_tilde to kernels of their own in
+  each of the default's two column windows where their column tiles pair up (d = 768: two
+  192-wide tiles a window, 4 kernels), and only there (d = 384, on the 192-row tiles 128 wide:
+  the 256-column windows' two tiles pair up, the 128-column windows' one does not: 2); the
+  other ops' kernels unchanged."""
+  targets = _store_targets_under(monkeypatch, "STORE_CLUSTER_N", (1, 2),
+                                 make_inputs(9, 256, d, 128, 4, jnp.bfloat16))
+  assert len(targets[2] - targets[1]) == len(targets[1] - targets[2]) == paired
+  assert targets[1] & targets[2]
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("shape", [(4096, 1536, 256, 128, 8), (2048, 768, 256, 16, 2)])
+def test_cute_layer_with_clustered_store_gemms_matches_one_cta_on_gpu(shape, monkeypatch):
+  """The default layer with its store GEMMs in clusters of 2 (STORE_CLUSTER_N) gives the same
+  bits as without: output and every gradient (two column windows of 768 or 384 columns)."""
+  results = _layer_results_under(monkeypatch, "STORE_CLUSTER_N", (2, 1), shape, seed=7)
+  for got, want in zip(jax.tree.leaves(results[2]), jax.tree.leaves(results[1])):
+    np.testing.assert_array_equal(got, want)
+
+
+@needs_cute
+def test_cute_store_wide_min_k_routes_each_store_gemm_by_its_contraction(monkeypatch):
+  """STORE_WIDE_MIN_K picks the store GEMMs' kernel by contraction, each GEMM on its own: at
+  n = 1024, d = 2048 (two 1024-column windows) the down-projection (K = n) leaves the wide
+  persistent kernel for the 192-row ping-pong one once the threshold passes 1024, dX~ (K =
+  2n) once it passes 2048, and the down-projection's 192-row kernels are the same in both."""
+  targets = _store_targets_under(monkeypatch, "STORE_WIDE_MIN_K", (1024, 2048, 4096),
+                                 make_inputs(13, 256, 2048, 1024, 4, jnp.bfloat16))
+  down_rows192 = targets[2048] - targets[1024]   # (each GEMM's two windows: two targets)
+  assert len(down_rows192) == len(targets[1024] - targets[2048]) == 2
+  assert len(targets[4096] - targets[2048]) == len(targets[2048] - targets[4096]) == 2
+  assert down_rows192 <= targets[4096]
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_cute_layer_with_down_proj_on_192_row_tiles_matches_the_wide_kernel_on_gpu(monkeypatch):
+  """The layer with its down-projection (a 1024-long contraction, 1024-column windows) on
+  the 192-row ping-pong tiles (STORE_WIDE_MIN_K 2048) gives the same bits as on the wide
+  persistent kernel (1024): output and every gradient."""
+  results = _layer_results_under(monkeypatch, "STORE_WIDE_MIN_K", (2048, 1024),
+                                 (2048, 2048, 1024, 16, 2), seed=15)
+  for got, want in zip(jax.tree.leaves(results[2048]), jax.tree.leaves(results[1024])):
+    np.testing.assert_array_equal(got, want)
+
+
+@needs_cute
+def test_cute_dh_kernel_auto_follows_the_model_width(monkeypatch):
+  """DH_KERNEL "auto": the ping-pong dH (SMEM epilogue, 128-wide column tiles) up to
+  DH_PINGPONG_MAX_D, grouped_gemm's dh (TMA stores, 256 wide) past it; dO's rows gathered by
+  both kernels at n 1024 (8 and 4 column tiles), an explicit variant kept at every width."""
+  cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "DH_KERNEL", "auto")
+  limit = cute_ops.DH_PINGPONG_MAX_D
+  assert cute_ops._dh_kernel(limit) == "pingpong_tma"
+  assert cute_ops._dh_kernel(limit + 512) == "tma_store"
+  assert (cute_ops._dh_block_n(256, limit), cute_ops._dh_block_n(256, limit + 512)) == (128, 256)
+  assert cute_ops._dout_gathered_in_kernel(1024, limit)
+  assert cute_ops._dout_gathered_in_kernel(1024, limit + 512)
+  monkeypatch.setattr(cute_ops, "DH_KERNEL", "registers")
+  assert cute_ops._dh_kernel(limit) == "registers"
+
+
+@needs_cute
+def test_cute_kernel_settings_are_checked(monkeypatch):
+  """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL, STORE_KERNEL, STORE_WIDE_KERNEL, STORE_BLOCK_N,
+  STORE_TILE_M, STORE_CLUSTER_N or WGRAD_KERNEL outside its list is refused by name (runs on
+  CPU: the error comes before any kernel)."""
+  cute_ops = importlib.import_module("ffi.ops")
+  args = make_inputs(6, 256, 128, 64, 4, jnp.bfloat16)
+  grad = lambda: jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={
+      op: "xla" for op in sm.OP_NAMES} | {"dh": "cute"}).out.astype(jnp.float32)))(*args)
+  monkeypatch.setattr(cute_ops, "DH_BLOCK_N", 96)
+  with pytest.raises(ValueError, match=r"DH_BLOCK_N must be 64, 128 or 256; got 96"):
+    grad()
+  monkeypatch.setattr(cute_ops, "DH_KERNEL", "fast")
+  with pytest.raises(ValueError, match=r"DH_KERNEL must be one of .*'fast'"):
+    grad()
+  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "fast")
+  with pytest.raises(ValueError, match=r"UP_PROJ_KERNEL must be one of .*'fast'"):
+    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"up_proj": "cute"})
+  monkeypatch.setattr(cute_ops, "STORE_KERNEL", "fast")
+  with pytest.raises(ValueError, match=r"STORE_KERNEL must be one of .*'fast'"):
+    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
+  monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong_tma")
+  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "fast")
+  with pytest.raises(ValueError, match=r"STORE_WIDE_KERNEL must be one of .*'fast'"):
+    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
+  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "persistent")
+  monkeypatch.setattr(cute_ops, "STORE_BLOCK_N", 256)
+  with pytest.raises(ValueError, match=r"STORE_BLOCK_N must be one of \(128, 192\); got 256"):
+    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
+  monkeypatch.setattr(cute_ops, "STORE_BLOCK_N", 192)
+  monkeypatch.setattr(cute_ops, "STORE_TILE_M", 256)
+  with pytest.raises(ValueError,
+                     match=r"STORE_TILE_M must be one of \('auto', 128, 192\); got 256"):
+    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
+  monkeypatch.setattr(cute_ops, "STORE_TILE_M", "auto")
+  monkeypatch.setattr(cute_ops, "STORE_CLUSTER_N", 4)
+  with pytest.raises(ValueError, match=r"STORE_CLUSTER_N must be one of \(1, 2\); got 4"):
+    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
+  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "fast")
+  with pytest.raises(ValueError, match=r"WGRAD_KERNEL must be one of .*'fast'"):
+    jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {
+        "dw1": "cute"}).out.astype(jnp.float32)), argnums=2)(*args)
+
+
+@needs_cute
+@pytest.mark.parametrize("d,n,takes_192", [(384, 128, 2), (640, 256, 0), (2048, 256, 0)])
+def test_cute_store_block_n_setting_lowers_to_its_own_kernels(monkeypatch, d, n, takes_192):
+  """STORE_BLOCK_N 192 lowers (for CUDA) down_proj and dx_tilde (takes_192 of the two) to
+  other kernels than 128 where 192 divides their columns (d = 384, one window; the loss's
+  value keeps the forward's down_proj), and to the same ones where it does not (d = 640 and
+  2048). (On the 128-row tiles: STORE_TILE_M "auto" takes 192 rows, 128 wide, where 192 wide
+  does not divide the columns.)"""
+  cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "STORE_TILE_M", 128)
+  args = make_inputs(9, 256, d, n, 4, jnp.bfloat16)
+  targets = {}
+  for block_n in (128, 192):
+    monkeypatch.setattr(cute_ops, "STORE_BLOCK_N", block_n)
+    # (a new function each time: jit would reuse the first one's trace)
+    grad = lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(*b, k=2, windows=1, backend={
+        op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute", "dx_tilde": "cute"}).out.astype(
+            jnp.float32)))(*a)
+    targets[block_n] = set(re.findall(r"@(sonicmoe_cute_\w+)", cuda_module(grad, *args)))
+  assert len(targets[128]) == len(targets[192]) == 2
+  assert len(targets[192] - targets[128]) == takes_192
+
+
+@needs_cute
+def test_cute_wgrad_dynamic_setting_lowers_with_its_counter(monkeypatch):
+  """WGRAD_DYNAMIC_ORDER "auto" with WGRAD_DYNAMIC_MIN_TILES 1: the layer's gathering dW1 (and
+  not dW2) runs the persistent kernel in the dynamic tile order, its counter an operand from
+  zeros written in place (output 1); a name other than dw1 and dw2 is refused by name."""
+  cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", "auto")
+  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_MIN_TILES", 1)
+  args = make_inputs(0, 256, 256, 128, 8, jnp.bfloat16)
+
+  def loss(*a):
+    return jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
+
+  text = cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
+  assert re.search(r"output_operand_alias<output_tuple_indices = \[1\], operand_index = 4,", text)
+  assert len(re.findall(r"output_operand_alias<output_tuple_indices = \[1\]", text)) == 1
+  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", ("dw1", "dx"))
+  with pytest.raises(ValueError, match=r"WGRAD_DYNAMIC_ORDER must be 'auto' or a tuple of "
+                                       r"'dw1' and 'dw2'; got \('dw1', 'dx'\)"):
+    cuda_module(jax.grad(loss), *args)
+
+
+@needs_cute
+def test_cute_wgrad_cluster_setting_reaches_the_kernel_where_m_allows(monkeypatch):
+  """WGRAD_CLUSTER_M 2: the layer's persistent gathering weight gradients run in clusters of 2
+  where their M (the gathered rows' width) is a multiple of 256, else alone; 1 (the default):
+  alone; a size other than 1 and 2 is refused by name."""
+  cute_ops = importlib.import_module("ffi.ops")
+  calls = []
+  real = cute_ops.persistent.weight_grad
+
+  def spy(x, *args, **kw):
+    calls.append((x.shape[1], kw["cluster_m"]))
+    return real(x, *args, **kw)
+
+  monkeypatch.setattr(cute_ops.persistent, "weight_grad", spy)
+
+  def loss(*a):
+    return jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
+
+  for d, cluster_m, want in [(256, 2, 2), (384, 2, 1), (256, 1, 1)]:
+    monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", cluster_m)
+    calls.clear()
+    cuda_module(jax.grad(loss, argnums=(0, 2, 3)), *make_inputs(0, 256, d, 128, 8, jnp.bfloat16))
+    assert calls and all(m == d and c == want for m, c in calls), calls
+  monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", 4)
+  with pytest.raises(ValueError, match=r"ffi.ops.WGRAD_CLUSTER_M must be one of \(1, 2\); got 4"):
+    cuda_module(jax.grad(loss), *make_inputs(0, 256, 256, 128, 8, jnp.bfloat16))
+
+
+@needs_cute
+@pytest.mark.parametrize("wgrad_kernel", ["persistent", "grouped"])
+def test_cute_tma_gather_setting_reaches_the_kernels_it_names(wgrad_kernel, monkeypatch):
+  """TMA_GATHER names the weight gradients whose gathered rows TMA loads: dW1 (untransposed)
+  and dW2 (transposed), on either weight-gradient kernel; the layer lowers with any; both by
+  default; a bare name or another op is refused by name."""
+  cute_ops = importlib.import_module("ffi.ops")
+  assert cute_ops.TMA_GATHER == ("dw1", "dw2")
+  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", 1 << 30)   # dH, dW2 gather too
+  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", wgrad_kernel)
+  calls = []
+
+  def spy(op, module, name):
+    real = getattr(module, name)
+
+    def call(*args, **kw):   # (persistent.weight_grad takes its gather_index positionally)
+      if kw.get("gather_index") is not None or module is cute_ops.persistent:
+        calls.append((op(kw), kw.get("tma_gather", False)))
+      return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, call)
+
+  wgrad_module = cute_ops.persistent if wgrad_kernel == "persistent" else cute_ops.grouped_gemm
+  spy(lambda kw: "dw2" if kw["transpose_out"] else "dw1", wgrad_module, "weight_grad")
+
+  def loss(*a):
+    return jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
+
+  args = make_inputs(0, 256, 2048, 128, 8, jnp.bfloat16)
+  ops = ("dw1", "dw2")
+  for setting in [(), ("dw1",), ("dw2",), ops]:
+    monkeypatch.setattr(cute_ops, "TMA_GATHER", setting)
+    calls.clear()
+    assert FFI_TARGET in cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
+    assert sorted(calls) == [(op, op in setting) for op in ops], calls
+  for bad in ["dw1", ("dw1", "dh")]:
+    monkeypatch.setattr(cute_ops, "TMA_GATHER", bad)
+    with pytest.raises(ValueError, match=r"ffi.ops.TMA_GATHER must be a tuple of 'dw1' and "
+                                         r"'dw2'; got "):
+      cuda_module(jax.grad(loss), *args)
+
+
+@needs_cute
+def test_cute_wgrad_dynamic_auto_takes_dw1_with_many_tiles_an_expert(monkeypatch):
+  """WGRAD_DYNAMIC_ORDER "auto" (the default): dW1 in the dynamic order where an expert's
+  output has WGRAD_DYNAMIC_MIN_TILES tiles of BLOCK_M x block_n (partial tiles counted), dW2
+  never; a tuple names the ops itself; a bare name is refused."""
+  cute_ops = importlib.import_module("ffi.ops")
+  assert cute_ops.WGRAD_DYNAMIC_ORDER == "auto" and cute_ops.WGRAD_DYNAMIC_MIN_TILES == 128
+  order = cute_ops._dynamic_order
+  assert order("dw1", 2048, 2048, 256)           # olmoe: 16 x 8 tiles
+  assert order("dw1", 4096, 2048, 256)           # 120B-n1024: 32 x 8
+  assert not order("dw1", 1536, 2048, 256)       # 7B-n1024: 12 x 8
+  assert not order("dw1", 4096, 512, 256)        # 30B-n256: 32 x 2
+  assert order("dw1", 1920, 2056, 256)           # 15 x 9 with the partial tiles
+  assert not order("dw2", 2048, 4096, 256)
+  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", ("dw2",))
+  assert order("dw2", 256, 256, 256) and not order("dw1", 4096, 4096, 256)
+  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", "dw1")
+  with pytest.raises(ValueError, match="got 'dw1'"):
+    order("dw1", 2048, 2048, 256)
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypatch):
+  """The layer's output and gradients with STORE_WIDE_KERNEL "persistent" (down_proj and
+  dx_tilde on it where their tiles are wide: d 2048, n 1024, and STORE_WIDE_MIN_K 1024 for
+  down_proj's contraction; in the default two column windows) are bitwise the grouped
+  kernel's."""
+  cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "STORE_WIDE_MIN_K", 1024)
+  args = make_inputs(75, 600, 2048, 1024, 8, jnp.bfloat16)
+  def run(*a):
+    out, pullback = jax.vjp(lambda *b: sm.moe(*b, k=2, backend="cute").out, *a)
+    return out, pullback(jnp.ones_like(out))
+  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "grouped")
+  want = jax.jit(run)(*args)
+  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "persistent")
+  got = jax.jit(lambda *a: run(*a))(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("cluster_m,dynamic_order,tma_gather", [
+    (1, (), ()), (2, (), ()), (2, ("dw1", "dw2"), ()), (2, ("dw1",), ("dw1", "dw2"))])
+def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(cluster_m, dynamic_order,
+                                                                        tma_gather, monkeypatch):
+  """The layer's gradients with WGRAD_KERNEL "persistent" (dW1 and dW2 gathering their rows on
+  it; alone or in clusters of 2, in either tile order, the rows by cp.async or TMA) are bitwise
+  those with "grouped"."""
+  cute_ops = importlib.import_module("ffi.ops")
+  args = make_inputs(74, 1000, 512, 256, 16, jnp.bfloat16)
+  monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", cluster_m)
+  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", dynamic_order)
+  monkeypatch.setattr(cute_ops, "TMA_GATHER", tma_gather)
+  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "grouped")
+  grad = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
+      jnp.float32)), argnums=(2, 3)))
+  want = grad(*args)
+  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "persistent")
+  got = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
+      jnp.float32)), argnums=(2, 3)))(*args)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("shape,dout_gather_max_column_tiles,dh_kernel,backend", [
+    ((1000, 512, 256, 16, 4), 0, "registers", CUTE_GEMMS),
+    ((4096, 1536, 256, 128, 8), 0, "registers", CUTE_GEMMS),
+    ((1000, 512, 256, 16, 4), 2, "registers", CUTE_GEMMS),
+    ((1000, 512, 1024, 16, 4), 8, "tma_store", CUTE_GEMMS),
+    ((4096, 1536, 256, 128, 8), 2, "registers", "cute"),
+    ((1000, 2048, 1024, 16, 4), 8, "registers", "cute"),
+    ((512, 4096, 1024, 8, 2), 8, "registers", "cute")])
+def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_max_column_tiles, dh_kernel, backend,
+                                     monkeypatch):
+  """Every expert op on cute (dO's rows gathered by XLA, or by dh and dw2; dH's register or TMA
+  stores; at d 2048 and 4096, n 1024 dx_tilde on the persistent wide store tiles and down_proj
+  on the 192-row ping-pong ones), and backend "cute" for everything (its top-K too), against
+  the xla backend: forward and all four gradients."""
+  cute_ops = importlib.import_module("ffi.ops")
+  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", dout_gather_max_column_tiles)
+  monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
+  T, d, n, E, K = shape
+  args = make_inputs(3, T, d, n, E, jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(4), (T, d))
+
+  def grads(backend):
+    f = lambda *a: jnp.sum(sm.moe(*a, k=K, backend=backend).out.astype(jnp.float32) * cot)
+    return sm.moe(*args, k=K, backend=backend).out, jax.grad(f, argnums=(0, 1, 2, 3))(*args)
+  out_c, g_c = grads(backend)
+  out_x, g_x = grads("xla")
+  assert rel_err(out_c, out_x) < 1e-2
+  for a, b in zip(g_c, g_x):
+    assert rel_err(a, b) < 1e-2
+
+
+# (pingpong_tma_192: 192-wide tiles, the last one of a window clipped where 192 does not
+# divide its columns)
+WINDOW_KERNELS = ["pingpong_tma", "pingpong_tma_192", "pingpong", "grouped", "grouped_ws"]
+
+
+def _windowed_matmul(kernel, transpose_rhs, cols):
+  """The store GEMM `kernel` (ffi.ops' variants) as fn(lhs, rhs, tile_expert), cols a window."""
+  from ffi import grouped_gemm, pingpong
+  if kernel.startswith("pingpong"):
+    return lambda a, b, t: pingpong.grouped_matmul(
+        a, b, t, transpose_rhs=transpose_rhs, tma_store=kernel.startswith("pingpong_tma"),
+        block_n=192 if kernel.endswith("192") else 128, cols=cols)
+  return lambda a, b, t: grouped_gemm.grouped_matmul(
+      a, b, t, transpose_rhs=transpose_rhs, block_n=256 if kernel == "grouped_ws" else 128,
+      warp_specialized=kernel == "grouped_ws", cols=cols)
+
+
+@needs_cute
+@pytest.mark.parametrize("kernel", WINDOW_KERNELS)
+def test_cute_windowed_store_matmuls_compile_for_cuda(kernel):
+  """down_proj's and dx_tilde's kernels on a window of columns (the layer's `windows`): they
+  compile for sm_90a reading rhs from the window's first column (a view in the kernel: XLA may
+  pass a slice at an offset off its 16-byte alignment, which the call refuses); out has the
+  window's columns; a window starting off 16 bytes or not a multiple of the tile is refused."""
+  P, K, N, E = 1024, 256, 1024, 4
+  shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16),
+            jax.ShapeDtypeStruct((E, N, K), jnp.bfloat16),
+            jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
+  fn = _windowed_matmul(kernel, True, (256, 768))
+  module = cuda_module(fn, *shapes)
+  assert FFI_TARGET in module and "slice" not in module
+  assert jax.eval_shape(fn, *shapes).shape == (P, 512)
+  with pytest.raises(ValueError, match="starting at a multiple of 8"):
+    jax.eval_shape(_windowed_matmul(kernel, True, (100, 612)), *shapes)
+  with pytest.raises(ValueError, match="N=200 must be a multiple of (block_n=|64)"):
+    jax.eval_shape(_windowed_matmul(kernel, True, (0, 200)), *shapes)
+
+
+@needs_cute
+@pytest.mark.parametrize("d,n,windows", [(256, 128, 2), (256, 256, 1)])
+def test_cute_store_gemms_window_the_layer_by_default_where_d_is_at_least_2n(d, n, windows):
+  """backend "cute" resolves to two column windows by default where d >= 2n (moe's
+  windows=None)."""
+  assert sm.backends.resolve("cute", dtype=jnp.bfloat16, d=d, n=n).windows == windows
+
+
+@needs_cute
+def test_cute_layer_with_windows_compiles_and_lowers_for_cuda():
+  """The layer with windows on backend "cute" (its store GEMMs on column windows, each summed
+  by gather_sum): forward and backward export for CUDA, one barrier per pass between them."""
+  T, d, n, E, K = 256, 256, 128, 32, 4
+  args = make_inputs(0, T, d, n, E, jnp.bfloat16)
+  loss = lambda *a: jnp.sum(sm.moe(*a, k=K, backend="cute", windows=2).out.astype(jnp.float32))
+  module = cuda_module(jax.grad(loss, argnums=(0, 2, 3)), *args)
+  assert module.count("optimization_barrier") >= 2 and FFI_TARGET in module
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("kernel", WINDOW_KERNELS)
+@pytest.mark.parametrize("transpose_rhs", [True, False])
+@pytest.mark.parametrize("cols", [(0, 256), (256, 768), (768, 1024), (136, 392)])
+def test_cute_windowed_store_matmuls_give_the_windows_columns_on_gpu(kernel, transpose_rhs,
+                                                                      cols):
+  """A window of the product is the whole product's columns bit for bit (rhs read from the
+  window's first column, on a tile boundary or not; tiles past the groups: zeros)."""
+  E, K, N = 5, 384, 1024
+  num_tiles = 20
+  tile_expert = jnp.sort(jax.random.randint(jax.random.key(91), (num_tiles,), 0, E + 1))
+  P = num_tiles * 128
+  lhs = jax.random.normal(jax.random.key(92), (P, K)).astype(jnp.bfloat16)
+  shape = (E, N, K) if transpose_rhs else (E, K, N)
+  rhs = (jax.random.normal(jax.random.key(93), shape) / 8).astype(jnp.bfloat16)
+  tile_expert = tile_expert.astype(jnp.int32)
+  whole = jax.jit(_windowed_matmul(kernel, transpose_rhs, None))(lhs, rhs, tile_expert)
+  window = jax.jit(_windowed_matmul(kernel, transpose_rhs, cols))(lhs, rhs, tile_expert)
+  np.testing.assert_array_equal(window, whole[:, cols[0]:cols[1]])
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("windows", [2, 3, (1, 2)])
+def test_layer_with_windows_matches_without_on_gpu(windows):
+  """The default backend's layer with windows (a pair: the forward's and the backward's):
+  forward and gradients as without (the same kernels on column windows: each output column
+  summed as without)."""
+  T, d, n, E, K = 2048, 1024, 256, 32, 8
+  args = make_inputs(7, T, d, n, E, jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(8), (T, d))
+
+  def run(w):
+    f = lambda *a: jnp.sum(sm.moe(*a, k=K, windows=w).out.astype(jnp.float32) * cot)
+    return jax.jit(lambda *a: sm.moe(*a, k=K, windows=w).out)(*args), \
+        jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(*args)
+  (out_1, g_1), (out_w, g_w) = run(1), run(windows)
+  assert rel_err(out_w, out_1) < 1e-2
+  for name, a, b in zip(("dx", "drouter_w", "dw1", "dw2"), g_w, g_1):
+    assert rel_err(a, b) < 1e-2, name
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_windows_lower_the_steps_peak_memory_on_gpu():
+  """The layer's forward+backward with two windows on the default backend (cute's store
+  GEMMs): XLA's temporaries at their peak shrink by at least a quarter of the [T K, d] product
+  (half of it less the first window's [T, d / 2] sums, a 32nd of it at K = 16). Only where the
+  stores run on cute (backends.default_windows): on the pallas backend the windows did not
+  lower the peak (H200, session 38: 227,185,944 bytes with one window, 227,186,200 with two);
+  its backward also gathers dO (for dH and dW2) and X (for dW1) into [T K, d] copies by XLA,
+  which the windows do not touch."""
+  T, d, n, E, K = 2048, 1024, 256, 32, 16
+  x, router_w, w1, w2 = make_inputs(7, T, d, n, E, jnp.bfloat16)
+  dout = jax.random.normal(jax.random.key(8), (T, d), jnp.bfloat16)
+
+  def temp_bytes(windows):
+    def step(x, router_w, w1, w2, dout):
+      out, pullback = jax.vjp(lambda *a: sm.moe(*a, k=K, windows=windows).out,
+                              x, router_w, w1, w2)
+      out, dout = jax.lax.optimization_barrier((out, dout))   # the backward after the forward
+      return pullback(dout)
+    compiled = jax.jit(step).lower(x, router_w, w1, w2, dout).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  product = T * K * d * 2
+  whole, halves = temp_bytes(1), temp_bytes(2)
+  assert halves < whole - product // 4, (whole, halves)
