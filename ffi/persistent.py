@@ -103,7 +103,7 @@ def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_ste
 
 
 TILE_SLOTS = 2                         # the dynamic order's tile ids in SMEM, a ring
-TILE_READERS = mainloop.THREADS + 128        # every thread of the CTA reads each tile id
+TILE_READERS = THREADS + 128        # every thread of the CTA reads each tile id
 
 
 def tile_barriers(cluster: int) -> tuple:

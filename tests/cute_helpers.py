@@ -7,7 +7,7 @@ import jax
 import pytest
 
 
-def have_cute():
+def _have_cute():
   try:   # ffi first: it sets CuTe DSL's target (sm_90a) before CuTe DSL's first use
     importlib.import_module("ffi")
     importlib.import_module("jax_tvm_ffi")
@@ -16,7 +16,7 @@ def have_cute():
     return False
 
 
-needs_cute = pytest.mark.skipif(not have_cute(), reason="nvidia-cutlass-dsl not installed")
+needs_cute = pytest.mark.skipif(not _have_cute(), reason="nvidia-cutlass-dsl not installed")
 FFI_TARGET = "@sonicmoe_cute_"   # the XLA FFI targets of our CuTe kernels (xla_call.TARGET_PREFIX)
 
 
