@@ -31,7 +31,8 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=400)
   p.add_argument("--batch", type=int, default=32)
   p.add_argument("--seq", type=int, default=64)
-  p.add_argument("--d-model", type=int, default=64)
+  p.add_argument("--d-model", type=int, default=128,
+                 help="model width (the Hopper kernels need a multiple of 128)")
   p.add_argument("--d-expert", type=int, default=64)
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--experts", type=int, default=8)
@@ -39,13 +40,16 @@ def parse_args(argv=None):
   p.add_argument("--rounding", default="nearest", help="token rounding in training, or 'none'")
   p.add_argument("--tile", type=int, default=64)
   p.add_argument("--backend", default="auto")
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                 help="the model's compute dtype; auto: bfloat16 on GPUs (the Hopper kernels "
+                      "take bf16/fp16; float32 runs XLA's ops), else float32")
   p.add_argument("--lr", type=float, default=1e-2)
   p.add_argument("--vocab", type=int, default=32)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--eval-every", type=int, default=50)
   p.add_argument("--out", default="runs/demo", help="folder for loss_curve.png and metrics.json")
-  p.add_argument("--quiet", action="store_true", help="no progress bar or per-eval lines")
+  p.add_argument("--quiet", action="store_true",
+                 help="no progress bar, per-eval lines or report (main returns the results)")
   p.add_argument("--ffn", default="sonicmoe", choices=["sonicmoe", "omnimoe"],
                  help="feed-forward layer: SonicMoE experts or OmniMoE atomic experts")
   p.add_argument("--omni-experts", type=int, default=1024)
@@ -158,19 +162,33 @@ def plot(history, evals, floor, path):
   plt.close(fig)
 
 
+def ops_by_backend(cfg: LMConfig) -> str:
+  """Which backend runs each of the MoE layer's ops, e.g. 'pallas: top_k; xla: aggregate; ...'."""
+  ops = sm.resolve_backend(cfg.backend, dtype=jnp.dtype(cfg.dtype), d=cfg.d_model, n=cfg.d_expert,
+                           num_experts=cfg.num_experts, k=cfg.k)
+  groups = {}
+  for op, backend in ops.backend_by_op().items():
+    groups.setdefault(backend, []).append(op)
+  return "; ".join(f"{backend}: {', '.join(names)}" for backend, names in sorted(groups.items()))
+
+
 def main(argv=None):
   args = parse_args(argv)
   rounding = None if args.rounding == "none" else args.rounding
+  dtype = args.dtype if args.dtype != "auto" else (
+      "bfloat16" if jax.default_backend() == "gpu" else "float32")
   if args.distributed:
     jax.distributed.initialize()
   mesh = make_mesh(args.mesh)
   cfg = LMConfig(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
                  num_experts=args.experts, k=args.k, d_expert=args.d_expert, rounding=rounding,
-                 tile=args.tile, backend=args.backend, dtype=args.dtype, mesh=mesh, ffn=args.ffn,
+                 tile=args.tile, backend=args.backend, dtype=dtype, mesh=mesh, ffn=args.ffn,
                  omni_experts=args.omni_experts, omni_k=args.omni_k)
   tokens_per_step = args.batch * args.seq
   print(f"sonicmoe-jax {sm.__version__} | jax {jax.__version__} | device {jax.devices()[0].device_kind}")
   print(f"model: {cfg}")
+  if args.ffn == "sonicmoe":
+    print(f"expert ops run on: {ops_by_backend(cfg)}")
   corpus = MarkovCorpus.make(args.vocab, seed=args.seed)
   floor = corpus.entropy_rate()
   held_out = jnp.asarray(corpus.sample(64, args.seq + 1, seed=10_000))

@@ -24,8 +24,8 @@ on GPUs), except that on GPUs the GEMM ops (and the router's top-K over many exp
 "cute" at the layer shapes where it measured faster (GPU_CUTE_WHERE) when the optional cute
 extra is installed. When the
 default backend's `unsupported(dtype, d, n)` names a reason (for example float32 inputs for
-pallas), "auto" falls back to "xla" and says so with a warning; a backend asked for by name
-raises instead.
+pallas), "auto" falls back to "xla" and says so with one warning naming the ops; a backend
+asked for by name raises instead. `Ops.backend_by_op()` tells which backend each op got.
 """
 from __future__ import annotations
 
@@ -138,6 +138,11 @@ class Ops(NamedTuple):
   dw2: Callable
   align: int = 1
   windows: int = 1   # the layer's default column windows (default_windows)
+  backends: tuple[str, ...] = ()   # the backend each op runs on, in OP_NAMES order
+
+  def backend_by_op(self) -> dict[str, str]:
+    """{op name: the backend it runs on}, as resolve chose them."""
+    return dict(zip(OP_NAMES, self.backends))
 
 
 def _backend_module(name: str):
@@ -188,17 +193,20 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype
   else:
     raise TypeError(f"backend must be a string or a mapping of op name to backend; got {type(backend).__name__}")
   impls, names, align = {}, {}, 1
+  fallbacks = {}   # (default backend, reason) -> the ops "auto" moved to xla for it
   for op, name in choice.items():
     if name == "auto":
       name = default_backend(op, platform, dtype=dtype, d=d, n=n, num_experts=num_experts, k=k)
       module = _backend_module(name)
       reason = module.unsupported(dtype, d, n) if hasattr(module, "unsupported") and dtype is not None else None
       if reason:
-        warnings.warn(f"backend 'auto': {name!r} cannot run this layer ({reason}); using 'xla' for {op}",
-                      stacklevel=3)
+        fallbacks.setdefault((name, reason), []).append(op)
         name = "xla"
     module = _backend_module(name)
     impls[op], names[op] = module.OPS[op], name
     align = max(align, getattr(module, "ALIGN", 1))
+  for (name, reason), ops in fallbacks.items():
+    warnings.warn(f"backend 'auto': {name!r} cannot run this layer ({reason}); using 'xla' for "
+                  f"{', '.join(ops)}", stacklevel=3)
   windows = default_windows((names["down_proj"], names["dx_tilde"]), d, n)
-  return Ops(**impls, align=align, windows=windows)
+  return Ops(**impls, align=align, windows=windows, backends=tuple(names[op] for op in OP_NAMES))

@@ -90,11 +90,17 @@ def test_flax_layer_config_errors():
 
 def test_auto_backend_falls_back_explicitly_on_gpu_platform():
   from sonicmoe_jax import backends, xla_ops
-  with pytest.warns(UserWarning, match="cannot run this layer .*float32.*using 'xla'"):
+  with pytest.warns(UserWarning, match="cannot run this layer .*float32.*using 'xla'") as caught:
     ops = backends.resolve("auto", platform="gpu", dtype=jnp.float32, d=128, n=64)
   assert ops.up_proj is xla_ops.up_proj and ops.align == 1
+  fell_back = [str(w.message) for w in caught if "cannot run this layer" in str(w.message)]
+  assert len(fell_back) == 1 and "up_proj, down_proj, dh" in fell_back[0]   # one warning for all
+  assert set(ops.backend_by_op().values()) == {"xla"}
   ops = backends.resolve("auto", platform="gpu", dtype=jnp.bfloat16, d=128, n=64)
   assert ops.up_proj is not xla_ops.up_proj and ops.align == 128
+  assert ops.backend_by_op()["aggregate"] == "xla" and ops.backend_by_op()["up_proj"] != "xla"
+  assert backends.resolve({"dh": "pallas"}, platform="cpu").backend_by_op() == {
+      op: "pallas" if op == "dh" else "xla" for op in sm.OP_NAMES}
   assert backends.resolve("auto", platform="cpu").up_proj is xla_ops.up_proj
 
 
