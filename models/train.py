@@ -40,9 +40,9 @@ def parse_args(argv=None):
   p.add_argument("--rounding", default="nearest", help="token rounding in training, or 'none'")
   p.add_argument("--tile", type=int, default=64)
   p.add_argument("--backend", default="auto")
-  p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                 help="the model's compute dtype; auto: bfloat16 on GPUs (the Hopper kernels "
-                      "take bf16/fp16; float32 runs XLA's ops), else float32")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                 help="the model's compute dtype (the Hopper kernels take bfloat16; in float32 "
+                      "the MoE ops run XLA's)")
   p.add_argument("--lr", type=float, default=1e-2)
   p.add_argument("--vocab", type=int, default=32)
   p.add_argument("--seed", type=int, default=0)
@@ -175,14 +175,12 @@ def ops_by_backend(cfg: LMConfig) -> str:
 def main(argv=None):
   args = parse_args(argv)
   rounding = None if args.rounding == "none" else args.rounding
-  dtype = args.dtype if args.dtype != "auto" else (
-      "bfloat16" if jax.default_backend() == "gpu" else "float32")
   if args.distributed:
     jax.distributed.initialize()
   mesh = make_mesh(args.mesh)
   cfg = LMConfig(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
                  num_experts=args.experts, k=args.k, d_expert=args.d_expert, rounding=rounding,
-                 tile=args.tile, backend=args.backend, dtype=dtype, mesh=mesh, ffn=args.ffn,
+                 tile=args.tile, backend=args.backend, dtype=args.dtype, mesh=mesh, ffn=args.ffn,
                  omni_experts=args.omni_experts, omni_k=args.omni_k)
   tokens_per_step = args.batch * args.seq
   print(f"sonicmoe-jax {sm.__version__} | jax {jax.__version__} | device {jax.devices()[0].device_kind}")
