@@ -209,15 +209,20 @@ def _setting(name: str, value, choices):
   return value
 
 
+# n's multiple: the up-projection's column tile (block_n 128: the gate and up halves each) and
+# dW2's rows (the varlen-K kernels' 128-row tiles of [n, d])
+N_MULTIPLE = 128
+
+
 def unsupported(dtype, d: int, n: int):
   """Why these kernels cannot run a layer of this input dtype and widths (a sentence naming the
-  limit), or None. (dw2 needs n a multiple of 128 too; its kernel says so when asked.)"""
+  limit), or None."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"inputs must be bfloat16 or float16; got {jnp.dtype(dtype)}"
   if d % grouped_gemm.BLOCK_M:
     return f"d={d} must be a multiple of {grouped_gemm.BLOCK_M}"
-  if n % grouped_gemm.BLOCK_K:
-    return f"n={n} must be a multiple of {grouped_gemm.BLOCK_K}"
+  if n % N_MULTIPLE:
+    return f"n={n} must be a multiple of {N_MULTIPLE}"
   return None
 
 

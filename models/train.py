@@ -33,16 +33,17 @@ def parse_args(argv=None):
   p.add_argument("--seq", type=int, default=64)
   p.add_argument("--d-model", type=int, default=128,
                  help="model width (the Hopper kernels need a multiple of 128)")
-  p.add_argument("--d-expert", type=int, default=64)
+  p.add_argument("--d-expert", type=int, default=64,
+                 help="expert width n (the cute kernels need a multiple of 128, pallas of 64)")
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--experts", type=int, default=8)
   p.add_argument("--k", type=int, default=2)
   p.add_argument("--rounding", default="nearest", help="token rounding in training, or 'none'")
   p.add_argument("--tile", type=int, default=64)
   p.add_argument("--backend", default="auto")
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                 help="the model's compute dtype (the Hopper kernels take bfloat16; in float32 "
-                      "the MoE ops run XLA's)")
+  p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                 help="the model's compute dtype; auto: bfloat16 on a GPU (the Hopper kernels "
+                      "take it), float32 elsewhere (in float32 the MoE ops run XLA's)")
   p.add_argument("--lr", type=float, default=1e-2)
   p.add_argument("--vocab", type=int, default=32)
   p.add_argument("--seed", type=int, default=0)
@@ -162,6 +163,13 @@ def plot(history, evals, floor, path):
   plt.close(fig)
 
 
+def compute_dtype(name: str, platform: str) -> str:
+  """--dtype's value: "auto" is bfloat16 on a GPU (the kernels' dtype), float32 elsewhere."""
+  if name != "auto":
+    return name
+  return "bfloat16" if platform == "gpu" else "float32"
+
+
 def ops_by_backend(cfg: LMConfig) -> str:
   """Which backend runs each of the MoE layer's ops, e.g. 'pallas: top_k; xla: aggregate; ...'."""
   ops = sm.resolve_backend(cfg.backend, dtype=jnp.dtype(cfg.dtype), d=cfg.d_model, n=cfg.d_expert,
@@ -180,7 +188,8 @@ def main(argv=None):
   mesh = make_mesh(args.mesh)
   cfg = LMConfig(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
                  num_experts=args.experts, k=args.k, d_expert=args.d_expert, rounding=rounding,
-                 tile=args.tile, backend=args.backend, dtype=args.dtype, mesh=mesh, ffn=args.ffn,
+                 tile=args.tile, backend=args.backend, mesh=mesh,
+                 dtype=compute_dtype(args.dtype, jax.default_backend()), ffn=args.ffn,
                  omni_experts=args.omni_experts, omni_k=args.omni_k)
   tokens_per_step = args.batch * args.seq
   print(f"sonicmoe-jax {sm.__version__} | jax {jax.__version__} | device {jax.devices()[0].device_kind}")

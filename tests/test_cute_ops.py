@@ -56,7 +56,10 @@ def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
   assert top_k(256, 64) is pallas_ops.top_k and top_k(2048, 8) is pallas_ops.top_k   # its limits
   with pytest.warns(UserWarning, match="float32"):
     assert resolve(4096, 256, jnp.float32).dh is xla_ops.dh
-  assert "multiple of 64" in cute_ops.unsupported(jnp.bfloat16, 4096, 96)
+  for n in (64, 96, 192):   # the up-projection's 128-column tiles, dW2's 128-row tiles
+    assert "multiple of 128" in cute_ops.unsupported(jnp.bfloat16, 4096, n)
+  ops = resolve(128, 64)   # the demo's widths: the GEMMs on pallas (n a multiple of 64)
+  assert (ops.up_proj, ops.dw2) == (pallas_ops.up_proj, pallas_ops.dw2)
   monkeypatch.setattr(backends, "_cute_installed", lambda: False)
   assert resolve(4096, 1024).dh is pallas_ops.dh
 
@@ -508,7 +511,8 @@ def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(cluster_
     ((1000, 512, 1024, 16, 4), 8, "tma_store", CUTE_GEMMS),
     ((4096, 1536, 256, 128, 8), 2, "registers", "cute"),
     ((1000, 2048, 1024, 16, 4), 8, "registers", "cute"),
-    ((512, 4096, 1024, 8, 2), 8, "registers", "cute")])
+    ((512, 4096, 1024, 8, 2), 8, "registers", "cute"),
+    ((1000, 128, 128, 8, 2), 0, "registers", "cute")])   # the narrowest widths it takes
 def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_max_column_tiles, dh_kernel, backend,
                                      monkeypatch):
   """Every expert op on cute (dO's rows gathered by XLA, or by dh and dw2; dH's register or TMA

@@ -153,7 +153,8 @@ def test_pallas_lowers_for_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 1024, 256, 32, 4), (3000, 512, 128, 64, 8),
-                                   (2000, 512, 192, 16, 2)])   # n % 128 != 0: 64-column tiles
+                                   (2000, 512, 192, 16, 2),    # n % 128 != 0: 64-column tiles
+                                   (1000, 128, 64, 8, 2)])     # the demo's widths
 def test_pallas_on_gpu_matches_xla(shape):
   T, d, n, E, K = shape
   args = make_inputs(7, T, d, n, E, jnp.bfloat16)
