@@ -220,10 +220,20 @@ def unsupported(dtype, d: int, n: int):
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"inputs must be bfloat16 or float16; got {jnp.dtype(dtype)}"
   if d % grouped_gemm.BLOCK_M:
-    return f"d={d} must be a multiple of {grouped_gemm.BLOCK_M}"
+    return f"d (model width) must be a multiple of {grouped_gemm.BLOCK_M}; got d={d}"
   if n % N_MULTIPLE:
-    return f"n={n} must be a multiple of {N_MULTIPLE}"
+    return f"n (expert width) must be a multiple of {N_MULTIPLE}; got n={n}"
   return None
+
+
+def check_layer(op: str, dtype, d: int, n: int):
+  """Op's up-front check that these kernels can run the layer (`unsupported`): TypeError for
+  the dtype, ValueError for the widths, each naming the backend, the op and the limit."""
+  reason = unsupported(dtype, d, n)
+  if reason:
+    error = TypeError if reason.startswith("inputs") else ValueError
+    raise error(f"backend 'cute' ({op}): {reason}; backend 'auto' picks a backend that can "
+                f"(xla for float32)")
 
 
 def _tiles(plan):
@@ -253,6 +263,7 @@ def aggregate(y, scores, plan):
 def up_proj(x, w1, plan):
   """H = X_e W1_e and A = SwiGLU(H) per expert group, X's rows gathered in the kernel (or by XLA
   first: UP_PROJ_GATHER_IN_KERNEL = False) by the UP_PROJ_KERNEL variant."""
+  check_layer("up_proj", x.dtype, x.shape[1], w1.shape[2] // 2)
   _setting("UP_PROJ_KERNEL", UP_PROJ_KERNEL, UP_PROJ_KERNELS)
   if UP_PROJ_GATHER_IN_KERNEL and UP_PROJ_KERNEL == "pingpong":
     return pingpong.up_proj(x, w1, _tiles(plan), plan.token_index)
@@ -350,6 +361,7 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols=None):
 def down_proj(a, w2, plan, cols=None):
   """Y = A W2_e per expert group (rows in slot order; with cols=(lo, hi) Y's columns
   lo .. hi - 1)."""
+  check_layer("down_proj", a.dtype, w2.shape[2], w2.shape[1])
   return _store_matmul(a, w2, plan, False, w2.shape[2], cols)
 
 
@@ -381,6 +393,7 @@ def dh(dout, w2, h, scores, plan):
                   f"{grouped_gemm.MAX_REGISTER_ADDRESSED} elements; using xla_ops.dh", stacklevel=2)
     return xla_ops.dh(dout, w2, h, scores, plan)
   n, d = w2.shape[1], w2.shape[2]
+  check_layer("dh", dout.dtype, d, n)
   kernel = _dh_kernel(d)
   if DH_BLOCK_N not in (64, 128, 256):
     raise ValueError(f"ffi.ops.DH_BLOCK_N must be 64, 128 or 256; got {DH_BLOCK_N!r}")
@@ -403,6 +416,7 @@ def dh(dout, w2, h, scores, plan):
 def dx_tilde(dh, w1, plan, cols=None):
   """dX~ = dH W1_e^T per expert group (W1 read K-major, not transposed in memory); cols as
   down_proj's."""
+  check_layer("dx_tilde", dh.dtype, w1.shape[1], w1.shape[2] // 2)
   return _store_matmul(dh, w1, plan, True, w1.shape[1], cols)
 
 
@@ -453,6 +467,7 @@ def dw1(x, dh_, plan):
   gathered in the kernel (by TMA or cp.async: TMA_GATHER) where dW1 has at most
   DW1_GATHER_MAX_COLUMN_TILES column tiles (each tile gathers the rows again), else by XLA
   first."""
+  check_layer("dw1", x.dtype, x.shape[1], dh_.shape[1] // 2)
   block_n = _wide_tile(dh_.shape[1], 256)
   if dh_.shape[1] // block_n <= DW1_GATHER_MAX_COLUMN_TILES:
     return _gathered_weight_grad("dw1", x, dh_, plan, block_n)
@@ -466,6 +481,7 @@ def dw2(a_scaled, dout, plan):
   _dout_gathered_in_kernel computed transposed, dW2_e^T = dO_e^T A'_e with dO's rows gathered
   in the kernel (its gathered operand is the lhs), stored back as [E, n, d] by the kernel's
   M-major epilogue."""
+  check_layer("dw2", dout.dtype, dout.shape[1], a_scaled.shape[1])
   if _dout_gathered_in_kernel(a_scaled.shape[1], dout.shape[1]):
     return _gathered_weight_grad("dw2", dout, a_scaled, plan, _wide_tile(a_scaled.shape[1], 256),
                                  transpose_out=True)

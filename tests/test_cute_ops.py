@@ -34,6 +34,27 @@ def test_cute_dh_past_its_offsets_falls_back_to_xla(monkeypatch):
 
 
 @needs_cute
+def test_cute_ops_name_the_layer_limit_they_miss():
+  """Backend "cute" asked for a layer its kernels cannot run fails at trace time naming the
+  op and the limit (not a kernel's operand names), the dtype as a TypeError."""
+  def trace(d, n, dtype, backend="cute"):
+    args = make_inputs(0, 256, d, n, 8, dtype)
+    loss = lambda *a: jnp.sum(sm.moe(*a, k=2, backend=backend).out.astype(jnp.float32))
+    jax.eval_shape(jax.grad(loss, argnums=(0, 2, 3)), *args)
+  with pytest.raises(TypeError, match=r"backend 'cute' \(up_proj\): inputs must be bfloat16 "
+                                      r"or float16; got float32"):
+    trace(128, 128, jnp.float32)
+  with pytest.raises(ValueError, match=r"\(up_proj\): n \(expert width\) must be a multiple "
+                                       r"of 128; got n=64"):
+    trace(128, 64, jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"\(up_proj\): d \(model width\) must be a multiple "
+                                       r"of 128; got d=192"):
+    trace(192, 128, jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"\(dw2\): n \(expert width\) must be a multiple"):
+    trace(128, 64, jnp.bfloat16, {op: "xla" for op in sm.OP_NAMES} | {"dw2": "cute"})
+
+
+@needs_cute
 def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
   """On GPUs "auto" runs the six GEMM ops on cute at every width and the router's top-K where
   E >= 256 and its kernel takes k (where each measured faster), pallas elsewhere and without
@@ -282,7 +303,7 @@ def test_cute_kernel_settings_are_checked(monkeypatch):
   STORE_TILE_M, STORE_CLUSTER_N or WGRAD_KERNEL outside its list is refused by name (runs on
   CPU: the error comes before any kernel)."""
   cute_ops = importlib.import_module("ffi.ops")
-  args = make_inputs(6, 256, 128, 64, 4, jnp.bfloat16)
+  args = make_inputs(6, 256, 128, 128, 4, jnp.bfloat16)
   grad = lambda: jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={
       op: "xla" for op in sm.OP_NAMES} | {"dh": "cute"}).out.astype(jnp.float32)))(*args)
   monkeypatch.setattr(cute_ops, "DH_BLOCK_N", 96)
