@@ -232,8 +232,8 @@ def check_layer(op: str, dtype, d: int, n: int):
   reason = unsupported(dtype, d, n)
   if reason:
     error = TypeError if reason.startswith("inputs") else ValueError
-    raise error(f"backend 'cute' ({op}): {reason}; backend 'auto' picks a backend that can "
-                f"(xla for float32)")
+    raise error(f"backend 'cute' ({op}): {reason} (backend 'auto' falls back to one that can "
+                f"run it: xla for float32)")
 
 
 def _tiles(plan):
