@@ -114,13 +114,16 @@ save_autotune() {
 # .devcache/): quack's autotuning results (~/.quack: the config each GEMM shape runs; with
 # them it tunes nothing) and its compiled kernels (quack_cache under the temp folder; with
 # them it compiles nothing). Without them its first run took 447-472 s at 30B-n256 and
-# 120B-n1024 on a fresh machine. Restored once per machine, before any mode runs.
+# 120B-n1024 on a fresh machine. Restored once per machine, before any mode runs, from
+# DEVCACHE (default .devcache; quack keys its picks on the shapes, not the card, so each card's
+# picks need a folder of their own, e.g. DEVCACHE=.devcache-h100 for the H100's).
 quack_kernels_dir() { python3 -c 'import getpass, os, tempfile; print(os.path.join(tempfile.gettempdir(), getpass.getuser(), "quack_cache"))'; }
-if [ -d .devcache ] && [ ! -e "${TMPDIR:-/tmp}/.quack-restored" ]; then
-  [ -f .devcache/quack_autotune.tgz ] && tar xzf .devcache/quack_autotune.tgz -C "$HOME"
-  if ls .devcache/quack_kernels.tgz.part* > /dev/null 2>&1; then
+devcache=${DEVCACHE:-.devcache}
+if [ -d "$devcache" ] && [ ! -e "${TMPDIR:-/tmp}/.quack-restored" ]; then
+  [ -f "$devcache/quack_autotune.tgz" ] && tar xzf "$devcache/quack_autotune.tgz" -C "$HOME"
+  if ls "$devcache"/quack_kernels.tgz.part* > /dev/null 2>&1; then
     mkdir -p "$(dirname "$(quack_kernels_dir)")"
-    cat .devcache/quack_kernels.tgz.part* | tar xzf - -C "$(dirname "$(quack_kernels_dir)")"
+    cat "$devcache"/quack_kernels.tgz.part* | tar xzf - -C "$(dirname "$(quack_kernels_dir)")"
   fi
   touch "${TMPDIR:-/tmp}/.quack-restored"
   echo "restored the PyTorch SonicMoE's caches: $(find "$HOME/.quack" -name '*.autotune.json' 2>/dev/null | wc -l) autotuning results, $(find "$(quack_kernels_dir)" -type f 2>/dev/null | wc -l) kernel files"

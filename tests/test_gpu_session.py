@@ -42,7 +42,8 @@ def _autotuned(home):
 def test_torch_caches_saved_then_restored_on_a_fresh_machine(tmp_path):
   """torch_cache_save writes quack's autotuning results (~/.quack) and its compiled kernels (the
   temp folder's <user>/quack_cache, split into 15 MiB parts) under $OUT; with those files in
-  .devcache/ a later run restores both, byte for byte, once per machine."""
+  DEVCACHE's folder (.devcache/ unless named) a later run restores both, byte for byte, once
+  per machine."""
   import getpass
   user = getpass.getuser()
   old_home, old_tmp = tmp_path / "home1", tmp_path / "tmp1"
@@ -58,20 +59,21 @@ def test_torch_caches_saved_then_restored_on_a_fresh_machine(tmp_path):
   assert parts == ["quack_kernels.tgz.part00", "quack_kernels.tgz.part01"]
 
   repo = tmp_path / "repo"
-  (repo / ".devcache").mkdir(parents=True)
+  (repo / ".devcache-h100").mkdir(parents=True)   # a card's own folder (DEVCACHE)
   for f in out.glob("quack_*"):
-    (repo / ".devcache" / f.name).write_bytes(f.read_bytes())
+    (repo / ".devcache-h100" / f.name).write_bytes(f.read_bytes())
   new_home, new_tmp = tmp_path / "home2", tmp_path / "tmp2"
   new_home.mkdir()
   new_tmp.mkdir()
-  restored = _run(repo, new_home, new_tmp, tmp_path / "out2")
+  assert "restored" not in _run(repo, new_home, new_tmp, tmp_path / "out1").stdout   # no .devcache
+  restored = _run(repo, new_home, new_tmp, tmp_path / "out2", DEVCACHE=".devcache-h100")
   assert restored.returncode == 0, restored.stderr
   assert "1 autotuning results, 1 kernel files" in restored.stdout
   assert (new_home / ".quack" / "cache" / "KEY" / "gemm.autotune.json").read_text() == tuned.read_text()
   assert (new_tmp / user / "quack_cache" / "gemm.o").read_bytes() == big
   # once per machine: a second run leaves a changed cache alone
   (new_tmp / user / "quack_cache" / "gemm.o").write_bytes(b"newer")
-  again = _run(repo, new_home, new_tmp, tmp_path / "out3")
+  again = _run(repo, new_home, new_tmp, tmp_path / "out3", DEVCACHE=".devcache-h100")
   assert "restored" not in again.stdout
   assert (new_tmp / user / "quack_cache" / "gemm.o").read_bytes() == b"newer"
 
