@@ -57,9 +57,8 @@ def test_cute_ops_name_the_layer_limit_they_miss():
 @needs_cute
 def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
   """On GPUs "auto" runs the six GEMM ops on cute at every width they take (d and n multiples
-  of 128) and the router's top-K where
-  E >= 256 and its kernel takes k (where each measured faster), pallas elsewhere and without
-  the extra; float32 goes to xla."""
+  of 128) and the router's top-K where E >= 256 and its kernel takes k (where each measured
+  faster), pallas elsewhere and without the extra; float32 goes to xla."""
   from sonicmoe_jax import backends, xla_ops
   # the modules as the dispatch table imports them (an earlier test may re-import ffi.ops)
   cute_ops, pallas_ops = map(importlib.import_module, ("ffi.ops", "pallas_kernels.ops"))
