@@ -214,11 +214,13 @@ def _setting(name: str, value, choices):
 N_MULTIPLE = 128
 
 
-def unsupported(dtype, d: int, n: int):
-  """Why these kernels cannot run a layer of this input dtype and widths (a sentence naming the
-  limit), or None."""
+def _dtype_unsupported(dtype):
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"inputs must be bfloat16 or float16; got {jnp.dtype(dtype)}"
+  return None
+
+
+def _widths_unsupported(d: int, n: int):
   if d % grouped_gemm.BLOCK_M:
     return f"d (model width) must be a multiple of {grouped_gemm.BLOCK_M}; got d={d}"
   if n % N_MULTIPLE:
@@ -226,14 +228,20 @@ def unsupported(dtype, d: int, n: int):
   return None
 
 
+def unsupported(dtype, d: int, n: int):
+  """Why these kernels cannot run a layer of this input dtype and widths (a sentence naming the
+  limit), or None."""
+  return _dtype_unsupported(dtype) or _widths_unsupported(d, n)
+
+
 def check_layer(op: str, dtype, d: int, n: int):
   """Op's up-front check that these kernels can run the layer (`unsupported`): TypeError for
   the dtype, ValueError for the widths, each naming the backend, the op and the limit."""
-  reason = unsupported(dtype, d, n)
-  if reason:
-    error = TypeError if reason.startswith("inputs") else ValueError
-    raise error(f"backend 'cute' ({op}): {reason} (backend 'auto' falls back to one that can "
-                f"run it: xla for float32)")
+  for error, reason in ((TypeError, _dtype_unsupported(dtype)),
+                        (ValueError, _widths_unsupported(d, n))):
+    if reason:
+      raise error(f"backend 'cute' ({op}): {reason} (backend 'auto' falls back to one that can "
+                  f"run it: xla for float32)")
 
 
 def _tiles(plan):
