@@ -1,18 +1,35 @@
-"""Side-by-side MoE layer benchmark: our backends against the anchors, in one run on one GPU.
+"""Side-by-side MoE layer benchmark: our backends and the PyTorch SonicMoE, in one run on one GPU.
 
-  python -m benchmarks.bench                          # all anchor configs, every available impl
+  python -m benchmarks.bench --impls auto,torch_sonicmoe --rounds 3   # the fair comparison
   python -m benchmarks.bench --configs olmoe --impls xla,pallas,dense
   python -m benchmarks.bench --custom 32768,4096,1024,256,4 --rounding nearest
   python -m benchmarks.bench --tiny                   # CPU smoke run
 
-Impls: xla, pallas, cute (our layer, by backend), lax_ragged_dot and tokamax (the same math
-by plain autodiff over jax.lax.ragged_dot / tokamax.ragged_dot), torch_sonicmoe (PyPI sonic-moe,
-run in a subprocess when importable), dense (a bf16 matmul chain of equal FLOPs: the ceiling).
-Each record: impl, config, T, d, n, E, K, fwd_ms, bwd_ms, fwd_bwd_ms, fwd_tflops,
-fwd_bwd_tflops, act_bytes (what the layer keeps for the backward beyond its inputs, as the
-torch subprocess measures it: X is kept too but exists anyway), step_bytes (the memory a
-forward+backward step needs beyond its inputs: temporaries at their peak plus gradients), status,
-gpu, date, versions. Failures are rows, not crashes.
+Impls: xla, pallas, cute, auto (our layer by backend; a per-op mix such as
+"dh=cute+dx_tilde=cute"; "/w<W>" or "/w<F>-<B>" appended picks the column windows),
+lax_ragged_dot and tokamax (the same math by plain autodiff over jax.lax.ragged_dot /
+tokamax.ragged_dot), torch_sonicmoe (PyPI sonic-moe in a process of its own,
+benchmarks/torch_sonicmoe.py), dense (a bf16 matmul chain of equal FLOPs: the ceiling).
+
+What makes the comparison fair (every side, every record):
+- the same step: the loss's value sum(out * dout) and the gradients of x, the router and both
+  expert weights; the PyTorch step starts from cleared gradients (`.grad = None`), as a
+  training loop's `optimizer.zero_grad()` leaves them, so no accumulation kernels run;
+- the same timing: `--iters` steps per sample, the median of `--reps` samples, two warm-up
+  steps first; the GPU kernels of the step from each side's profiler (JAX's / torch.profiler,
+  the same number of profiled steps), so that host overhead shows only in the wall times;
+- the same card in one run: with `--rounds R` every impl is measured R times in turn, who goes
+  first alternating, and the table gives each impl's medians over its rounds (kernel times
+  drift by a few percent between processes and as the card holds its power cap);
+- each record names the GPU, the commit, the versions, the command and how gradients were
+  handled. JAX allocates device memory as it goes here (XLA_PYTHON_CLIENT_PREALLOCATE=false)
+  so that the PyTorch process beside it has room; neither side's timed loop allocates.
+
+Each record: impl, config, T, d, n, E, K, round, fwd_ms, bwd_ms, fwd_bwd_ms, fwd_tflops,
+fwd_bwd_tflops, kernel_fwd_ms, kernel_fwd_bwd_ms (and every kernel), act_bytes (what the layer
+keeps for the backward beyond its inputs), step_bytes (the memory a forward+backward step needs
+beyond its inputs: temporaries at their peak plus gradients), status, gpu, date, commit,
+command, versions, grads. Failures are rows, not crashes.
 """
 from __future__ import annotations
 
@@ -24,8 +41,10 @@ import importlib.metadata
 import json
 import os
 import statistics
+import queue
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -108,42 +127,32 @@ def activation_bytes(fn, args):
   return sum(r.nbytes for r in res if not r.source.startswith("argument"))
 
 
-def forward_backward(fn, dout):
-  """The timed step: loss = sum(fn(x, router_w, w1, w2) * dout), its value and gradients.
-  The value too, as a training step (and the PyTorch SonicMoE's out.backward) needs it: with
-  the gradients alone XLA drops the forward's work past the residuals (the down-projection and
-  the aggregation), as the fwd+bwd rows measured before 2026-11-30 (session 11) did.
-  The backward starts from dout only once the forward's output exists (an optimization
-  barrier on the two): in a network dO depends on O, and the PyTorch SonicMoE runs its whole
-  forward first. Without it this loss's dO (dout itself) lets XLA run the backward beside the
-  forward's down-projection and aggregation, and its peak memory then holds both (measured
-  before 2026-12-01, session 17)."""
-  def step(*args):
-    out, pullback = jax.vjp(fn, *args)
+def forward_backward(fn):
+  """The timed step, jitted: step(x, router_w, w1, w2, dout) -> (loss, gradients of the four
+  weights and inputs), the loss sum(fn(...) * dout) in float32. The value too, as a training
+  step (and the PyTorch SonicMoE's step) needs it: with the gradients alone XLA would drop the
+  forward's work past the residuals (the down-projection and the aggregation). The backward
+  starts from dout only once the forward's output exists (an optimization barrier on the two):
+  in a network dO depends on O, and the PyTorch SonicMoE runs its whole forward first; without
+  it XLA may run the backward beside the forward's last GEMM, and the peak then holds both."""
+  def step(x, router_w, w1, w2, dout):
+    out, pullback = jax.vjp(fn, x, router_w, w1, w2)
     out, d_out = jax.lax.optimization_barrier((out, dout.astype(out.dtype)))
     value = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
     return value, pullback(d_out)
   return jax.jit(step)
 
 
-def measure(fn, args, dout, iters, reps):
-  fwd = jax.jit(fn)
-  fwd_bwd = forward_backward(fn, dout)
-  t_f = time_ms(fwd, args, iters, reps)
-  t_fb = time_ms(fwd_bwd, args, iters, reps)
-  return t_f, t_fb, step_bytes(fwd_bwd, args), kernels_of(fwd, fwd_bwd, args)
-
-
-def kernels_of(fwd, fwd_bwd, args):
+def kernels_of(fwd, fwd_bwd, args, dout):
   """The GPU kernels of a forward and of a forward+backward step (device_kernels.kernel_times:
-  their total, per-kernel times and launch order), as the torch subprocess records them: {}
+  their total, per-kernel times and launch order), as the PyTorch process records them: {}
   off the GPU."""
   if jax.default_backend() != "gpu":
     return {}
   rec = {}
-  for key, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+  for key, fn, fn_args in (("fwd", fwd, args), ("fwd_bwd", fwd_bwd, args + (dout,))):
     try:
-      times = device_kernels.kernel_times(fn, args)
+      times = device_kernels.kernel_times(fn, fn_args)
     except Exception as e:   # the profiler is a nicety: the row keeps its timings
       rec["kernels_status"] = f"{type(e).__name__}: {str(e)[:200]}"
       break
@@ -204,58 +213,110 @@ def versions():
   return v
 
 
-def run_case(impl, name, cfg, args_ns, meta):
-  T, d, n, E, K = cfg
-  rec = dict(impl=impl, config=name, T=T, d=d, n=n, E=E, K=K, fwd_ms=None, bwd_ms=None,
-             fwd_bwd_ms=None, fwd_tflops=None, fwd_bwd_tflops=None, act_bytes=None,
-             step_bytes=None, status="ok", rounding=args_ns.rounding, **meta)
-  try:
-    fn = impl_fn(impl, K, args_ns.rounding, args_ns.tile)
-    args, dout = make_args(T, d, n, E, K)
-    t_f, t_fb, step, kernels = measure(fn, args, dout, args_ns.iters, args_ns.reps)
-    rec.update(kernels)
-    rec.update(fwd_ms=t_f, fwd_bwd_ms=t_fb, bwd_ms=t_fb - t_f, step_bytes=step,
-               fwd_tflops=C.fwd_flops(*cfg) / t_f / 1e9,
-               fwd_bwd_tflops=C.fwd_bwd_flops(*cfg) / t_fb / 1e9)
-    if impl != "dense":
-      rec["act_bytes"] = activation_bytes(fn, args)
-  except Exception as e:  # a failure is a row
-    msg = str(e).splitlines()[0] if str(e) else ""
-    rec["status"] = f"{type(e).__name__}: {msg[:300]}"
-  return rec
+class OurCase:
+  """One impl of ours at one config: its jitted forward and step, compiled at the first
+  measure and kept for the later rounds."""
+
+  def __init__(self, impl, name, cfg, rounding, tile):
+    self.impl, self.name, self.cfg = impl, name, cfg
+    self.rounding, self.tile = rounding, tile
+    self.fn = self.fwd = self.fwd_bwd = None
+    self.memory = None
+
+  def measure(self, iters, reps, meta):
+    T, d, n, E, K = self.cfg
+    rec = dict(impl=self.impl, config=self.name, T=T, d=d, n=n, E=E, K=K, fwd_ms=None,
+               bwd_ms=None, fwd_bwd_ms=None, fwd_tflops=None, fwd_bwd_tflops=None,
+               act_bytes=None, step_bytes=None, status="ok",
+               grads="returned by the step (nothing accumulates)", **meta)
+    try:
+      args, dout = make_args(T, d, n, E, K)
+      if self.fn is None:
+        self.fn = impl_fn(self.impl, K, self.rounding, self.tile)
+        self.fwd, self.fwd_bwd = jax.jit(self.fn), forward_backward(self.fn)
+      t_f = time_ms(self.fwd, args, iters, reps)
+      t_fb = time_ms(self.fwd_bwd, args + (dout,), iters, reps)
+      if self.memory is None:   # the same every round
+        self.memory = dict(step_bytes=step_bytes(self.fwd_bwd, args + (dout,)),
+                           act_bytes=None if self.impl == "dense" else activation_bytes(self.fn, args))
+      rec.update(kernels_of(self.fwd, self.fwd_bwd, args, dout))
+      rec.update(self.memory, fwd_ms=t_f, fwd_bwd_ms=t_fb, bwd_ms=t_fb - t_f,
+                 fwd_tflops=C.fwd_flops(*self.cfg) / t_f / 1e9,
+                 fwd_bwd_tflops=C.fwd_bwd_flops(*self.cfg) / t_fb / 1e9)
+    except Exception as e:  # a failure is a row
+      msg = str(e).splitlines()[0] if str(e) else ""
+      rec["status"] = f"{type(e).__name__}: {msg[:300]}"
+    return rec
 
 
-def run_torch(names, cfgs, meta, timeout_s, pythonpath=None):
-  """PyPI sonic-moe in a subprocess (PyTorch and JAX share one GPU badly in one process).
-  Configs it did not reach within timeout_s are rows with that status. pythonpath: the
-  subprocess's PYTHONPATH instead of this process's (sonic-moe pins an older
-  nvidia-cutlass-dsl than the cute backend's: each process imports its own)."""
-  script = os.path.join(os.path.dirname(__file__), "torch_sonicmoe.py")
-  env = dict(os.environ) if pythonpath is None else dict(os.environ, PYTHONPATH=pythonpath)
-  status = None
-  try:
-    out = subprocess.run([sys.executable, script, json.dumps(dict(zip(names, cfgs)))],
-                         capture_output=True, text=True, timeout=timeout_s, env=env)
-    stdout = out.stdout
-    if not any(l.startswith("{") for l in stdout.splitlines()):
-      status = "error: " + ((out.stderr or out.stdout).strip().splitlines() or ["no output"])[-1][:300]
-  except subprocess.TimeoutExpired as e:
-    stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-    status = f"timeout: not reached within {timeout_s} s (first runs compile CuTe kernels)"
-  done = {r["config"]: r for r in (json.loads(l) for l in stdout.splitlines() if l.startswith("{"))}
-  recs = [done.get(nm, dict(impl="torch_sonicmoe", config=nm, status=status or "missing"))
-          for nm in names]
-  for r, (nm, cfg) in zip(recs, zip(names, cfgs)):
+class TorchWorker:
+  """The PyTorch SonicMoE in its own process (benchmarks/torch_sonicmoe.py), kept up across
+  rounds so that each shape compiles once. `command` replaces the process's command line
+  (tests); `pythonpath`, its PYTHONPATH (sonic-moe pins an older nvidia-cutlass-dsl than the
+  cute extra: each process imports its own)."""
+
+  def __init__(self, timeout_s, pythonpath=None, command=None):
+    self.timeout_s = timeout_s
+    self.command = command or [sys.executable, os.path.join(os.path.dirname(__file__),
+                                                             "torch_sonicmoe.py")]
+    self.env = dict(os.environ) if pythonpath is None else dict(os.environ, PYTHONPATH=pythonpath)
+    self.proc = None
+
+  def _start(self):
+    self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True, env=self.env)
+    self.lines = queue.Queue()   # its stdout's lines, then None at its end
+
+    def read(stdout, lines):
+      for line in stdout:
+        lines.put(line)
+      lines.put(None)
+    threading.Thread(target=read, args=(self.proc.stdout, self.lines), daemon=True).start()
+
+  def measure(self, name, cfg, iters, reps, meta):
+    """Its record for one config (a row saying why where it gave none in time)."""
+    if self.proc is None or self.proc.poll() is not None:
+      self._start()
+    request = dict(config=name, shape=list(cfg), iters=iters, reps=reps)
+    rec = None
+    try:
+      self.proc.stdin.write(json.dumps(request) + "\n")
+      self.proc.stdin.flush()
+      deadline = time.monotonic() + self.timeout_s
+      while rec is None:
+        try:
+          line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+          self.close()
+          rec = dict(status=f"timeout: no answer within {self.timeout_s} s (a shape's first "
+                            "step compiles and autotunes)")
+          break
+        if line is None:
+          rec = dict(status=f"error: the PyTorch process ended (exit code {self.proc.wait()})")
+          self.proc = None
+        elif line.startswith("{"):
+          rec = json.loads(line)
+    except (BrokenPipeError, OSError) as e:
+      rec = dict(status=f"error: {type(e).__name__}: {e}")
+      self.proc = None
     T, d, n, E, K = cfg
-    r.update({k: v for k, v in meta.items() if k != "versions" or "versions" not in r},
-             config=nm, T=T, d=d, n=n, E=E, K=K)   # (its own process's versions kept)
-    for key in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "act_bytes",
-                "step_bytes"):
-      r.setdefault(key, None)
-    if r.get("fwd_ms"):
-      r["fwd_tflops"] = C.fwd_flops(*cfg) / r["fwd_ms"] / 1e9
-      r["fwd_bwd_tflops"] = C.fwd_bwd_flops(*cfg) / r["fwd_bwd_ms"] / 1e9
-  return recs
+    rec = dict(rec, impl="torch_sonicmoe", config=name, T=T, d=d, n=n, E=E, K=K)
+    rec.update({k: v for k, v in meta.items() if k != "versions" or "versions" not in rec})
+    for key in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "act_bytes", "step_bytes"):
+      rec.setdefault(key, None)
+    if rec.get("fwd_ms"):
+      rec["fwd_tflops"] = C.fwd_flops(*cfg) / rec["fwd_ms"] / 1e9
+      rec["fwd_bwd_tflops"] = C.fwd_bwd_flops(*cfg) / rec["fwd_bwd_ms"] / 1e9
+    else:
+      rec.update(fwd_tflops=None, fwd_bwd_tflops=None)
+    return rec
+
+  def close(self):
+    if self.proc is not None:
+      if self.proc.poll() is None:
+        self.proc.kill()
+      self.proc.wait()
+      self.proc = None
 
 
 def available_impls():
@@ -284,39 +345,75 @@ def fmt(v, spec):
   return format(v, spec) if isinstance(v, (int, float)) else "-"
 
 
-def table(records):
-  lines = [f"{'config':12s} {'impl':15s} {'fwd ms':>9s} {'fwd TF/s':>9s} {'f+b ms':>9s} "
-           f"{'f+b TF/s':>9s} {'act MiB':>9s} {'step MiB':>9s}  status"]
-  mib = lambda v: v / 2**20 if v else None
+SUMMARY_COLUMNS = (("kern fwd", "kernel_fwd_ms", 1), ("kern f+b", "kernel_fwd_bwd_ms", 1),
+                   ("wall fwd", "fwd_ms", 1), ("wall f+b", "fwd_bwd_ms", 1),
+                   ("f+b TF/s", "fwd_bwd_tflops", 1), ("kept MiB", "act_bytes", 2**20),
+                   ("step MiB", "step_bytes", 2**20))
+
+
+def medians(records):
+  """{(config, impl): (rounds that ran, {key: median over them}, status of the last round)}
+  in the order the records first name each pair. A key some round lacks is left out."""
+  groups = {}
   for r in records:
-    lines.append(f"{r['config']:12s} {r['impl']:15s} {fmt(r.get('fwd_ms'), '9.3f')} "
-                 f"{fmt(r.get('fwd_tflops'), '9.0f')} {fmt(r.get('fwd_bwd_ms'), '9.3f')} "
-                 f"{fmt(r.get('fwd_bwd_tflops'), '9.0f')} {fmt(mib(r.get('act_bytes')), '9.1f')} "
-                 f"{fmt(mib(r.get('step_bytes')), '9.1f')}  {r['status'][:60]}")
-    if "kernel_fwd_bwd_ms" in r:   # its GPU kernels alone (no host overhead), from a profiler
-      lines.append(f"{'':12s} {'  its kernels':15s} {fmt(r.get('kernel_fwd_ms'), '9.3f')} "
-                   f"{'':9s} {fmt(r.get('kernel_fwd_bwd_ms'), '9.3f')}")
+    groups.setdefault((r["config"], r["impl"]), []).append(r)
+  out = {}
+  for pair, recs in groups.items():
+    ok = [r for r in recs if r["status"] == "ok"]
+    med = {key: statistics.median(r[key] for r in ok) for _, key, _ in SUMMARY_COLUMNS
+           if ok and all(r.get(key) is not None for r in ok)}
+    out[pair] = (len(ok), med, recs[-1]["status"])
+  return out
+
+
+def table(records, baseline="torch_sonicmoe"):
+  """Text table: per config and impl the medians over its rounds (GPU kernel times of one
+  step from a profiler, wall times, TF/s of the wall forward+backward, what the forward keeps
+  for the backward, the step's peak); under each impl of a config that has `baseline` rows,
+  its medians over the baseline's."""
+  med = medians(records)
+  head = f"{'config':12s} {'impl':15s} {'rounds':>6s} " + " ".join(
+      f"{title:>9s}" for title, _, _ in SUMMARY_COLUMNS) + "  status"
+  lines = [head]
+  for (config, impl), (rounds, m, status) in med.items():
+    cells = [fmt(m[key] / unit if key in m else None, "9.3f" if unit == 1 and "tflops" not in key
+                 else "9.0f") for _, key, unit in SUMMARY_COLUMNS]
+    lines.append(f"{config:12s} {impl:15s} {rounds:6d} " + " ".join(cells) + f"  {status[:60]}")
+    base = med.get((config, baseline))
+    if impl != baseline and base and base[1] and m:
+      ratios = [fmt(m[key] / base[1][key] if key in m and base[1].get(key) else None, "9.3f")
+                for _, key, _ in SUMMARY_COLUMNS]
+      lines.append(f"{'':12s} {'  / ' + baseline:22s} " + " ".join(ratios))
   return "\n".join(lines)
 
 
 def chart(records, path):
+  """Bars of each impl's median model TF/s (forward; forward+backward) per config."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  ok = [r for r in records if r.get("fwd_bwd_tflops")]
+  med = medians(records)
+  ok = {pair: m for pair, (_, m, _) in med.items() if m.get("fwd_bwd_tflops")}
   if not ok:
     return
-  cfgs = list(dict.fromkeys(r["config"] for r in ok))
-  impls = list(dict.fromkeys(r["impl"] for r in ok))
+  cfgs = list(dict.fromkeys(c for c, _ in ok))
+  impls = list(dict.fromkeys(i for _, i in ok))
+  gpu = records[0].get("gpu", "")
   fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
   width = 0.8 / len(impls)
-  for ax, key, title in ((axes[0], "fwd_tflops", "forward"), (axes[1], "fwd_bwd_tflops", "forward+backward")):
+  for ax, kind, title in ((axes[0], "fwd", "forward"), (axes[1], "fwd_bwd", "forward+backward")):
     for i, impl in enumerate(impls):
-      vals = [next((r[key] for r in ok if r["config"] == c and r["impl"] == impl), 0) or 0 for c in cfgs]
+      vals = []
+      for c in cfgs:
+        m = ok.get((c, impl), {})
+        ms = m.get(f"{kind}_ms")
+        flops = (C.fwd_flops if kind == "fwd" else C.fwd_bwd_flops)(*next(
+            (r["T"], r["d"], r["n"], r["E"], r["K"]) for r in records if r["config"] == c))
+        vals.append(flops / ms / 1e9 if ms else 0)
       ax.bar([j + i * width for j in range(len(cfgs))], vals, width, label=impl)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cfgs))], cfgs, rotation=20)
-    ax.set_ylabel("model TF/s")
-    ax.set_title(f"{title} ({ok[0].get('gpu', '')})")
+    ax.set_ylabel("model TF/s (wall)")
+    ax.set_title(f"{title} ({gpu})")
   axes[0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -324,8 +421,18 @@ def chart(records, path):
 
 
 def save(records, out):
-  with open(out + ".json", "w") as f:
+  with open(os.path.join(out, "bench.json"), "w") as f:
     json.dump(records, f, indent=1)
+
+
+def commit():
+  """The checkout's commit (with "-dirty" for uncommitted changes), or None outside git."""
+  try:
+    return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"],
+                          capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+  except (OSError, subprocess.CalledProcessError):
+    return None
 
 
 def main(argv=None):
@@ -335,13 +442,21 @@ def main(argv=None):
   p.add_argument("--impls", default=None, help="comma list; default: every available one")
   p.add_argument("--rounding", default=None, help="token rounding for our impls (default: none)")
   p.add_argument("--tile", type=int, default=128)
-  p.add_argument("--iters", type=int, default=10)
-  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--iters", type=int, default=10,
+                 help="steps per timed sample, for every impl (the PyTorch SonicMoE's too)")
+  p.add_argument("--reps", type=int, default=5, help="timed samples; their median is the time")
+  p.add_argument("--rounds", type=int, default=1,
+                 help="measure every impl at every config this many times, in turn (who goes "
+                      "first alternates each round); the table gives the medians over rounds")
   p.add_argument("--tiny", action="store_true", help="one tiny config (CPU smoke run)")
-  p.add_argument("--out", default="benchmarks/results/latest")
-  p.add_argument("--torch-timeout", type=int, default=3000, help="seconds for the torch subprocess")
+  p.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.png")
+  p.add_argument("--commit", default=None,
+                 help="the code's commit, for the records (default: git describe of this checkout)")
+  p.add_argument("--torch-timeout", type=int, default=1800,
+                 help="seconds the PyTorch process may take for one config (its first step at a "
+                      "new shape compiles and autotunes)")
   p.add_argument("--torch-pythonpath", default=None,
-                 help="PYTHONPATH for the torch subprocess (default: this process's)")
+                 help="PYTHONPATH of the PyTorch process (default: this process's)")
   p.add_argument("--pallas-gather", choices=("kernel", "xla"), default="kernel",
                  help="pallas up-projection: gather X's rows inside the kernel (default) or by XLA")
   p.add_argument("--pallas-dw1-gather", choices=("xla", "kernel"), default="xla",
@@ -390,6 +505,7 @@ def main(argv=None):
                  help="comma list of dw1, dw2: those weight gradients loading their gathered "
                       "rows by TMA (default: ffi/ops.py TMA_GATHER, dw1 and dw2); '' for none")
   a = p.parse_args(argv)
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # (before JAX takes the GPU)
   pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
   pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
   cute_settings = dict(DH_KERNEL=a.cute_dh, DH_BLOCK_N=a.cute_dh_block_n,
@@ -420,26 +536,37 @@ def main(argv=None):
   impls = a.impls.split(",") if a.impls else available_impls()
   dev = jax.devices()[0]
   meta = dict(gpu=dev.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              versions=versions(), pallas_gather=a.pallas_gather,
+              commit=a.commit or commit(), command=" ".join(["python -m benchmarks.bench"] + (argv or sys.argv[1:])),
+              versions=versions(), iters=a.iters, reps=a.reps, pallas_gather=a.pallas_gather,
               pallas_dw1_gather=a.pallas_dw1_gather, cute_settings=cute_settings)
-  print(f"devices {jax.devices()} | {meta['versions']} | impls {impls}", flush=True)
-  os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-  records = []
-  if "torch_sonicmoe" in impls:   # first: the comparison a run cut short must not lose
-    records += run_torch(list(cases), list(cases.values()), meta, a.torch_timeout,
-                         a.torch_pythonpath)
-    save(records, a.out)
-  for name, cfg in cases.items():
-    for impl in impls:
-      if impl == "torch_sonicmoe":
-        continue
-      rec = run_case(impl, name, cfg, a, meta)
-      records.append(rec)
-      print(f"[{len(records)}] {name} {impl}: fwd {fmt(rec['fwd_ms'], '.3f')} ms, fwd+bwd "
-            f"{fmt(rec['fwd_bwd_ms'], '.3f')} ms, {rec['status'][:80]}", flush=True)
-      save(records, a.out)  # after every case: a run cut short keeps what it measured
-  chart(records, a.out + ".png")
+  print(f"devices {jax.devices()} | commit {meta['commit']} | {meta['versions']} | impls {impls}",
+        flush=True)
+  os.makedirs(a.out, exist_ok=True)
+  worker = (TorchWorker(a.torch_timeout, a.torch_pythonpath) if "torch_sonicmoe" in impls
+            else None)
+  ours_cases, records = {}, []
+  try:
+    for rnd in range(a.rounds):
+      for name, cfg in cases.items():
+        for impl in impls if rnd % 2 == 0 else impls[::-1]:   # who goes first alternates
+          if impl == "torch_sonicmoe":
+            rec = worker.measure(name, cfg, a.iters, a.reps, meta)
+          else:
+            case = ours_cases.setdefault((impl, name),
+                                         OurCase(impl, name, cfg, a.rounding, a.tile))
+            rec = case.measure(a.iters, a.reps, meta)
+          rec["round"] = rnd
+          records.append(rec)
+          print(f"[round {rnd}] {name} {impl}: fwd {fmt(rec['fwd_ms'], '.3f')} ms, fwd+bwd "
+                f"{fmt(rec['fwd_bwd_ms'], '.3f')} ms, kernels fwd+bwd "
+                f"{fmt(rec.get('kernel_fwd_bwd_ms'), '.3f')} ms, {rec['status'][:80]}", flush=True)
+          save(records, a.out)  # after every case: a run cut short keeps what it measured
+  finally:
+    if worker is not None:
+      worker.close()
+  chart(records, os.path.join(a.out, "bench.png"))
   print(table(sorted(records, key=lambda r: list(cases).index(r["config"]))))
+  print(f"wrote {os.path.join(a.out, 'bench.json')} and bench.png ({len(records)} records)")
   return records
 
 

@@ -39,17 +39,9 @@ def short_name(name: str) -> str:
 
 
 def in_launch_order(record, key: str):
-  """The record's kernels of `key` as the step launches them: every launch with its time
-  (kernel_launches_*, runs from session 18 on), or each kernel once at its first launch with
-  its per-step total (kernel_order_*, sessions 16-17); else longest first."""
-  launches = record.get(key.replace("kernels_", "kernel_launches_"))
-  if launches:
-    return launches
-  order = record.get(key.replace("kernels_", "kernel_order_"))
-  if not order:
-    return record[key]
-  ms = dict(record[key])
-  return [(name, ms[name]) for name in order if name in ms]
+  """The record's kernels of `key` as the step launches them, every launch with its time
+  (kernel_launches_*); longest first where the record has no launch list."""
+  return record.get(key.replace("kernels_", "kernel_launches_")) or record[key]
 
 
 # the layer's ops: "other GEMMs" are down_proj, dX~, dW1 and dW2
@@ -238,8 +230,7 @@ def main(argv=None):
   p.add_argument("--top", type=int, default=12)
   p.add_argument("--fwd", action="store_true", help="the forward's kernels instead")
   p.add_argument("--order", action="store_true",
-                 help="in the order one step launches them (every launch from session 18's runs on; "
-                      "sessions 16-17: each kernel once, at its first launch)")
+                 help="in the order one step launches them")
   p.add_argument("--min-ms", type=float, default=0.0, help="leave out kernels shorter than this")
   p.add_argument("--by-op", action="store_true", help="each impl's kernels summed per op (op_of)")
   p.add_argument("--by-gemm", action="store_true",

@@ -51,7 +51,8 @@ def main(argv=None):
   name, (T, d, n, E, K) = ((a.config, C.ANCHORS[a.config]) if a.config in C.ANCHORS
                             else C.parse_config(a.config))
   args, dout = bench.make_args(T, d, n, E, K)
-  step = bench.forward_backward(bench.impl_fn(a.impl, K, None, 128), dout)
+  step = bench.forward_backward(bench.impl_fn(a.impl, K, None, 128))
+  args = args + (dout,)
   jax.block_until_ready(step(*args))
   jax.block_until_ready(step(*args))
   cudart = None if a.no_profiler else cuda_runtime()

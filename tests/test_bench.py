@@ -6,18 +6,22 @@ import pytest
 from benchmarks import bench
 
 KEYS = {"impl", "config", "T", "d", "n", "E", "K", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops",
-        "fwd_bwd_tflops", "act_bytes", "step_bytes", "status", "gpu", "date", "versions"}
+        "fwd_bwd_tflops", "act_bytes", "step_bytes", "status", "gpu", "date", "versions", "commit",
+        "command", "round", "grads", "iters", "reps"}
 
 
-def test_bench_tiny(tmp_path):
+def test_bench_tiny(tmp_path, capsys):
   out = tmp_path / "tiny"
   records = bench.main(["--tiny", "--impls", "xla,xla/w2,xla/w1-2,lax_ragged_dot,dense,nosuch",
-                        "--iters", "1", "--reps", "1", "--out", str(out)])
-  saved = json.loads((tmp_path / "tiny.json").read_text())
+                        "--iters", "1", "--reps", "1", "--out", str(out), "--commit", "abc"])
+  saved = json.loads((out / "bench.json").read_text())
   assert saved == json.loads(json.dumps(records))
+  assert (out / "bench.png").exists()
+  assert f"wrote {out / 'bench.json'}" in capsys.readouterr().out
   by_impl = {r["impl"]: r for r in saved}
   for r in saved:
-    assert KEYS <= set(r)
+    assert KEYS <= set(r), KEYS - set(r)
+    assert r["commit"] == "abc" and r["round"] == 0 and r["iters"] == 1
   assert by_impl["xla"]["status"] == "ok" and by_impl["xla"]["fwd_ms"] > 0
   assert by_impl["xla/w2"]["status"] == "ok"   # the layer with two column windows
   assert by_impl["xla/w1-2"]["status"] == "ok"   # two in the backward only
@@ -29,28 +33,59 @@ def test_bench_tiny(tmp_path):
   assert by_impl["xla"]["step_bytes"] >= 4 * (T * d + d * E + E * d * 2 * n + E * n * d)
 
 
-def test_torch_rows_from_its_subprocess(monkeypatch):
-  """The PyTorch SonicMoE's subprocess gets the given PYTHONPATH (its own wheels), its records
-  become rows with TF/s and keep its own versions, and a config it did not reach is a row
-  saying so (with this process's)."""
-  import subprocess
-  import types
-  calls = []
+FAKE_TORCH = """
+import json, sys
+for line in sys.stdin:
+  if not line.strip():
+    break
+  req = json.loads(line)
+  if req["config"] == "slow":
+    import time; time.sleep(60)
+  print("a line that is not a record", flush=True)
+  T = req["shape"][0]
+  print(json.dumps(dict(impl="torch_sonicmoe", config=req["config"], status="ok",
+                        fwd_ms=T / 256, fwd_bwd_ms=3 * T / 256, kernel_fwd_ms=0.5,
+                        kernel_fwd_bwd_ms=1.5, iters=req["iters"], versions={"torch": "9.9"},
+                        pid=__import__("os").getpid())), flush=True)
+"""
 
-  def fake_run(cmd, **kw):
-    calls.append(kw["env"])
-    line = json.dumps(dict(impl="torch_sonicmoe", config="a", status="ok", fwd_ms=1.0,
-                           fwd_bwd_ms=3.0, bwd_ms=2.0, versions={"torch": "9.9"}))
-    return types.SimpleNamespace(stdout=line + "\n", stderr="")
-  monkeypatch.setattr(subprocess, "run", fake_run)
-  cfgs = [(256, 128, 64, 4, 2), (512, 128, 64, 4, 2)]
-  recs = bench.run_torch(["a", "b"], cfgs, dict(gpu="test", versions={"jax": "0.0"}), 10,
-                         pythonpath="/torch/site")
-  assert calls[0]["PYTHONPATH"] == "/torch/site"
-  assert recs[0]["status"] == "ok" and recs[0]["fwd_tflops"] > 0 and recs[0]["gpu"] == "test"
-  assert recs[0]["versions"] == {"torch": "9.9"}
-  assert recs[1]["status"] == "missing" and recs[1]["fwd_ms"] is None
-  assert recs[1]["versions"] == {"jax": "0.0"}
+
+def test_torch_worker_answers_each_config_in_one_process(tmp_path):
+  """The PyTorch process stays up across requests (one pid), gets the iterations asked for,
+  keeps its own versions, skips lines that are not records, and a config it does not answer
+  in time is a row saying so, after which a new process serves the next one."""
+  import sys
+  script = tmp_path / "fake_torch.py"
+  script.write_text(FAKE_TORCH)
+  worker = bench.TorchWorker(timeout_s=3, command=[sys.executable, str(script)])
+  meta = dict(gpu="test", versions={"jax": "0.0"}, commit="abc")
+  try:
+    a = worker.measure("a", (256, 128, 64, 4, 2), 7, 2, meta)
+    b = worker.measure("b", (512, 128, 64, 4, 2), 7, 2, meta)
+    slow = worker.measure("slow", (256, 128, 64, 4, 2), 7, 2, meta)
+    c = worker.measure("c", (256, 128, 64, 4, 2), 7, 2, meta)
+  finally:
+    worker.close()
+  assert a["status"] == b["status"] == "ok" and a["pid"] == b["pid"]
+  assert a["iters"] == 7 and a["versions"] == {"torch": "9.9"} and a["gpu"] == "test"
+  assert b["fwd_ms"] == 2.0 and b["fwd_tflops"] > 0 and b["T"] == 512
+  assert slow["status"].startswith("timeout") and slow["fwd_ms"] is None
+  assert slow["versions"] == {"jax": "0.0"}
+  assert c["status"] == "ok" and c["pid"] != a["pid"]
+
+
+def test_table_gives_medians_over_rounds_and_ratios_to_the_pytorch_rows():
+  rows = [dict(config="c", impl=impl, status="ok", round=r, fwd_ms=f, fwd_bwd_ms=3 * f,
+               kernel_fwd_ms=f, kernel_fwd_bwd_ms=2 * f, fwd_bwd_tflops=1.0, act_bytes=2**20,
+               step_bytes=2**21)
+          for r, (ours, theirs) in enumerate([(1.0, 2.0), (1.2, 2.0), (5.0, 2.0)])
+          for impl, f in (("auto", ours), ("torch_sonicmoe", theirs))]
+  med = bench.medians(rows)
+  assert med[("c", "auto")][0] == 3 and med[("c", "auto")][1]["fwd_ms"] == 1.2
+  text = bench.table(rows)
+  assert "/ torch_sonicmoe" in text
+  ratio_line = text.splitlines()[2]
+  assert ratio_line.split()[2] == "0.600"   # kernels fwd: 1.2 / 2.0
 
 
 def test_tile_sweep_custom_shape(tmp_path):
@@ -272,7 +307,7 @@ def test_kernel_table_keeps_runs_under_other_settings_apart(tmp_path):
 
 def test_kernel_table_puts_impls_side_by_side(tmp_path):
   """benchmarks.kernel_table lists each impl's kernels per config in columns, longest first,
-  skipping rows without profiles (and the torch session-10 JSON reads back)."""
+  skipping rows without profiles, and reads them back from a bench.json."""
   from benchmarks import kernel_table
   records = [
       dict(config="7B", impl="auto", kernel_fwd_bwd_ms=3.0,
@@ -299,11 +334,6 @@ def test_kernel_table_puts_impls_side_by_side(tmp_path):
   ordered = kernel_table.main([str(path), "--order", "--min-ms", "0.5"]).splitlines()
   assert [line.split("|")[1].split()[0] for line in ordered[1:]] == [
       "GemmGated", "gather_sum", "GemmGated"]
-  # session 16-17 records: each kernel once, at its first launch
-  old = dict(records[1], kernel_order_fwd_bwd=["add", "GemmGated", "gather_sum"])
-  del old["kernel_launches_fwd_bwd"]
-  assert [name for name, _ in kernel_table.in_launch_order(old, "kernels_fwd_bwd")] == [
-      "add", "GemmGated", "gather_sum"]
   assert kernel_table.short_name(
       "kernel_cutlass_kernel_quackgemm_actGemmGatedSm90_object_at__TiledMMA_ThrLayoutVMNK1282111"
       "12800_PermutationMNK____MMAAtom_ThrID1281_ShapeMNK6425616_TVLayoutA") == \
@@ -311,8 +341,9 @@ def test_kernel_table_puts_impls_side_by_side(tmp_path):
   assert kernel_table.short_name("token_gather_sum_kernel") == "token_gather_sum_kernel"
   assert kernel_table.short_name(
       "sonicmoe_dh_gather_kernel__kernel_CopyAtom_ThrID10_TVLayoutSrc1819201") == "sonicmoe_dh_gather"
-  saved = "benchmarks/results/2026-11-30-h200-session10/call6_bench.json"
-  assert "torch_sonicmoe" in kernel_table.main([saved, "--top", "2"])
+  saved = tmp_path / "bench.json"
+  saved.write_text(json.dumps(records))
+  assert "torch_sonicmoe" in kernel_table.main([str(saved), "--top", "2"])
 
 
 def test_timed_step_computes_the_forward_output():
@@ -327,7 +358,7 @@ def test_timed_step_computes_the_forward_output():
   args = make_inputs(0, 64, 32, 16, 4, jnp.float32)
   fn = lambda *a: sm.moe(*a, k=2, backend="xla").out
   dout = jax.random.normal(jax.random.key(1), (64, 32))
-  value, grads = bench.forward_backward(fn, dout)(*args)
+  value, grads = bench.forward_backward(fn)(*args, dout)
   np.testing.assert_allclose(value, jnp.sum(fn(*args) * dout), rtol=1e-5)
   want = jax.grad(lambda *a: jnp.sum(fn(*a) * dout), argnums=(0, 1, 2, 3))(*args)
   assert len(grads) == 4
@@ -372,52 +403,3 @@ def _autotune_result(shapes, timings):
   """One quack autotuning result: its key's tensor shapes and {GemmConfig text: times}."""
   key = ["False"] + [f"torch.Size({list(s)})" for s in shapes]
   return {"key": key, "configs_timings": [[f"config: GemmConfig({c})", t] for c, t in timings.items()]}
-
-
-def test_torch_autotune_names_each_gemm_and_ranks_by_median(tmp_path):
-  import tarfile
-  from benchmarks import torch_autotune
-  T, d, n, E, K = 32768, 4096, 256, 256, 16   # 30B-n256
-  tk = T * K
-  pp = "tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2, swap_ab=False"
-  coop = "tile_m=256, tile_n=128, pingpong=False, cluster_m=2, cluster_n=1, swap_ab=False"
-  files = {  # file name: the key's shapes as quack orders them
-      "up/gemm_gated_tuned": [(T, d), (E, d, 2 * n), (tk, 2 * n), (tk, n)],
-      "down/gemm_tuned": [(tk, n), (E, n, d), (tk, d)],
-      "dh/gemm_dgated_tuned": [(T, d), (E, d, n), (tk, 2 * n), (tk, n)],
-      "dx/gemm_tuned": [(tk, 2 * n), (E, 2 * n, d), (tk, d)],
-      "dw1/gemm_tuned": [(d, T), (tk, 2 * n), (E, d, 2 * n)],
-      "dw2/gemm_tuned": [(d, T), (tk, n), (E, d, n)],
-      "other/gemm_tuned": [(d, T), (tk, n), (E + 1, d, n)],   # no anchor: left out
-  }
-  for i, (name, shapes) in enumerate(files.items()):
-    path = tmp_path / ".quack" / f"{name}.autotune.json"
-    path.parent.mkdir(parents=True)
-    # quack's quantiles (0.5, 0.2, 0.8): the median, first, decides; pp's 2 beats coop's 3
-    timings = {pp: [2.0 + i, 1.0, 9.0 + i], coop: [3.0 + i, 0.5, 3.0 + i]}
-    path.write_text(json.dumps(_autotune_result(shapes, timings)))
-  with tarfile.open(tmp_path / "quack_autotune.tgz", "w:gz") as tar:
-    tar.add(tmp_path / ".quack", arcname=".quack")
-  for source in (tmp_path / ".quack", tmp_path / "quack_autotune.tgz"):
-    results = torch_autotune.read_results(str(source))
-    assert len(results) == len(files)
-    lines = torch_autotune.table(results, top=2).splitlines()[1:]
-    assert [line.split()[1] for line in lines] == list(torch_autotune.GEMMS)
-    assert all(line.split()[0] == "30B-n256" for line in lines)
-    up = lines[0]
-    assert "128x128 pp 1x2 2.000" in up and "256x128 coop 2x1 3.000" in up
-    assert up.index("pp") < up.index("coop")
-  # --force: the next process runs coop for 30B-n256's dX~, and says so in the table
-  changed = torch_autotune.force(str(tmp_path / ".quack"), "30B-n256", "dX~", "256x128 coop 2x1")
-  assert changed.endswith("dx/gemm_tuned.autotune.json")
-  lines = torch_autotune.table(torch_autotune.read_results(str(tmp_path / ".quack"))).splitlines()
-  assert "dX~        256x128 coop 2x1 0.000  128x128 pp 1x2" in lines[4]
-  assert "pp 1x2 2.000" in lines[1]   # the others unchanged
-  # forcing another tile of the same GEMM runs that one: the first forced is never picked
-  torch_autotune.force(str(tmp_path / ".quack"), "30B-n256", "dX~", "128x128 pp 1x2")
-  lines = torch_autotune.table(torch_autotune.read_results(str(tmp_path / ".quack"))).splitlines()
-  assert "dX~        128x128 pp 1x2 0.000  256x128 coop 2x1 1000000.000" in lines[4]
-  with pytest.raises(ValueError, match="tile: 30B-n256 dW1 timed no '64x64 pp 1x1'"):
-    torch_autotune.force(str(tmp_path / ".quack"), "30B-n256", "dW1", "64x64 pp 1x1")
-  with pytest.raises(ValueError, match="config, gemm: no autotuning result for olmoe dW1"):
-    torch_autotune.force(str(tmp_path / ".quack"), "olmoe", "dW1", "256x128 coop 2x1")
