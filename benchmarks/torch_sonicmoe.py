@@ -109,7 +109,7 @@ class Layer:
     """One training step's work: cleared gradients, the loss's value, every gradient."""
     self.clear_grads()
     out = self.layer(self.x, kernel_backend_moe=self.backend)[0]
-    value = torch.sum(out.float() * self.dout.float())
+    value = torch.dot(out.view(-1), self.dout.view(-1))   # no [T, d] temporary
     out.backward(self.dout)
     return value
 
