@@ -1,4 +1,4 @@
-"""Benchmark configurations (T, d, n, E, K) and FLOP formulas, from ../shared/bench/anchors-h200.md."""
+"""Benchmark configurations (T, d, n, E, K): the SonicMoE paper's five layers, and FLOP formulas."""
 ANCHORS = {
     "7B-n256": (24576, 1536, 256, 128, 8),
     "7B-n1024": (24576, 1536, 1024, 32, 2),

@@ -4,13 +4,10 @@ Nsight Compute to profile that step's kernels alone (after two untraced steps: c
   ncu --profile-from-start off --clock-control none -k regex:sonicmoe --section SpeedOfLight \\
       python3 -m benchmarks.ncu_step --config 30B-n256 --impl auto
 
-On the H200 in session 18 that run segfaulted before its first kernel; profiling from the
-start with --no-profiler and `ncu --launch-count 10` (the first step's GEMMs) ran at
-30B-n256 (gpu_session.sh ncu_pair runs it so).
+Where that run fails under ncu before its first kernel, profile from the start instead:
+--no-profiler and `ncu --launch-count 10` (the first step's GEMMs).
 
-benchmarks/torch_sonicmoe.py '<configs JSON>' --profile-one-step does the same for the PyTorch
-SonicMoE (regex:quackgemm), so that the two sides' GEMMs meet in one report. It also prints
-the step's peak memory as bench measures it (bench.step_bytes); with
+It also prints the step's peak memory as bench measures it (bench.step_bytes); with
 XLA_FLAGS=--xla_dump_to=DIR XLA writes the step's memory-usage report there (its largest
 buffers and the values sharing each).
 """

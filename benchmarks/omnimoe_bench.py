@@ -89,7 +89,7 @@ def main(argv=None):
   p.add_argument("--active", default="3e6,7e6,14e6,28e6")
   p.add_argument("--tokens", default="1024,4096,16384")
   p.add_argument("--tiny", action="store_true")
-  p.add_argument("--out", default="benchmarks/results/omnimoe_latest.json")
+  p.add_argument("--out", default="runs/omnimoe_bench.json")
   a = p.parse_args(argv)
   if a.tiny:
     a.d, a.atomic_experts, a.active, a.tokens = 64, 256, "60000", "128"

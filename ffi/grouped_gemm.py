@@ -26,17 +26,13 @@ column tiles run next to each other, so its lhs rows are read from HBM once and 
              warpgroups' raised): it copies every stage's rows for both MMA warpgroups and
              TMA-loads the rhs tiles, the copies completing on the stage's mbarrier
              (row_gather.produce_gathered), and the MMA warpgroups wait for full stages and
-             fence (the copies are generic-proxy writes) before their wgmmas. (The MMA
-             warpgroups issuing the copies between their wgmmas, the design before, ran up_proj
-             and dW1 1.06-1.24x slower on the H200, dh and dW2 up to 5% faster at 30B-n256:
-             session 14.)
+             fence (the copies are generic-proxy writes) before their wgmmas, which no longer
+             wait on copies of their own
   epilogue : (epilogue.py) epilogue_values gives the output tiles' values (out = acc; or
              SwiGLU's H gate, H up and A from two accumulators: W1's gate columns c and up
              columns n + c, loaded as two rhs tiles per stage); tma_store_epilogue writes them
-             through SMEM buffers over A's stages and TMA stores (each thread storing its
-             fragments from registers took 1.4-1.7x as long in down_proj and dx_tilde at
-             30B-n256 and up to 10% longer in up_proj, 2% shorter at one of its 8 tiles:
-             session 6's sweep). dh first computes its dH and A' tiles in registers
+             through SMEM buffers over A's stages and TMA stores (faster than each thread
+             storing its fragments from registers, most of all in the store GEMMs). dh first computes its dH and A' tiles in registers
              (dh_outputs: it loads H a few column groups ahead of their math, and writes dS's
              parts), then stores them from registers (register_store), or
              (dh(tma_store=True): bitwise the same) the same TMA way. dh(h_smem=True) reads H
@@ -70,7 +66,7 @@ ROW_MODES = (1, 2, 0)       # how the kernel sees a [1, P, C] operand: (P, C, 1)
 H_SMEM_MIN_STAGES = 2 * BLOCK_M // BLOCK_K
 WGMMA_MAX_N = 256           # the widest N of one Hopper wgmma: dH's widest column tile
 # up_proj's widest column tile: its two accumulators (gate and up) of a 256-wide tile need 256
-# fp32 registers a thread and spill (session 24: a 2040-byte stack, 20x slower)
+# fp32 registers a thread and spill to a 2 KB stack, many times slower
 UP_PROJ_MAX_BLOCK_N = 128
 
 
@@ -605,7 +601,7 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
   The epilogue math runs in registers (it loads H ahead of the math, epilogue.dh_outputs); dH
   and A' are stored straight from registers, or with tma_store through SMEM by TMA stores (bitwise the
-  same, H200 session 8). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
+  same). stages as grouped_matmul's. With gather_index [P], dout_g is dO [T, d]
   and slot r reads dO[gather_index[r]] (zeros where it is T or more), gathered in the kernel
   by cp.async as up_proj gathers X. over_h: dH written over H's buffer (dh_call).
   warp_specialized (without gather_index): as grouped_matmul's. h_smem: the epilogue reads H
@@ -682,7 +678,7 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   past that end; the padding rows it still reads, in the last step, must be zeros (as the
   plan's). dW1 = weight_grad(Xg, dH), dW2 = weight_grad(A', dOg). With gather_index [P], lhs
   is X [T, M] and slot r reads X[gather_index[r]] (zeros where it is T or more), gathered inside
-  the kernel by cp.async (bitwise equal to gathering first; H200 timings in ops.dw1), or with
+  the kernel by cp.async (bitwise equal to gathering first), or with
   tma_gather by TMA, a box a row and warpgroup half (the same bits). With
   transpose_out the kernel stores out[e]^T: [E, N, M] (its epilogue writes M-major tiles; no
   separate transpose). warp_specialized (without gather_index): as grouped_matmul's."""

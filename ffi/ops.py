@@ -1,20 +1,17 @@
-"""Backend "cute": the ops written as CuTe DSL kernels: the router's top-K (topk.py),
-aggregation (gather_sum.py) and the grouped GEMMs (grouped_gemm.py; pingpong.py's and
-persistent.py's schedules of them where the settings below pick those) up_proj
-(SwiGLU epilogue; X's rows gathered in the kernel, UP_PROJ_GATHER_IN_KERNEL), down_proj, dh (the
-dSwiGLU epilogue), dx_tilde and the varlen-K weight gradients dw1 (X's rows gathered in the
-kernel up to DW1_GATHER_MAX_COLUMN_TILES column tiles) and dw2 (dO's rows for dh and dw2
-gathered by both kernels up to DOUT_GATHER_MAX_COLUMN_TILES of dH, else once by XLA; where
-they gather, on grouped_gemm's kernel or persistent.py's, WGRAD_KERNEL); the gathering
-kernels' copies are issued by a producer warpgroup. All match float32 references
-(top_k: jax.lax.top_k) and the xla backend on an H200 (tests/test_cute_*.py). Speed against the
-pallas backend: benchmarks/results/2026-11-30-h200-session8 to -session14; the shapes where each
-of the GEMMs is the GPU default: sonicmoe_jax/backends.py.
+"""Backend "cute": the layer's ops as CuTe DSL kernels behind XLA FFI calls.
+
+The router's top-K (topk.py), the aggregation (gather_sum.py) and the grouped GEMMs on three
+schedules (grouped_gemm.py, pingpong.py, persistent.py): up_proj (X's rows gathered in the
+kernel, SwiGLU epilogue), down_proj and dx_tilde (the store GEMMs), dh (dO's rows gathered,
+the dSwiGLU epilogue, dH written over H), and the varlen-K weight gradients dw1 and dw2 (X's
+and dO's rows gathered). The settings below pick each op's schedule and tile by the layer's
+shape; docs/design.md (section 4) says what each kernel does and why it is the default.
+All match float32 references and the xla backend (tests/test_cute_*.py).
 
 Implements every op of the dispatch table; mix it with others, e.g.
-backend={"aggregate": "cute"} (other ops default). The GEMMs need the plan aligned to
-grouped_gemm.BLOCK_M rows per expert (ALIGN). On a machine without a GPU the kernels are
-compiled for sm_90a (CUTE_DSL_ARCH), so programs using them lower and export there too.
+backend={"aggregate": "cute"}. The GEMMs need the plan aligned to grouped_gemm.BLOCK_M rows
+per expert (ALIGN). On a machine without a GPU the kernels are compiled for sm_90a
+(CUTE_DSL_ARCH), so programs using them lower and export there too.
 """
 from __future__ import annotations
 
@@ -36,168 +33,81 @@ from pallas_kernels import schedule
 from sonicmoe_jax import xla_ops
 
 ALIGN = grouped_gemm.BLOCK_M
-# The up-projection gathers X's rows itself (bitwise equal to gathering first, H200 session 6)
+# The up-projection gathers X's rows itself (the same bits as gathering first, no [T*K, d]
+# copy), on grouped_gemm's kernel ("grouped": its producer warpgroup copies the rows) or the
+# ping-pong kernel ("pingpong": the same bits, no faster on 128-row tiles).
 UP_PROJ_GATHER_IN_KERNEL = True
-# Its kernel when gathering: "grouped" (grouped_gemm.up_proj, the MMA warpgroups issuing the
-# copies) or "pingpong" (ffi/pingpong.py, the producer warpgroup gathering; bitwise equal, as
-# fast on 128-row tiles: 4.06 vs 4.05 ms at 30B-n256, session 10; 64-row: 4.13 vs 3.88).
-# (Persistent CTAs whose producer runs on into the next tile, bitwise equal, were slower in
-# H200 session 16: 0.654 vs 0.629 ms at 7B-n256, 3.590 vs 3.440 at 30B-n256; removed.)
-# (The ping-pong kernel with an SMEM epilogue storing H and A by TMA, bitwise equal, was slower
-# in H200 session 18: 0.646 vs 0.569 ms at 7B-n256, 4.272 vs 3.359 at 30B-n256; removed.)
 UP_PROJ_KERNEL = "grouped"
 UP_PROJ_KERNELS = ("grouped", "pingpong")
-# dW1 gathers X's rows itself (bitwise equal to gathering first) where its output has at most
-# this many column tiles (each re-gathers the rows). H200 session 8, forward+backward ms with
-# dh, dx_tilde, dw1 on cute, the MMA warpgroups gathering (since replaced): 30B-n256 (2 tiles)
-# 23.13 gathering in the kernel vs 23.97 after XLA's gather (and 7.0 vs 11.4 GB of step
-# memory); 120B-n1024 (8 tiles) 37.57 vs 36.33. With a producer warpgroup gathering (session
-# 14, call 6) 8 tiles win too: dW1 alone at 120B-n1024 7.44 ms vs 6.72 + 1.21 for XLA's gather
-# (the MMA warpgroups gathering: 8.06; at 30B-n256 3.69 vs their 3.92).
+# dW1 gathers X's rows itself where its output has at most this many column tiles (each tile
+# gathers the rows again); wider outputs read one gather made by XLA.
 DW1_GATHER_MAX_COLUMN_TILES = 8
-# dO's rows for dh and dw2: gathered by both kernels themselves (dW2 then computed transposed:
-# dW2_e^T = dO_e^T A'_e) where dH has at most this many column tiles (each re-gathers the
-# rows), else once by XLA (the two ops share the [T*K, d] copy). H200 session 9, forward +
-# backward ms with dh, dx_tilde, dw1, dw2 on cute, XLA's gather -> the kernels': 7B-n256 (2
-# tiles) 3.64 -> 3.50, 30B-n256 (2) 22.60 -> 21.17; 7B-n1024 (8) 3.08 -> 3.20, 120B-n1024 (8)
-# 35.91 -> 37.33, olmoe (8) 18.20 -> 18.71 (step memory 9.3 -> 6.6 and 5.7 -> 3.5 GB there),
-# the MMA warpgroups gathering (block_n 128). Session 14, a producer warpgroup gathering, at
-# block_n 256 (4 tiles at n = 1024): dh + dw2 alone at 120B-n1024 8.26 ms against 9.00 for
-# XLA's shared gather and the two on its copy (the MMA warpgroups gathering: 8.75).
+# dO's rows for dh and dw2: gathered by both kernels (dW2 then computed transposed, dW2_e^T =
+# dO_e^T A'_e) where dH has at most this many column tiles, else gathered once by XLA and read
+# by both. Gathering in the kernels saves the [T*K, d] copy and its memory traffic.
 DOUT_GATHER_MAX_COLUMN_TILES = 8
-# The dH kernel's variant: "registers" (grouped_gemm.dh storing dH and A' from registers),
-# "tma_store" (the same through SMEM and TMA stores: 2.56 vs 2.69 ms at 30B-n256 in session
-# 8's sweep) or "pingpong" (ffi/pingpong.py; its 64-row-tile version was bitwise equal to
-# "registers" but slower: 3.53 vs 2.78 ms at 30B-n256, session 9; on 128-row tiles bitwise
-# equal and as fast, session 10: 2.76 vs 2.75 ms, gathering dO 2.93 vs 3.02, one sweep each:
-# not enough to switch). With DH_H_SMEM, "tma_store" writes dH over H's
-# tile in SMEM and A' over the lhs stages, all stored by TMA: H200 session 16's sweep, ms,
-# registers vs tma_store + h_smem (dO gathered in the kernel where it is): 7B-n256 0.738 vs
-# 0.538, 30B-n256 2.483 vs 2.160, olmoe 3.131 vs 2.465, 120B-n1024 4.467 vs 3.840; Nsight
-# Compute's excess global sectors at 7B-n256 from 32% to none. Those run dH with over_h off; in
-# the layer (dH over H) the gain is smaller: dH's kernel 0.504 -> 0.467 ms at 7B-n256, 2.585 ->
-# 2.485 at olmoe. (Session 16 also tried the producer loading H's tile as the last k steps
-# free the stages: bitwise equal, no gain in the layer; removed.) "pingpong_tma": the ping-pong
-# dH with its SMEM epilogue (pingpong.dh's tma_store: each consumer's epilogue, one 64-column
-# chunk at a time through buffers of its own, under the other's mainloop; written in session
-# 16). "auto": "pingpong_tma" where d (dH's contraction) is at most DH_PINGPONG_MAX_D, else
-# "tma_store". (Persistent CTAs with H's tiles loaded under the mainloop into epilogue buffers
-# of their own, bitwise equal, were 10-18% slower in H200 session 23 at block_n 128, their
-# widest: 30B-n256 2.766 vs 2.347 ms, olmoe 2.986 vs 2.702; removed.)
+# dH's kernel: "registers" (grouped_gemm.dh storing from registers), "tma_store" (the same
+# through SMEM and TMA stores), "pingpong" / "pingpong_tma" (pingpong.dh, one consumer's
+# epilogue under the other's mainloop, register or TMA stores), or "auto": "pingpong_tma"
+# where d (dH's contraction) is at most DH_PINGPONG_MAX_D, else "tma_store". A short mainloop
+# (d / 64 k steps a tile) leaves the epilogue a large share of each tile, which ping-pong hides.
 DH_KERNEL = "auto"
 DH_KERNELS = ("auto", "registers", "tma_store", "pingpong", "pingpong_tma")
-# A short mainloop (d / 64 k steps per tile) leaves the epilogue a larger share of each tile,
-# which the ping-pong kernel hides under the other consumer's mainloop. H200 session 17, the
-# layer's dH kernel, ms, tma_store vs pingpong_tma: 7B-n256 (d 1536) 0.467 vs 0.437 (kernels
-# fwd+bwd 3.238 vs 3.196); olmoe (d 2048) 2.505 vs 2.558 (16.470 vs 16.583).
 DH_PINGPONG_MAX_D = 1536
-# dH's widest column tile (block_n: halved until it divides n). 256 (grouped_gemm's dh only; the
-# ping-pong dh takes at most 128) makes n = 256 one column tile, so each M tile reads (and
-# gathers) its dO rows once instead of twice (174 registers, no stack, one CTA per SM). H200
-# session 12's sweep, ms, 256 vs 128 (each at its best stage count): 30B-n256 gathering dO
-# 2.600 vs 3.011; 7B-n256 0.737 vs 0.790; olmoe (dO gathered by XLA) 3.368 vs 3.509.
+# dH's widest column tile (halved until it divides n; the ping-pong dh takes at most 128). 256
+# makes n = 256 one column tile, so each M tile reads (and gathers) its dO rows once.
 DH_BLOCK_N = 256
 # dH's epilogue reads H from SMEM, TMA-loaded over the rhs stages once the mainloop is done
-# (grouped_gemm.dh's h_smem; the ping-pong dH reads it from global memory). Session 16: with
-# register stores alone 7B-n256 0.738 -> 0.631 ms; with "tma_store" see DH_KERNEL.
+# (grouped_gemm.dh's h_smem), instead of from global memory.
 DH_H_SMEM = True
-# dH written over H's buffer (FFI operand aliasing: the backward then holds one [P, 2n] buffer
-# for both). Per-op timings of dh alone turn it off (benchmarks/kernels.py): with H an argument
-# of the timed program XLA would copy it first, which the layer's step never does.
+# dH written over H's buffer (FFI operand aliasing): the backward holds one [P, 2n] buffer for
+# both. Per-op timings of dh alone turn it off (benchmarks/kernels.py): with H an argument of
+# the timed program XLA would copy it first, which the layer's step never does.
 DH_OVER_H = True
 # down_proj's and dx_tilde's kernel: "grouped" (grouped_gemm.grouped_matmul, STORE_STAGES, its
 # TMA-store epilogue overlapping the mainloop of the SM's other CTA), "pingpong"
-# (pingpong.grouped_matmul: register stores under the other consumer's mainloop) or
-# "pingpong_tma" (the same with each consumer's TMA-store epilogue). H200 session 11, ms at
-# 7B-n256 / 30B-n256: down_proj 0.438 / 2.680 grouped, 0.336 / 2.049 pingpong_tma; dx_tilde
-# 0.654 / 4.054 and 0.547 / 3.466; the layer 21.70 -> 20.88 at 30B-n256. Register stores: 0.751
-# for down_proj at 7B-n256, and their 32-bit offsets cannot address outs past 2^31 elements
-# (such outs take the TMA stores).
+# (pingpong.grouped_matmul, register stores under the other consumer's mainloop) or
+# "pingpong_tma" (the same with each consumer's TMA-store epilogue: register stores' 32-bit
+# offsets cannot address outputs past 2^31 elements, which take the TMA stores anyway).
 STORE_KERNEL = "pingpong_tma"
 STORE_KERNELS = ("grouped", "pingpong", "pingpong_tma")
-# The ping-pong store kernels' column tile: 128, or 192 where it divides the window's columns
-# (d = 1536: the 7B configs; a 128 x 192 tile reads 77 operand FLOP per byte against 64,
-# benchmarks/NOTES.md "Operand traffic of the store GEMMs"), else 128. H200 session 27
-# (results/2026-12-02-h200-session27, call 7), ms, 128 vs 192: alone (full width) 7B-n256
-# down_proj 0.345 vs 0.308, dx_tilde 0.547 vs 0.526; 7B-n1024 0.267 vs 0.268, 0.485 vs 0.470;
-# the step's kernels, two rounds each: 7B-n256 3.066 / 3.056 vs 3.051 / 3.048, 7B-n1024 2.528
-# / 2.544 vs 2.504 / 2.509.
+# The ping-pong store kernels' column tile: 192 where it divides the window's columns (a 128 x
+# 192 tile reads 77 operand FLOP per byte against 128 x 128's 64; docs/design.md), else 128.
 STORE_BLOCK_N = 192
 STORE_BLOCK_NS = (128, 192)
-# The ping-pong store kernels' rows a tile (with TMA stores): the plan's 128-row M tiles, or
-# 192 rows from each expert's start (pingpong.ROW_TILE_M: three m64 wgmmas per consumer on
-# 128-wide column tiles, the tile shape quack's 192x128 ping-pong runs; a table of row tiles,
-# schedule.row_tiles); "auto": 192 rows where STORE_BLOCK_N's 192-wide tile does not divide
-# the window's columns (30B-n256's 2048-column windows), else 128 rows (the 7B configs' 128 x
-# 192 tiles, level with 192 x 128 there). H200 session 33 (results/2026-12-03-h200-session33,
-# call 2), the step's GEMMs, two rounds, ms, 128 rows (dX~ on clipped 128 x 192 tiles) vs 192
-# rows: 30B-n256 dX~ 3.469 / 3.444 vs 3.250 / 3.239, down_proj 1.955 / 1.958 vs 1.939 /
-# 1.940; 7B-n256 dX~ 0.480 / 0.480 vs 0.481 / 0.483, down_proj 0.287 / 0.291 vs 0.289 /
-# 0.291. (quack's dX~ at 30B-n256, session 32: 3.212 ms on its 192x128 tile.) Session 32's
-# 128-row tiles 192 wide with the last one clipped (pingpong.column_tiles) had taken that dX~
-# to 3.485 from 3.630 on 128 x 128 (results/2026-12-03-h200-session32, calls 10-13); the
-# 192-row tiles replaced them.
+# Their rows a tile: the plan's 128-row M tiles, or 192 rows from each expert's start
+# (pingpong.ROW_TILE_M: three m64 wgmmas per consumer on 128-wide column tiles; a table of row
+# tiles, schedule.row_tiles); "auto": 192 rows where the 192-wide tile does not divide the
+# window's columns, else 128 rows.
 STORE_TILE_M = "auto"
 STORE_TILE_MS = ("auto",) + pingpong.TILE_MS
-# The ping-pong store kernels' CTAs per cluster (pingpong.grouped_matmul's cluster_n): 2 pairs
-# neighbouring column tiles of one row tile, which share its lhs stages by TMA multicast (where
-# the column tiles are an even number; else 1). On the H200 (session 40, results/2026-12-03-
-# h200-session40) they were bitwise right but dX~ 0.7-1.5% slower at 7B-n256 and 30B-n256, the
-# down-projection level. On an H100 (session 49, results/2026-12-05-h100-session49) the PyTorch
-# SonicMoE's store GEMMs, in clusters of 2 there, led ours at 7B-n256 by 5% (down-projection,
-# one window) and 11% (dX~): rebuilt to measure them there. On that H100 (session 50,
-# results/2026-12-05-h100-session50) the clustered 192-wide dX~ led alone by 5% on the whole
-# product, but in the step at 7B-n256 (two rounds) the down-projection and dX~ each ran 1.6%
-# slower in clusters (0.378 / 0.548 vs 0.372 / 0.540 ms): 1 on both cards.
+# Their CTAs per cluster (pingpong.grouped_matmul's cluster_n): 2 pairs neighbouring column
+# tiles of one row tile, which share its lhs stages by TMA multicast (where the column tiles
+# pair up; else 1). Bitwise the same; in the layer's step it was not faster on either Hopper
+# card, so 1.
 STORE_CLUSTER_N = 1
 STORE_CLUSTER_NS = pingpong.CLUSTER_NS
-
-
 # The weight gradients' kernel where they gather rows (dw1's X, dw2's dO): "grouped"
-# (grouped_gemm.weight_grad, one CTA per output tile) or "persistent" (persistent.py:
-# CTAs looping over tiles, the producer filling the next tile's stages under the epilogue;
-# bitwise the same on the H200). H200 session 21's sweep (block_n 256, stages as fit), ms,
-# grouped vs persistent: dW1 30B-n256 3.729 vs 3.546, olmoe 3.353 vs 3.319, 7B-n256 0.596 vs
-# 0.557; dW2 1.992 vs 1.915, 1.758 vs 1.726, 0.323 vs 0.311; session 22: dW1 120B-n1024
-# 7.438 vs 7.258, 7B-n1024 0.588 vs 0.570; dW2 3.614 vs 3.438, 0.321 vs 0.322. The layer with
-# it matches the grouped kernel's on the H200 (session 22, call 3). Since session 28 the
-# persistent kernels' epilogue rolls (a tile's last stores read on under the next tile's
-# mainloop; results/2026-12-02-h200-session28): alone dX~ 3-4% faster at olmoe and
-# 120B-n1024, the rest level; the step's wall time 0.4-2% less in four pairings. Both weight
-# gradients get the plan's group_sizes and skip each expert's padding k steps (session 29: in
-# the step 3.1% less weight-gradient time at 30B-n256, 1.1-1.6% at the 7B configs, level at
-# olmoe and 120B-n1024, where an expert has 32-64 k steps).
+# (grouped_gemm.weight_grad, one CTA per output tile) or "persistent" (persistent.py: CTAs
+# looping over tiles, the producer filling the next tile's stages under the epilogue; the same
+# bits). Both skip each expert's padding k steps (the plan's group_sizes).
 WGRAD_KERNEL = "persistent"
 WGRAD_KERNELS = ("grouped", "persistent")
 # Which of the persistent gathering weight gradients ("dw1", "dw2") take their tiles in the
-# order the CTAs ask for them (persistent.weight_grad dynamic: a tile ahead, from an atomic
-# counter) instead of every grid-th: a tuple of those names, or "auto": dW1 where an expert's
-# output has at least WGRAD_DYNAMIC_MIN_TILES tiles (many CTAs on one expert's operands, which
-# the static order lets drift apart), dW2 never. H200 session 43 (results/2026-12-03-h200-
-# session43), the step's dW1, two rounds, dynamic / static (tiles an expert): olmoe 0.976 (128),
-# 120B-n1024 0.986 (256), 7B-n1024 1.002 (96), 30B-n256 1.009 (64), 7B-n256 1.002 (24); dW2
-# dynamic at olmoe 1.006. Under Nsight Compute olmoe's dW1 read 2.8 GB from DRAM dynamic,
-# 3.8 GB static (session 42; the operands hold 2.15 GB).
+# order the CTAs ask for them (an atomic counter, a tile ahead) instead of every grid-th: a
+# tuple of those names, or "auto": dW1 where an expert's output has at least
+# WGRAD_DYNAMIC_MIN_TILES tiles (many CTAs on one expert's operands, which the static order
+# lets drift apart and read again from DRAM), dW2 never.
 WGRAD_DYNAMIC_ORDER: str | tuple[str, ...] = "auto"
 WGRAD_DYNAMIC_MIN_TILES = 128
-# CTAs per cluster of the persistent gathering weight gradients (persistent.CLUSTER_SIZES):
-# 2, neighbouring M tiles share the rhs's stages by TMA multicast (one third less L2-to-SM
-# traffic a stage at block_n 256), where M is a multiple of 256, else 1. Built in session 43
-# (the PyTorch SonicMoE's dW1 at olmoe: 256 x 192 tiles in clusters of 2, 0.57 of our L2
-# bytes). Measured (benchmarks/results/2026-12-04-h200-session44), the step's dW1 and dW2,
-# two rounds, clusters of 2 / 1: olmoe 0.970, 0.994; 120B-n1024 0.964, 0.958 (its other GEMMs
-# 0.96-0.97 in that round too: alone in the sweep 0.98-0.99); 30B-n256 0.989, 0.976;
-# 7B-n1024 0.985, 0.996; 7B-n256 1.001, 0.996.
+# CTAs per cluster of the persistent gathering weight gradients (persistent.CLUSTER_SIZES): 2
+# neighbouring M tiles share the rhs's stages by TMA multicast (a third less L2-to-SM traffic a
+# stage at block_n 256) where M is a multiple of 256, else 1.
 WGRAD_CLUSTER_M = 2
 # Which weight gradients ("dw1", "dw2") load their gathered rows by TMA, a box a row (the
-# kernels' tma_gather), instead of by their producer threads' cp.async: a tuple of those
-# names. Built in session 47 after probes of olmoe's dW1
-# (the rows' LSU writes into SMEM cost 0.4 ms over the wgmmas' 2.7 there, the rhs's TMA loads,
-# twice the bytes, 0.09). Measured (results/2026-12-04-h200-session47), the step's dW1 and
-# dW2, two rounds, TMA / cp.async: olmoe 0.943, 0.960; 120B-n1024 0.894, 0.940; 30B-n256
-# 0.957, 0.960; 7B-n256 0.960, 0.973; 7B-n1024 0.968, 0.972 (the same bits: GPU tests). The
-# up-projection's and dH's rows (K-major: a box a row every k step, 128 a stage) ran 6-40%
-# slower by TMA than by cp.async (session 48) and were removed.
+# kernels' tma_gather), instead of by their producer threads' cp.async (whose stores into SMEM
+# cost LSU time the TMA engine does not): a tuple of those names. The up-projection's and dH's
+# rows (K-major: a box a row every k step) stay on cp.async, which is faster there.
 TMA_GATHER: tuple[str, ...] = ("dw1", "dw2")
 
 
@@ -288,35 +198,20 @@ def _wide_tile(cols: int, widest: int) -> int:
   return block_n
 
 
-# The plain-epilogue GEMMs' tile: block_n 128 with a 3-stage pipeline (96 KB of SMEM: two CTAs
-# fit on an SM, so one's TMA-store epilogue can overlap the other's mainloop). Session 7's sweep at
-# 30B-n256, ms: down_proj 2.81, dx_tilde 4.07 this way; 2.92-2.97 and 4.29-4.33 at block_n 256;
-# 3.48 and 4.85 at block_n 128 with as many stages as fit (one CTA per SM).
+# grouped_gemm's store GEMMs: block_n 128 with a 3-stage pipeline (96 KB of SMEM), so two CTAs
+# fit on an SM and one's TMA-store epilogue overlaps the other's mainloop.
 STORE_STAGES = 3
 # Where the contraction is at least STORE_WIDE_MIN_K long and the output at least
-# STORE_WIDE_MIN_N wide, down_proj and dx_tilde run grouped_gemm's kernel at block_n 256 with as
-# many stages as fit instead (a long mainloop hides less behind the other CTA's epilogue than
-# the wider tile saves). H200 session 14 (-session14), alone at 120B-n1024 (call 10), ms:
-# dx_tilde (K 2048) 6.954 vs 7.440-7.735 pingpong_tma, down_proj (K 1024) 3.506 vs
-# 3.582-3.641; the layer's kernel ms (call 13): 120B-n1024 36.27 -> 33.10, olmoe (d 2048)
-# 17.15 -> 16.69, 7B-n1024 (d 1536) 2.71 -> 2.76. Since then the 192-row ping-pong tiles
-# (session 33) beat it at K 1024: session 35's sweep (-session35 calls 13-14, alone, 3 rounds
-# interleaved), down_proj ms: 120B-n1024 3.294 vs 3.640 persistent, olmoe 1.523 vs 1.606; so
-# only dx_tilde (K = 2n = 2048) at those two stays on the wide tiles.
+# STORE_WIDE_MIN_N wide, down_proj and dx_tilde run 256-wide tiles on STORE_WIDE_KERNEL instead
+# (a long mainloop hides less behind the other consumer's epilogue than the wider tile saves
+# in operand traffic): at the paper's configs that is dX~ at n = 1024, d >= 2048.
 STORE_WIDE_MIN_K = 2048
 STORE_WIDE_MIN_N = 2048
-# ... and where the output is at least STORE_WIDE_WS_MIN_N wide, with a producer warp issuing
-# the TMA loads (warp_specialized; bitwise the same). H200 session 15's sweep, ms, MMA
-# warpgroups loading vs the producer: 120B-n1024 (N 4096) dx_tilde 7.029 vs 6.445, down_proj
-# 3.492 vs 3.398; olmoe (N 2048) 3.140 vs 3.173 and 1.726 vs 1.751. The layer's kernels at
-# 120B-n1024: 33.77 -> 33.47 ms.
+# ... with a producer warp issuing the TMA loads (grouped_gemm's warp_specialized) where the
+# output is at least STORE_WIDE_WS_MIN_N wide.
 STORE_WIDE_WS_MIN_N = 4096
 # Those wide tiles' kernel: "grouped" (grouped_gemm.grouped_matmul, one CTA per tile) or
-# "persistent" (persistent.py: CTAs looping over tiles, each tile's epilogue under the next
-# tile's loads; bitwise the same). Session 22 (results/2026-12-01-h200-session22, calls 3-4),
-# alone: olmoe down_proj 1.692 -> 1.580 ms, dx_tilde 3.030 -> 2.950; 120B-n1024 down_proj
-# 3.358 (warp-specialized) -> 3.353, dx_tilde 6.959 -> 6.928; the step's kernels olmoe 16.503
-# -> 16.167, 120B-n1024 33.183 -> 32.552 (it takes the place of the warp-specialized kernel).
+# "persistent" (persistent.py: each tile's epilogue under the next tile's loads; the same bits).
 STORE_WIDE_KERNEL = "persistent"
 STORE_WIDE_KERNELS = ("grouped", "persistent")
 

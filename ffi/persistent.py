@@ -3,9 +3,8 @@ operands, outputs and bits: the gathering weight gradients (grouped_gemm.weight_
 gather_index: dW1 = X_e^T dH_e with X's rows gathered, dW2^T = dO_e^T A'_e with dO's) and the
 varlen-M store GEMM (grouped_gemm.grouped_matmul: down_proj and dx_tilde where their tiles are
 256 wide). grouped_gemm launches one CTA per output tile, and each tile's pipeline fill and
-its epilogue (BLOCK_M x block_n fp32 to bf16, stored by TMA) run with the tensor cores idle:
-8-10% of a weight-gradient tile at 30B-n256 (32 k steps a tile; benchmarks/NOTES.md, "The
-weight gradients' 9%"). Here each CTA loops over tiles and its producer runs on into the next
+its epilogue (BLOCK_M x block_n fp32 to bf16, stored by TMA) run with the tensor cores idle
+(about a tenth of a weight-gradient tile of 32 k steps). Here each CTA loops over tiles and its producer runs on into the next
 tile's stages while the MMA warpgroups run the epilogue.
 
 Schedule:
@@ -65,8 +64,7 @@ def stages_that_fit(block_n: int, itemsize: int) -> int:
 
 
 # CTAs per cluster of the weight gradients: 1 (none) or 2 along M sharing the rhs's stages,
-# which each loads half of and multicasts to both (the PyTorch SonicMoE's dW1 at olmoe runs
-# 256 x 192 tiles in clusters of 2: 0.57 of our L2-to-SM bytes, session 43)
+# which each loads half of and multicasts to both (a third less L2-to-SM traffic a stage)
 CLUSTER_SIZES = (1, 2)
 
 
@@ -459,7 +457,7 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   CTAs per cluster (CLUSTER_SIZES; 2: neighbouring M tiles share the rhs's stages by
   multicast, M a multiple of 2 x BLOCK_M); the same bits. tma_gather: the gathered rows
   loaded by TMA (row_gather.produce_wgrad_steps_tma) instead of the producer's cp.async;
-  the same bits (session 47: dW1 and dW2 3-11% faster in the step)."""
+  the same bits (the TMA engine writes the rows into SMEM without the producer's LSU time)."""
   slots = gg.rows_read(x, gather_index)
   reason = (gg.weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
                                        group_sizes) or _tile_unsupported(block_n)

@@ -77,24 +77,22 @@ TILE_MS = (TILE_M, ROW_TILE_M)
 CLUSTER_NS = (1, 2)
 # fp32 accumulator registers per consumer thread (of its 232), all its accumulators', by kernel
 # kind: the store kernels' epilogue converts and stores one EPI_TILE column chunk at a time, so
-# 192 (block_n 192) compile without stack, register or TMA stores (sm_90a cubins, session 27);
+# 192 (block_n 192) compile without stack, register or TMA stores (sm_90a cubins);
 # dh's and SwiGLU's epilogues keep more values live
 MAX_ACCUMULATOR_REGISTERS = {"store": 192, "dh": 128, "swiglu": 128}
 NUM_SMS = 132               # H100 / H200 SXM: the persistent grid (fewer SMs only queue CTAs)
 THREADS = 3 * 128           # the producer warpgroup and two consumer warpgroups
 # setmaxnreg budgets (producer, consumers): 128 x producer + 256 x consumer may not pass what
 # the CTA got at launch, 384 threads x 168 registers = 64512 (a consumer's increase past it
-# waits for ever: 48 / 232 hung on an H200 in session 17). By whether the producer gathers (it
+# waits for ever: 48 / 232 hangs). By whether the producer gathers (it
 # then keeps its rows' token ids and copy addresses in registers: grouped_gemm's gathering
 # producer's budgets)
 REGISTERS = {False: (40, 232),
              True: (mainloop.PRODUCER_REGISTERS, mainloop.MMA_REGISTERS)}
-# dh's SMEM epilogue (tma_store) with a gathering producer: its consumers spilled 92 bytes at
-# 224 (sm_90a cubin, block_n 128); at 232 none (40 bytes since session 24's approximate
-# sigmoid). (24, 240) spills 8 bytes but ran slower on the H200 (session 31, ms at 7B-n256 /
-# 7B-n1024: 0.495 / 0.475 against 0.490 / 0.452). Every ping-pong kernel is launched with
-# min_blocks_per_mp 1 (PTX .minnctapersm): without it ptxas ignored setmaxnreg in a SwiGLU
-# kernel (warning C7508, session 17)
+# dh's SMEM epilogue (tma_store) with a gathering producer: its consumers spill at 224
+# registers (sm_90a cubin, block_n 128), none at 232; (24, 240) spills 8 bytes and runs slower.
+# Every ping-pong kernel is launched with min_blocks_per_mp 1 (PTX .minnctapersm): without it
+# ptxas ignores setmaxnreg (warning C7508)
 SMEM_EPILOGUE_GATHER_REGISTERS = (40, 232)
 TURN_BARRIER = 4            # named barriers 4 and 5: consumer 0's and 1's turn
 EPILOGUE_BARRIER = 6        # named barriers 6 and 7: consumer 0's and 1's TMA-store epilogue
@@ -596,9 +594,8 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   registers, or with tma_store through SMEM buffers of each consumer's own and TMA stores
   (epilogue.tma_store_epilogue; fewer ring stages fit). block_n: at most
   widest_block_n(1, "store") (192); stages: the ring's depth (default: as many as fit). ffi.ops runs
-  down_proj and dx_tilde on it with STORE_KERNEL = "pingpong" / "pingpong_tma". On an H200
-  both give grouped_matmul's bits (sessions 10, 11); the TMA stores are the default, 20-25%
-  faster than grouped_matmul (session 11). The register stores' 32-bit offsets cannot address
+  down_proj and dx_tilde on it with STORE_KERNEL = "pingpong" / "pingpong_tma" (the default);
+  both give grouped_matmul's bits. The register stores' 32-bit offsets cannot address
   an out past 2^31 elements (refused). cols: a window of the product, as grouped_matmul's.
   With tma_store block_n need not divide out's columns (a multiple of 64): the last column
   tile is clipped (column_tiles). tile_m: TILE_M rows a tile (the plan's M tiles: tile_expert
@@ -647,15 +644,11 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
   r's row dO[gather_index[r]] by cp.async (zeros where it is T or more), as up_proj gathers X.
   tma_store: each consumer's epilogue goes through SMEM buffers of its own one 64-column chunk
   at a time (_dh_smem_epilogue: H's chunks TMA-loaded, dH and A' stored by TMA; fewer ring
-  stages fit; grouped_gemm.dh's bits on an H200, session 17: 0.437 ms in the layer at
-  7B-n256 against grouped_gemm.dh's 0.467, 2.558 against 2.505 at olmoe).
+  stages fit; grouped_gemm.dh's bits).
   block_n: at most widest_block_n(1, "dh") (128); stages: the ring's depth (default: as many
   as fit, at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL "pingpong",
-  "pingpong_tma" or "auto" (where d <= ffi.ops.DH_PINGPONG_MAX_D). On an H200
-  it gives grouped_gemm.dh's bits; at 30B-n256, block_n 128, 3 stages it took 2.76 ms (dOg's
-  rows read in slot order; grouped_gemm.dh 2.75 with as many stages as fit) and 2.93 gathering
-  dO (grouped_gemm.dh 3.02), session 10 (its 64-row-tile version, session 9: 3.53 vs 2.78).
-  over_h: dH written over H's buffer (grouped_gemm.dh_call)."""
+  "pingpong_tma" or "auto" (where d <= ffi.ops.DH_PINGPONG_MAX_D); it
+  gives grouped_gemm.dh's bits. over_h: dH written over H's buffer (grouped_gemm.dh_call)."""
   reason = grouped_gemm.dh_unsupported(grouped_gemm.rows_read(dout_g, gather_index), w2, h,
                                        scores, block_n)
   if reason:
@@ -671,12 +664,8 @@ def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | N
   """grouped_gemm.up_proj with gather_index on the ping-pong schedule, the producer warpgroup
   gathering X's rows by cp.async: x [T, d], w1 [E, d, 2n], gather_index [P] (slot r reads
   X[gather_index[r]], zeros where it is T or more); returns H [P, 2n] and A [P, n]. block_n:
-  H's gate (and up) columns per tile, at most widest_block_n(2, "swiglu") (64). On an H200 it gives
-  grouped_gemm.up_proj's bits; at 30B-n256 it took 4.06 ms with as many stages as fit (5.38
-  with 3), grouped_gemm.up_proj at block_n 128 4.05, session 10 (its 64-row-tile version,
-  session 9: 4.13 vs 3.88). (Its epilogue through SMEM buffers and TMA stores, session 17,
-  gave the same bits but took 0.646 / 0.638 / 4.272 ms in the layer at 7B-n256 / 7B-n1024 /
-  30B-n256 against grouped_gemm.up_proj's 0.569 / 0.551 / 3.359, session 18: removed.)"""
+  H's gate (and up) columns per tile, at most widest_block_n(2, "swiglu") (64). It gives
+  grouped_gemm.up_proj's bits, as fast on 128-row tiles (ffi.ops.UP_PROJ_KERNEL picks it)."""
   n = w1.shape[2] // 2
   reason = grouped_gemm.unsupported(grouped_gemm.rows_read(x, gather_index), w1, block_n) or (
       None if n % block_n == 0 else f"n={n} must be a multiple of block_n={block_n}")

@@ -200,9 +200,8 @@ def produce_wgrad_steps(loads, produce, x, gather_index, s_a, rhs_operands, k_be
   """The weight gradient's gathering producer (thread ptid of 128) over one output tile's k
   steps k_begin .. k_begin + num_k - 1 (gather_stage; A's columns col0..): each step's tokens
   are read from gather_index one step ahead, so that their load's latency passes under the
-  previous step's copies instead of stalling the cp.asyncs that need them (session 24's ncu
-  of dW1 at olmoe: 41% of the producer's samples waited on that load, the MMA warpgroups
-  on full stages; reading ahead, dW1 6.5% and dW2 4.9% faster there). The reads ahead are
+  previous step's copies instead of stalling the cp.asyncs that need them (without it the
+  producer's samples wait on that load and the MMA warpgroups on full stages). The reads ahead are
   clamped to gather_index's last k step (a tile of an expert without rows has no steps).
   Returns the advanced pipeline state."""
   last = cute.size(gather_index) // BLOCK_K - 1

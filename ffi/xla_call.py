@@ -9,10 +9,9 @@ jax.ffi.ffi_call's result. Each configuration is compiled once per process and k
 across processes (compile_cache). Under jax.vmap the call runs once per batch element
 (ffi_call's vmap_method="sequential": the kernels have no batch dimension).
 
-Why this path: per call it costs less than cutlass.jax's cutlass_call. A chain of 20 tiny grouped
-GEMMs on an H200 (benchmarks/ffi_overhead.py; benchmarks/results/2026-11-30-h200-session7), us
-per call in two runs: this way 10.2 and 7.1, through cutlass.jax's FFI target 17.7 and 11.2
-(Pallas 11.4 and 6.2, XLA's dot 5.7 and 9.5).
+Why this path: per call it costs less than cutlass.jax's cutlass_call (a few microseconds less
+a call on a chain of tiny grouped GEMMs: benchmarks/ffi_overhead.py measures both, a Pallas
+call and XLA's dot).
 
 Operands are JAX's row-major arrays; `modes` gives, per tensor (inputs, then outputs), the
 order in which the kernel sees its dimensions (None: as stored): (1, 2, 0) turns a [1, P, K]

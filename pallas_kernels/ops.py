@@ -4,7 +4,7 @@ interpret mode off the GPU.
 The plan is aligned to BLOCK_M rows per expert (ALIGN) so every M tile has one expert. Rows of
 X are gathered inside the up-projection kernel by cp.async (Hopper has no TMA row gather;
 config.UP_PROJ_GATHER_IN_KERNEL); rows of dO, and of X for dW1, are gathered by XLA (inside the
-dH kernel it measured slower; inside dW1's kernel it is slower but saves memory:
+dH kernel it is slower; inside dW1's kernel it is slower but saves memory:
 config.DW1_GATHER_IN_KERNEL); aggregation is XLA's gather-and-sum. Limits: bf16/f16 inputs, d a multiple of 128, n of 64.
 """
 from __future__ import annotations

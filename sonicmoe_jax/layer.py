@@ -176,9 +176,8 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
       instead of all of it, for one more GEMM launch per window and one more read of the
       GEMM's left operand (A [slots, n]; dH [slots, 2n]). The step's peak shrinks only where
       that product is the peak, as with the cute backend's stores: on the pallas backend,
-      whose backward also gathers rows of dO and X into [T*K, d] copies, two windows left it
-      as it was (H200, T=2048, d=1024, n=256, E=32, K=16: benchmarks/results/
-      2026-12-03-h200-session38/). 1: no windows. At most d / WINDOW_COLUMN_ALIGN (128). A
+      whose backward also gathers rows of dO and X into [T*K, d] copies, windows leave it as it
+      is. 1: no windows. At most d / WINDOW_COLUMN_ALIGN (128). A
       pair (forward, backward): Y's windows and dX~'s (the step's peak is the larger of the
       two passes'). None (default): the measured choice
       (backends.default_windows: two where the store GEMMs run on cute and d >= 2n, else one;

@@ -110,8 +110,8 @@ def router_logits(x, router_w):
   the backward keeps X itself rather than an fp32 copy of it; with bfloat16 X and Wr the
   backward's two GEMMs also read bfloat16 operands (dlogits rounded to bfloat16, as a bfloat16
   linear layer's backward would see it; its exponent range is fp32's, so small gradients do
-  not flush to zero as they could in float16) with fp32 accumulation: fp32 operands ran them
-  about 3x slower on the H200 (0.42 + 0.36 ms at 30B-n256 against 0.11 for the forward's).
+  not flush to zero as they could in float16) with fp32 accumulation: fp32 operands would run them
+  several times slower.
   """
   if x.dtype == router_w.dtype and x.dtype in (jnp.bfloat16, jnp.float16):
     return jnp.dot(x, router_w, preferred_element_type=jnp.float32)
@@ -384,7 +384,7 @@ def _sort_pairs_by_expert(flat_expert, num_experts: int):
 
   Each pair's expert and index are packed into one uint32 key, expert * P + pair, so one
   key-only sort (a radix sort on the GPU) does it: a stable argsort sorts (key, index) tuples,
-  which cost 0.3 ms for 7B-n256's 196,608 pairs (results/2026-11-29-h200-session4).
+  which costs more on the GPU.
   """
   num_pairs = flat_expert.shape[0]
   if (num_experts + 1) * num_pairs >= 2**32:
@@ -399,7 +399,7 @@ def count_below(sorted_values, queries, *, inclusive: bool):
   """For each query, how many of the ascending sorted_values are < it (<= it if inclusive).
 
   jnp.searchsorted's binary search is a loop, which on the GPU runs as a while loop with a
-  host round trip per step (0.6 ms more for a 7B-n256 plan, results/2026-11-29-h200-session4).
+  host round trip per step.
   The steps here are unrolled in Python: one fused elementwise pass of ~log2(n) gathers.
   """
   n = sorted_values.shape[0]

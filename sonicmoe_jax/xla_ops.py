@@ -19,8 +19,8 @@ def gather_rows(x, index):
   """x[index] with rows for out-of-range indices (padding slots) filled with zeros.
 
   Rows of 16-bit elements are gathered as 32-bit words (pairs of elements): XLA's gather then
-  moves half as many, twice as wide elements, which the H200 measured 27% faster at 30B-n256
-  (3.2 -> 2.3 ms, benchmarks/results/2026-11-29-h200-session3). Zero words are zero elements.
+  moves half as many, twice as wide elements, which runs faster on the GPU. Zero words are
+  zero elements.
   """
   if x.ndim != 2 or x.dtype.itemsize != 2 or x.shape[1] % 2:
     return x.at[index].get(mode="fill", fill_value=0)

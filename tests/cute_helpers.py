@@ -35,6 +35,6 @@ CUTE_GEMMS = {"up_proj": "cute", "down_proj": "cute", "dh": "cute", "dx_tilde": 
 
 
 # operands past 2^31 elements (a 32-bit element offset overflows): 30B-n256's unrounded plan
-# has [P, d] = [556k, 4096] slot rows (H200 session 8: the aggregate read wrong rows there)
+# has [P, d] = [556k, 4096] slot rows (where a 32-bit offset once made the aggregate read wrong rows)
 BIG_D = 4096
 BIG_ROWS = 2**31 // BIG_D + 256

@@ -165,8 +165,8 @@ def test_device_kernel_times_count_gpu_stream_events_only():
 
 
 def test_device_planes_copy_one_pass_iterators_so_both_readers_see_every_event():
-  """ProfileData's planes, lines and events can be read once (session 18 recorded no launches
-  for our side: per_kernel had read them first); device_planes keeps the GPU stream lines."""
+  """ProfileData's planes, lines and events can be read once (a second reader would see
+  no launches); device_planes keeps the GPU stream lines."""
   from types import SimpleNamespace as NS
   from benchmarks import device_kernels
   timed = lambda name, start, ms: NS(name=name, start_ns=start, duration_ns=ms * 1e6)
@@ -403,3 +403,17 @@ def _autotune_result(shapes, timings):
   """One quack autotuning result: its key's tensor shapes and {GemmConfig text: times}."""
   key = ["False"] + [f"torch.Size({list(s)})" for s in shapes]
   return {"key": key, "configs_timings": [[f"config: GemmConfig({c})", t] for c, t in timings.items()]}
+
+
+def test_gpu_runner_names_its_modes_before_running_anything(tmp_path):
+  """benchmarks/run_gpu.sh refuses an unknown mode up front (exit 2, naming the modes) and
+  writes nothing."""
+  import os
+  import subprocess
+  out = tmp_path / "gpu"
+  run = subprocess.run(["bash", "benchmarks/run_gpu.sh", "tests", "nosuch"], capture_output=True,
+                       text=True, env=dict(os.environ, OUT=str(out)), timeout=60,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert run.returncode == 2
+  assert "nosuch" in run.stderr and "tests, anchors or bench" in run.stderr
+  assert not out.exists()

@@ -664,8 +664,7 @@ def test_windows_lower_the_steps_peak_memory_on_gpu():
   GEMMs): XLA's temporaries at their peak shrink by at least a quarter of the [T K, d] product
   (half of it less the first window's [T, d / 2] sums, a 32nd of it at K = 16). Only where the
   stores run on cute (backends.default_windows): on the pallas backend the windows did not
-  lower the peak (H200, session 38: 227,185,944 bytes with one window, 227,186,200 with two);
-  its backward also gathers dO (for dH and dW2) and X (for dW1) into [T K, d] copies by XLA,
+  lower the peak; its backward also gathers dO (for dH and dW2) and X (for dW1) into [T K, d] copies by XLA,
   which the windows do not touch."""
   T, d, n, E, K = 2048, 1024, 256, 32, 16
   x, router_w, w1, w2 = make_inputs(7, T, d, n, E, jnp.bfloat16)

@@ -37,8 +37,8 @@ def test_kernel_resources_keep_the_tiles_ffi_ops_relies_on():
 # (ffi/ops.py's choices) at their tiles. The ping-pong dH gathering dO with its SMEM epilogue
 # (the default where d <= 1536) has spilled 40 bytes (10 registers of its MMA warpgroups: at
 # the (56, 224) register split 80, at (24, 240) 8) since the SwiGLU sigmoid moved to
-# ex2/rcp.approx (session 24), which made it faster all the same (and (24, 240) ran slower on
-# the H200, session 31); more than that is a regression. The others may not spill.
+# ex2/rcp.approx, which is faster all the same (and (24, 240) runs slower); more than that is
+# a regression. The others may not spill.
 KERNEL_SPILLS = [("dh_pingpong", 128, 0), ("dh_pingpong_gather", 128, 0),
                  ("up_proj_pingpong", 64, 0), ("matmul_pingpong", 128, 0),
                  ("matmul_pingpong_tma", 128, 0), ("matmul_pingpong_tma", 192, 0),

@@ -263,8 +263,7 @@ def test_count_below_matches_searchsorted(n):
 
 @pytest.mark.parametrize("rounding", [None, "nearest", "balanced"])
 def test_routing_plan_has_no_device_loops(rounding):
-  # a loop in the plan is a GPU while loop: one host round trip per step (it cost 0.6 ms at
-  # 7B-n256 with jnp.searchsorted, benchmarks/results/2026-11-29-h200-session4)
+  # a loop in the plan is a GPU while loop: one host round trip per step (jnp.searchsorted's)
   logits = _logits(3, 256, 16)
   text = jax.jit(lambda l: sm.route(l, k=2, rounding=rounding, tile=64, align=64)).lower(logits).as_text()
   assert "stablehlo.while" not in text
