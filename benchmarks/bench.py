@@ -34,6 +34,7 @@ command, versions, grads. Failures are rows, not crashes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import importlib
@@ -53,7 +54,6 @@ import jax.numpy as jnp
 import sonicmoe_jax as sm
 from benchmarks import configs as C
 from benchmarks import device_kernels
-from pallas_kernels import config as pallas_config
 
 
 
@@ -68,10 +68,10 @@ def make_args(T, d, n, E, K, seed=0):
   return (x, wr, w1, w2), dout
 
 
-def ours(backend, K, rounding, tile, windows=None):
+def ours(backend, K, rounding, tile, windows=None, kernel_config=None):
   def fn(x, wr, w1, w2):
     return sm.moe(x, wr, w1, w2, k=K, rounding=rounding, tile=tile, backend=backend,
-                  windows=windows).out
+                  windows=windows, kernel_config=kernel_config).out
   return fn
 
 
@@ -179,7 +179,7 @@ def backend_spec(impl):
   return impl if "+" not in impl and "=" not in impl else dict(p.split("=") for p in impl.split("+"))
 
 
-def impl_fn(impl, K, rounding, tile):
+def impl_fn(impl, K, rounding, tile, kernel_config=None):
   """The function an impl name runs; ours with "/w<W>" appended (e.g. "auto/w2", "auto/w1")
   runs the layer with that many column windows (moe's `windows`; without: its default), with
   "/w<F>-<B>" (e.g. "auto/w1-2") F in the forward and B in the backward."""
@@ -187,7 +187,8 @@ def impl_fn(impl, K, rounding, tile):
   if impl in ("xla", "pallas", "cute", "auto") or "=" in impl:
     counts = tuple(int(w) for w in windows.split("-")) if windows else (None,)
     # (one count, or the pair; moe names any other shape of windows)
-    return ours(backend_spec(impl), K, rounding, tile, counts[0] if len(counts) == 1 else counts)
+    return ours(backend_spec(impl), K, rounding, tile, counts[0] if len(counts) == 1 else counts,
+                kernel_config)
   if impl == "lax_ragged_dot":
     return plain_autodiff(functools.partial(jax.lax.ragged_dot, preferred_element_type=None), K)
   if impl == "tokamax":
@@ -217,9 +218,9 @@ class OurCase:
   """One impl of ours at one config: its jitted forward and step, compiled at the first
   measure and kept for the later rounds."""
 
-  def __init__(self, impl, name, cfg, rounding, tile):
+  def __init__(self, impl, name, cfg, rounding, tile, kernel_config=None):
     self.impl, self.name, self.cfg = impl, name, cfg
-    self.rounding, self.tile = rounding, tile
+    self.rounding, self.tile, self.kernel_config = rounding, tile, kernel_config
     self.fn = self.fwd = self.fwd_bwd = None
     self.memory = None
 
@@ -232,7 +233,7 @@ class OurCase:
     try:
       args, dout = make_args(T, d, n, E, K)
       if self.fn is None:
-        self.fn = impl_fn(self.impl, K, self.rounding, self.tile)
+        self.fn = impl_fn(self.impl, K, self.rounding, self.tile, self.kernel_config)
         self.fwd, self.fwd_bwd = jax.jit(self.fn), forward_backward(self.fn)
       t_f = time_ms(self.fwd, args, iters, reps)
       t_fb = time_ms(self.fwd_bwd, args + (dout,), iters, reps)
@@ -317,6 +318,51 @@ class TorchWorker:
         self.proc.kill()
       self.proc.wait()
       self.proc = None
+
+
+def _field_value(field: dataclasses.Field, text: str):
+  """A config field's value from its command-line text, by the field's default's type."""
+  default = field.default
+  if isinstance(default, bool):
+    if text.lower() not in ("true", "false"):
+      raise ValueError(f"{field.name} takes true or false; got {text!r}")
+    return text.lower() == "true"
+  if isinstance(default, tuple) or ("tuple" in str(field.type) and text != "auto"):
+    return tuple(filter(None, text.split(",")))
+  try:
+    return int(text)
+  except ValueError:
+    return text
+
+
+def changed_fields(kernel_config) -> dict:
+  """{backend: {field: value}} of the fields that differ from the config type's defaults (what a
+  record says a run changed)."""
+  return {backend: {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                    if getattr(config, f.name) != f.default}
+          for backend, config in (kernel_config or {}).items()}
+
+
+def kernel_config_from(pallas_fields, cute_fields):
+  """{backend: config} from FIELD=VALUE texts for PallasConfig and CuteConfig (ValueError naming
+  an unknown field), or None where neither is given."""
+  configs = {}
+  for backend, texts, module in (("pallas", pallas_fields, "pallas_kernels.config"),
+                                 ("cute", cute_fields, "ffi.config")):
+    if not texts:
+      continue
+    config_type = {"pallas": "PallasConfig", "cute": "CuteConfig"}[backend]
+    config_type = getattr(importlib.import_module(module), config_type)
+    fields = {f.name: f for f in dataclasses.fields(config_type)}
+    values = {}
+    for text in texts:
+      name, sep, value = text.partition("=")
+      if not sep or name not in fields:
+        raise ValueError(f"--{backend} takes FIELD=VALUE with FIELD one of {sorted(fields)}; "
+                         f"got {text!r}")
+      values[name] = _field_value(fields[name], value)
+    configs[backend] = config_type(**values)
+  return configs or None
 
 
 def available_impls():
@@ -457,88 +503,23 @@ def main(argv=None):
                       "new shape compiles and autotunes)")
   p.add_argument("--torch-pythonpath", default=None,
                  help="PYTHONPATH of the PyTorch process (default: this process's)")
-  p.add_argument("--pallas-gather", choices=("kernel", "xla"), default="kernel",
-                 help="pallas up-projection: gather X's rows inside the kernel (default) or by XLA")
-  p.add_argument("--pallas-dw1-gather", choices=("xla", "kernel"), default="xla",
-                 help="pallas dW1: gather X's rows by XLA (default) or inside the kernel (slower, less memory)")
-  p.add_argument("--cute-dout-gather", choices=("xla", "kernel"),
-                 help="cute dh and dw2: gather dO's rows by XLA or inside both kernels (default: "
-                      "ffi/ops.py's rule, DOUT_GATHER_MAX_COLUMN_TILES)")
-  p.add_argument("--cute-dh", choices=("auto", "registers", "tma_store", "pingpong", "pingpong_tma"),
-                 help="cute dh's kernel variant (default: ffi/ops.py DH_KERNEL)")
-  p.add_argument("--cute-dh-block-n", type=int, choices=(64, 128, 256),
-                 help="cute dh's widest column tile (default: ffi/ops.py DH_BLOCK_N)")
-  p.add_argument("--cute-dh-h-smem", choices=("on", "off"),
-                 help="cute dh's epilogue reads H from SMEM, TMA-loaded after the mainloop "
-                      "(default: ffi/ops.py DH_H_SMEM)")
-  p.add_argument("--cute-up-proj", choices=("grouped", "pingpong"),
-                 help="cute up_proj's kernel variant (default: ffi/ops.py UP_PROJ_KERNEL)")
-  p.add_argument("--cute-store", choices=("grouped", "pingpong", "pingpong_tma"),
-                 help="cute down_proj's and dx_tilde's kernel (default: ffi/ops.py STORE_KERNEL)")
-  p.add_argument("--cute-store-block-n", type=int, choices=(128, 192),
-                 help="the ping-pong store kernels' column tile where 192 divides the columns "
-                      "(default: ffi/ops.py STORE_BLOCK_N)")
-  p.add_argument("--cute-store-tile-m", type=int, choices=(128, 192),
-                 help="the ping-pong store kernels' rows a tile (default: ffi/ops.py STORE_TILE_M)")
-  p.add_argument("--cute-store-cluster-n", type=int, choices=(1, 2),
-                 help="the ping-pong store kernels' CTAs per cluster (default: ffi/ops.py "
-                      "STORE_CLUSTER_N)")
-  p.add_argument("--cute-store-wide-min-k", type=int,
-                 help="the contraction from which down_proj and dx_tilde take the wide grouped "
-                      "kernel instead (default: ffi/ops.py STORE_WIDE_MIN_K)")
-  p.add_argument("--cute-store-wide-ws-min-n", type=int,
-                 help="the output width from which the wide store kernel has a producer warp "
-                      "issue its TMA loads (default: ffi/ops.py STORE_WIDE_WS_MIN_N)")
-  p.add_argument("--cute-store-wide", choices=("grouped", "persistent"),
-                 help="the wide store GEMMs' kernel (default: ffi/ops.py STORE_WIDE_KERNEL)")
-  p.add_argument("--cute-wgrad", choices=("grouped", "persistent"),
-                 help="cute dw1's and dw2's kernel where they gather rows (default: ffi/ops.py "
-                      "WGRAD_KERNEL)")
-  p.add_argument("--cute-wgrad-dynamic", default=None,
-                 help="comma list of dw1, dw2: those persistent weight gradients in the dynamic "
-                      "tile order; 'auto' for the rule (default: ffi/ops.py WGRAD_DYNAMIC_ORDER, "
-                      "'auto'); '' for none")
-  p.add_argument("--cute-wgrad-cluster-m", type=int, choices=(1, 2),
-                 help="CTAs per cluster of the persistent gathering weight gradients (default: "
-                      "ffi/ops.py WGRAD_CLUSTER_M)")
-  p.add_argument("--cute-tma-gather", default=None,
-                 help="comma list of dw1, dw2: those weight gradients loading their gathered "
-                      "rows by TMA (default: ffi/ops.py TMA_GATHER, dw1 and dw2); '' for none")
+  p.add_argument("--pallas", action="append", default=[], metavar="FIELD=VALUE",
+                 help="a pallas_kernels.config.PallasConfig field for our impls, e.g. "
+                      "up_proj_gather_in_kernel=false (repeatable)")
+  p.add_argument("--cute", action="append", default=[], metavar="FIELD=VALUE",
+                 help="an ffi.config.CuteConfig field for our impls, e.g. store_cluster_n=2 or "
+                      "tma_gather=dw1 (repeatable; a tuple field takes a comma list, '' for none)")
   a = p.parse_args(argv)
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # (before JAX takes the GPU)
-  pallas_config.UP_PROJ_GATHER_IN_KERNEL = a.pallas_gather == "kernel"
-  pallas_config.DW1_GATHER_IN_KERNEL = a.pallas_dw1_gather == "kernel"
-  cute_settings = dict(DH_KERNEL=a.cute_dh, DH_BLOCK_N=a.cute_dh_block_n,
-                       UP_PROJ_KERNEL=a.cute_up_proj, STORE_KERNEL=a.cute_store,
-                       STORE_BLOCK_N=a.cute_store_block_n, STORE_TILE_M=a.cute_store_tile_m,
-                       STORE_CLUSTER_N=a.cute_store_cluster_n,
-                       STORE_WIDE_MIN_K=a.cute_store_wide_min_k,
-                       STORE_WIDE_WS_MIN_N=a.cute_store_wide_ws_min_n, WGRAD_KERNEL=a.cute_wgrad,
-                       STORE_WIDE_KERNEL=a.cute_store_wide, WGRAD_CLUSTER_M=a.cute_wgrad_cluster_m)
-  op_names = lambda csv: tuple(filter(None, csv.split(",")))   # ('' for none)
-  if a.cute_wgrad_dynamic is not None:
-    cute_settings["WGRAD_DYNAMIC_ORDER"] = ("auto" if a.cute_wgrad_dynamic == "auto" else
-                                           op_names(a.cute_wgrad_dynamic))
-  if a.cute_tma_gather is not None:
-    cute_settings["TMA_GATHER"] = op_names(a.cute_tma_gather)
-  if a.cute_dh_h_smem:
-    cute_settings["DH_H_SMEM"] = a.cute_dh_h_smem == "on"
-  if a.cute_dout_gather:
-    cute_settings["DOUT_GATHER_MAX_COLUMN_TILES"] = 0 if a.cute_dout_gather == "xla" else 1 << 30
-  cute_settings = {k: v for k, v in cute_settings.items() if v is not None}
-  if cute_settings:
-    cute_ops = importlib.import_module("ffi.ops")   # (the cute extra: only when asked)
-    for name, value in cute_settings.items():
-      setattr(cute_ops, name, value)
-
+  kernel_config = kernel_config_from(a.pallas, a.cute)
   cases = dict(C.TINY) if a.tiny else {c: C.ANCHORS[c] for c in a.configs.split(",") if c}
   cases.update(C.parse_config(c) for c in a.custom)
   impls = a.impls.split(",") if a.impls else available_impls()
   dev = jax.devices()[0]
   meta = dict(gpu=dev.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               commit=a.commit or commit(), command=" ".join(["python -m benchmarks.bench"] + (argv or sys.argv[1:])),
-              versions=versions(), iters=a.iters, reps=a.reps, pallas_gather=a.pallas_gather,
-              pallas_dw1_gather=a.pallas_dw1_gather, cute_settings=cute_settings)
+              versions=versions(), iters=a.iters, reps=a.reps,
+              kernel_config=changed_fields(kernel_config))
   print(f"devices {jax.devices()} | commit {meta['commit']} | {meta['versions']} | impls {impls}",
         flush=True)
   os.makedirs(a.out, exist_ok=True)
@@ -552,8 +533,8 @@ def main(argv=None):
           if impl == "torch_sonicmoe":
             rec = worker.measure(name, cfg, a.iters, a.reps, meta)
           else:
-            case = ours_cases.setdefault((impl, name),
-                                         OurCase(impl, name, cfg, a.rounding, a.tile))
+            case = ours_cases.setdefault((impl, name), OurCase(impl, name, cfg, a.rounding, a.tile,
+                                                               kernel_config))
             rec = case.measure(a.iters, a.reps, meta)
           rec["round"] = rnd
           records.append(rec)

@@ -3,7 +3,8 @@ forward+backward step (their profilers' per-step times, longest first), in colum
 --by-op their sums per op of the layer (op_of); or with --by-gemm each of the six GEMMs,
 the median over rounds when given several files of one side-by-side run (by_gemm); or with
 --by-layer the whole step's times, TF/s and memory, medians over rounds (layer_table). Those
-two keep one impl's runs under other ffi.ops settings (bench.py --cute-*) apart (variant).
+two keep one impl's runs under other kernel configurations (bench.py --cute, --pallas) apart
+(variant).
 
   python -m benchmarks.kernel_table benchmarks/results/<run>/bench.json [more.json ...] [--top 12]
       [--fwd] [--order] [--min-ms 0.05] [--by-op | --by-gemm | --by-layer]
@@ -116,13 +117,15 @@ def by_gemm(record, key: str = "kernels_fwd_bwd") -> dict:
 
 
 def variant(record) -> str:
-  """The record's impl, with the ffi.ops settings its run changed (bench.py --cute-*) in
-  brackets: 'auto[STORE_WIDE_MIN_K=4096]'; runs of one impl under other settings are other
-  variants."""
-  settings = record.get("cute_settings") or {}
-  if not settings:
+  """The record's impl, with the kernel configuration fields its run changed (bench.py --cute,
+  --pallas) in brackets: 'auto[cute.store_wide_min_k=4096]'; runs of one impl under other
+  configurations are other variants."""
+  changed = [(f"{backend}.{name}", value)
+             for backend, fields in sorted((record.get("kernel_config") or {}).items())
+             for name, value in sorted(fields.items())]
+  if not changed:
     return record["impl"]
-  return record["impl"] + "[" + ",".join(f"{k}={v}" for k, v in sorted(settings.items())) + "]"
+  return record["impl"] + "[" + ",".join(f"{k}={v}" for k, v in changed) + "]"
 
 
 def rounds_by_config_impl(records, keep) -> dict:

@@ -11,8 +11,6 @@ written once).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import json
 
 import jax
@@ -37,7 +35,8 @@ def segment_sum_aggregate(y, scores, plan):
 def breakdown(name, cfg, backend, rounding, iters, reps):
   T, d, n, E, K = cfg
   (x, wr, w1, w2), dout = make_args(T, d, n, E, K)
-  ops = sm.resolve_backend(backend_spec(backend), dtype=x.dtype, d=d, n=n)   # as the layer does
+  ops = sm.resolve_backend(backend_spec(backend), dtype=x.dtype, d=d, n=n,   # as the layer does
+                           kernel_config=per_op_kernel_config())
   route = jax.jit(lambda x, wr: sm.route(sm.router_logits(x, wr), k=K, rounding=rounding,
                                          tile=128, align=ops.align, top_k=ops.top_k)[0])
   plan = route(x, wr)
@@ -121,19 +120,13 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
   return recs
 
 
-@contextlib.contextmanager
-def _dh_not_over_h():
-  """The cute dh timed alone writes no dH over H (ffi.ops.DH_OVER_H off while inside): H is
-  an argument of the timed program, which XLA would copy first; the layer's step never does."""
+def per_op_kernel_config():
+  """The kernel configuration ops are timed alone with: the cute dh writes no dH over H (H is an
+  argument of the timed program, which XLA would copy first; the layer's step never does)."""
   if not backends._cute_installed():
-    yield
-    return
-  cute_ops = importlib.import_module("ffi.ops")
-  old, cute_ops.DH_OVER_H = cute_ops.DH_OVER_H, False
-  try:
-    yield
-  finally:
-    cute_ops.DH_OVER_H = old
+    return None
+  from ffi.config import CuteConfig
+  return {"cute": CuteConfig(dh_over_h=False)}
 
 
 def main(argv=None):
@@ -155,9 +148,8 @@ def main(argv=None):
   else:
     cases = {c: C.ANCHORS[c] for c in a.configs.split(",")}
   recs = []
-  with _dh_not_over_h():
-    for name, cfg in cases.items():
-      recs += breakdown(name, cfg, a.backend, a.rounding, a.iters, a.reps)
+  for name, cfg in cases.items():
+    recs += breakdown(name, cfg, a.backend, a.rounding, a.iters, a.reps)
   print(f"{'config':11s} {'op':28s} {'ms':>8s} {'TF/s':>6s} {'dense':>6s} {'GB/s':>6s}")
   for r in recs:
     print(f"{r['config']:11s} {r['op']:28s} {r['ms']:8.3f} {r.get('tflops', 0):6.0f} "

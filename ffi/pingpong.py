@@ -646,8 +646,8 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
   at a time (_dh_smem_epilogue: H's chunks TMA-loaded, dH and A' stored by TMA; fewer ring
   stages fit; grouped_gemm.dh's bits).
   block_n: at most widest_block_n(1, "dh") (128); stages: the ring's depth (default: as many
-  as fit, at most MAX_STAGES). The cute dh op uses it with ffi.ops.DH_KERNEL "pingpong",
-  "pingpong_tma" or "auto" (where d <= ffi.ops.DH_PINGPONG_MAX_D); it
+  as fit, at most MAX_STAGES). The cute dh op uses it with CuteConfig.dh_kernel "pingpong",
+  "pingpong_tma" or "auto" (where d <= CuteConfig.dh_pingpong_max_d); it
   gives grouped_gemm.dh's bits. over_h: dH written over H's buffer (grouped_gemm.dh_call)."""
   reason = grouped_gemm.dh_unsupported(grouped_gemm.rows_read(dout_g, gather_index), w2, h,
                                        scores, block_n)
@@ -665,7 +665,7 @@ def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | N
   gathering X's rows by cp.async: x [T, d], w1 [E, d, 2n], gather_index [P] (slot r reads
   X[gather_index[r]], zeros where it is T or more); returns H [P, 2n] and A [P, n]. block_n:
   H's gate (and up) columns per tile, at most widest_block_n(2, "swiglu") (64). It gives
-  grouped_gemm.up_proj's bits, as fast on 128-row tiles (ffi.ops.UP_PROJ_KERNEL picks it)."""
+  grouped_gemm.up_proj's bits, as fast on 128-row tiles (CuteConfig.up_proj_kernel picks it)."""
   n = w1.shape[2] // 2
   reason = grouped_gemm.unsupported(grouped_gemm.rows_read(x, gather_index), w1, block_n) or (
       None if n % block_n == 0 else f"n={n} must be a multiple of block_n={block_n}")

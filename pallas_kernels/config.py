@@ -22,15 +22,30 @@ class TileConfig:
   stages: int = 4
 
 
-# The up-projection gathers X's rows inside the kernel by cp.async (grouped_gemm.varlen_m's
-# gather_index): no gathered copy of X in HBM, so none for XLA to keep from the forward to the
-# backward either, and faster than XLA's gather followed by the TMA kernel at the paper's
-# configs. False gathers by XLA first (benchmarks.bench --pallas-gather xla).
-UP_PROJ_GATHER_IN_KERNEL = True
-# dW1 can gather X's rows inside the weight-gradient kernel (weight_grad's gather_index) instead
-# of XLA first: bitwise equal, about a third less step memory, but the op and the step are
-# slower. Off by default; benchmarks.bench --pallas-dw1-gather kernel turns it on for a run.
-DW1_GATHER_IN_KERNEL = False
+@dataclasses.dataclass(frozen=True)
+class PallasConfig:
+  """The pallas backend's kernel choices: immutable, hashable data (a jitted program caches
+  one executable per configuration); pass one for a call with `sonicmoe_jax.moe(...,
+  kernel_config={"pallas": PallasConfig(...)})`.
+
+  up_proj_gather_in_kernel: the up-projection gathers X's rows inside the kernel by cp.async
+    (grouped_gemm.varlen_m's gather_index): no gathered copy of X in HBM, so none for XLA to
+    keep from the forward to the backward either, and faster than XLA's gather followed by the
+    TMA kernel at the paper's configs. False gathers by XLA first.
+  dw1_gather_in_kernel: dW1 gathers X's rows inside the weight-gradient kernel instead of XLA
+    first: bitwise equal, about a third less step memory, but the op and the step are slower.
+  """
+  up_proj_gather_in_kernel: bool = True
+  dw1_gather_in_kernel: bool = False
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      if not isinstance(getattr(self, field.name), bool):
+        raise TypeError(f"PallasConfig.{field.name} must be a bool; got "
+                        f"{getattr(self, field.name)!r}")
+
+
+DEFAULT = PallasConfig()
 
 UP_PROJ = TileConfig(block_n=64)     # two accumulators (gate, up): 2 x 128x64 fp32
 MATMUL = TileConfig(block_n=128)     # down-projection and dX~
@@ -40,7 +55,7 @@ WEIGHT_GRAD = TileConfig(block_m=128, block_n=128, block_k=64)
 
 def up_proj_gather_tiles(n: int) -> TileConfig:
   """The up-projection's tiling when it gathers X's rows (their ring of tiles is in SMEM too):
-  block_n 128 with 2 stages measured fastest (see UP_PROJ_GATHER_IN_KERNEL); 64 with 4 stages
+  block_n 128 with 2 stages measured fastest (see PallasConfig.up_proj_gather_in_kernel); 64 with 4 stages
   when n is not a multiple of 128."""
   return TileConfig(block_n=128, stages=2) if n % 128 == 0 else TileConfig(block_n=64, stages=4)
 

@@ -26,6 +26,11 @@ extra is installed. When the
 default backend's `unsupported(dtype, d, n)` names a reason (for example float32 inputs for
 pallas), "auto" falls back to "xla" and says so with one warning naming the ops; a backend
 asked for by name raises instead. `Ops.backend_by_op()` tells which backend each op got.
+
+Kernel choices are data: a backend with choices exposes CONFIG_TYPE (ffi.config.CuteConfig,
+pallas_kernels.config.PallasConfig: frozen, hashable), its ops take one as `config` (the
+measured defaults unless given), and `resolve(..., kernel_config={backend name: config})`
+binds it to that backend's ops (Configured), so a jitted layer sees it as static data.
 """
 from __future__ import annotations
 
@@ -33,7 +38,8 @@ import importlib
 import importlib.util
 import warnings
 from collections.abc import Mapping
-from typing import Callable, NamedTuple, Union
+import dataclasses
+from typing import Callable, Hashable, NamedTuple, Optional, Union
 
 import jax
 
@@ -92,6 +98,18 @@ def default_windows(store_backends: tuple[str, str], d: int | None, n: int | Non
   return 1
 
 
+@dataclasses.dataclass(frozen=True)
+class Configured:
+  """A backend op with its kernel configuration bound: called as the op, it passes
+  `config=config`. Hashable by value (the op's function and a frozen config), so Ops holding it
+  stays a valid static argument and jit caches one program per configuration."""
+  fn: Callable
+  config: Hashable
+
+  def __call__(self, *args, **kwargs):
+    return self.fn(*args, config=self.config, **kwargs)
+
+
 def _cute_installed() -> bool:
   return all(importlib.util.find_spec(m) is not None for m in ("cutlass", "jax_tvm_ffi"))
 
@@ -130,6 +148,24 @@ def _backend_module(name: str):
   return module
 
 
+def _check_kernel_config(kernel_config) -> dict:
+  """kernel_config as a dict, each entry checked against its backend's CONFIG_TYPE."""
+  if kernel_config is None:
+    return {}
+  if not isinstance(kernel_config, Mapping):
+    raise TypeError(f"kernel_config must be a mapping of backend name to its configuration; got "
+                    f"{type(kernel_config).__name__}")
+  for name, config in kernel_config.items():
+    module = _backend_module(name)
+    config_type = getattr(module, "CONFIG_TYPE", None)
+    if config_type is None:
+      raise ValueError(f"kernel_config: backend {name!r} has no kernel choices to configure")
+    if not isinstance(config, config_type):
+      raise TypeError(f"kernel_config[{name!r}] must be a {config_type.__module__}."
+                      f"{config_type.__name__}; got {type(config).__name__}")
+  return dict(kernel_config)
+
+
 def default_backend(op: str, platform: str | None = None, *, dtype=None, d: int | None = None,
                     n: int | None = None, num_experts: int | None = None,
                     k: int | None = None) -> str:
@@ -148,15 +184,19 @@ def default_backend(op: str, platform: str | None = None, *, dtype=None, d: int 
 
 def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype=None,
             d: int | None = None, n: int | None = None, num_experts: int | None = None,
-            k: int | None = None) -> Ops:
+            k: int | None = None,
+            kernel_config: Optional[Mapping[str, Hashable]] = None) -> Ops:
   """Resolves a backend spec to one implementation per op.
 
   dtype, d, n (the layer's input dtype and widths) let "auto" skip a default backend that
   cannot run them; num_experts and k (the router's) let it pick the top-K's.
+  kernel_config: {backend name: its configuration} (an instance of the backend's CONFIG_TYPE)
+  for the ops that run on that backend; backends left out run their defaults.
 
   Raises ValueError for an unknown backend or op name, ImportError when a backend's
-  dependencies are missing.
+  dependencies are missing, TypeError for a kernel_config of the wrong type.
   """
+  configs = _check_kernel_config(kernel_config)
   if isinstance(backend, str):
     choice = {op: backend for op in OP_NAMES}
   elif isinstance(backend, Mapping):
@@ -178,6 +218,8 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype
         name = "xla"
     module = _backend_module(name)
     impls[op], names[op] = module.OPS[op], name
+    if name in configs:
+      impls[op] = Configured(module.OPS[op], configs[name])
     align = max(align, getattr(module, "ALIGN", 1))
   for (name, reason), ops in fallbacks.items():
     warnings.warn(f"backend 'auto': {name!r} cannot run this layer ({reason}); using 'xla' for "

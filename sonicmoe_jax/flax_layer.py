@@ -6,7 +6,7 @@ are kept in `param_dtype` and cast to `dtype` for the expert GEMMs; the router s
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +68,8 @@ class SonicMoE(nnx.Module):
     k: experts per token.
     rounding: token-rounding mode used in training (None disables it; evaluation never rounds).
     tile: rounding tile (default 128, the kernels' M tile).
-    score_fn, renormalize, backend, windows: as in `sonicmoe_jax.moe` (windows: None or 1 with
-      a mesh).
+    score_fn, renormalize, backend, windows, kernel_config: as in `sonicmoe_jax.moe` (windows:
+      None or 1 with a mesh).
     dtype: compute dtype of the expert GEMMs (default bfloat16).
     param_dtype: storage dtype of the parameters (default float32).
     rngs: nnx.Rngs; its "params" stream initialises the weights, and a "rounding" stream (or
@@ -87,7 +87,8 @@ class SonicMoE(nnx.Module):
   def __init__(self, d_model: int, d_expert: int, num_experts: int, k: int, *,
                rounding: Optional[str] = "nearest", tile: int = 128,
                score_fn: str = "softmax_topk", renormalize: bool = False, backend="auto",
-               windows: Optional[int | tuple[int, int]] = None, dtype=jnp.bfloat16,
+               windows: Optional[int | tuple[int, int]] = None, kernel_config=None,
+               dtype=jnp.bfloat16,
                param_dtype=jnp.float32,
                mesh=None, data_axes=("data",), rngs: nnx.Rngs):
     _check_config(num_experts, k, rounding, tile)
@@ -103,6 +104,8 @@ class SonicMoE(nnx.Module):
     self.k, self.rounding, self.tile = k, rounding, tile
     self.score_fn, self.renormalize, self.backend = score_fn, renormalize, backend
     self.windows = windows
+    # (items, not a dict: a module's attributes hold static data as immutable values)
+    self.kernel_config = None if kernel_config is None else tuple(sorted(kernel_config.items()))
     self.dtype = dtype
     self.deterministic = False
     self.rngs = rngs if rounding == "stochastic" else None
@@ -114,7 +117,10 @@ class SonicMoE(nnx.Module):
     return _apply(x, self.router_w[...], self.w1[...], self.w2[...], self.dtype,
                   self.deterministic, rng, k=self.k, rounding=self.rounding, tile=self.tile,
                   score_fn=self.score_fn, renormalize=self.renormalize, backend=self.backend,
-                  windows=self.windows, mesh=self.mesh, data_axes=self.data_axes)
+                  windows=self.windows,
+                  kernel_config=None if self.kernel_config is None else dict(self.kernel_config),
+                  mesh=self.mesh,
+                  data_axes=self.data_axes)
 
 
 class SonicMoELinen(nn.Module):
@@ -130,6 +136,7 @@ class SonicMoELinen(nn.Module):
   renormalize: bool = False
   backend: str = "auto"
   windows: Optional[int | tuple[int, int]] = None
+  kernel_config: Optional[Any] = None
   dtype: jnp.dtype = jnp.bfloat16
   param_dtype: jnp.dtype = jnp.float32
 
@@ -146,4 +153,5 @@ class SonicMoELinen(nn.Module):
       rng = self.make_rng("rounding")
     return _apply(x, router_w, w1, w2, self.dtype, deterministic, rng, k=self.k,
                   rounding=self.rounding, tile=self.tile, score_fn=self.score_fn,
-                  renormalize=self.renormalize, backend=self.backend, windows=self.windows)
+                  renormalize=self.renormalize, backend=self.backend, windows=self.windows,
+                  kernel_config=self.kernel_config)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Hashable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -154,7 +154,8 @@ def _check_inputs(x, router_w, w1, w2):
 def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
         renormalize: bool = False, rounding: Optional[str] = None, tile: int = 128,
         rng=None, backend: backends.BackendSpec = "auto",
-        windows: Optional[int | tuple[int, int]] = None) -> MoEOutput:
+        windows: Optional[int | tuple[int, int]] = None,
+        kernel_config: Optional[Mapping[str, Hashable]] = None) -> MoEOutput:
   """A SonicMoE layer: top-K routing, SwiGLU experts, minimal-memory backward.
 
   Args:
@@ -183,12 +184,16 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
       (backends.default_windows: two where the store GEMMs run on cute and d >= 2n, else one;
       one where d is not a multiple of 128 or too narrow for them).
 
+    kernel_config: {backend name: its kernel configuration} for the ops that run on that
+      backend, e.g. {"cute": ffi.config.CuteConfig(store_cluster_n=2)} or {"pallas":
+      pallas_kernels.config.PallasConfig(...)}: immutable data, part of what a jitted call is
+      cached on. None (default): each backend's measured defaults.
   Returns:
     MoEOutput(out [T, d] in x's dtype, plan, stats). Differentiable in x, router_w, w1, w2.
   """
   _check_inputs(x, router_w, w1, w2)
   ops = backends.resolve(backend, dtype=x.dtype, d=x.shape[1], n=w2.shape[1],
-                         num_experts=router_w.shape[1], k=k)
+                         num_experts=router_w.shape[1], k=k, kernel_config=kernel_config)
   logits = routing.router_logits(x, router_w)
   plan, stats = routing.route(logits, k=k, score_fn=score_fn, renormalize=renormalize,
                               rounding=rounding, tile=tile, rng=rng, align=ops.align,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Hashable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -250,10 +250,11 @@ def moe_expert_parallel(x, router_w, w1, w2, *, mesh: jax.sharding.Mesh, k: int,
                         score_fn: str = "softmax_topk", renormalize: bool = False,
                         rounding: Optional[str] = None, tile: int = 128, rng=None,
                         capacity_factor: Optional[float] = None, transport: str = "padded",
-                        backend: backends.BackendSpec = "auto"):
+                        backend: backends.BackendSpec = "auto",
+                        kernel_config: Optional[Mapping[str, Hashable]] = None):
   """The SonicMoE layer with experts sharded over `expert_axis` of `mesh`.
 
-  Args are those of `sonicmoe_jax.moe` (global shapes: x [T, d], w1 [E, d, 2n], ...) plus
+  Args are those of `sonicmoe_jax.moe` (kernel_config too; global shapes: x [T, d], w1 [E, d, 2n], ...) plus
     mesh: the device mesh; expert_axis: the axis experts are split over (E must be a multiple
       of its size); data_axes: further axes tokens are split over (T must be a multiple of the
       product of all token-axis sizes).
@@ -285,7 +286,7 @@ def moe_expert_parallel(x, router_w, w1, w2, *, mesh: jax.sharding.Mesh, k: int,
                      f"(mesh axes {token_axes})")
   validation.check_choice("transport", transport, tuple(TRANSPORTS))
   ops = backends.resolve(backend, dtype=x.dtype, d=x.shape[1], n=w2.shape[1],
-                         num_experts=router_w.shape[1], k=k)
+                         num_experts=router_w.shape[1], k=k, kernel_config=kernel_config)
   route_kw = dict(score_fn=score_fn, renormalize=renormalize, rounding=rounding, tile=tile)
   body = functools.partial(_ep_layer, ops=ops, k=k, expert_axis=expert_axis, token_axes=token_axes,
                            capacity_factor=capacity_factor, transport=transport, route_kw=route_kw)

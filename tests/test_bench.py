@@ -74,6 +74,27 @@ def test_torch_worker_answers_each_config_in_one_process(tmp_path):
   assert c["status"] == "ok" and c["pid"] != a["pid"]
 
 
+def test_kernel_configs_from_the_command_line():
+  """bench's --cute and --pallas FIELD=VALUE texts become the configs (ints, bools, tuples by
+  the field), and the records name only the fields changed; an unknown field is an error
+  naming the fields."""
+  from ffi.config import CuteConfig
+  from pallas_kernels.config import PallasConfig
+  configs = bench.kernel_config_from(["dw1_gather_in_kernel=true"],
+                                     ["store_cluster_n=2", "tma_gather=dw1", "wgrad_dynamic_order=dw2"])
+  assert configs["pallas"] == PallasConfig(dw1_gather_in_kernel=True)
+  assert configs["cute"] == CuteConfig(store_cluster_n=2, tma_gather=("dw1",),
+                                       wgrad_dynamic_order=("dw2",))
+  assert bench.changed_fields(configs) == {
+      "pallas": {"dw1_gather_in_kernel": True},
+      "cute": {"store_cluster_n": 2, "tma_gather": ("dw1",), "wgrad_dynamic_order": ("dw2",)}}
+  assert bench.kernel_config_from([], []) is None
+  with pytest.raises(ValueError, match="store_cluster_n"):
+    bench.kernel_config_from([], ["cluster=2"])
+  with pytest.raises(ValueError, match="store_cluster_n must be one of"):
+    bench.kernel_config_from([], ["store_cluster_n=3"])
+
+
 def test_table_gives_medians_over_rounds_and_ratios_to_the_pytorch_rows():
   rows = [dict(config="c", impl=impl, status="ok", round=r, fwd_ms=f, fwd_bwd_ms=3 * f,
                kernel_fwd_ms=f, kernel_fwd_bwd_ms=2 * f, fwd_bwd_tflops=1.0, act_bytes=2**20,
@@ -285,12 +306,13 @@ def test_kernel_table_by_layer_takes_medians_over_rounds(tmp_path):
 
 
 def test_kernel_table_keeps_runs_under_other_settings_apart(tmp_path):
-  """--by-gemm and --by-layer: one impl's runs under other ffi.ops settings (bench.py's
-  cute_settings) are other rows, named by the settings, with their own medians."""
+  """--by-gemm and --by-layer: one impl's runs under another kernel configuration (bench.py's
+  kernel_config: the fields it changed) are other rows, named by those fields, with their own
+  medians."""
   from benchmarks import kernel_table
   def record(min_k, dx_ms):
     return dict(config="7B-n256", impl="auto", status="ok",
-                cute_settings={"STORE_WIDE_MIN_K": min_k} if min_k else {},
+                kernel_config={"cute": {"store_wide_min_k": min_k}} if min_k else {},
                 kernel_fwd_ms=1.0, kernel_fwd_bwd_ms=3.0, fwd_ms=1.5, fwd_bwd_ms=dx_ms + 3,
                 act_bytes=0, step_bytes=0, kernels_fwd_bwd=[["x", 0]], kernel_launches_fwd_bwd=[
                     ["sonicmoe_dh_gather_kernel__k", 0.7], ["sonicmoe_pingpong_matmul_kernel__k", dx_ms]])
@@ -298,7 +320,7 @@ def test_kernel_table_keeps_runs_under_other_settings_apart(tmp_path):
   for path, ms in zip(rounds, (1.0, 3.0)):
     path.write_text(json.dumps([record(None, ms), record(4096, ms / 2)]))
   gemms = kernel_table.main([*map(str, rounds), "--by-gemm"]).splitlines()
-  assert [line.split()[1] for line in gemms[1:3]] == ["auto", "auto[STORE_WIDE_MIN_K=4096]"]
+  assert [line.split()[1] for line in gemms[1:3]] == ["auto", "auto[cute.store_wide_min_k=4096]"]
   assert gemms[1].split()[2:] == ["2", "-", "-", "0.700", "2.000", "-", "-"]
   assert gemms[2].split()[6] == "1.000" and gemms[3].split()[-3] == "0.500"
   layer = kernel_table.main([*map(str, rounds), "--by-layer"]).splitlines()

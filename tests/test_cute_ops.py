@@ -1,5 +1,5 @@
-"""ffi/ops.py, the cute backend's op table: its settings reach the kernels they name (in the
-lowered program), the layer's default takes cute ops where they measured faster, falls back
+"""ffi/ops.py, the cute backend's op table: its kernel configuration (ffi.config.CuteConfig,
+passed as sm.moe's kernel_config) reaches the kernels it names (in the lowered program), the layer's default takes cute ops where they measured faster, falls back
 where a kernel cannot run, windows its store GEMMs, and matches the xla backend on the GPU."""
 import importlib
 import re
@@ -12,6 +12,12 @@ import pytest
 import sonicmoe_jax as sm
 from conftest import make_inputs, rel_err
 from cute_helpers import CUTE_GEMMS, FFI_TARGET, cuda_module, needs_cute
+from ffi.config import CuteConfig
+
+
+def cute(**fields):
+  """sm.moe's kernel_config: the cute backend with these CuteConfig fields."""
+  return {"cute": CuteConfig(**fields)}
 
 
 @needs_cute
@@ -108,16 +114,16 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_
   sm_90a here and the program exports for CUDA with them as FFI calls (forward: up_proj,
   down_proj and aggregate; backward adds dh, dx_tilde, aggregate, dw1 and dw2), with dO's rows
   gathered by XLA or by dh and dw2, with dH's register or TMA stores (H read from SMEM: the
-  default DH_H_SMEM) and with the ping-pong kernels (dH with register stores or its SMEM
+  default dh_h_smem) and with the ping-pong kernels (dH with register stores or its SMEM
   epilogue, which "auto" picks at this d; up_proj and the store GEMMs)."""
   cute_ops = importlib.import_module("ffi.ops")
-  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", dout_gather_max_column_tiles)
-  monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
-  monkeypatch.setattr(cute_ops, "DH_BLOCK_N", dh_block_n)
   T, d, n, E, K = 256, 256, max(128, dh_block_n), 8, 2
-  pingpong = cute_ops._dh_kernel(d).startswith("pingpong")   # "auto" at d 256: pingpong_tma
-  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong" if pingpong else "grouped")
-  monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong" if pingpong else "grouped")
+  fields = dict(dout_gather_max_column_tiles=dout_gather_max_column_tiles, dh_kernel=dh_kernel,
+                dh_block_n=dh_block_n)
+  # ("auto" at d 256: pingpong_tma)
+  pingpong = cute_ops._dh_kernel(d, CuteConfig(**fields)).startswith("pingpong")
+  config = cute(**fields, up_proj_kernel="pingpong" if pingpong else "grouped",
+                store_kernel="pingpong" if pingpong else "grouped")
   dh_block_ns = []   # the dH kernel's column tile, as ffi.ops calls it
   kernel_module = importlib.import_module("ffi.pingpong" if pingpong else "ffi.grouped_gemm")
   real_dh = kernel_module.dh
@@ -126,7 +132,8 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_
   args = make_inputs(0, T, d, n, E, jnp.bfloat16)
 
   def loss(*a):
-    return jnp.sum(sm.moe(*a, k=K, backend=CUTE_GEMMS).out.astype(jnp.float32))
+    return jnp.sum(sm.moe(*a, k=K, backend=CUTE_GEMMS, kernel_config=config).out.astype(
+        jnp.float32))
 
   text = cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
   assert text.count(FFI_TARGET) >= 8
@@ -140,12 +147,11 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_
 
 
 @needs_cute
-def test_dh_over_h_can_be_turned_off(monkeypatch):
-  """ffi.ops.DH_OVER_H = False (per-op timings) lowers the layer with no operand aliasing."""
-  cute_ops = importlib.import_module("ffi.ops")
-  monkeypatch.setattr(cute_ops, "DH_OVER_H", False)
+def test_dh_over_h_can_be_turned_off():
+  """CuteConfig(dh_over_h=False) (per-op timings) lowers the layer with no operand aliasing."""
   args = make_inputs(0, 256, 256, 128, 8, jnp.bfloat16)
-  loss = lambda *a: jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
+  loss = lambda *a: jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS, kernel_config=cute(
+      dh_over_h=False)).out.astype(jnp.float32))
   text = cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
   assert text.count(FFI_TARGET) >= 8 and "output_operand_alias" not in text
 
@@ -153,62 +159,58 @@ def test_dh_over_h_can_be_turned_off(monkeypatch):
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("dh_kernel", ["pingpong", "pingpong_tma"])
-def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(dh_kernel, monkeypatch):
+def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(dh_kernel):
   """The layer with every op on cute, dH (gathering dO's rows: n = 256; register stores or its
   SMEM epilogue), up_proj, down_proj and dx_tilde (TMA stores) on the ping-pong kernels,
   against the xla backend."""
-  cute_ops = importlib.import_module("ffi.ops")
-  monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
-  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "pingpong")
-  monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong_tma")
+  config = cute(dh_kernel=dh_kernel, up_proj_kernel="pingpong", store_kernel="pingpong_tma")
   T, d, n, E, K = 4096, 1536, 256, 128, 8
   args = make_inputs(3, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(4), (T, d))
   f = lambda backend: jax.grad(lambda *a: jnp.sum(
-      sm.moe(*a, k=K, backend=backend).out.astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(*args)
+      sm.moe(*a, k=K, backend=backend, kernel_config=config).out.astype(jnp.float32) * cot),
+      argnums=(0, 1, 2, 3))(*args)
   for a, b in zip(f(CUTE_GEMMS), f("xla")):
     assert rel_err(a, b) < 1e-2
 
 
-def _store_targets_under(monkeypatch, setting: str, values, args):
-  """{value: the FFI targets the cute layer's value_and_grad lowers to (for CUDA) with ffi.ops'
-  `setting` at that value} (k = 2)."""
-  cute_ops = importlib.import_module("ffi.ops")
+def _store_targets_under(field: str, values, args):
+  """{value: the FFI targets the cute layer's value_and_grad lowers to (for CUDA) with
+  CuteConfig's `field` at that value} (k = 2)."""
   targets = {}
   for value in values:
-    monkeypatch.setattr(cute_ops, setting, value)
+    config = cute(**{field: value})
     grad = lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
-        *b, k=2, backend="cute").out.astype(jnp.float32)))(*a)
+        *b, k=2, backend="cute", kernel_config=config).out.astype(jnp.float32)))(*a)
     targets[value] = set(re.findall(r"@(sonicmoe_cute_\w+)", cuda_module(grad, *args)))
   return targets
 
 
-def _layer_results_under(monkeypatch, setting: str, values, shape, seed: int):
-  """{value: the cute layer's loss value and its gradients for every input, with ffi.ops'
-  `setting` at that value}, on random inputs of shape (T, d, n, E, K) from seed."""
-  cute_ops = importlib.import_module("ffi.ops")
+def _layer_results_under(field: str, values, shape, seed: int):
+  """{value: the cute layer's loss value and its gradients for every input, with CuteConfig's
+  `field` at that value}, on random inputs of shape (T, d, n, E, K) from seed."""
   T, d, n, E, K = shape
   args = make_inputs(seed, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(seed + 1), (T, d))
-  results = {}
-  for value in values:
-    monkeypatch.setattr(cute_ops, setting, value)
-    # (a new function each time: jit would reuse the first one's trace)
-    results[value] = jax.jit(lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
-        *b, k=K, backend="cute").out.astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(*a))(*args)
-  return results
+
+  def run(config, *a):
+    return jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
+        *b, k=K, backend="cute", kernel_config={"cute": config}).out.astype(jnp.float32) * cot),
+        argnums=(0, 1, 2, 3))(*a)
+  run = jax.jit(run, static_argnums=0)   # (a config is static data: one program per config)
+  return {value: run(CuteConfig(**{field: value}), *args) for value in values}
 
 
 @needs_cute
 @pytest.mark.parametrize("d, auto_tile_m", [(768, 128), (384, 192)])
 def test_cute_store_tile_m_setting_lowers_the_store_gemms_to_192_row_kernels(
-    d, auto_tile_m, monkeypatch):
-  """STORE_TILE_M 192 lowers (for CUDA) down_proj and dx_tilde to kernels of their own (the
+    d, auto_tile_m):
+  """store_tile_m 192 lowers (for CUDA) down_proj and dx_tilde to kernels of their own (the
   192-row ping-pong tiles, taking schedule.row_tiles' table) in each of the default's two
   column windows, the other ops' kernels unchanged; "auto" takes 128 rows where 192-wide
   column tiles divide the windows (d = 768: 384 columns each) and 192 rows where they do not
   (d = 384: 128 and 256 columns)."""
-  targets = _store_targets_under(monkeypatch, "STORE_TILE_M", (128, 192, "auto"),
+  targets = _store_targets_under("store_tile_m", (128, 192, "auto"),
                                  make_inputs(9, 256, d, 128, 4, jnp.bfloat16))
   # (two column windows: each GEMM's windows are two targets)
   assert len(targets[192] - targets[128]) == len(targets[128] - targets[192]) == 4
@@ -219,11 +221,11 @@ def test_cute_store_tile_m_setting_lowers_the_store_gemms_to_192_row_kernels(
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("shape", [(4096, 1536, 256, 128, 8), (2048, 2048, 256, 16, 2)])
-def test_cute_layer_with_192_row_store_tiles_matches_128_on_gpu(shape, monkeypatch):
-  """The default layer with its store GEMMs on 192-row tiles (STORE_TILE_M) gives the same
+def test_cute_layer_with_192_row_store_tiles_matches_128_on_gpu(shape):
+  """The default layer with its store GEMMs on 192-row tiles (store_tile_m) gives the same
   bits as on 128-row tiles: output and every gradient (two column windows; a 1024-column
   window at d = 2048 in 128-wide tiles)."""
-  results = _layer_results_under(monkeypatch, "STORE_TILE_M", (192, 128), shape, seed=5)
+  results = _layer_results_under("store_tile_m", (192, 128), shape, seed=5)
   for got, want in zip(jax.tree.leaves(results[192]), jax.tree.leaves(results[128])):
     np.testing.assert_array_equal(got, want)
 
@@ -231,13 +233,13 @@ def test_cute_layer_with_192_row_store_tiles_matches_128_on_gpu(shape, monkeypat
 @needs_cute
 @pytest.mark.parametrize("d, paired", [(768, 4), (384, 2)])
 def test_cute_store_cluster_n_setting_lowers_the_store_gemms_to_clustered_kernels(
-    d, paired, monkeypatch):
-  """STORE_CLUSTER_N 2 lowers (for CUDA) down_proj and dx_tilde to kernels of their own in
+    d, paired):
+  """store_cluster_n 2 lowers (for CUDA) down_proj and dx_tilde to kernels of their own in
   each of the default's two column windows where their column tiles pair up (d = 768: two
   192-wide tiles a window, 4 kernels), and only there (d = 384, on the 192-row tiles 128 wide:
   the 256-column windows' two tiles pair up, the 128-column windows' one does not: 2); the
   other ops' kernels unchanged."""
-  targets = _store_targets_under(monkeypatch, "STORE_CLUSTER_N", (1, 2),
+  targets = _store_targets_under("store_cluster_n", (1, 2),
                                  make_inputs(9, 256, d, 128, 4, jnp.bfloat16))
   assert len(targets[2] - targets[1]) == len(targets[1] - targets[2]) == paired
   assert targets[1] & targets[2]
@@ -246,21 +248,21 @@ def test_cute_store_cluster_n_setting_lowers_the_store_gemms_to_clustered_kernel
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("shape", [(4096, 1536, 256, 128, 8), (2048, 768, 256, 16, 2)])
-def test_cute_layer_with_clustered_store_gemms_matches_one_cta_on_gpu(shape, monkeypatch):
-  """The default layer with its store GEMMs in clusters of 2 (STORE_CLUSTER_N) gives the same
+def test_cute_layer_with_clustered_store_gemms_matches_one_cta_on_gpu(shape):
+  """The default layer with its store GEMMs in clusters of 2 (store_cluster_n) gives the same
   bits as without: output and every gradient (two column windows of 768 or 384 columns)."""
-  results = _layer_results_under(monkeypatch, "STORE_CLUSTER_N", (2, 1), shape, seed=7)
+  results = _layer_results_under("store_cluster_n", (2, 1), shape, seed=7)
   for got, want in zip(jax.tree.leaves(results[2]), jax.tree.leaves(results[1])):
     np.testing.assert_array_equal(got, want)
 
 
 @needs_cute
 def test_cute_store_wide_min_k_routes_each_store_gemm_by_its_contraction(monkeypatch):
-  """STORE_WIDE_MIN_K picks the store GEMMs' kernel by contraction, each GEMM on its own: at
+  """store_wide_min_k picks the store GEMMs' kernel by contraction, each GEMM on its own: at
   n = 1024, d = 2048 (two 1024-column windows) the down-projection (K = n) leaves the wide
   persistent kernel for the 192-row ping-pong one once the threshold passes 1024, dX~ (K =
   2n) once it passes 2048, and the down-projection's 192-row kernels are the same in both."""
-  targets = _store_targets_under(monkeypatch, "STORE_WIDE_MIN_K", (1024, 2048, 4096),
+  targets = _store_targets_under("store_wide_min_k", (1024, 2048, 4096),
                                  make_inputs(13, 256, 2048, 1024, 4, jnp.bfloat16))
   down_rows192 = targets[2048] - targets[1024]   # (each GEMM's two windows: two targets)
   assert len(down_rows192) == len(targets[1024] - targets[2048]) == 2
@@ -272,125 +274,127 @@ def test_cute_store_wide_min_k_routes_each_store_gemm_by_its_contraction(monkeyp
 @needs_cute
 def test_cute_layer_with_down_proj_on_192_row_tiles_matches_the_wide_kernel_on_gpu(monkeypatch):
   """The layer with its down-projection (a 1024-long contraction, 1024-column windows) on
-  the 192-row ping-pong tiles (STORE_WIDE_MIN_K 2048) gives the same bits as on the wide
+  the 192-row ping-pong tiles (store_wide_min_k 2048) gives the same bits as on the wide
   persistent kernel (1024): output and every gradient."""
-  results = _layer_results_under(monkeypatch, "STORE_WIDE_MIN_K", (2048, 1024),
+  results = _layer_results_under("store_wide_min_k", (2048, 1024),
                                  (2048, 2048, 1024, 16, 2), seed=15)
   for got, want in zip(jax.tree.leaves(results[2048]), jax.tree.leaves(results[1024])):
     np.testing.assert_array_equal(got, want)
 
 
 @needs_cute
-def test_cute_dh_kernel_auto_follows_the_model_width(monkeypatch):
-  """DH_KERNEL "auto": the ping-pong dH (SMEM epilogue, 128-wide column tiles) up to
-  DH_PINGPONG_MAX_D, grouped_gemm's dh (TMA stores, 256 wide) past it; dO's rows gathered by
+def test_cute_dh_kernel_auto_follows_the_model_width():
+  """dh_kernel "auto": the ping-pong dH (SMEM epilogue, 128-wide column tiles) up to
+  dh_pingpong_max_d, grouped_gemm's dh (TMA stores, 256 wide) past it; dO's rows gathered by
   both kernels at n 1024 (8 and 4 column tiles), an explicit variant kept at every width."""
   cute_ops = importlib.import_module("ffi.ops")
-  monkeypatch.setattr(cute_ops, "DH_KERNEL", "auto")
-  limit = cute_ops.DH_PINGPONG_MAX_D
-  assert cute_ops._dh_kernel(limit) == "pingpong_tma"
-  assert cute_ops._dh_kernel(limit + 512) == "tma_store"
-  assert (cute_ops._dh_block_n(256, limit), cute_ops._dh_block_n(256, limit + 512)) == (128, 256)
-  assert cute_ops._dout_gathered_in_kernel(1024, limit)
-  assert cute_ops._dout_gathered_in_kernel(1024, limit + 512)
-  monkeypatch.setattr(cute_ops, "DH_KERNEL", "registers")
-  assert cute_ops._dh_kernel(limit) == "registers"
+  config = CuteConfig()
+  assert config.dh_kernel == "auto"
+  limit = config.dh_pingpong_max_d
+  assert cute_ops._dh_kernel(limit, config) == "pingpong_tma"
+  assert cute_ops._dh_kernel(limit + 512, config) == "tma_store"
+  assert (cute_ops._dh_block_n(256, limit, config),
+          cute_ops._dh_block_n(256, limit + 512, config)) == (128, 256)
+  assert cute_ops._dout_gathered_in_kernel(1024, limit, config)
+  assert cute_ops._dout_gathered_in_kernel(1024, limit + 512, config)
+  assert cute_ops._dh_kernel(limit, CuteConfig(dh_kernel="registers")) == "registers"
+
+
+def test_cute_config_fields_are_checked():
+  """A CuteConfig field outside its list is refused by name when the config is made, before
+  anything compiles (no CuTe DSL needed); a config is hashable data, equal by value; the layer
+  refuses a kernel_config of the wrong type or for a backend without choices."""
+  for fields, message in [
+      (dict(dh_block_n=96), r"dh_block_n must be one of \(64, 128, 256\); got 96"),
+      (dict(dh_kernel="fast"), r"dh_kernel must be one of .*'fast'"),
+      (dict(up_proj_kernel="fast"), r"up_proj_kernel must be one of .*'fast'"),
+      (dict(store_kernel="fast"), r"store_kernel must be one of .*'fast'"),
+      (dict(store_wide_kernel="fast"), r"store_wide_kernel must be one of .*'fast'"),
+      (dict(store_block_n=256), r"store_block_n must be one of \(128, 192\); got 256"),
+      (dict(store_tile_m=256), r"store_tile_m must be one of \('auto', 128, 192\); got 256"),
+      (dict(store_cluster_n=4), r"store_cluster_n must be one of \(1, 2\); got 4"),
+      (dict(wgrad_kernel="fast"), r"wgrad_kernel must be one of .*'fast'"),
+      (dict(wgrad_cluster_m=4), r"wgrad_cluster_m must be one of \(1, 2\); got 4"),
+      (dict(store_stages=0), r"store_stages must be at least 1"),
+      (dict(dout_gather_max_column_tiles=-1), r"dout_gather_max_column_tiles must be a "
+                                              r"non-negative int"),
+      (dict(tma_gather="dw1"), r"tma_gather must be a tuple of 'dw1' and 'dw2'; got 'dw1'"),
+      (dict(tma_gather=("dw1", "dh")), r"tma_gather must be a tuple of 'dw1' and 'dw2'"),
+      (dict(wgrad_dynamic_order=("dw1", "dx")), r"wgrad_dynamic_order must be 'auto' or a tuple "
+                                                r"of 'dw1' and 'dw2'; got \('dw1', 'dx'\)"),
+      (dict(wgrad_dynamic_order="dw1"), r"got 'dw1'")]:
+    with pytest.raises(ValueError, match=message):
+      CuteConfig(**fields)
+  with pytest.raises(TypeError, match="dh_over_h must be a bool"):
+    CuteConfig(dh_over_h=1)
+  assert CuteConfig(store_cluster_n=2) == CuteConfig(store_cluster_n=2) != CuteConfig()
+  assert hash(CuteConfig(tma_gather=("dw1",))) == hash(CuteConfig(tma_gather=("dw1",)))
+  args = make_inputs(6, 256, 128, 128, 4, jnp.float32)
+  with pytest.raises(TypeError, match=r"kernel_config\['cute'\] must be a ffi.config.CuteConfig"):
+    sm.moe(*args, k=2, backend="xla", kernel_config={"cute": {"store_cluster_n": 2}})
+  with pytest.raises(ValueError, match="backend 'xla' has no kernel choices"):
+    sm.moe(*args, k=2, backend="xla", kernel_config={"xla": CuteConfig()})
 
 
 @needs_cute
-def test_cute_kernel_settings_are_checked(monkeypatch):
-  """A DH_BLOCK_N, DH_KERNEL, UP_PROJ_KERNEL, STORE_KERNEL, STORE_WIDE_KERNEL, STORE_BLOCK_N,
-  STORE_TILE_M, STORE_CLUSTER_N or WGRAD_KERNEL outside its list is refused by name (runs on
-  CPU: the error comes before any kernel)."""
+def test_cute_config_is_bound_to_the_ops_as_static_data():
+  """resolve binds a kernel_config to the ops of its backend alone (Configured: equal and
+  hashable by value, so a jitted layer caches one program per configuration); ops on another
+  backend stay the plain functions."""
+  from sonicmoe_jax import backends
   cute_ops = importlib.import_module("ffi.ops")
-  args = make_inputs(6, 256, 128, 128, 4, jnp.bfloat16)
-  grad = lambda: jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={
-      op: "xla" for op in sm.OP_NAMES} | {"dh": "cute"}).out.astype(jnp.float32)))(*args)
-  monkeypatch.setattr(cute_ops, "DH_BLOCK_N", 96)
-  with pytest.raises(ValueError, match=r"DH_BLOCK_N must be 64, 128 or 256; got 96"):
-    grad()
-  monkeypatch.setattr(cute_ops, "DH_KERNEL", "fast")
-  with pytest.raises(ValueError, match=r"DH_KERNEL must be one of .*'fast'"):
-    grad()
-  monkeypatch.setattr(cute_ops, "UP_PROJ_KERNEL", "fast")
-  with pytest.raises(ValueError, match=r"UP_PROJ_KERNEL must be one of .*'fast'"):
-    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"up_proj": "cute"})
-  monkeypatch.setattr(cute_ops, "STORE_KERNEL", "fast")
-  with pytest.raises(ValueError, match=r"STORE_KERNEL must be one of .*'fast'"):
-    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
-  monkeypatch.setattr(cute_ops, "STORE_KERNEL", "pingpong_tma")
-  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "fast")
-  with pytest.raises(ValueError, match=r"STORE_WIDE_KERNEL must be one of .*'fast'"):
-    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
-  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "persistent")
-  monkeypatch.setattr(cute_ops, "STORE_BLOCK_N", 256)
-  with pytest.raises(ValueError, match=r"STORE_BLOCK_N must be one of \(128, 192\); got 256"):
-    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
-  monkeypatch.setattr(cute_ops, "STORE_BLOCK_N", 192)
-  monkeypatch.setattr(cute_ops, "STORE_TILE_M", 256)
-  with pytest.raises(ValueError,
-                     match=r"STORE_TILE_M must be one of \('auto', 128, 192\); got 256"):
-    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
-  monkeypatch.setattr(cute_ops, "STORE_TILE_M", "auto")
-  monkeypatch.setattr(cute_ops, "STORE_CLUSTER_N", 4)
-  with pytest.raises(ValueError, match=r"STORE_CLUSTER_N must be one of \(1, 2\); got 4"):
-    sm.moe(*args, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute"})
-  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "fast")
-  with pytest.raises(ValueError, match=r"WGRAD_KERNEL must be one of .*'fast'"):
-    jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=2, backend={op: "xla" for op in sm.OP_NAMES} | {
-        "dw1": "cute"}).out.astype(jnp.float32)), argnums=2)(*args)
+  spec = {op: "xla" for op in sm.OP_NAMES} | {"dh": "cute", "dw1": "cute"}
+  resolve = lambda config: backends.resolve(spec, dtype=jnp.bfloat16, d=256, n=128,
+                                            kernel_config=config)
+  ops = resolve(cute(store_cluster_n=2))
+  assert ops.dh == backends.Configured(cute_ops.dh, CuteConfig(store_cluster_n=2))
+  assert ops.dh.fn is cute_ops.dh and ops.dw1.config == CuteConfig(store_cluster_n=2)
+  assert ops.up_proj is sm.backends.resolve("xla").up_proj
+  assert hash(ops) == hash(resolve(cute(store_cluster_n=2))) and ops == resolve(
+      cute(store_cluster_n=2))
+  assert ops != resolve(cute(store_cluster_n=1)) and resolve(None).dh is cute_ops.dh
 
 
 @needs_cute
 @pytest.mark.parametrize("d,n,takes_192", [(384, 128, 2), (640, 256, 0), (2048, 256, 0)])
-def test_cute_store_block_n_setting_lowers_to_its_own_kernels(monkeypatch, d, n, takes_192):
-  """STORE_BLOCK_N 192 lowers (for CUDA) down_proj and dx_tilde (takes_192 of the two) to
+def test_cute_store_block_n_setting_lowers_to_its_own_kernels(d, n, takes_192):
+  """store_block_n 192 lowers (for CUDA) down_proj and dx_tilde (takes_192 of the two) to
   other kernels than 128 where 192 divides their columns (d = 384, one window; the loss's
   value keeps the forward's down_proj), and to the same ones where it does not (d = 640 and
-  2048). (On the 128-row tiles: STORE_TILE_M "auto" takes 192 rows, 128 wide, where 192 wide
+  2048). (On the 128-row tiles: store_tile_m "auto" takes 192 rows, 128 wide, where 192 wide
   does not divide the columns.)"""
-  cute_ops = importlib.import_module("ffi.ops")
-  monkeypatch.setattr(cute_ops, "STORE_TILE_M", 128)
   args = make_inputs(9, 256, d, n, 4, jnp.bfloat16)
   targets = {}
   for block_n in (128, 192):
-    monkeypatch.setattr(cute_ops, "STORE_BLOCK_N", block_n)
-    # (a new function each time: jit would reuse the first one's trace)
+    config = cute(store_tile_m=128, store_block_n=block_n)
     grad = lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(*b, k=2, windows=1, backend={
-        op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute", "dx_tilde": "cute"}).out.astype(
-            jnp.float32)))(*a)
+        op: "xla" for op in sm.OP_NAMES} | {"down_proj": "cute", "dx_tilde": "cute"},
+        kernel_config=config).out.astype(jnp.float32)))(*a)
     targets[block_n] = set(re.findall(r"@(sonicmoe_cute_\w+)", cuda_module(grad, *args)))
   assert len(targets[128]) == len(targets[192]) == 2
   assert len(targets[192] - targets[128]) == takes_192
 
 
 @needs_cute
-def test_cute_wgrad_dynamic_setting_lowers_with_its_counter(monkeypatch):
-  """WGRAD_DYNAMIC_ORDER "auto" with WGRAD_DYNAMIC_MIN_TILES 1: the layer's gathering dW1 (and
+def test_cute_wgrad_dynamic_setting_lowers_with_its_counter():
+  """wgrad_dynamic_order "auto" with wgrad_dynamic_min_tiles 1: the layer's gathering dW1 (and
   not dW2) runs the persistent kernel in the dynamic tile order, its counter an operand from
-  zeros written in place (output 1); a name other than dw1 and dw2 is refused by name."""
-  cute_ops = importlib.import_module("ffi.ops")
-  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", "auto")
-  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_MIN_TILES", 1)
+  zeros written in place (output 1)."""
   args = make_inputs(0, 256, 256, 128, 8, jnp.bfloat16)
 
   def loss(*a):
-    return jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
+    return jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS, kernel_config=cute(
+        wgrad_dynamic_order="auto", wgrad_dynamic_min_tiles=1)).out.astype(jnp.float32))
 
   text = cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
   assert re.search(r"output_operand_alias<output_tuple_indices = \[1\], operand_index = 4,", text)
   assert len(re.findall(r"output_operand_alias<output_tuple_indices = \[1\]", text)) == 1
-  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", ("dw1", "dx"))
-  with pytest.raises(ValueError, match=r"WGRAD_DYNAMIC_ORDER must be 'auto' or a tuple of "
-                                       r"'dw1' and 'dw2'; got \('dw1', 'dx'\)"):
-    cuda_module(jax.grad(loss), *args)
 
 
 @needs_cute
 def test_cute_wgrad_cluster_setting_reaches_the_kernel_where_m_allows(monkeypatch):
-  """WGRAD_CLUSTER_M 2: the layer's persistent gathering weight gradients run in clusters of 2
-  where their M (the gathered rows' width) is a multiple of 256, else alone; 1 (the default):
-  alone; a size other than 1 and 2 is refused by name."""
+  """wgrad_cluster_m 2: the layer's persistent gathering weight gradients run in clusters of 2
+  where their M (the gathered rows' width) is a multiple of 256, else alone; 1: alone."""
   cute_ops = importlib.import_module("ffi.ops")
   calls = []
   real = cute_ops.persistent.weight_grad
@@ -401,29 +405,22 @@ def test_cute_wgrad_cluster_setting_reaches_the_kernel_where_m_allows(monkeypatc
 
   monkeypatch.setattr(cute_ops.persistent, "weight_grad", spy)
 
-  def loss(*a):
-    return jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
-
   for d, cluster_m, want in [(256, 2, 2), (384, 2, 1), (256, 1, 1)]:
-    monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", cluster_m)
+    loss = lambda *a: jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS, kernel_config=cute(
+        wgrad_cluster_m=cluster_m)).out.astype(jnp.float32))
     calls.clear()
     cuda_module(jax.grad(loss, argnums=(0, 2, 3)), *make_inputs(0, 256, d, 128, 8, jnp.bfloat16))
     assert calls and all(m == d and c == want for m, c in calls), calls
-  monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", 4)
-  with pytest.raises(ValueError, match=r"ffi.ops.WGRAD_CLUSTER_M must be one of \(1, 2\); got 4"):
-    cuda_module(jax.grad(loss), *make_inputs(0, 256, 256, 128, 8, jnp.bfloat16))
 
 
 @needs_cute
 @pytest.mark.parametrize("wgrad_kernel", ["persistent", "grouped"])
 def test_cute_tma_gather_setting_reaches_the_kernels_it_names(wgrad_kernel, monkeypatch):
-  """TMA_GATHER names the weight gradients whose gathered rows TMA loads: dW1 (untransposed)
+  """tma_gather names the weight gradients whose gathered rows TMA loads: dW1 (untransposed)
   and dW2 (transposed), on either weight-gradient kernel; the layer lowers with any; both by
-  default; a bare name or another op is refused by name."""
+  default."""
   cute_ops = importlib.import_module("ffi.ops")
-  assert cute_ops.TMA_GATHER == ("dw1", "dw2")
-  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", 1 << 30)   # dH, dW2 gather too
-  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", wgrad_kernel)
+  assert CuteConfig().tma_gather == ("dw1", "dw2")
   calls = []
 
   def spy(op, module, name):
@@ -438,62 +435,54 @@ def test_cute_tma_gather_setting_reaches_the_kernels_it_names(wgrad_kernel, monk
 
   wgrad_module = cute_ops.persistent if wgrad_kernel == "persistent" else cute_ops.grouped_gemm
   spy(lambda kw: "dw2" if kw["transpose_out"] else "dw1", wgrad_module, "weight_grad")
-
-  def loss(*a):
-    return jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS).out.astype(jnp.float32))
-
   args = make_inputs(0, 256, 2048, 128, 8, jnp.bfloat16)
   ops = ("dw1", "dw2")
   for setting in [(), ("dw1",), ("dw2",), ops]:
-    monkeypatch.setattr(cute_ops, "TMA_GATHER", setting)
+    config = cute(tma_gather=setting, wgrad_kernel=wgrad_kernel,
+                  dout_gather_max_column_tiles=1 << 30)   # dH, dW2 gather too
+    loss = lambda *a: jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS, kernel_config=config).out.astype(
+        jnp.float32))
     calls.clear()
     assert FFI_TARGET in cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
     assert sorted(calls) == [(op, op in setting) for op in ops], calls
-  for bad in ["dw1", ("dw1", "dh")]:
-    monkeypatch.setattr(cute_ops, "TMA_GATHER", bad)
-    with pytest.raises(ValueError, match=r"ffi.ops.TMA_GATHER must be a tuple of 'dw1' and "
-                                         r"'dw2'; got "):
-      cuda_module(jax.grad(loss), *args)
 
 
 @needs_cute
-def test_cute_wgrad_dynamic_auto_takes_dw1_with_many_tiles_an_expert(monkeypatch):
-  """WGRAD_DYNAMIC_ORDER "auto" (the default): dW1 in the dynamic order where an expert's
-  output has WGRAD_DYNAMIC_MIN_TILES tiles of BLOCK_M x block_n (partial tiles counted), dW2
-  never; a tuple names the ops itself; a bare name is refused."""
+def test_cute_wgrad_dynamic_auto_takes_dw1_with_many_tiles_an_expert():
+  """wgrad_dynamic_order "auto" (the default): dW1 in the dynamic order where an expert's
+  output has wgrad_dynamic_min_tiles tiles of BLOCK_M x block_n (partial tiles counted), dW2
+  never; a tuple names the ops itself."""
   cute_ops = importlib.import_module("ffi.ops")
-  assert cute_ops.WGRAD_DYNAMIC_ORDER == "auto" and cute_ops.WGRAD_DYNAMIC_MIN_TILES == 128
-  order = cute_ops._dynamic_order
+  config = CuteConfig()
+  assert config.wgrad_dynamic_order == "auto" and config.wgrad_dynamic_min_tiles == 128
+  order = lambda *a, config=config: cute_ops._dynamic_order(*a, config)
   assert order("dw1", 2048, 2048, 256)           # olmoe: 16 x 8 tiles
   assert order("dw1", 4096, 2048, 256)           # 120B-n1024: 32 x 8
   assert not order("dw1", 1536, 2048, 256)       # 7B-n1024: 12 x 8
   assert not order("dw1", 4096, 512, 256)        # 30B-n256: 32 x 2
   assert order("dw1", 1920, 2056, 256)           # 15 x 9 with the partial tiles
   assert not order("dw2", 2048, 4096, 256)
-  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", ("dw2",))
-  assert order("dw2", 256, 256, 256) and not order("dw1", 4096, 4096, 256)
-  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", "dw1")
-  with pytest.raises(ValueError, match="got 'dw1'"):
-    order("dw1", 2048, 2048, 256)
+  named = CuteConfig(wgrad_dynamic_order=("dw2",))
+  assert order("dw2", 256, 256, 256, config=named)
+  assert not order("dw1", 4096, 4096, 256, config=named)
 
 
 @pytest.mark.gpu
 @needs_cute
-def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypatch):
-  """The layer's output and gradients with STORE_WIDE_KERNEL "persistent" (down_proj and
-  dx_tilde on it where their tiles are wide: d 2048, n 1024, and STORE_WIDE_MIN_K 1024 for
+def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu():
+  """The layer's output and gradients with store_wide_kernel "persistent" (down_proj and
+  dx_tilde on it where their tiles are wide: d 2048, n 1024, and store_wide_min_k 1024 for
   down_proj's contraction; in the default two column windows) are bitwise the grouped
   kernel's."""
-  cute_ops = importlib.import_module("ffi.ops")
-  monkeypatch.setattr(cute_ops, "STORE_WIDE_MIN_K", 1024)
   args = make_inputs(75, 600, 2048, 1024, 8, jnp.bfloat16)
-  def run(*a):
-    out, pullback = jax.vjp(lambda *b: sm.moe(*b, k=2, backend="cute").out, *a)
+
+  def run(kernel, *a):
+    config = cute(store_wide_min_k=1024, store_wide_kernel=kernel)
+    out, pullback = jax.vjp(lambda *b: sm.moe(*b, k=2, backend="cute",
+                                              kernel_config=config).out, *a)
     return out, pullback(jnp.ones_like(out))
-  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "grouped")
-  want = jax.jit(run)(*args)
-  monkeypatch.setattr(cute_ops, "STORE_WIDE_KERNEL", "persistent")
-  got = jax.jit(lambda *a: run(*a))(*args)
+  run = jax.jit(run, static_argnums=0)
+  want, got = run("grouped", *args), run("persistent", *args)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(g, w)
 
@@ -503,22 +492,19 @@ def test_cute_layer_with_persistent_store_gemms_matches_grouped_on_gpu(monkeypat
 @pytest.mark.parametrize("cluster_m,dynamic_order,tma_gather", [
     (1, (), ()), (2, (), ()), (2, ("dw1", "dw2"), ()), (2, ("dw1",), ("dw1", "dw2"))])
 def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(cluster_m, dynamic_order,
-                                                                        tma_gather, monkeypatch):
-  """The layer's gradients with WGRAD_KERNEL "persistent" (dW1 and dW2 gathering their rows on
+                                                                        tma_gather):
+  """The layer's gradients with wgrad_kernel "persistent" (dW1 and dW2 gathering their rows on
   it; alone or in clusters of 2, in either tile order, the rows by cp.async or TMA) are bitwise
   those with "grouped"."""
-  cute_ops = importlib.import_module("ffi.ops")
   args = make_inputs(74, 1000, 512, 256, 16, jnp.bfloat16)
-  monkeypatch.setattr(cute_ops, "WGRAD_CLUSTER_M", cluster_m)
-  monkeypatch.setattr(cute_ops, "WGRAD_DYNAMIC_ORDER", dynamic_order)
-  monkeypatch.setattr(cute_ops, "TMA_GATHER", tma_gather)
-  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "grouped")
-  grad = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
-      jnp.float32)), argnums=(2, 3)))
-  want = grad(*args)
-  monkeypatch.setattr(cute_ops, "WGRAD_KERNEL", "persistent")
-  got = jax.jit(jax.grad(lambda *a: jnp.sum(sm.moe(*a, k=4, backend="cute").out.astype(
-      jnp.float32)), argnums=(2, 3)))(*args)
+
+  def grad(kernel, *a):
+    config = cute(wgrad_cluster_m=cluster_m, wgrad_dynamic_order=dynamic_order,
+                  tma_gather=tma_gather, wgrad_kernel=kernel)
+    return jax.grad(lambda *b: jnp.sum(sm.moe(*b, k=4, backend="cute", kernel_config=config).out
+                                       .astype(jnp.float32)), argnums=(2, 3))(*a)
+  grad = jax.jit(grad, static_argnums=0)
+  want, got = grad("grouped", *args), grad("persistent", *args)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
 
@@ -534,22 +520,20 @@ def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(cluster_
     ((1000, 2048, 1024, 16, 4), 8, "registers", "cute"),
     ((512, 4096, 1024, 8, 2), 8, "registers", "cute"),
     ((1000, 128, 128, 8, 2), 0, "registers", "cute")])   # the narrowest widths it takes
-def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_max_column_tiles, dh_kernel, backend,
-                                     monkeypatch):
+def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_max_column_tiles, dh_kernel, backend):
   """Every expert op on cute (dO's rows gathered by XLA, or by dh and dw2; dH's register or TMA
   stores; at d 2048 and 4096, n 1024 dx_tilde on the persistent wide store tiles and down_proj
   on the 192-row ping-pong ones), and backend "cute" for everything (its top-K too), against
   the xla backend: forward and all four gradients."""
-  cute_ops = importlib.import_module("ffi.ops")
-  monkeypatch.setattr(cute_ops, "DOUT_GATHER_MAX_COLUMN_TILES", dout_gather_max_column_tiles)
-  monkeypatch.setattr(cute_ops, "DH_KERNEL", dh_kernel)
+  config = cute(dout_gather_max_column_tiles=dout_gather_max_column_tiles, dh_kernel=dh_kernel)
   T, d, n, E, K = shape
   args = make_inputs(3, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(4), (T, d))
 
   def grads(backend):
-    f = lambda *a: jnp.sum(sm.moe(*a, k=K, backend=backend).out.astype(jnp.float32) * cot)
-    return sm.moe(*args, k=K, backend=backend).out, jax.grad(f, argnums=(0, 1, 2, 3))(*args)
+    layer = lambda *a: sm.moe(*a, k=K, backend=backend, kernel_config=config).out
+    f = lambda *a: jnp.sum(layer(*a).astype(jnp.float32) * cot)
+    return layer(*args), jax.grad(f, argnums=(0, 1, 2, 3))(*args)
   out_c, g_c = grads(backend)
   out_x, g_x = grads("xla")
   assert rel_err(out_c, out_x) < 1e-2

@@ -21,7 +21,7 @@ def test_setmaxnreg_budgets_fit_what_the_cta_gets_at_launch():
 @needs_cute
 def test_kernel_resources_keep_the_tiles_ffi_ops_relies_on():
   """From the sm_90a cubins: the store GEMMs' tile (block_n 128, 3 stages) fits two CTAs per SM
-  (what ffi/ops.py's STORE_STAGES is for), and the dH kernel at block_n 128 does not spill in
+  (what CuteConfig.store_stages is for), and the dH kernel at block_n 128 does not spill in
   at most 128 registers (the other kernels' spills: KERNEL_SPILLS)."""
   from benchmarks import kernel_resources as kr
   from ffi import mainloop
@@ -34,7 +34,7 @@ def test_kernel_resources_keep_the_tiles_ffi_ops_relies_on():
 # kernels at the tiles ffi/ops.py runs them with (dH 128, reading or gathering dO; up_proj 64;
 # the store GEMMs 128, and 192 with TMA stores: 192 accumulator registers, as their 192-row
 # tiles at 128) and the defaults
-# (ffi/ops.py's choices) at their tiles. The ping-pong dH gathering dO with its SMEM epilogue
+# (ffi/config.py's choices) at their tiles. The ping-pong dH gathering dO with its SMEM epilogue
 # (the default where d <= 1536) has spilled 40 bytes (10 registers of its MMA warpgroups: at
 # the (56, 224) register split 80, at (24, 240) 8) since the SwiGLU sigmoid moved to
 # ex2/rcp.approx, which is faster all the same (and (24, 240) runs slower); more than that is

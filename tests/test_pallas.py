@@ -410,46 +410,47 @@ def test_up_proj_with_gather_in_kernel_on_gpu(shape):
     np.testing.assert_array_equal(got, want)
 
 
-GATHER_FLAGS = {"up_proj": "UP_PROJ_GATHER_IN_KERNEL", "dw1": "DW1_GATHER_IN_KERNEL"}
+GATHER_FIELDS = {"up_proj": "up_proj_gather_in_kernel", "dw1": "dw1_gather_in_kernel"}
+
+
+def _gathering(op, in_kernel: bool):
+  """The PallasConfig with op's rows of X gathered inside its kernel or by XLA."""
+  return config.PallasConfig(**{GATHER_FIELDS[op]: in_kernel})
 
 
 def _layer_unchanged_by_gather_in_kernel(monkeypatch, op, T, d, n, E, K, seed):
   """The layer's output and gradients with op's rows of X gathered by XLA and inside its
-  kernel (config flag GATHER_FLAGS[op]), the up-projection at one tiling: bitwise equal (the
-  same rows reach the same wgmmas)."""
+  kernel (PallasConfig's GATHER_FIELDS[op]), the up-projection at one tiling: bitwise equal
+  (the same rows reach the same wgmmas)."""
   args = make_inputs(seed, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(seed + 1), (T, d))
   monkeypatch.setattr(config, "up_proj_gather_tiles", lambda n: config.UP_PROJ)
-  monkeypatch.setattr(config, GATHER_FLAGS[op], False)
-  out_a, g_a = _grads("pallas", args, cot, k=K)
-  monkeypatch.setattr(config, GATHER_FLAGS[op], True)
-  out_b, g_b = _grads("pallas", args, cot, k=K)
+  out_a, g_a = _grads("pallas", args, cot, k=K, kernel_config={"pallas": _gathering(op, False)})
+  out_b, g_b = _grads("pallas", args, cot, k=K, kernel_config={"pallas": _gathering(op, True)})
   np.testing.assert_array_equal(out_a, out_b)
   for a, b in zip(g_a, g_b):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("op", GATHER_FLAGS)
+@pytest.mark.parametrize("op", GATHER_FIELDS)
 def test_gather_in_kernel_flag_leaves_op_unchanged(monkeypatch, op):
   """Off the GPU the in-kernel paths gather in XLA inside the op: checks the plumbing of each
-  flag through the backend's op (the layer-level check runs on the GPU, below)."""
+  PallasConfig field through the backend's op (the layer-level check runs on the GPU, below)."""
   from pallas_kernels import ops as pallas_ops
   T, d, n, E, K = 128, 128, 64, 8, 2
   x, r, w1, _ = make_inputs(5, T, d, n, E, jnp.bfloat16)
   plan, _ = sm.route(sm.router_logits(x, r), k=K, align=config.BLOCK_M)
   dh_ = jax.random.normal(jax.random.key(6), (plan.num_slots, 2 * n)).astype(jnp.bfloat16)
-  run = {"up_proj": lambda: pallas_ops.up_proj(x, w1, plan),
-         "dw1": lambda: pallas_ops.dw1(x, dh_, plan)}[op]
+  run = {"up_proj": lambda c: pallas_ops.up_proj(x, w1, plan, config=c),
+         "dw1": lambda c: pallas_ops.dw1(x, dh_, plan, config=c)}[op]
   monkeypatch.setattr(config, "up_proj_gather_tiles", lambda n: config.UP_PROJ)
-  monkeypatch.setattr(config, GATHER_FLAGS[op], False)
-  want = run()
-  monkeypatch.setattr(config, GATHER_FLAGS[op], True)
-  for got, ref in zip(jax.tree.leaves(run()), jax.tree.leaves(want)):
+  want = run(_gathering(op, False))
+  for got, ref in zip(jax.tree.leaves(run(_gathering(op, True))), jax.tree.leaves(want)):
     np.testing.assert_array_equal(got, ref)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", GATHER_FLAGS)
+@pytest.mark.parametrize("op", GATHER_FIELDS)
 def test_layer_with_gather_in_kernel_on_gpu(monkeypatch, op):
   _layer_unchanged_by_gather_in_kernel(monkeypatch, op, 4096, 1024, 256, 32, 4, seed=9)
 

@@ -67,16 +67,18 @@ def test_plain_topk_keeps_no_router_score_matrix(score_fn, renormalize, keeps_t_
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_backward_gathers_x_again_on_gpu(backend, monkeypatch):
+def test_backward_gathers_x_again_on_gpu(backend):
   """XLA must not merge dW1's gather of X's rows with the forward's (layer.py's barrier):
   merged, the gathered X [pairs, d] would be kept from the forward to the backward. The
   compiled step then has three row gathers of width d: X forward, X backward, dO (whose two
   uses share one). Without the barrier XLA on the GPU compiles two (measured on the H200)."""
-  from pallas_kernels import config
-  monkeypatch.setattr(config, "UP_PROJ_GATHER_IN_KERNEL", False)  # the forward gathers in XLA
+  from pallas_kernels.config import PallasConfig
+  # the forward gathers in XLA
+  gather_in_xla = {"pallas": PallasConfig(up_proj_gather_in_kernel=False)}
   T, d, n, E, K = 4096, 1024, 256, 32, 4
   x, r, w1, w2 = make_inputs(0, T, d, n, E, jnp.bfloat16)
-  loss = lambda *a: jnp.sum(sm.moe(*a, k=K, backend=backend).out.astype(jnp.float32))
+  loss = lambda *a: jnp.sum(sm.moe(*a, k=K, backend=backend,
+                                   kernel_config=gather_in_xla).out.astype(jnp.float32))
   hlo = jax.jit(jax.grad(loss, argnums=(0, 2, 3))).lower(x, r, w1, w2).compile().as_text()
   # 16-bit rows are gathered as 32-bit words (xla_ops.gather_rows): [pairs, 1, d / 2] u32
   row_gathers = [l for l in hlo.splitlines() if " gather(" in l and f",1,{d // 2}]" in l
