@@ -47,10 +47,6 @@ def _apply(x, router_w, w1, w2, dtype, deterministic, rng, rounding, mesh=None, 
   args = (x.reshape(-1, d).astype(dtype), router_w, w1.astype(dtype), w2.astype(dtype))
   rounding = None if deterministic else rounding
   if mesh is not None:
-    windows = kw.pop("windows")
-    if windows is not None and layer.window_pair(windows) != (1, 1):
-      raise ValueError("windows: the expert-parallel layer (mesh given) computes no column windows; "
-                       "leave windows None (or 1) with a mesh")
     out, stats, _ = sharding.moe_expert_parallel(*args, mesh=mesh, data_axes=data_axes,
                                                  rounding=rounding, rng=rng, **kw)
     return out.reshape(*lead, d), stats
@@ -68,8 +64,7 @@ class SonicMoE(nnx.Module):
     k: experts per token.
     rounding: token-rounding mode used in training (None disables it; evaluation never rounds).
     tile: rounding tile (default 128, the kernels' M tile).
-    score_fn, renormalize, backend, windows, kernel_config: as in `sonicmoe_jax.moe` (windows:
-      None or 1 with a mesh).
+    score_fn, renormalize, backend, windows, kernel_config: as in `sonicmoe_jax.moe`.
     dtype: compute dtype of the expert GEMMs (default bfloat16).
     param_dtype: storage dtype of the parameters (default float32).
     rngs: nnx.Rngs; its "params" stream initialises the weights, and a "rounding" stream (or

@@ -20,16 +20,59 @@ from sonicmoe_jax import backends, routing, validation
 from sonicmoe_jax.routing import RouterStats, RoutingPlan
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalRows:
+  """The expert computation's dispatch on one device: the plan's token_index points into the
+  tokens themselves, so every move is the identity.
+
+  A dispatch moves what the expert computation reads from the token side to the rows its plan
+  indexes, and what it makes back (sharding.ExpertParallelRows is the other one: the rows
+  travel to the devices that own their experts). It is a pytree (its arrays are the layer's
+  integer routing data; no gradient flows into it) with:
+    rows(v): token-side values [T, ...] -> the rows [R, ...] the plan's token_index points into
+    slot_scores(scores, plan): the layer's scores -> one per slot of the plan
+    slot_scores_grad(ds, plan): the transpose: the plan's per-slot dS -> the layer's scores' grad
+    combine(ops, rows): per-row outputs [R, d] -> the token side [T, d]
+    weight_grads(dw1, dw2): the expert weights' gradients summed over the devices that share
+      the weights
+    finish(grads, primals): the gradients as the primals' types (sharding's varying axes)
+  """
+
+  def rows(self, values):
+    return values
+
+  def slot_scores(self, scores, plan):
+    return scores
+
+  def slot_scores_grad(self, dscores, plan):
+    return dscores
+
+  def combine(self, ops, rows):
+    return rows
+
+  def weight_grads(self, dw1, dw2):
+    return dw1, dw2
+
+  def finish(self, grads, primals):
+    return grads
+
+
+jax.tree_util.register_dataclass(LocalRows, data_fields=[], meta_fields=[])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
 def expert_mlp(ops: backends.Ops, x, scores, w1, w2, plan: RoutingPlan,
-               windows: int | tuple[int, int] = 1):
+               windows: int | tuple[int, int] = 1, dispatch=LocalRows()):
   """O = sum over each token's slots of score * SwiGLU-MLP_e(x); see module docstring.
 
   `plan`'s own `scores` field is ignored: the differentiable scores come in `scores`.
-  windows: the [slots, d] products (Y; dX~ in the backward) are made and summed per token one
+  windows: the [slots, d] products (Y; dX~ in the backward) are made and summed per row one
   column window at a time (window_sum); a pair (forward, backward): Y's windows, dX~'s.
+  dispatch: how the tokens reach the rows the plan indexes and the outputs come back
+  (LocalRows: on this device; the expert-parallel layer passes its own). The forward and the
+  backward below are the only ones: every layer of this package runs them.
   """
-  return _expert_mlp_fwd(ops, x, scores, w1, w2, plan, windows)[0]
+  return _expert_mlp_fwd(ops, x, scores, w1, w2, plan, windows, dispatch)[0]
 
 
 # A column window's width is a multiple of this (the GPU kernels' column tile divides it).
@@ -71,6 +114,18 @@ def window_pair(windows) -> tuple[int, int]:
                   f"{windows!r}")
 
 
+def resolve_windows(windows, ops: backends.Ops, d: int) -> tuple[int, int]:
+  """moe's `windows` as (forward, backward) counts for a layer of width d: None takes the
+  resolved backends' default (ops.windows) where d has room for it, else 1; each count is
+  checked against d (column_windows' errors name the limit)."""
+  if windows is None:
+    windows = ops.windows if ops.windows <= max_column_windows(d) else 1
+  forward, backward = window_pair(windows)
+  for count in (forward, backward):
+    column_windows(d, count)
+  return forward, backward
+
+
 def window_sum(matmul, aggregate, lhs, rhs, scores, plan: RoutingPlan, windows: int,
                num_cols: int):
   """aggregate(matmul(lhs, rhs, plan), scores, plan), the [slots, num_cols] product made over
@@ -89,27 +144,33 @@ def window_sum(matmul, aggregate, lhs, rhs, scores, plan: RoutingPlan, windows: 
   return jnp.concatenate(outs, axis=1)
 
 
-def _expert_mlp_fwd(ops, x, scores, w1, w2, plan, windows):
-  h, a = ops.up_proj(x, w1, plan)
-  out = window_sum(ops.down_proj, ops.aggregate, a, w2, scores, plan, window_pair(windows)[0],
-                   x.shape[1])
-  return out, (x, h, scores, w1, w2, plan)
+def _expert_mlp_fwd(ops, x, scores, w1, w2, plan, windows, dispatch):
+  slot_scores = dispatch.slot_scores(scores, plan)
+  h, a = ops.up_proj(dispatch.rows(x), w1, plan)
+  out_rows = window_sum(ops.down_proj, ops.aggregate, a, w2, slot_scores, plan,
+                        window_pair(windows)[0], x.shape[1])
+  return dispatch.combine(ops, out_rows), (x, h, scores, slot_scores, w1, w2, plan, dispatch)
 
 
 def _expert_mlp_bwd(ops, windows, residuals, dout):
-  x, h, scores, w1, w2, plan = residuals
-  dout = dout.astype(x.dtype)
-  dh, dscores, a_scaled = ops.dh(dout, w2, h, scores, plan)
+  x, h, scores, slot_scores, w1, w2, plan, dispatch = residuals
+  dout_rows = dispatch.rows(dout.astype(x.dtype))
+  dh, dscores, a_scaled = ops.dh(dout_rows, w2, h, slot_scores, plan)
   # dW2 first: A' (and dO's rows, where a backend gathers them in XLA) die before dX~ is made
-  dw2 = ops.dw2(a_scaled, dout, plan).astype(w2.dtype)
-  dx = window_sum(ops.dx_tilde, ops.aggregate, dh, w1, None, plan, window_pair(windows)[1],
-                  x.shape[1])
-  # The barrier keeps XLA from merging dW1's gather of X's rows with the forward's (when a
-  # backend gathers them in XLA): merged, the gathered X [pairs, d] would be kept from the
-  # forward to the backward, which is what this layer exists to avoid.
-  dw1 = ops.dw1(jax.lax.optimization_barrier(x), dh, plan).astype(w1.dtype)
-  plan_ct = jax.tree_util.tree_map(lambda _: None, plan)
-  return dx, dscores.astype(scores.dtype), dw1, dw2, plan_ct
+  dw2 = ops.dw2(a_scaled, dout_rows, plan)
+  dx = dispatch.combine(ops, window_sum(ops.dx_tilde, ops.aggregate, dh, w1, None, plan,
+                                        window_pair(windows)[1], x.shape[1]))
+  # X's rows again for dW1 (gathered, or sent, anew: never kept from the forward). The barrier
+  # keeps XLA from merging this gather of X's rows with the forward's (when a backend gathers
+  # them in XLA): merged, the gathered X [pairs, d] would be kept from the forward to the
+  # backward, which is what this layer exists to avoid.
+  dw1 = ops.dw1(dispatch.rows(jax.lax.optimization_barrier(x)), dh, plan)
+  dw1, dw2 = dispatch.weight_grads(dw1, dw2)
+  grads = (dx, dispatch.slot_scores_grad(dscores, plan).astype(scores.dtype),
+           dw1.astype(w1.dtype), dw2.astype(w2.dtype))
+  grads = dispatch.finish(grads, (x, scores, w1, w2))
+  none = lambda tree: jax.tree_util.tree_map(lambda _: None, tree)
+  return (*grads, none(plan), none(dispatch))
 
 
 expert_mlp.defvjp(_expert_mlp_fwd, _expert_mlp_bwd)
@@ -199,10 +260,6 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
                               rounding=rounding, tile=tile, rng=rng, align=ops.align,
                               top_k=ops.top_k)
   plan_arrays = dataclasses.replace(plan, scores=jax.lax.stop_gradient(plan.scores))
-  if windows is None:
-    windows = ops.windows if ops.windows <= max_column_windows(x.shape[1]) else 1
-  forward, backward = window_pair(windows)
-  for count in (forward, backward):
-    column_windows(x.shape[1], count)   # (its errors name the limit)
-  out = expert_mlp(ops, x, plan.scores, w1, w2, plan_arrays, (forward, backward))
+  out = expert_mlp(ops, x, plan.scores, w1, w2, plan_arrays, resolve_windows(windows, ops,
+                                                                             x.shape[1]))
   return MoEOutput(out=out, plan=plan, stats=stats)

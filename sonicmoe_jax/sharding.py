@@ -12,9 +12,11 @@ default, so nothing is ever dropped); run the local experts as a K=1 layer over 
 rows (the same backend ops as the single-device layer); send the weighted rows back; sum each
 token's rows (gather-and-sum).
 
-The expert part is one custom_vjp per device, keeping X (local tokens), H (received rows) and
-the integer plans: the backward mirrors the forward (dO out, dX~ and dS back) and sends the X
-rows again for dW1 instead of keeping them, so no [T*K, d] array is kept here either.
+The expert part is the single-device layer's own custom_vjp (layer.expert_mlp) run over the
+received rows with ExpertParallelRows as its dispatch: it keeps X (local tokens), H (received
+rows) and the integer plans; the backward mirrors the forward (dO out, dX~ and dS back) and
+sends the X rows again for dW1 instead of keeping them, so no [T*K, d] array is kept here
+either. Its column windows and the order of its backward are the single-device layer's.
 """
 from __future__ import annotations
 
@@ -141,51 +143,42 @@ jax.tree_util.register_dataclass(RaggedTransport)
 TRANSPORTS = {"padded": PaddedTransport, "ragged": RaggedTransport}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ep_experts(ops, data_axes, x, scores, w1, w2, plan, transport, recv_plan):
-  return _ep_forward(ops, x, scores, w1, w2, plan, transport, recv_plan)[0]
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelRows:
+  """layer.expert_mlp's dispatch across devices (see layer.LocalRows for the protocol): each
+  (token, expert) row travels to the device that owns the expert (`transport`) and its
+  output comes back, summed per token over the token-side `plan`. The expert-side plan that
+  expert_mlp runs is a K=1 plan over the received rows. The expert weights are replicated over
+  `data_axes`, so their gradients are summed over them."""
+  plan: RoutingPlan          # the token side's (token, expert) slots
+  transport: object          # PaddedTransport or RaggedTransport
+  data_axes: tuple = dataclasses.field(metadata=dict(static=True))
+
+  def rows(self, values):
+    return self.transport.to_experts(xla_ops.gather_rows(values, self.plan.token_index))
+
+  def slot_scores(self, scores, plan):
+    return xla_ops.gather_rows(self.transport.to_experts(scores), plan.token_index)
+
+  def slot_scores_grad(self, dscores, plan):
+    num_rows = self.transport.num_rows
+    rows = jnp.zeros((num_rows + 1,), jnp.float32).at[plan.token_index].add(dscores)[:num_rows]
+    return self.transport.to_tokens(rows)
+
+  def combine(self, ops, rows):
+    return ops.aggregate(self.transport.to_tokens(rows), None, self.plan)
+
+  def weight_grads(self, dw1, dw2):
+    if not self.data_axes:
+      return dw1, dw2
+    return tuple(jax.lax.psum(g.astype(jnp.float32), self.data_axes) for g in (dw1, dw2))
+
+  def finish(self, grads, primals):
+    # a Pallas kernel's outputs carry no varying-axes type under shard_map: restore the primals'
+    return tuple(_vary_like(g, p) for g, p in zip(grads, primals))
 
 
-def _ep_forward(ops, x, scores, w1, w2, plan, transport, recv_plan):
-  x_rows = transport.to_experts(xla_ops.gather_rows(x, plan.token_index))
-  s_rows = transport.to_experts(scores)
-  s_recv = xla_ops.gather_rows(s_rows, recv_plan.token_index)    # per received slot
-  h, a = ops.up_proj(x_rows, w1, recv_plan)
-  y_rows = ops.aggregate(ops.down_proj(a, w2, recv_plan), s_recv, recv_plan)  # s * MLP(row)
-  out = ops.aggregate(transport.to_tokens(y_rows), None, plan)
-  return out, (x, h, s_recv, w1, w2, plan, transport, recv_plan)
-
-
-def _ep_fwd(ops, data_axes, x, scores, w1, w2, plan, transport, recv_plan):
-  return _ep_forward(ops, x, scores, w1, w2, plan, transport, recv_plan)
-
-
-def _ep_bwd(ops, data_axes, res, dout):
-  x, h, s_recv, w1, w2, plan, transport, recv_plan = res
-  dout = dout.astype(x.dtype)
-  d_rows = transport.to_experts(xla_ops.gather_rows(dout, plan.token_index))
-  dh, ds_slot, a_scaled = ops.dh(d_rows, w2, h, s_recv, recv_plan)
-  num_rows = transport.num_rows
-  ds_rows = jnp.zeros((num_rows + 1,), jnp.float32).at[recv_plan.token_index].add(ds_slot)[:num_rows]
-  dx_rows = ops.aggregate(ops.dx_tilde(dh, w1, recv_plan), None, recv_plan)
-  dx = ops.aggregate(transport.to_tokens(dx_rows), None, plan)
-  dscores = transport.to_tokens(ds_rows)
-  # dW1 needs the X rows again: send them once more rather than keeping them
-  x_rows = transport.to_experts(xla_ops.gather_rows(x, plan.token_index))
-  dw1 = ops.dw1(x_rows, dh, recv_plan)
-  dw2 = ops.dw2(a_scaled, d_rows, recv_plan)
-  if data_axes:  # the expert weights are replicated over the data axes: sum their gradients
-    dw1, dw2 = (jax.lax.psum(g.astype(jnp.float32), data_axes) for g in (dw1, dw2))
-  dw1, dw2 = dw1.astype(w1.dtype), dw2.astype(w2.dtype)
-  none = lambda tree: jax.tree_util.tree_map(lambda _: None, tree)
-  grads = (dx, dscores.astype(jnp.float32), dw1, dw2)
-  # a Pallas kernel's outputs carry no varying-axes type under shard_map: restore the primals'
-  # (scores vary over the same token axes as x)
-  grads = tuple(_vary_like(g, p) for g, p in zip(grads, (x, x, w1, w2)))
-  return (*grads, none(plan), none(transport), none(recv_plan))
-
-
-_ep_experts.defvjp(_ep_fwd, _ep_bwd)
+jax.tree_util.register_dataclass(ExpertParallelRows)
 
 
 def _varying(x, axes):
@@ -209,7 +202,7 @@ def _vary_like(g, primal):
 
 
 def _ep_layer(x, router_w, w1, w2, rng, *, ops, k, expert_axis, token_axes, capacity_factor,
-              transport, route_kw):
+              transport, route_kw, windows):
   ep = jax.lax.psum(1, expert_axis)
   experts_per_shard = w1.shape[0]
   logits = routing.router_logits(x, _varying(router_w, token_axes))
@@ -228,8 +221,9 @@ def _ep_layer(x, router_w, w1, w2, rng, *, ops, k, expert_axis, token_axes, capa
   recv_plan = routing.plan_from_experts(recv_expert[:, None], jnp.zeros((route_rows.num_rows, 1)),
                                         experts_per_shard, align=ops.align)
   arrays = dataclasses.replace(plan, scores=jax.lax.stop_gradient(plan.scores))
-  out = _ep_experts(ops, tuple(a for a in token_axes if a != expert_axis), x, plan.scores, w1, w2,
-                    arrays, route_rows, recv_plan)
+  dispatch = ExpertParallelRows(arrays, route_rows,
+                                tuple(a for a in token_axes if a != expert_axis))
+  out = layer.expert_mlp(ops, x, plan.scores, w1, w2, recv_plan, windows, dispatch)
   dropped = route_rows.dropped(plan)
   topk_counts = jax.lax.psum(stats.topk_counts, token_axes)
   mean_prob = jax.lax.pmean(jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0), token_axes)
@@ -251,10 +245,12 @@ def moe_expert_parallel(x, router_w, w1, w2, *, mesh: jax.sharding.Mesh, k: int,
                         rounding: Optional[str] = None, tile: int = 128, rng=None,
                         capacity_factor: Optional[float] = None, transport: str = "padded",
                         backend: backends.BackendSpec = "auto",
+                        windows: Optional[int | tuple[int, int]] = None,
                         kernel_config: Optional[Mapping[str, Hashable]] = None):
   """The SonicMoE layer with experts sharded over `expert_axis` of `mesh`.
 
-  Args are those of `sonicmoe_jax.moe` (kernel_config too; global shapes: x [T, d], w1 [E, d, 2n], ...) plus
+  Args are those of `sonicmoe_jax.moe` (windows and kernel_config too: the expert computation
+    is moe's, layer.expert_mlp, on the received rows; global shapes: x [T, d], w1 [E, d, 2n], ...) plus
     mesh: the device mesh; expert_axis: the axis experts are split over (E must be a multiple
       of its size); data_axes: further axes tokens are split over (T must be a multiple of the
       product of all token-axis sizes).
@@ -288,7 +284,9 @@ def moe_expert_parallel(x, router_w, w1, w2, *, mesh: jax.sharding.Mesh, k: int,
   ops = backends.resolve(backend, dtype=x.dtype, d=x.shape[1], n=w2.shape[1],
                          num_experts=router_w.shape[1], k=k, kernel_config=kernel_config)
   route_kw = dict(score_fn=score_fn, renormalize=renormalize, rounding=rounding, tile=tile)
+  windows = layer.resolve_windows(windows, ops, x.shape[1])
   body = functools.partial(_ep_layer, ops=ops, k=k, expert_axis=expert_axis, token_axes=token_axes,
+                           windows=windows,
                            capacity_factor=capacity_factor, transport=transport, route_kw=route_kw)
   tok = P(token_axes)
   rng_spec = None if rng is None else P()
