@@ -78,7 +78,7 @@ import json, pathlib, sys
 import ffi  # noqa: F401  (CUTE_DSL_ARCH=sm_90a off the GPU)
 import jax, jax.numpy as jnp
 from ffi import grouped_gemm as g, persistent as pw, pingpong as pp
-from pallas_kernels import schedule
+from sonicmoe_jax.core import schedule
 dump, variants, k_steps = pathlib.Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
 P = K = k_steps * g.BLOCK_K
 sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)

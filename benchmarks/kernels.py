@@ -22,7 +22,8 @@ from benchmarks.bench import backend_spec, make_args, time_ms
 from pallas_kernels import config as pallas_config
 from pallas_kernels import grouped_gemm, row_gather, weight_grad
 from pallas_kernels import ops as pallas_ops
-from sonicmoe_jax import backends, routing, xla_ops
+from sonicmoe_jax import backends
+from sonicmoe_jax.core import routing, xla_ops
 
 
 def segment_sum_aggregate(y, scores, plan):

@@ -22,9 +22,10 @@ import jax
 import sonicmoe_jax as sm
 from benchmarks import configs as C
 from benchmarks.bench import make_args, time_ms
-from pallas_kernels import grouped_gemm, ops, schedule, weight_grad
+from pallas_kernels import grouped_gemm, ops, weight_grad
+from sonicmoe_jax.core import schedule
 from pallas_kernels.config import TileConfig
-from sonicmoe_jax import xla_ops
+from sonicmoe_jax.core import xla_ops
 
 
 

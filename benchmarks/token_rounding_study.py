@@ -108,7 +108,7 @@ def main(argv=None):
   p.add_argument("--tile", type=int, default=128)
   p.add_argument("--eval-every", type=int, default=50)
   p.add_argument("--variants", default=",".join(VARIANTS))
-  p.add_argument("--out", default="benchmarks/results/token_rounding_study")
+  p.add_argument("--out", default="runs/token_rounding_study", help="folder for results.md, results.json and eval_curves.png")
   p.add_argument("--report-only", action="store_true", help="rewrite the report from results.json")
   a = p.parse_args(argv)
   os.makedirs(a.out, exist_ok=True)

@@ -56,7 +56,7 @@ from ffi import epilogue, mainloop, row_gather, xla_call
 from ffi.epilogue import EPI_STAGES, EPI_TILE, EPILOGUE_BARRIER
 from ffi.mainloop import (BLOCK_K, BLOCK_M, MMA_REGISTERS, PRODUCER_REGISTERS, THREADS,
                           WARPGROUPS)
-from sonicmoe_jax import routing
+from sonicmoe_jax.core import routing
 
 MAX_GRID_Y = 65535          # CUDA's limit on the grid's second dimension (the M tiles)
 MAX_REGISTER_ADDRESSED = 2**31 - 1   # elements of an operand read or written by 32-bit offsets

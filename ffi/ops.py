@@ -32,8 +32,8 @@ import jax.numpy as jnp
 
 from ffi import gather_sum, grouped_gemm, persistent, pingpong, topk
 from ffi.config import DEFAULT, CuteConfig
-from pallas_kernels import schedule
-from sonicmoe_jax import xla_ops
+from sonicmoe_jax.core import schedule
+from sonicmoe_jax.core import xla_ops
 
 ALIGN = grouped_gemm.BLOCK_M
 CONFIG_TYPE = CuteConfig   # what backends.resolve accepts as this backend's kernel_config

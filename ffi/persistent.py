@@ -46,7 +46,7 @@ from ffi import epilogue, mainloop, row_gather
 from ffi import grouped_gemm as gg
 from ffi.epilogue import EPI_TILE
 from ffi.mainloop import BLOCK_K, BLOCK_M, THREADS
-from sonicmoe_jax import routing
+from sonicmoe_jax.core import routing
 
 NUM_SMS = 132     # H100 / H200 SXM: the default grid (fewer SMs only queue CTAs)
 MAX_STAGES = 8

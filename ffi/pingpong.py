@@ -61,7 +61,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ffi import epilogue, grouped_gemm, mainloop, row_gather
 from ffi.epilogue import EPI_TILE
 from ffi.mainloop import BLOCK_K, BLOCK_M
-from pallas_kernels import schedule
+from sonicmoe_jax.core import schedule
 
 TILE_M = BLOCK_M            # a work tile's rows: one M tile of the plan (one expert's rows)
 MMA_M = 64                  # one wgmma's rows: a consumer warpgroup covers TILE_M in TILE_M / 64

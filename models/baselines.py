@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from sonicmoe_jax import SonicMoE, swiglu
+from sonicmoe_jax import SonicMoE
+from sonicmoe_jax.core import swiglu
 
 
 class DenseMLP(nnx.Module):

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sonicmoe_jax import swiglu
-from sonicmoe_jax.routing import RouterStats
+from sonicmoe_jax.core import swiglu
+from sonicmoe_jax.core.routing import RouterStats
 
 _F32 = jnp.float32
 
@@ -163,7 +163,8 @@ class PallasGroupedOps:
 
   @classmethod
   def matmul(cls, lhs, rhs, sched: Schedule, transpose_rhs: bool):
-    from pallas_kernels import grouped_gemm, schedule as tiling
+    from pallas_kernels import grouped_gemm
+    from sonicmoe_jax.core import schedule as tiling
     tiles = tiling.tile_owners(sched.row_offsets, sched.row_token.shape[0], cls.align)
     return grouped_gemm.matmul(lhs, rhs, tiles, transpose_rhs=transpose_rhs)
 

@@ -21,7 +21,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import sonicmoe_jax as sm
-from sonicmoe_jax import xla_ops
+from sonicmoe_jax.core import xla_ops
 from models.data import MarkovCorpus
 from models.lm import LMConfig, MoELM, lm_loss
 

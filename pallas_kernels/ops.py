@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import config as tiling
-from pallas_kernels import grouped_gemm, schedule, topk, weight_grad
+from pallas_kernels import grouped_gemm, topk, weight_grad
+from sonicmoe_jax.core import schedule
 from pallas_kernels.config import DEFAULT, PallasConfig
-from sonicmoe_jax import xla_ops
+from sonicmoe_jax.core import xla_ops
 
 ALIGN = tiling.BLOCK_M
 CONFIG_TYPE = PallasConfig   # what backends.resolve accepts as this backend's kernel_config

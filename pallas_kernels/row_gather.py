@@ -28,7 +28,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import config as cfg_lib
-from sonicmoe_jax import xla_ops
+from sonicmoe_jax.core import xla_ops
 
 BLOCK_ROWS = 128
 BLOCK_COLS = 64                          # 64 bf16 = 128 bytes: one swizzle row

@@ -23,7 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import config as cfg_lib
 from pallas_kernels import row_gather
 from pallas_kernels.config import TileConfig
-from sonicmoe_jax import routing
+from sonicmoe_jax.core import routing
 
 GATHER_COLS = row_gather.BLOCK_COLS   # lhs columns per gathered tile (128 bytes of bf16)
 

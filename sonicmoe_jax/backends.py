@@ -46,7 +46,7 @@ import jax
 OP_NAMES = ("top_k", "up_proj", "down_proj", "aggregate", "dh", "dx_tilde", "dw1", "dw2")
 
 BACKEND_MODULES = {
-    "xla": "sonicmoe_jax.xla_ops",
+    "xla": "sonicmoe_jax.core.xla_ops",
     "pallas": "pallas_kernels.ops",
     "cute": "ffi.ops",
 }

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from sonicmoe_jax import layer, sharding, validation
-from sonicmoe_jax.routing import RouterStats
+from sonicmoe_jax import layer, sharding
+from sonicmoe_jax.core import validation
+from sonicmoe_jax.core.routing import RouterStats
 
 # Logical partitioning of the parameters (names of mesh axes; None = replicated). A pjit/jit
 # training loop gets NamedShardings from them with nnx.get_partition_spec (see models/train.py).

@@ -16,8 +16,9 @@ from typing import Hashable, Mapping, Optional
 import jax
 import jax.numpy as jnp
 
-from sonicmoe_jax import backends, routing, validation
-from sonicmoe_jax.routing import RouterStats, RoutingPlan
+from sonicmoe_jax import backends
+from sonicmoe_jax.core import routing, validation
+from sonicmoe_jax.core.routing import RouterStats, RoutingPlan
 
 
 @dataclasses.dataclass(frozen=True)

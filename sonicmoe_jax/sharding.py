@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from sonicmoe_jax import backends, layer, routing, validation, xla_ops
-from sonicmoe_jax.routing import RoutingPlan
+from sonicmoe_jax import backends, layer
+from sonicmoe_jax.core import routing, validation, xla_ops
+from sonicmoe_jax.core.routing import RoutingPlan
 
 
 def _exchange(v, axis):

@@ -65,7 +65,8 @@ def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
   """On GPUs "auto" runs the six GEMM ops on cute at every width they take (d and n multiples
   of 128) and the router's top-K where E >= 256 and its kernel takes k (where each measured
   faster), pallas elsewhere and without the extra; float32 goes to xla."""
-  from sonicmoe_jax import backends, xla_ops
+  from sonicmoe_jax import backends
+  from sonicmoe_jax.core import xla_ops
   # the modules as the dispatch table imports them (an earlier test may re-import ffi.ops)
   cute_ops, pallas_ops = map(importlib.import_module, ("ffi.ops", "pallas_kernels.ops"))
   resolve = lambda d, n, dtype=jnp.bfloat16: backends.resolve("auto", platform="gpu",

@@ -253,7 +253,7 @@ def test_cute_pingpong_matmul_on_192_row_tiles_matches_grouped_matmul_on_gpu(tra
   2 (cluster_n: neighbouring column tiles sharing each lhs stage); its output written over a
   freed buffer of NaN first, so a row it did not store shows."""
   from ffi import grouped_gemm, pingpong
-  from pallas_kernels import schedule
+  from sonicmoe_jax.core import schedule
   sizes = np.array([128, 0, 256, 384, 1920, 0, 2048, 128])
   offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
   E, K, P = len(sizes), 384, int(sizes.sum()) + 3 * 128

@@ -89,7 +89,8 @@ def test_flax_layer_config_errors():
 
 
 def test_auto_backend_falls_back_explicitly_on_gpu_platform():
-  from sonicmoe_jax import backends, xla_ops
+  from sonicmoe_jax import backends
+  from sonicmoe_jax.core import xla_ops
   with pytest.warns(UserWarning, match="cannot run this layer .*float32.*using 'xla'") as caught:
     ops = backends.resolve("auto", platform="gpu", dtype=jnp.float32, d=128, n=64)
   assert ops.up_proj is xla_ops.up_proj and ops.align == 1

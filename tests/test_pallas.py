@@ -377,7 +377,7 @@ def test_cp_async_row_gather_on_gpu(shape):
 
 
 def _up_proj_case(T, d, n, E, K, seed=0):
-  from pallas_kernels import schedule
+  from sonicmoe_jax.core import schedule
   x, r, w1, _ = make_inputs(seed, T, d, n, E, jnp.bfloat16)
   plan, _ = sm.route(sm.router_logits(x, r), k=K, align=config.BLOCK_M)
   return x, w1, plan, schedule.tile_experts(plan, config.BLOCK_M)
@@ -460,7 +460,7 @@ def test_tile_owners_match_a_search_and_have_no_device_loop(num_groups):
   """Each M tile's group, E past the last group, as numpy's searchsorted; lowered without a
   while loop (jnp.searchsorted's default is one: a host round trip per step on a GPU, in the
   forward and the backward of every step)."""
-  from pallas_kernels import schedule
+  from sonicmoe_jax.core import schedule
   rng = np.random.default_rng(num_groups)
   sizes = rng.integers(0, 4, num_groups) * 128
   sizes[::3] = 0
@@ -480,7 +480,7 @@ def test_row_tiles_cover_each_row_once_from_each_groups_start(num_groups, tail_t
   row 0 .. P - 1 once, each inside one group (or the rows past the last, group G), starting at
   its group's start plus a multiple of 192, every tile full but a group's last; the rest of
   the table is group G with no rows; no device loop."""
-  from pallas_kernels import schedule
+  from sonicmoe_jax.core import schedule
   rng = np.random.default_rng(num_groups)
   sizes = rng.integers(0, 20, num_groups) * 128          # 0 .. 19 M tiles: 192 divides some
   sizes[::3] = 0
@@ -510,7 +510,7 @@ def test_row_tiles_cover_each_row_once_from_each_groups_start(num_groups, tail_t
 def test_plan_row_tiles_need_groups_on_the_kernels_row_blocks():
   """A plan whose groups start off the kernel's 64-row blocks is refused by name (its last
   block would store into the next group's rows); an aligned plan gives row_tiles' table."""
-  from pallas_kernels import schedule
+  from sonicmoe_jax.core import schedule
   logits = jax.random.normal(jax.random.key(0), (100, 8))
   with pytest.raises(ValueError, match="aligned to the kernel's row block 64; got align=32"):
     schedule.plan_row_tiles(sm.route(logits, k=2, align=32)[0], 192, 64)

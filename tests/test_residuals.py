@@ -38,7 +38,7 @@ def test_residuals_are_x_h_and_plan(rounding, dtype, backend, d, n):
   total = sum(r.nbytes for r in kept) + (0 if any(r.source == "argument x" for r in kept) else x.nbytes)
   assert total <= bound, f"kept {total} bytes > bound {bound}: {kept}"
   # the test can fail: plain autodiff of the same sparse math keeps [T*K, d] arrays
-  from sonicmoe_jax import xla_ops
+  from sonicmoe_jax.core import xla_ops
 
   def plain(x, r, a, b):
     plan, _ = sm.route(sm.router_logits(x, r), k=K, rounding=rounding, tile=tile)

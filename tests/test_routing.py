@@ -132,7 +132,7 @@ def test_rounding_properties(mode, T, E, K, tile):
 def test_top_per_column_equals_stable_sort():
   """The sort-free selection behind token rounding takes what a stable descending sort of
   each column would: ties (values from a small set, both signs) go to the lower row."""
-  from sonicmoe_jax.routing import _top_per_column
+  from sonicmoe_jax.core.routing import _top_per_column
   rng = np.random.default_rng(0)
   T, E = 97, 12
   values = rng.choice(np.array([-0.75, -0.5, -0.0, 0.0, 0.25, 0.5, 1.0], np.float32), (T, E))
@@ -237,7 +237,7 @@ def test_aligned_layer_matches_dense_layout():
 def test_aggregate_with_many_slots_per_token():
   """Rounding up with K=1 and a wide tile gives tokens several slots (more than k): the
   gather-and-sum reads every one of them, in as many column blocks as needed."""
-  from sonicmoe_jax import xla_ops
+  from sonicmoe_jax.core import xla_ops
   T, E, K, d = 96, 8, 1, 16
   plan, _ = sm.route(_logits(5, T, E), k=K, rounding="up", tile=32)
   per_token = np.bincount(np.asarray(plan.token_index)[np.asarray(plan.valid)], minlength=T)
@@ -252,7 +252,7 @@ def test_aggregate_with_many_slots_per_token():
 
 @pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 129, 1000])
 def test_count_below_matches_searchsorted(n):
-  from sonicmoe_jax.routing import count_below
+  from sonicmoe_jax.core.routing import count_below
   rng = np.random.default_rng(n)
   values = np.sort(rng.integers(0, 40, n)).astype(np.int32)
   queries = rng.integers(-3, 44, 200).astype(np.int32)
@@ -280,7 +280,7 @@ def test_topk_plan_by_counting_equals_the_sorted_plan(T, E, K, align):
   """The counting plan (a blocked prefix count down the [T, E] chosen mask: T not a multiple
   of its 128-row blocks, experts without tokens, K = 1, K = E, E = 1) equals the sorted plan
   field for field, and gradients reach the scores alike."""
-  from sonicmoe_jax import routing
+  from sonicmoe_jax.core import routing
   logits = _logits(T + E, T, E)
   if E > 4:
     logits = logits.at[:, 0].add(-100.0)   # expert 0 gets no tokens
@@ -303,7 +303,7 @@ def test_topk_plan_by_counting_equals_the_sorted_plan(T, E, K, align):
 def test_column_prefix_counts_match_numpy(rows, cols):
   """The blocked count (odd rows), and from 2^24 rows on (fp32 no longer exact) the plain
   cumulative sum."""
-  from sonicmoe_jax.routing import _column_prefix_counts
+  from sonicmoe_jax.core.routing import _column_prefix_counts
   mask = np.random.default_rng(0).random((rows, cols)) < 0.3
   counts, totals = _column_prefix_counts(jnp.asarray(mask))
   np.testing.assert_array_equal(counts, np.cumsum(mask, axis=0))
@@ -311,7 +311,7 @@ def test_column_prefix_counts_match_numpy(rows, cols):
 
 
 def test_topk_plan_method_is_checked_and_many_experts_sort(monkeypatch):
-  from sonicmoe_jax import routing
+  from sonicmoe_jax.core import routing
   values, experts = jax.lax.top_k(_logits(0, 64, 8), 2)
   with pytest.raises(ValueError, match="method must be 'count', 'sort' or None; got 'radix'"):
     routing._topk_plan(values, experts, 8, 1, "radix")
@@ -326,7 +326,7 @@ def test_topk_plan_method_is_checked_and_many_experts_sort(monkeypatch):
 
 @pytest.mark.parametrize("num_experts", [1, 7, 300])
 def test_sort_pairs_by_expert_is_a_stable_argsort(num_experts):
-  from sonicmoe_jax.routing import _sort_pairs_by_expert
+  from sonicmoe_jax.core.routing import _sort_pairs_by_expert
   flat = np.random.default_rng(num_experts).integers(0, num_experts + 1, 5000).astype(np.int32)
   order, sorted_expert = _sort_pairs_by_expert(jnp.asarray(flat), num_experts)
   want = np.argsort(flat, kind="stable")
@@ -366,7 +366,7 @@ def test_aggregate_of_a_plan_from_assignments_has_no_device_loop():
   """A plan from given assignments bounds each token's slots (max_token_slots = J), so the
   aggregation unrolls its blocks (no while loop: a host round trip per step on a GPU) and
   equals the sum; under token rounding the bound is unknown and the loop stays."""
-  from sonicmoe_jax import routing, xla_ops
+  from sonicmoe_jax.core import routing, xla_ops
   T, E, J, d = 50, 6, 3, 16
   rng = np.random.default_rng(0)
   experts = rng.integers(0, E + 1, (T, J)).astype(np.int32)    # E: no expert
@@ -388,7 +388,7 @@ def test_aggregate_of_a_plan_from_assignments_has_no_device_loop():
 def test_group_row_ranges_clamp_sizes_to_groups():
   """The weight gradients' k ranges: each expert's (first slot, end), the end its size past
   the first slot clamped to the group, or the group's end without sizes."""
-  from sonicmoe_jax import routing
+  from sonicmoe_jax.core import routing
   offsets = jnp.array([0, 256, 256, 896, 1024], jnp.int32)
   np.testing.assert_array_equal(routing.group_row_ranges(offsets),
                                 [0, 256, 256, 256, 256, 896, 896, 1024])

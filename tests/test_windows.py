@@ -6,7 +6,7 @@ import pytest
 
 import sonicmoe_jax as sm
 from conftest import make_inputs, rel_err
-from sonicmoe_jax import xla_ops
+from sonicmoe_jax.core import xla_ops
 
 
 @pytest.mark.parametrize("num_cols,windows", [(256, 2), (384, 3), (1536, 2), (640, 3),

@@ -28,7 +28,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from sonicmoe_jax import token_rounding, validation
+from sonicmoe_jax.core import token_rounding, validation
 
 
 @dataclasses.dataclass(frozen=True)

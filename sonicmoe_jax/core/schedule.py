@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from sonicmoe_jax import routing
+from sonicmoe_jax.core import routing
 
 
 def tile_owners(group_offsets, num_rows: int, block_m: int):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sonicmoe_jax import validation
+from sonicmoe_jax.core import validation
 
 
 def round_counts(counts, *, tile: int, num_tokens: int, mode: str = "nearest", rng=None):

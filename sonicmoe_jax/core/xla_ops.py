@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sonicmoe_jax import swiglu
-from sonicmoe_jax.routing import RoutingPlan
+from sonicmoe_jax.core import swiglu
+from sonicmoe_jax.core.routing import RoutingPlan
 
 _F32 = jnp.float32
 
