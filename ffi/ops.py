@@ -30,7 +30,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from ffi import gather_sum, grouped_gemm, persistent, pingpong, topk
+from ffi import calls, gather_sum, grouped_gemm, persistent, pingpong, topk
 from ffi.config import DEFAULT, CuteConfig
 from sonicmoe_jax.core import schedule
 from sonicmoe_jax.core import xla_ops
@@ -192,9 +192,9 @@ def dh(dout, w2, h, scores, plan, *, config: CuteConfig = DEFAULT):
   """dA' = dO_e W2_e^T fused with dSwiGLU: dH, dS, A' = s A (dO's rows gathered in the kernel
   or by XLA first: _dout_gathered_in_kernel), by the config.dh_kernel variant. An H past the
   kernel's 32-bit epilogue offsets goes to xla_ops.dh with a warning."""
-  if h.size > grouped_gemm.MAX_REGISTER_ADDRESSED:
+  if h.size > calls.MAX_REGISTER_ADDRESSED:
     warnings.warn(f"backend 'cute' dh: H {h.shape} has more than "
-                  f"{grouped_gemm.MAX_REGISTER_ADDRESSED} elements; using xla_ops.dh", stacklevel=2)
+                  f"{calls.MAX_REGISTER_ADDRESSED} elements; using xla_ops.dh", stacklevel=2)
     return xla_ops.dh(dout, w2, h, scores, plan)
   n, d = w2.shape[1], w2.shape[2]
   check_layer("dh", dout.dtype, d, n)

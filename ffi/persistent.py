@@ -4,8 +4,8 @@ gather_index: dW1 = X_e^T dH_e with X's rows gathered, dW2^T = dO_e^T A'_e with 
 varlen-M store GEMM (grouped_gemm.grouped_matmul: down_proj and dx_tilde where their tiles are
 256 wide). grouped_gemm launches one CTA per output tile, and each tile's pipeline fill and
 its epilogue (BLOCK_M x block_n fp32 to bf16, stored by TMA) run with the tensor cores idle
-(about a tenth of a weight-gradient tile of 32 k steps). Here each CTA loops over tiles and its producer runs on into the next
-tile's stages while the MMA warpgroups run the epilogue.
+(about a tenth of a weight-gradient tile of 32 k steps). Here each CTA loops over tiles and
+its producer runs on into the next tile's stages while the MMA warpgroups run the epilogue.
 
 Schedule:
   grid      : min(tiles, num_ctas) CTAs (num_ctas: the GPU's SMs); CTA c takes tiles c,
@@ -42,7 +42,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ffi import epilogue, mainloop, row_gather
+from ffi import calls, epilogue, mainloop, row_gather
 from ffi import grouped_gemm as gg
 from ffi.epilogue import EPI_TILE
 from ffi.mainloop import BLOCK_K, BLOCK_M, THREADS
@@ -458,19 +458,19 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   multicast, M a multiple of 2 x BLOCK_M); the same bits. tma_gather: the gathered rows
   loaded by TMA (row_gather.produce_wgrad_steps_tma) instead of the producer's cp.async;
   the same bits (the TMA engine writes the rows into SMEM without the producer's LSU time)."""
-  slots = gg.rows_read(x, gather_index)
-  reason = (gg.weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
+  slots = calls.rows_read(x, gather_index)
+  reason = (calls.weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
                                        group_sizes) or _tile_unsupported(block_n)
             or _cluster_unsupported(cluster_m, x.shape[1]))
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
   stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")
   options = dict(cluster_m=cluster_m) if cluster_m > 1 else {}
-  options.update(gg.tma_gather_config(tma_gather, gather_index, "persistent weight_grad"))
-  return gg.weight_grad_call((None, _weight_grad_dynamic if dynamic else _weight_grad), x, rhs,
-                             routing.group_row_ranges(group_offsets, group_sizes), num_experts,
-                             gather_index, transpose_out, tile_counter=dynamic, block_n=block_n,
-                             stages=stages, **_grid_config(num_ctas, "weight_grad"), **options)
+  options.update(calls.tma_gather_config(tma_gather, gather_index, "persistent weight_grad"))
+  return calls.weight_grad_call((None, _weight_grad_dynamic if dynamic else _weight_grad), x, rhs,
+                                routing.group_row_ranges(group_offsets, group_sizes), num_experts,
+                                gather_index, transpose_out, tile_counter=dynamic, block_n=block_n,
+                                stages=stages, **_grid_config(num_ctas, "weight_grad"), **options)
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
@@ -480,11 +480,11 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   [P / BLOCK_M] (E or more past the last group: zeros); cols=(lo, hi): out's columns lo ..
   hi - 1 only. stages: as weight_grad's (at most the contraction's k steps). num_ctas: the
   grid's most CTAs (default NUM_SMS)."""
-  reason = (gg.unsupported(lhs, gg.rhs_as_ekn(rhs, transpose_rhs), block_n, cols)
+  reason = (calls.unsupported(lhs, calls.rhs_as_ekn(rhs, transpose_rhs), block_n, cols)
             or _tile_unsupported(block_n))
   if reason:
     raise ValueError(f"cute persistent grouped_matmul: {reason}")
   stages = _stages(stages, block_n, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K,
                    "grouped_matmul")
-  return gg.matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, cols, block_n=block_n,
-                        stages=stages, **_grid_config(num_ctas, "grouped_matmul"))
+  return calls.matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, cols, block_n=block_n,
+                           stages=stages, **_grid_config(num_ctas, "grouped_matmul"))

@@ -58,7 +58,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ffi import epilogue, grouped_gemm, mainloop, row_gather
+from ffi import calls, epilogue, grouped_gemm, mainloop, row_gather
 from ffi.epilogue import EPI_TILE
 from ffi.mainloop import BLOCK_K, BLOCK_M
 from sonicmoe_jax.core import schedule
@@ -583,7 +583,7 @@ def _check_tile(block_n: int, itemsize: int, num_rhs: int, stages, name: str,
 
 def register_stores_fit(num_rows: int, num_cols: int) -> bool:
   """Whether an out [num_rows, num_cols] is within the register stores' 32-bit offsets."""
-  return num_rows * num_cols <= grouped_gemm.MAX_REGISTER_ADDRESSED
+  return num_rows * num_cols <= calls.MAX_REGISTER_ADDRESSED
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
@@ -605,8 +605,8 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   CTAs per cluster (CLUSTER_NS; 2: neighbouring column tiles of one row tile share its lhs
   tiles, each CTA loading half of a stage's and multicasting it; the column tiles then an even
   number)."""
-  rhs_ekn = grouped_gemm.rhs_as_ekn(rhs, transpose_rhs)
-  reason = grouped_gemm.unsupported(lhs, rhs_ekn, block_n, cols, clipped_last_tile=tma_store)
+  rhs_ekn = calls.rhs_as_ekn(rhs, transpose_rhs)
+  reason = calls.unsupported(lhs, rhs_ekn, block_n, cols, clipped_last_tile=tma_store)
   if not reason and tile_m not in TILE_MS:
     reason = f"tile_m={tile_m} must be one of {TILE_MS}"
   if not reason and tile_m != TILE_M and not tma_store:
@@ -618,7 +618,7 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   out_cols = rhs_ekn.shape[2] if cols is None else cols[1] - cols[0]
   if not reason and not tma_store and not register_stores_fit(lhs.shape[0], out_cols):
     reason = (f"out [{lhs.shape[0]}, {out_cols}] has more than "
-              f"{grouped_gemm.MAX_REGISTER_ADDRESSED} elements, past the register stores' 32-bit "
+              f"{calls.MAX_REGISTER_ADDRESSED} elements, past the register stores' 32-bit "
               f"offsets: use tma_store=True")
   if not reason and (type(cluster_n) is not int or cluster_n not in CLUSTER_NS):
     reason = f"cluster_n={cluster_n!r} must be one of {CLUSTER_NS}"
@@ -633,8 +633,8 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   option = dict(tile_m=tile_m) if tile_m != TILE_M else {}
   if cluster_n > 1:
     option["cluster_n"] = cluster_n
-  return grouped_gemm.matmul_call(_matmul_pingpong, lhs, rhs, tile_expert, transpose_rhs, cols,
-                                  block_n=block_n, stages=stages, tma_store=tma_store, **option)
+  return calls.matmul_call(_matmul_pingpong, lhs, rhs, tile_expert, transpose_rhs, cols,
+                           block_n=block_n, stages=stages, tma_store=tma_store, **option)
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | None = None,
@@ -648,16 +648,16 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 128, stages: int | Non
   block_n: at most widest_block_n(1, "dh") (128); stages: the ring's depth (default: as many
   as fit, at most MAX_STAGES). The cute dh op uses it with CuteConfig.dh_kernel "pingpong",
   "pingpong_tma" or "auto" (where d <= CuteConfig.dh_pingpong_max_d); it
-  gives grouped_gemm.dh's bits. over_h: dH written over H's buffer (grouped_gemm.dh_call)."""
-  reason = grouped_gemm.dh_unsupported(grouped_gemm.rows_read(dout_g, gather_index), w2, h,
+  gives grouped_gemm.dh's bits. over_h: dH written over H's buffer (calls.dh_call)."""
+  reason = calls.dh_unsupported(calls.rows_read(dout_g, gather_index), w2, h,
                                        scores, block_n)
   if reason:
     raise ValueError(f"cute ping-pong dh: {reason}")
   stages = _check_tile(block_n, dout_g.dtype.itemsize, 1, stages, "dh", tma_store, "dh")
   option = dict(tma_store=True) if tma_store else {}   # (off: the targets leave it out)
-  return grouped_gemm.dh_call((_dh_pingpong, _gathered_dh_pingpong), dout_g, w2, h, scores,
-                              tile_expert, gather_index, over_h, block_n=block_n, stages=stages,
-                              **option)
+  return calls.dh_call((_dh_pingpong, _gathered_dh_pingpong), dout_g, w2, h, scores,
+                       tile_expert, gather_index, over_h, block_n=block_n, stages=stages,
+                       **option)
 
 
 def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | None = None):
@@ -667,11 +667,11 @@ def up_proj(x, w1, tile_expert, gather_index, block_n: int = 64, stages: int | N
   H's gate (and up) columns per tile, at most widest_block_n(2, "swiglu") (64). It gives
   grouped_gemm.up_proj's bits, as fast on 128-row tiles (CuteConfig.up_proj_kernel picks it)."""
   n = w1.shape[2] // 2
-  reason = grouped_gemm.unsupported(grouped_gemm.rows_read(x, gather_index), w1, block_n) or (
+  reason = calls.unsupported(calls.rows_read(x, gather_index), w1, block_n) or (
       None if n % block_n == 0 else f"n={n} must be a multiple of block_n={block_n}")
   if reason:
     raise ValueError(f"cute ping-pong up_proj: {reason}")
   stages = _check_tile(block_n, x.dtype.itemsize, 2, stages, "up_proj", kind="swiglu")
   # (the ping-pong kernel always gathers: no kernel reading rows in slot order)
-  return grouped_gemm.up_proj_call((None, _up_proj_pingpong), x, w1, tile_expert, gather_index,
-                                   block_n=block_n, stages=stages)
+  return calls.up_proj_call((None, _up_proj_pingpong), x, w1, tile_expert, gather_index,
+                            block_n=block_n, stages=stages)

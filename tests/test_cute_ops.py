@@ -24,8 +24,8 @@ def cute(**fields):
 def test_cute_dh_past_its_offsets_falls_back_to_xla(monkeypatch):
   """The cute dh op hands an H too large for its kernel to xla_ops.dh, saying so: the layer's
   gradients equal the xla backend's (runs on CPU: no cute kernel is called)."""
-  from ffi import grouped_gemm
-  monkeypatch.setattr(grouped_gemm, "MAX_REGISTER_ADDRESSED", 1000)
+  from ffi import calls
+  monkeypatch.setattr(calls, "MAX_REGISTER_ADDRESSED", 1000)
   T, d, n, E, K = 200, 128, 64, 4, 2
   args = make_inputs(5, T, d, n, E, jnp.float32)
 
