@@ -366,13 +366,18 @@ def kernel_config_from(pallas_fields, cute_fields):
 
 
 def available_impls():
+  """The impls this machine runs: our GPU backends (and "auto" over them) on a GPU only (off it
+  the Pallas kernels would run interpreted and the CuTe ones not at all), then the others whose
+  packages import."""
   impls = ["xla"]
-  for backend in ("pallas", "cute"):
-    try:
-      sm.resolve_backend(backend)
-      impls.append(backend)
-    except Exception:
-      pass
+  if jax.default_backend() == "gpu":
+    for backend in ("pallas", "cute"):
+      try:
+        sm.resolve_backend(backend)
+        impls.append(backend)
+      except Exception:
+        pass
+    impls.append("auto")
   impls.append("lax_ragged_dot")
   try:
     import tokamax  # noqa: F401
@@ -481,13 +486,15 @@ def commit():
     return None
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+  """The benchmark's command line (every flag with its help)."""
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--configs", default=",".join(C.ANCHORS))
+  p.add_argument("--configs", default=",".join(C.ANCHORS),
+                 help="comma list of benchmarks/configs.py names (default: the paper's five)")
   p.add_argument("--custom", action="append", default=[], help="T,d,n,E,K (repeatable)")
   p.add_argument("--impls", default=None, help="comma list; default: every available one")
   p.add_argument("--rounding", default=None, help="token rounding for our impls (default: none)")
-  p.add_argument("--tile", type=int, default=128)
+  p.add_argument("--tile", type=int, default=128, help="token-rounding tile")
   p.add_argument("--iters", type=int, default=10,
                  help="steps per timed sample, for every impl (the PyTorch SonicMoE's too)")
   p.add_argument("--reps", type=int, default=5, help="timed samples; their median is the time")
@@ -509,6 +516,11 @@ def main(argv=None):
   p.add_argument("--cute", action="append", default=[], metavar="FIELD=VALUE",
                  help="an ffi.config.CuteConfig field for our impls, e.g. store_cluster_n=2 or "
                       "tma_gather=dw1 (repeatable; a tuple field takes a comma list, '' for none)")
+  return p
+
+
+def main(argv=None):
+  p = build_parser()
   a = p.parse_args(argv)
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # (before JAX takes the GPU)
   kernel_config = kernel_config_from(a.pallas, a.cute)
@@ -540,7 +552,7 @@ def main(argv=None):
           records.append(rec)
           print(f"[round {rnd}] {name} {impl}: fwd {fmt(rec['fwd_ms'], '.3f')} ms, fwd+bwd "
                 f"{fmt(rec['fwd_bwd_ms'], '.3f')} ms, kernels fwd+bwd "
-                f"{fmt(rec.get('kernel_fwd_bwd_ms'), '.3f')} ms, {rec['status'][:80]}", flush=True)
+                f"{fmt(rec.get('kernel_fwd_bwd_ms'), '.3f')} ms, {rec['status'][:300]}", flush=True)
           save(records, a.out)  # after every case: a run cut short keeps what it measured
   finally:
     if worker is not None:

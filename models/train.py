@@ -26,35 +26,40 @@ from models.data import MarkovCorpus
 from models.lm import LMConfig, MoELM, lm_loss
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+  """The demo's command line (every flag with its help)."""
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--steps", type=int, default=400)
-  p.add_argument("--batch", type=int, default=32)
-  p.add_argument("--seq", type=int, default=64)
+  p.add_argument("--steps", type=int, default=400, help="optimizer steps")
+  p.add_argument("--batch", type=int, default=32, help="sequences a step")
+  p.add_argument("--seq", type=int, default=64, help="tokens a sequence")
   p.add_argument("--d-model", type=int, default=128,
                  help="model width (the Hopper kernels need a multiple of 128)")
   p.add_argument("--d-expert", type=int, default=64,
                  help="expert width n (the cute kernels need a multiple of 128, pallas of 64)")
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--experts", type=int, default=8)
-  p.add_argument("--k", type=int, default=2)
+  p.add_argument("--layers", type=int, default=2, help="decoder layers, each with an MoE")
+  p.add_argument("--experts", type=int, default=8, help="experts E per MoE layer")
+  p.add_argument("--k", type=int, default=2, help="experts per token")
   p.add_argument("--rounding", default="nearest", help="token rounding in training, or 'none'")
-  p.add_argument("--tile", type=int, default=64)
-  p.add_argument("--backend", default="auto")
+  p.add_argument("--tile", type=int, default=64,
+                 help="token-rounding tile: each expert's count a multiple of it")
+  p.add_argument("--backend", default="auto",
+                 help="the MoE ops' backend: auto, xla, pallas or cute (as sonicmoe_jax.moe)")
   p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                  help="the model's compute dtype; auto: bfloat16 on a GPU (the Hopper kernels "
                       "take it), float32 elsewhere (in float32 the MoE ops run XLA's)")
-  p.add_argument("--lr", type=float, default=1e-2)
-  p.add_argument("--vocab", type=int, default=32)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--eval-every", type=int, default=50)
+  p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
+  p.add_argument("--vocab", type=int, default=32, help="the generated language's vocabulary")
+  p.add_argument("--seed", type=int, default=0, help="seeds the model, the data and the language")
+  p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
   p.add_argument("--out", default="runs/demo", help="folder for loss_curve.png and metrics.json")
   p.add_argument("--quiet", action="store_true",
                  help="no progress bar, per-eval lines or report (main returns the results)")
   p.add_argument("--ffn", default="sonicmoe", choices=["sonicmoe", "omnimoe"],
                  help="feed-forward layer: SonicMoE experts or OmniMoE atomic experts")
-  p.add_argument("--omni-experts", type=int, default=1024)
-  p.add_argument("--omni-k", type=int, default=64)
+  p.add_argument("--omni-experts", type=int, default=1024,
+                 help="with --ffn omnimoe: atomic experts N (a square)")
+  p.add_argument("--omni-k", type=int, default=64,
+                 help="with --ffn omnimoe: atomic experts per token")
   p.add_argument("--mesh", default=None,
                  help="device mesh, e.g. data=2,expert=4: tokens split over every axis, experts "
                       "over 'expert', other parameters replicated or, with --fsdp, split over "
@@ -62,7 +67,11 @@ def parse_args(argv=None):
   p.add_argument("--fsdp", action="store_true", help="with --mesh: shard non-expert parameters over 'data'")
   p.add_argument("--distributed", action="store_true",
                  help="multi-host: call jax.distributed.initialize() first (one process per host)")
-  return p.parse_args(argv)
+  return p
+
+
+def parse_args(argv=None):
+  return build_parser().parse_args(argv)
 
 
 def make_mesh(spec: str | None):

@@ -1,8 +1,11 @@
 """Flax modules owning the router and expert weights: `SonicMoE` (flax.nnx) and `SonicMoELinen`.
 
-Both route with token rounding in training and plain top-K in evaluation (nnx: `module.eval()`
-/ `module.train()` flip `deterministic`; Linen: the `deterministic` call argument). Parameters
-are kept in `param_dtype` and cast to `dtype` for the expert GEMMs; the router stays fp32.
+Both route with plain top-K unless `rounding` names a token-rounding mode, which then applies
+in training only (nnx: `module.eval()` / `module.train()` flip `deterministic`; Linen: the
+`deterministic` call argument). Rounding is off by default: it needs at least one tile of
+tokens per call (T >= tile) and pays off at large batches. Parameters are kept in
+`param_dtype` and cast to `dtype` for the expert GEMMs (None: the input's dtype, as Flax layers
+do); the router stays fp32.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ def _check_config(num_experts, k, rounding, tile):
   if not isinstance(num_experts, int) or num_experts < 1:
     raise ValueError(f"num_experts must be a positive int; got {num_experts!r}")
   validation.check_k(k, num_experts)
-  if rounding is not None:
+  if rounding not in (None, "none"):
     validation.check_choice("rounding", rounding, validation.ROUNDING_MODES)
   validation.check_tile(tile)
 
@@ -44,7 +47,12 @@ def _apply(x, router_w, w1, w2, dtype, deterministic, rng, rounding, mesh=None, 
            **kw):
   """Flattens leading axes, runs the functional layer (no rounding when deterministic); with a
   mesh, the expert-parallel layer over its "expert" axis."""
+  x = jnp.asarray(x)
   lead, d = x.shape[:-1], x.shape[-1]
+  if x.ndim < 1 or d != router_w.shape[0]:
+    raise ValueError(f"x: its last dimension must be the layer's d_model={router_w.shape[0]}; "
+                     f"got shape {tuple(x.shape)}")
+  dtype = x.dtype if dtype is None else dtype
   args = (x.reshape(-1, d).astype(dtype), router_w, w1.astype(dtype), w2.astype(dtype))
   rounding = None if deterministic else rounding
   if mesh is not None:
@@ -63,10 +71,13 @@ class SonicMoE(nnx.Module):
     d_expert: n, each expert's hidden width (w1 is [E, d, 2n] with gate and up halves).
     num_experts: E.
     k: experts per token.
-    rounding: token-rounding mode used in training (None disables it; evaluation never rounds).
+    rounding: token-rounding mode used in training ("nearest", "stochastic", "up", "down",
+      "balanced"); None (default) or "none": plain top-K (evaluation never rounds). Rounding
+      needs at least `tile` tokens a call.
     tile: rounding tile (default 128, the kernels' M tile).
     score_fn, renormalize, backend, windows, kernel_config: as in `sonicmoe_jax.moe`.
-    dtype: compute dtype of the expert GEMMs (default bfloat16).
+    dtype: compute dtype of the expert GEMMs (default None: the input's dtype; bfloat16 is
+      what the GPU kernels take).
     param_dtype: storage dtype of the parameters (default float32).
     rngs: nnx.Rngs; its "params" stream initialises the weights, and a "rounding" stream (or
       the default stream) draws stochastic-rounding keys.
@@ -81,10 +92,10 @@ class SonicMoE(nnx.Module):
   """
 
   def __init__(self, d_model: int, d_expert: int, num_experts: int, k: int, *,
-               rounding: Optional[str] = "nearest", tile: int = 128,
+               rounding: Optional[str] = None, tile: int = 128,
                score_fn: str = "softmax_topk", renormalize: bool = False, backend="auto",
                windows: Optional[int | tuple[int, int]] = None, kernel_config=None,
-               dtype=jnp.bfloat16,
+               dtype=None,
                param_dtype=jnp.float32,
                mesh=None, data_axes=("data",), rngs: nnx.Rngs):
     _check_config(num_experts, k, rounding, tile)
@@ -126,14 +137,14 @@ class SonicMoELinen(nn.Module):
   d_expert: int
   num_experts: int
   k: int
-  rounding: Optional[str] = "nearest"
+  rounding: Optional[str] = None
   tile: int = 128
   score_fn: str = "softmax_topk"
   renormalize: bool = False
   backend: str = "auto"
   windows: Optional[int | tuple[int, int]] = None
   kernel_config: Optional[Any] = None
-  dtype: jnp.dtype = jnp.bfloat16
+  dtype: Optional[jnp.dtype] = None
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact

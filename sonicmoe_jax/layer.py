@@ -188,6 +188,19 @@ class MoEOutput:
 jax.tree_util.register_dataclass(MoEOutput)
 
 
+def as_arrays(**named):
+  """The inputs as JAX arrays, as jnp.asarray takes them (NumPy arrays, Python lists and
+  scalars too); TypeError naming the argument that is none of those."""
+  out = []
+  for name, value in named.items():
+    try:
+      out.append(jnp.asarray(value))
+    except TypeError as e:
+      raise TypeError(f"{name} must be an array (a JAX or NumPy array, or a nested list of "
+                      f"numbers); got {type(value).__name__}: {e}") from None
+  return out
+
+
 def _check_inputs(x, router_w, w1, w2):
   validation.check_rank("x", x, 2, "[T, d]")
   validation.check_rank("router_w", router_w, 2, "[d, E]")
@@ -253,6 +266,7 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
   Returns:
     MoEOutput(out [T, d] in x's dtype, plan, stats). Differentiable in x, router_w, w1, w2.
   """
+  x, router_w, w1, w2 = as_arrays(x=x, router_w=router_w, w1=w1, w2=w2)
   _check_inputs(x, router_w, w1, w2)
   ops = backends.resolve(backend, dtype=x.dtype, d=x.shape[1], n=w2.shape[1],
                          num_experts=router_w.shape[1], k=k, kernel_config=kernel_config)

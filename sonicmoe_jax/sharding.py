@@ -263,6 +263,7 @@ def moe_expert_parallel(x, router_w, w1, w2, *, mesh: jax.sharding.Mesh, k: int,
   Returns:
     (out [T, d], RouterStats with global counts, dropped_pairs).
   """
+  x, router_w, w1, w2 = layer.as_arrays(x=x, router_w=router_w, w1=w1, w2=w2)
   layer._check_inputs(x, router_w, w1, w2)
   names = mesh.axis_names
   data_axes = tuple(a for a in data_axes if a != expert_axis)

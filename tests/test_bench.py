@@ -439,3 +439,19 @@ def test_gpu_runner_names_its_modes_before_running_anything(tmp_path):
   assert run.returncode == 2
   assert "nosuch" in run.stderr and "tests, anchors or bench" in run.stderr
   assert not out.exists()
+
+
+def test_command_lines_explain_every_flag_and_tiny_runs_pass_on_cpu(tmp_path):
+  """Every flag of the benchmark and of the demo has help text; off the GPU the benchmark's
+  default impls are the ones that run there (no interpreted GPU kernels), and its --tiny run
+  with them passes."""
+  import jax
+  from models import train
+  for parser in (bench.build_parser(), train.build_parser()):
+    assert [a.dest for a in parser._actions if not a.help] == []
+  if jax.default_backend() != "gpu":
+    impls = bench.available_impls()
+    assert "pallas" not in impls and "cute" not in impls and "auto" not in impls
+    records = bench.main(["--tiny", "--impls", ",".join(i for i in impls if i != "tokamax"),
+                          "--iters", "1", "--reps", "1", "--out", str(tmp_path / "tiny")])
+    assert all(r["status"] == "ok" for r in records), [(r["impl"], r["status"]) for r in records]

@@ -1,4 +1,5 @@
 """Bad inputs raise clear errors naming the argument and the limit."""
+import numpy as np
 import jax.numpy as jnp
 import pytest
 
@@ -116,3 +117,26 @@ def test_every_backend_implements_every_op(name):
   assert set(module.OPS) == set(backends.OP_NAMES)
   ops = backends.resolve(name)
   assert all(callable(getattr(ops, op)) for op in backends.OP_NAMES)
+
+
+def test_inputs_as_jnp_asarray_takes_them():
+  """moe takes NumPy arrays and nested lists outside jit as jnp.asarray would (the same output
+  as JAX arrays); something that is no array is a TypeError naming the argument."""
+  x, router_w, w1, w2 = make_inputs(3, 32, 16, 8, 4, jnp.float32)
+  want = sm.moe(x, router_w, w1, w2, k=2).out
+  as_np = [np.asarray(a) for a in (x, router_w, w1, w2)]
+  np.testing.assert_array_equal(sm.moe(*as_np, k=2).out, want)
+  np.testing.assert_array_equal(sm.moe(*(a.tolist() for a in as_np), k=2).out, want)
+  with pytest.raises(TypeError, match="router_w must be an array"):
+    sm.moe(x, "router", w1, w2, k=2)
+
+
+def test_contradictory_options_are_refused_and_spellings_match_the_command_lines():
+  """renormalize=True applies to score_fn="softmax_all" only; rounding="none" (the command
+  lines' spelling) is plain top-K, as None is."""
+  args = make_inputs(4, 256, 16, 8, 4, jnp.float32)
+  with pytest.raises(ValueError, match="renormalize=True applies to score_fn='softmax_all'"):
+    sm.moe(*args, k=2, renormalize=True)
+  np.testing.assert_array_equal(sm.moe(*args, k=2, rounding="none").out,
+                                sm.moe(*args, k=2, rounding=None).out)
+  sm.moe(*args, k=2, score_fn="softmax_all", renormalize=True)   # (allowed)

@@ -23,7 +23,7 @@ def test_nnx_init_shapes_and_apply_matches_functional():
 
 
 def test_nnx_train_rounds_and_eval_does_not():
-  m = sm.SonicMoE(32, 16, 8, 2, tile=16, rngs=nnx.Rngs(0))
+  m = sm.SonicMoE(32, 16, 8, 2, tile=16, rounding="nearest", rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(2), (128, 32))
   _, train_stats = m(x)
   assert np.all(np.asarray(train_stats.expert_counts) % 16 == 0)
@@ -96,3 +96,25 @@ def test_nnx_and_linen_pass_windows_to_the_layer():
   sharded.eval()
   assert rel_err(sharded(x)[0], oracle_moe(x, sharded.router_w[...], sharded.w1[...],
                                            sharded.w2[...], k=2)) < 1e-4
+
+
+def test_flax_defaults_follow_the_input_and_take_a_small_batch():
+  """Flax conventions: dtype None computes in the input's dtype (float32 in, float32 out);
+  rounding is off by default, so a batch smaller than one tile runs (and rounding asked for
+  on it names the limit); an input of the wrong width is blamed on x, by name."""
+  import pytest
+  x = jax.random.normal(jax.random.key(9), (3, 5, 32))   # 15 tokens < tile 128
+  m = sm.SonicMoE(32, 16, 8, 2, rngs=nnx.Rngs(0))
+  y, stats = m(x)
+  assert y.dtype == jnp.float32 and y.shape == x.shape
+  np.testing.assert_array_equal(stats.expert_counts, stats.topk_counts)
+  assert m(x.astype(jnp.bfloat16))[0].dtype == jnp.bfloat16
+  mod = sm.SonicMoELinen(d_model=32, d_expert=16, num_experts=8, k=2)
+  params = mod.init(jax.random.key(0), x)
+  assert mod.apply(params, x)[0].dtype == jnp.float32
+  with pytest.raises(ValueError, match=r"x: its last dimension must be the layer's d_model=32; "
+                                       r"got shape \(3, 5, 48\)"):
+    m(jnp.ones((3, 5, 48)))
+  rounded = sm.SonicMoE(32, 16, 8, 2, rounding="nearest", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="token rounding needs at least one tile of tokens"):
+    rounded(x)

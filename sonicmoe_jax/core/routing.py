@@ -157,8 +157,9 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
     logits: [T, E] router logits (cast to fp32).
     k: experts per token, 1 <= k <= E.
     score_fn: "softmax_topk" or "softmax_all" (see module docstring).
-    renormalize: with "softmax_all", divide the chosen scores by their sum.
-    rounding: None for plain top-K (evaluation), or a token-rounding mode: "nearest",
+    renormalize: with "softmax_all", divide the chosen scores by their sum (refused with
+      "softmax_topk", whose chosen scores sum to 1 already).
+    rounding: None (or "none") for plain top-K (evaluation), or a token-rounding mode: "nearest",
       "stochastic", "up", "down", "balanced" (see token_rounding.round_counts).
     tile: the tile that rounded counts are multiples of; needs T >= tile.
     rng: PRNG key for rounding="stochastic".
@@ -173,6 +174,11 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
   num_tokens, num_experts = logits.shape
   validation.check_k(k, num_experts)
   validation.check_choice("score_fn", score_fn, validation.SCORE_FUNCTIONS)
+  if renormalize and score_fn != "softmax_all":
+    raise ValueError(f"renormalize=True applies to score_fn='softmax_all' only (with "
+                     f"score_fn={score_fn!r} the chosen scores already sum to 1)")
+  if rounding == "none":   # (the command lines' spelling of None)
+    rounding = None
   if rounding is not None:
     validation.check_choice("rounding", rounding, validation.ROUNDING_MODES)
     validation.check_tile(tile)
