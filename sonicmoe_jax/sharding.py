@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from sonicmoe_jax import backends, layer
 from sonicmoe_jax.core import routing, validation, xla_ops
+from sonicmoe_jax.core.varying import varying, vary_like
 from sonicmoe_jax.core.routing import RoutingPlan
 
 
@@ -176,37 +177,17 @@ class ExpertParallelRows:
 
   def finish(self, grads, primals):
     # a Pallas kernel's outputs carry no varying-axes type under shard_map: restore the primals'
-    return tuple(_vary_like(g, p) for g, p in zip(grads, primals))
+    return tuple(vary_like(g, p) for g, p in zip(grads, primals))
 
 
 jax.tree_util.register_dataclass(ExpertParallelRows)
-
-
-def _varying(x, axes):
-  """Mark a replicated value as varying over `axes` (its gradient is then summed over them)."""
-  if hasattr(jax.lax, "pcast"):
-    return jax.lax.pcast(x, tuple(axes), to="varying")
-  return jax.lax.pvary(x, tuple(axes))
-
-
-def _varying_axes(x) -> frozenset:
-  """The mesh axes a value inside shard_map varies over (its type's manual axis type)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)
-  return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
-
-
-def _vary_like(g, primal):
-  """g, marked varying over every mesh axis the primal varies over."""
-  missing = tuple(sorted(_varying_axes(primal) - _varying_axes(g)))
-  return _varying(g, missing) if missing else g
 
 
 def _ep_layer(x, router_w, w1, w2, rng, *, ops, k, expert_axis, token_axes, capacity_factor,
               transport, route_kw, windows):
   ep = jax.lax.psum(1, expert_axis)
   experts_per_shard = w1.shape[0]
-  logits = routing.router_logits(x, _varying(router_w, token_axes))
+  logits = routing.router_logits(x, varying(router_w, token_axes))
   if rng is not None:  # a different stochastic-rounding draw on every token shard
     for a in token_axes:
       rng = jax.random.fold_in(rng, jax.lax.axis_index(a))

@@ -109,3 +109,45 @@ def test_padding_slots_are_zero_in_every_output():
   for name, arr in dict(h=h, a=a, y=y, dh=dh, a_scaled=a_scaled).items():
     assert np.all(np.asarray(arr)[pad] == 0), name
   assert np.all(np.asarray(ds)[pad] == 0)
+
+
+def test_vmap_over_the_layer_is_each_batch_element_on_its_own():
+  """jax.vmap over the layer (the xla backend) gives each element's own output and gradients,
+  token rounding included."""
+  x, r, w1, w2 = make_inputs(0, 64, 32, 16, 8, jnp.float32)
+  xb = jnp.stack([x, x * 0.5 + 1.0, -x])
+  for rounding in (None, "nearest"):
+    f = lambda xx: sm.moe(xx, r, w1, w2, k=2, rounding=rounding, tile=16, backend="xla").out
+    out = jax.vmap(f)(xb)
+    for i in range(3):
+      assert rel_err(out[i], f(xb[i])) < 1e-6
+  loss = lambda xx, w: jnp.sum(sm.moe(xx, r, w, w2, k=2, backend="xla").out ** 2)
+  grads = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None))(xb, w1)
+  for i in range(3):
+    want = jax.grad(loss, argnums=(0, 1))(xb[i], w1)
+    assert rel_err(grads[0][i], want[0]) < 1e-5 and rel_err(grads[1][i], want[1]) < 1e-5
+
+
+def test_cpu_grouped_gemms_compute_each_expert_alone_as_ragged_dot_would():
+  """On a one-device CPU the xla backend's grouped GEMMs run each expert's rows on the host
+  (no E-fold dense ragged_dot) and give ragged_dot's numbers, empty experts and rows past the
+  groups included."""
+  from sonicmoe_jax.core import xla_ops
+  key = jax.random.split(jax.random.key(3), 3)
+  sizes = jnp.array([5, 0, 17, 3, 0], jnp.int32)   # 25 rows of 30: the last 5 past the groups
+  lhs = jax.random.normal(key[0], (30, 12))
+  rhs = jax.random.normal(key[1], (5, 12, 7))
+  other = jax.random.normal(key[2], (30, 9))
+  got = jax.jit(xla_ops.grouped_matmul_host)(lhs, rhs, sizes)
+  want = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(got[25:]) == 0)
+  got = jax.jit(xla_ops.grouped_weight_grad_host)(lhs, other, sizes)
+  want = jax.lax.ragged_dot_general(lhs, other, sizes, jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[]), preferred_element_type=jnp.float32)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  if jax.default_backend() == "cpu" and jax.device_count() == 1:
+    args = make_inputs(1, 64, 32, 16, 8, jnp.float32)
+    jaxpr = str(jax.make_jaxpr(lambda *a: sm.moe(*a, k=2, backend="xla").out)(*args))
+    assert "pure_callback" in jaxpr

@@ -1,15 +1,24 @@
-"""Backend "xla": the expert ops in plain JAX (gathers + jax.lax.ragged_dot + gather-and-sum).
+"""Backend "xla": the expert ops in plain JAX (gathers + grouped GEMMs + gather-and-sum).
 
 Runs on any platform and is the reference every other backend is tested against. Op
 signatures are the dispatch table's (see backends.py). Padding slots of the plan gather zero
 rows, so every output row of a padding slot is exactly zero.
+
+The grouped GEMMs are jax.lax.ragged_dot on accelerators. On a CPU XLA computes ragged_dot as
+every group's dense product (E times the FLOPs, and as much memory), so where the CPU platform
+has one device each expert's rows are multiplied by its weights alone, in float32, by NumPy
+through jax.pure_callback (grouped_matmul_host, grouped_weight_grad_host): FLOPs as the math
+counts them, and jax.vmap runs it once per batch element. With several CPU devices (a mesh of
+them) the collectives between them would wait on the callbacks: ragged_dot runs there.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sonicmoe_jax.core import swiglu
+from sonicmoe_jax.core.varying import vary_like
 from sonicmoe_jax.core.routing import RoutingPlan
 
 _F32 = jnp.float32
@@ -38,18 +47,76 @@ def output_window(w, cols, axis: int):
   return jax.lax.slice_in_dim(w, cols[0], cols[1], axis=axis)
 
 
+def _group_bounds(group_sizes):
+  """(expert, first row, end row) of each expert with rows, groups laid out from row 0."""
+  ends = np.cumsum(np.asarray(group_sizes, np.int64))
+  return [(e, end - size, end) for e, (size, end) in enumerate(zip(np.asarray(group_sizes), ends))
+          if size > 0]
+
+
+def _numpy_grouped_matmul(lhs, rhs, group_sizes):
+  out = np.zeros((lhs.shape[0], rhs.shape[2]), np.float32)
+  for e, lo, hi in _group_bounds(group_sizes):
+    out[lo:hi] = np.asarray(lhs[lo:hi], np.float32) @ np.asarray(rhs[e], np.float32)
+  return out
+
+
+def _numpy_grouped_weight_grad(lhs, rhs, group_sizes):
+  out = np.zeros((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), np.float32)
+  for e, lo, hi in _group_bounds(group_sizes):
+    out[e] = np.asarray(lhs[lo:hi], np.float32).T @ np.asarray(rhs[lo:hi], np.float32)
+  return out
+
+
+def grouped_matmul_host(lhs, rhs, group_sizes):
+  """The varlen-M grouped GEMM computed on the host, group by group (float32)."""
+  shape = jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), _F32)
+  out = jax.pure_callback(_numpy_grouped_matmul, shape, lhs, rhs, group_sizes,
+                          vmap_method="sequential")
+  return vary_like(out, lhs, rhs, group_sizes)   # (as ragged_dot's under shard_map)
+
+
+def grouped_weight_grad_host(lhs, rhs, group_sizes):
+  """The varlen-K grouped GEMM computed on the host, group by group (float32)."""
+  shape = jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), _F32)
+  out = jax.pure_callback(_numpy_grouped_weight_grad, shape, lhs, rhs, group_sizes,
+                          vmap_method="sequential")
+  return vary_like(out, lhs, rhs, group_sizes)
+
+
+def _ragged_matmul(lhs, rhs, group_sizes):
+  return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=_F32)
+
+
+def _ragged_weight_grad(lhs, rhs, group_sizes):
+  dims = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((0,), (0,)), ((), ())),
+      lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+  return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=_F32)
+
+
+def _one_cpu_device() -> bool:
+  """Whether the CPU platform has one device (where the host path runs)."""
+  try:
+    return len(jax.devices("cpu")) == 1
+  except RuntimeError:
+    return False
+
+
 def _grouped_matmul(lhs, rhs, plan: RoutingPlan):
   """Varlen-M grouped GEMM: slot rows of expert e times rhs[e], fp32 result."""
-  return jax.lax.ragged_dot(lhs, rhs, plan.padded_group_sizes, preferred_element_type=_F32)
+  if not _one_cpu_device():
+    return _ragged_matmul(lhs, rhs, plan.padded_group_sizes)
+  return jax.lax.platform_dependent(lhs, rhs, plan.padded_group_sizes, cpu=grouped_matmul_host,
+                                    default=_ragged_matmul)
 
 
 def _grouped_weight_grad(lhs, rhs, plan: RoutingPlan):
   """Varlen-K grouped GEMM: out[e] = lhs_e^T rhs_e over expert e's slots, fp32 [E, a, b]."""
-  dims = jax.lax.RaggedDotDimensionNumbers(
-      dot_dimension_numbers=(((0,), (0,)), ((), ())),
-      lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-  return jax.lax.ragged_dot_general(lhs, rhs, plan.padded_group_sizes, dims,
-                                    preferred_element_type=_F32)
+  if not _one_cpu_device():
+    return _ragged_weight_grad(lhs, rhs, plan.padded_group_sizes)
+  return jax.lax.platform_dependent(lhs, rhs, plan.padded_group_sizes,
+                                    cpu=grouped_weight_grad_host, default=_ragged_weight_grad)
 
 
 def top_k(logits, k: int):
