@@ -18,6 +18,7 @@ import numpy as np
 
 import sonicmoe_jax as sm
 from benchmarks import configs as C
+from benchmarks import output
 from benchmarks.bench import backend_spec, make_args
 
 F32 = jnp.float32
@@ -123,7 +124,7 @@ def main(argv=None):
   p.add_argument("--configs", default=",".join(C.ANCHORS))
   p.add_argument("--windows", type=int, default=None,
                  help="the layer's column windows (moe's windows; default: the layer's default)")
-  p.add_argument("--out", default=None)
+  p.add_argument("--out", default=None, help="folder to write check_anchors.json into (default: none written)")
   a = p.parse_args(argv)
   recs = []
   for name in a.configs.split(","):
@@ -136,8 +137,9 @@ def main(argv=None):
       recs.append(rec)
       print(json.dumps(rec), flush=True)
       if a.out:  # after every case: a call cut short keeps what it measured
-        with open(a.out, "w") as f:
-          json.dump(recs, f, indent=1)
+        output.write_json(a.out, "check_anchors", recs, quiet=True)
+  if a.out:
+    print(f"wrote {output.json_path(a.out, 'check_anchors')}")
   return recs
 
 

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from benchmarks.bench import time_ms
 from pallas_kernels import grouped_gemm as pallas_gemm
 
+from benchmarks import output
+
 P, K = 128, 128   # one M tile of one expert, two k steps
 STAGES = 2
 
@@ -65,7 +67,7 @@ def cutlass_jax_matmul(block_n: int = 128):
 def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--calls", type=int, default=20)
-  p.add_argument("--out", default=None)
+  p.add_argument("--out", default=None, help="folder to write ffi_overhead.json into (default: none written)")
   a = p.parse_args(argv)
   x = (jax.random.normal(jax.random.key(0), (P, K)) / 16).astype(jnp.bfloat16)
   w = (jax.random.normal(jax.random.key(1), (1, K, K)) / 16).astype(jnp.bfloat16)
@@ -83,8 +85,7 @@ def main(argv=None):
   for r in recs:
     print(f"{r['impl']:26s} {r['us_per_call']:8.2f} us per call")
   if a.out:
-    with open(a.out, "w") as f:
-      json.dump(recs, f, indent=1)
+    output.write_json(a.out, "ffi_overhead", recs)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,8 @@ import ffi  # noqa: F401  (CUTE_DSL_ARCH=sm_90a off the GPU)
 import jax, jax.numpy as jnp
 from ffi import grouped_gemm as g, persistent as pw, pingpong as pp
 from sonicmoe_jax.core import schedule
+
+from benchmarks import output
 dump, variants, k_steps = pathlib.Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
 P = K = k_steps * g.BLOCK_K
 sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
@@ -239,7 +241,7 @@ def ctas_per_sm(registers: int, smem: int, threads: int) -> int:
 
 def main(argv=None):
   p = argparse.ArgumentParser()
-  p.add_argument("--out", default=None)
+  p.add_argument("--out", default=None, help="folder to write kernel_resources.json into (default: none written)")
   p.add_argument("--only", default="", help="variants whose name contains this text")
   a = p.parse_args(argv)
   import ffi  # noqa: F401
@@ -256,8 +258,7 @@ def main(argv=None):
     print(f"{r['variant']:{width}s} {r['registers']:5d} {r['stack_bytes']:8d} "
           f"{r['smem_bytes'] / 1024:9.1f} {r['ctas_per_sm']:8d}")
   if a.out:
-    with open(a.out, "w") as f:
-      json.dump(recs, f, indent=1)
+    output.write_json(a.out, "kernel_resources", recs)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 import sonicmoe_jax as sm
 from benchmarks import configs as C
+from benchmarks import output
 from benchmarks.bench import backend_spec, make_args, time_ms
 from pallas_kernels import config as pallas_config
 from pallas_kernels import grouped_gemm, row_gather, weight_grad
@@ -139,7 +140,7 @@ def main(argv=None):
   p.add_argument("--iters", type=int, default=5)
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--tiny", action="store_true")
-  p.add_argument("--out", default=None)
+  p.add_argument("--out", default=None, help="folder to write kernels.json into (default: none written)")
   a = p.parse_args(argv)
   if a.tiny:
     cases = C.TINY
@@ -156,8 +157,7 @@ def main(argv=None):
     print(f"{r['config']:11s} {r['op']:28s} {r['ms']:8.3f} {r.get('tflops', 0):6.0f} "
           f"{r.get('dense_tflops', 0):6.0f} {r.get('gbps', 0):6.0f}")
   if a.out:
-    with open(a.out, "w") as f:
-      json.dump(recs, f, indent=1)
+    output.write_json(a.out, "kernels", recs)
   return recs
 
 

@@ -26,6 +26,8 @@ from flax import nnx
 from models.baselines import DeepSeekMoE, DenseMLP
 from models.omnimoe import OmniMoE
 
+from benchmarks import output
+
 
 def layers(d, active, n_atomic, tiny):
   """Four layers with about `active` activated parameters per token."""
@@ -89,7 +91,7 @@ def main(argv=None):
   p.add_argument("--active", default="3e6,7e6,14e6,28e6")
   p.add_argument("--tokens", default="1024,4096,16384")
   p.add_argument("--tiny", action="store_true")
-  p.add_argument("--out", default="runs/omnimoe_bench.json")
+  p.add_argument("--out", default="runs/omnimoe_bench", help="folder to write omnimoe_bench.json into")
   a = p.parse_args(argv)
   if a.tiny:
     a.d, a.atomic_experts, a.active, a.tokens = 64, 256, "60000", "128"
@@ -109,8 +111,9 @@ def main(argv=None):
                    active_experts=active_experts(model, x) if status == "ok" else None, **meta)
         recs.append(rec)
         print(json.dumps(rec), flush=True)
-        with open(a.out, "w") as f:  # after every case: a run cut short keeps what it measured
-          json.dump(recs, f, indent=1)
+        # after every case: a run cut short keeps what it measured
+        output.write_json(a.out, "omnimoe_bench", recs, quiet=True)
+  print(f"wrote {output.json_path(a.out, 'omnimoe_bench')}")
   return recs
 
 

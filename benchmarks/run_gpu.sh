@@ -34,7 +34,7 @@ for mode in "${modes[@]}"; do
       echo "wrote $OUT/pytest_gpu.log" ;;
     anchors)
       python3 -m benchmarks.check_anchors --backend auto --configs "$CONFIGS" \
-        --out "$OUT/check_anchors.json" || status=1 ;;
+        --out "$OUT" || status=1 ;;
     bench)
       python3 -m benchmarks.bench --impls auto,torch_sonicmoe --configs "$CONFIGS" \
         --rounds "$ROUNDS" --out "$OUT/bench" \

@@ -15,6 +15,7 @@ import json
 import jax
 
 from benchmarks import bench
+from benchmarks import output
 from benchmarks import configs as C
 from benchmarks import device_kernels
 from benchmarks.kernel_table import short_name
@@ -40,7 +41,7 @@ def main(argv=None):
   p.add_argument("--configs", default="30B-n256")
   p.add_argument("--impls", default="auto")
   p.add_argument("--top", type=int, default=8)
-  p.add_argument("--out", default=None, help="JSON lines file")
+  p.add_argument("--out", default=None, help="folder to write step_gaps.json (JSON lines) into")
   a = p.parse_args(argv)
   print("devices", jax.devices())
   recs = []
@@ -54,8 +55,7 @@ def main(argv=None):
       for g, before, after in rec["gaps"]:
         print(f"   {g:7.3f} ms  after {before[:60]}  before {after[:60]}")
   if a.out:
-    with open(a.out, "w") as f:
-      f.writelines(json.dumps(r) + "\n" for r in recs)
+    output.write_json(a.out, "step_gaps", recs, lines=True)
 
 
 if __name__ == "__main__":

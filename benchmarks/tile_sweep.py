@@ -21,6 +21,7 @@ import jax
 
 import sonicmoe_jax as sm
 from benchmarks import configs as C
+from benchmarks import output
 from benchmarks.bench import make_args, time_ms
 from pallas_kernels import grouped_gemm, ops, weight_grad
 from sonicmoe_jax.core import schedule
@@ -268,7 +269,7 @@ def main(argv=None):
                  help="R > 0: per config, time every row once a round for R rounds (each "
                       "round starting one row later) and report each row's median: rows "
                       "compared under the same clocks")
-  p.add_argument("--out", default=None)
+  p.add_argument("--out", default=None, help="folder to write tile_sweep.json into (default: none written)")
   a = p.parse_args(argv)
   recs = []
   cases = {c: C.ANCHORS[c] for c in a.configs.split(",") if c}
@@ -304,8 +305,7 @@ def main(argv=None):
             f"{r['chained_stages'] or r['stages']:3d} "
             f"{r['ms']:8.3f} {r['tflops']:6.0f}")
   if a.out:
-    with open(a.out, "w") as f:
-      json.dump(recs, f, indent=1)
+    output.write_json(a.out, "tile_sweep", recs)
 
 
 if __name__ == "__main__":

@@ -116,11 +116,12 @@ def test_tile_sweep_custom_shape(tmp_path):
   from benchmarks import tile_sweep
   recs = {}
   for kernels, block_n in [("down_proj", "128"), ("dh", "256")]:   # the rows checked below
-    out = tmp_path / f"sweep_{block_n}.json"
+    out = tmp_path / f"sweep_{block_n}"
     tile_sweep.main(["--configs", "", "--custom", "256,128,256,4,2", "--kernels", kernels,
                      "--block-n", block_n, "--stages", "3", "--iters", "1", "--interleave", "2",
                      "--out", str(out)])
-    recs.update({(r["kernel"], r["block_n"]): r for r in json.loads(out.read_text())})
+    recs.update({(r["kernel"], r["block_n"]): r
+                 for r in json.loads((out / "tile_sweep.json").read_text())})
   down = recs[("down_proj", 128)]
   assert down["ms"] > 0 and down["chained_stages"] == 2  # K = n = 256: 4 steps, 3 does not divide
   dh_wide = recs[("dh", 256)]  # 2 stages x 48 KB + 2 warpgroups x 96.5 KB of epilogue buffers
@@ -148,10 +149,10 @@ def test_check_anchors_tiny(monkeypatch):
 def test_kernels_breakdown_of_a_per_op_mix(tmp_path):
   """benchmarks.kernels takes a per-op mix like bench.py's impls: every op is timed once."""
   from benchmarks import kernels
-  out = tmp_path / "kernels.json"
+  out = tmp_path
   kernels.main(["--backend", "dh=xla+dx_tilde=xla", "--custom", "64,32,16,4,2", "--iters", "1",
                 "--reps", "1", "--out", str(out)])
-  ops = {r["op"].strip(): r for r in json.loads(out.read_text())}
+  ops = {r["op"].strip(): r for r in json.loads((out / "kernels.json").read_text())}
   for op in ("routing plan", "up_proj (+ gather X)", "down_proj", "dh (+ gather dO)", "dx_tilde",
              "dw1 (+ gather X)", "dw2 (+ gather dO)"):
     assert ops[op]["ms"] > 0

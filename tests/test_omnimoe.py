@@ -1,5 +1,6 @@
 """OmniMoE: Cartesian top-K == brute force; expert-centric == token-centric == dense float32
 reference (forward and gradients, relative 1e-4); errors."""
+import json
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,7 +78,8 @@ def test_layer_and_errors():
 
 def test_omnimoe_benchmark_tiny(tmp_path):
   from benchmarks import omnimoe_bench
-  recs = omnimoe_bench.main(["--tiny", "--out", str(tmp_path / "o.json")])
+  recs = omnimoe_bench.main(["--tiny", "--out", str(tmp_path)])
+  assert json.loads((tmp_path / "omnimoe_bench.json").read_text()) == json.loads(json.dumps(recs))
   assert {r["impl"] for r in recs} == {"omnimoe", "peer_token_centric", "deepseekmoe", "dense"}
   assert all(r["status"] == "ok" and r["ms"] > 0 for r in recs), recs
   for r in recs:  # |E_active| for the OmniMoE layers (256 atomic experts in the tiny setup)
