@@ -11,8 +11,8 @@ means registers spilled to local memory). The kernels' shared memory is the pipe
 plus 1 KiB of barriers (mainloop.smem_bytes) at the depth the kernel runs
 (grouped_gemm.pipeline_depth; the compiled shapes have K_STEPS k steps, enough for any depth).
 CTAs per SM = min(by registers: 64K / (threads x registers rounded up to 8), by SMEM: 227 KiB /
-the CTA's SMEM). Each record also has its cubin's sha256: two runs' kernel_resources.json (--out), before and
-after a change, show whether the change left each kernel's machine code as it was.
+the CTA's SMEM). Each record also has its cubin's sha256: two runs' kernel_resources.json
+(--out), before and after a change, show whether it left each kernel's machine code as it was.
 """
 from __future__ import annotations
 
