@@ -68,20 +68,49 @@ def _numpy_grouped_weight_grad(lhs, rhs, group_sizes):
   return out
 
 
+@jax.custom_vjp
 def grouped_matmul_host(lhs, rhs, group_sizes):
-  """The varlen-M grouped GEMM computed on the host, group by group (float32)."""
+  """The varlen-M grouped GEMM computed on the host, group by group (float32); differentiable
+  (its gradients are grouped GEMMs on the host too)."""
   shape = jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), _F32)
   out = jax.pure_callback(_numpy_grouped_matmul, shape, lhs, rhs, group_sizes,
                           vmap_method="sequential")
   return vary_like(out, lhs, rhs, group_sizes)   # (as ragged_dot's under shard_map)
 
 
+@jax.custom_vjp
 def grouped_weight_grad_host(lhs, rhs, group_sizes):
-  """The varlen-K grouped GEMM computed on the host, group by group (float32)."""
+  """The varlen-K grouped GEMM computed on the host, group by group (float32); differentiable."""
   shape = jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), _F32)
   out = jax.pure_callback(_numpy_grouped_weight_grad, shape, lhs, rhs, group_sizes,
                           vmap_method="sequential")
   return vary_like(out, lhs, rhs, group_sizes)
+
+
+def _matmul_host_fwd(lhs, rhs, group_sizes):
+  return grouped_matmul_host(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+
+def _matmul_host_bwd(res, dout):
+  lhs, rhs, group_sizes = res   # out = lhs_e rhs_e: dlhs_e = dout_e rhs_e^T, drhs_e = lhs_e^T dout_e
+  dlhs = grouped_matmul_host(dout, jnp.swapaxes(rhs, 1, 2), group_sizes)
+  drhs = grouped_weight_grad_host(lhs, dout, group_sizes)
+  return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None
+
+
+def _weight_grad_host_fwd(lhs, rhs, group_sizes):
+  return grouped_weight_grad_host(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+
+def _weight_grad_host_bwd(res, dout):
+  lhs, rhs, group_sizes = res   # out_e = lhs_e^T rhs_e: dlhs_e = rhs_e dout_e^T, drhs_e = lhs_e dout_e
+  dlhs = grouped_matmul_host(rhs, jnp.swapaxes(dout, 1, 2), group_sizes)
+  drhs = grouped_matmul_host(lhs, dout, group_sizes)
+  return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None
+
+
+grouped_matmul_host.defvjp(_matmul_host_fwd, _matmul_host_bwd)
+grouped_weight_grad_host.defvjp(_weight_grad_host_fwd, _weight_grad_host_bwd)
 
 
 def _ragged_matmul(lhs, rhs, group_sizes):
