@@ -456,3 +456,18 @@ def test_command_lines_explain_every_flag_and_tiny_runs_pass_on_cpu(tmp_path):
     records = bench.main(["--tiny", "--impls", ",".join(i for i in impls if i != "tokamax"),
                           "--iters", "1", "--reps", "1", "--out", str(tmp_path / "tiny")])
     assert all(r["status"] == "ok" for r in records), [(r["impl"], r["status"]) for r in records]
+
+
+def test_lowered_step_digests_are_stable_and_see_a_configuration_change():
+  """benchmarks.lowered_step: the same code gives the same digests; a kernel configuration
+  that changes what compiles changes the kernels' digest (runs on CPU with the cute extra)."""
+  import importlib.util
+  if importlib.util.find_spec("cutlass") is None:
+    pytest.skip("needs the cute extra")
+  from benchmarks import lowered_step
+  shape = (256, 256, 128, 8, 2)
+  first, again = lowered_step.digests(shape), lowered_step.digests(shape)
+  assert first == again and first["count"] > 0
+  other = lowered_step.digests(shape, backend={"dh": "xla", **{
+      op: "cute" for op in ("up_proj", "down_proj", "dx_tilde", "dw1", "dw2")}})
+  assert other["kernels"] != first["kernels"] and other["program"] != first["program"]
