@@ -150,11 +150,11 @@ def _expert_mlp_fwd(ops, x, scores, w1, w2, plan, windows, dispatch):
   h, a = ops.up_proj(dispatch.rows(x), w1, plan)
   out_rows = window_sum(ops.down_proj, ops.aggregate, a, w2, slot_scores, plan,
                         window_pair(windows)[0], x.shape[1])
-  return dispatch.combine(ops, out_rows), (x, h, scores, slot_scores, w1, w2, plan, dispatch)
+  return dispatch.combine(ops, out_rows), (x, h, slot_scores, w1, w2, plan, dispatch)
 
 
 def _expert_mlp_bwd(ops, windows, residuals, dout):
-  x, h, scores, slot_scores, w1, w2, plan, dispatch = residuals
+  x, h, slot_scores, w1, w2, plan, dispatch = residuals
   dout_rows = dispatch.rows(dout.astype(x.dtype))
   dh, dscores, a_scaled = ops.dh(dout_rows, w2, h, slot_scores, plan)
   # dW2 first: A' (and dO's rows, where a backend gathers them in XLA) die before dX~ is made
@@ -167,9 +167,10 @@ def _expert_mlp_bwd(ops, windows, residuals, dout):
   # backward, which is what this layer exists to avoid.
   dw1 = ops.dw1(dispatch.rows(jax.lax.optimization_barrier(x)), dh, plan)
   dw1, dw2 = dispatch.weight_grads(dw1, dw2)
-  grads = (dx, dispatch.slot_scores_grad(dscores, plan).astype(scores.dtype),
+  # (the layer's scores: slot_scores' dtype; they vary over the same mesh axes as x)
+  grads = (dx, dispatch.slot_scores_grad(dscores, plan).astype(slot_scores.dtype),
            dw1.astype(w1.dtype), dw2.astype(w2.dtype))
-  grads = dispatch.finish(grads, (x, scores, w1, w2))
+  grads = dispatch.finish(grads, (x, x, w1, w2))
   none = lambda tree: jax.tree_util.tree_map(lambda _: None, tree)
   return (*grads, none(plan), none(dispatch))
 
