@@ -494,6 +494,45 @@ def plan_from_experts(expert_ids, scores, num_experts: int, align: int = 1) -> R
   return _pairs_to_plan(expert_ids, scores, num_experts, align, size, fixed_k=False)
 
 
+def plan_from_group_sizes(group_sizes, num_rows: int, align: int = 1) -> RoutingPlan:
+  """The plan of rows already grouped by expert: expert e's rows are rows start_e ..
+  start_e + group_sizes[e] - 1 (start_e = group_sizes[0] + ... + group_sizes[e - 1]); each row
+  is its own "token" with one slot (token_index is the row), rows from sum(group_sizes) on
+  (and groups reaching past num_rows) have none. No sort: every slot finds its row by
+  arithmetic on the group offsets. The slot scores are zeros (the caller passes its own).
+  group_sizes: [E] int (traced or not); num_rows: R, static."""
+  group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
+  num_experts = group_sizes.shape[0]
+  size = _round_up(num_rows + (num_experts * (align - 1) if align > 1 else 0), align)
+  row_start = _exclusive_cumsum(group_sizes)                   # [E+1]
+  offsets = _aligned_offsets(group_sizes, align)               # [E+1]
+  slot = jnp.arange(size, dtype=jnp.int32)
+  expert = count_below(offsets[1:], slot, inclusive=True)     # groups ending at or before
+  expert_c = jnp.minimum(expert, num_experts - 1)
+  rank = slot - offsets[expert_c]
+  row = row_start[expert_c] + rank
+  valid = (expert < num_experts) & (rank < group_sizes[expert_c]) & (row < num_rows)
+  # rows in order: row r < total (its group found by its start) sits at its group's offset + rank
+  total = jnp.minimum(row_start[num_experts], num_rows)
+  r = jnp.arange(num_rows, dtype=jnp.int32)
+  row_expert = jnp.minimum(count_below(row_start[1:], r, inclusive=True), num_experts - 1)
+  row_slot = offsets[row_expert] + r - row_start[row_expert]
+  # padding slots after the rows' slots, in slot order (token_slots stays a permutation)
+  padding = jnp.argsort(valid, stable=True).astype(jnp.int32)  # invalid slots first
+  order = jnp.arange(size, dtype=jnp.int32)
+  token_slots = jnp.where(order < total, row_slot[jnp.minimum(order, num_rows - 1)],
+                          padding[jnp.maximum(order - total, 0)])
+  token_offsets = jnp.minimum(jnp.arange(num_rows + 1, dtype=jnp.int32), total)
+  return RoutingPlan(
+      token_index=jnp.where(valid, row, num_rows),
+      expert_index=jnp.where(valid, expert, num_experts),
+      scores=jnp.zeros((size,), jnp.float32), valid=valid,
+      group_sizes=jnp.clip(jnp.minimum(row_start[1:], num_rows) - jnp.minimum(row_start[:-1], num_rows), 0),
+      group_offsets=offsets, token_slots=token_slots, token_offsets=token_offsets,
+      num_tokens=num_rows, num_experts=num_experts, k=1, fixed_k=False, align=align,
+      max_token_slots=1)
+
+
 def switch_loss(fraction, mean_prob):
   """E * sum_e f_e * P_e: f_e the fraction of top-K pairs at expert e, P_e its mean router
   probability (both over the same batch, local or global)."""
