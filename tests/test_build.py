@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # a module's target by its path (the first prefix that matches)
 TARGETS = (("sonicmoe_jax/core/", "core"), ("sonicmoe_jax/", "sonicmoe_jax"),
            ("pallas_kernels/", "pallas_kernels"), ("ffi/", "ffi"), ("models/", "models"),
-           ("benchmarks/", "benchmarks"))
+           ("benchmarks/", "benchmarks"), ("examples/", "examples"))
 
 
 def target_of_path(path: str):

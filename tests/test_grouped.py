@@ -103,3 +103,9 @@ def test_grouped_expert_mlp_kernels_match_reference(backend):
   if backend == "cute":
     pytest.importorskip("cutlass")
   _check(backend, [300, 0, 77, 1000, 129], 1600, d=256, n=128, dtype=jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_grouped_dispatch_example_runs_with_ragged_all_to_all():
+  from examples import grouped_dispatch
+  assert grouped_dispatch.main() < 2e-2
