@@ -129,16 +129,18 @@ def test_rounding_properties(mode, T, E, K, tile):
   assert np.all(scores[valid] > 0) and np.all(scores[valid] <= 1.0 + 1e-6)
 
 
-def test_top_per_column_equals_stable_sort():
+@pytest.mark.parametrize("T,E,seed", [(97, 12, 0), (1000, 5, 1), (1, 3, 2), (4099, 4, 3)])
+def test_top_per_column_equals_stable_sort(T, E, seed):
   """The sort-free selection behind token rounding takes what a stable descending sort of
   each column would: ties (values from a small set, both signs) go to the lower row."""
   from sonicmoe_jax.core.routing import _top_per_column
-  rng = np.random.default_rng(0)
-  T, E = 97, 12
+  rng = np.random.default_rng(seed)
   values = rng.choice(np.array([-0.75, -0.5, -0.0, 0.0, 0.25, 0.5, 1.0], np.float32), (T, E))
   values[:, 0] = rng.normal(size=T)
   counts = rng.integers(0, T + 1, E)
   counts[1], counts[2] = 0, T
+  if T > 1:
+    counts[-1] = 1
   got = np.asarray(_top_per_column(jnp.asarray(values), jnp.asarray(counts)))
   order = np.argsort(-values, axis=0, kind="stable")
   for e in range(E):
