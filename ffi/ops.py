@@ -30,7 +30,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from ffi import calls, gather_sum, grouped_gemm, persistent, pingpong, topk
+from ffi import calls, column_select, gather_sum, grouped_gemm, persistent, pingpong, topk
 from ffi.config import DEFAULT, CuteConfig
 from sonicmoe_jax.core import schedule
 from sonicmoe_jax.core import xla_ops
@@ -91,6 +91,19 @@ def top_k(logits, k, *, config: CuteConfig = DEFAULT):
     warnings.warn(f"backend 'cute' top_k: {reason}; using jax.lax.top_k", stacklevel=2)
     return jax.lax.top_k(logits, k)
   return topk.top_k(logits, k)
+
+
+def top_per_column(values, counts, *, config: CuteConfig = DEFAULT):
+  """Token rounding's selection, one CTA per expert (column_select.py); more tokens than it
+  holds in registers (T above column_select.MAX_TOKENS) go to the XLA selection with a warning
+  (the same result)."""
+  del config   # (one kernel)
+  reason = column_select.unsupported(values.shape[0])
+  if reason:
+    warnings.warn(f"backend 'cute' top_per_column: {reason}; using the XLA selection",
+                  stacklevel=2)
+    return xla_ops.top_per_column(values, counts)
+  return column_select.top_per_column(values, counts)
 
 
 def aggregate(y, scores, plan, *, config: CuteConfig = DEFAULT):
@@ -282,5 +295,5 @@ def dw2(a_scaled, dout, plan, *, config: CuteConfig = DEFAULT):
                                   group_sizes=plan.group_sizes)
 
 
-OPS = dict(top_k=top_k, up_proj=up_proj, down_proj=down_proj, aggregate=aggregate, dh=dh,
-           dx_tilde=dx_tilde, dw1=dw1, dw2=dw2)
+OPS = dict(top_k=top_k, top_per_column=top_per_column, up_proj=up_proj, down_proj=down_proj,
+           aggregate=aggregate, dh=dh, dx_tilde=dx_tilde, dw1=dw1, dw2=dw2)

@@ -40,6 +40,12 @@ def top_k(logits, k, *, config: PallasConfig = DEFAULT):
   return topk.top_k(logits, k)
 
 
+def top_per_column(values, counts, *, config: PallasConfig = DEFAULT):
+  """Token rounding's selection: XLA's (xla_ops.top_per_column; no Pallas kernel)."""
+  del config
+  return xla_ops.top_per_column(values, counts)
+
+
 def up_proj(x, w1, plan, *, config: PallasConfig = DEFAULT):
   tiling.check_operands("up_proj", x=x, w1=w1)
   tiling.check_dims(x.shape[1], w1.shape[2] // 2)
@@ -98,5 +104,5 @@ def dw2(a_scaled, dout, plan, *, config: PallasConfig = DEFAULT):
                                  group_sizes=plan.group_sizes)
 
 
-OPS = dict(top_k=top_k, up_proj=up_proj, down_proj=down_proj, aggregate=aggregate, dh=dh,
-           dx_tilde=dx_tilde, dw1=dw1, dw2=dw2)
+OPS = dict(top_k=top_k, top_per_column=top_per_column, up_proj=up_proj, down_proj=down_proj,
+           aggregate=aggregate, dh=dh, dx_tilde=dx_tilde, dw1=dw1, dw2=dw2)

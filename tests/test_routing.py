@@ -129,11 +129,13 @@ def test_rounding_properties(mode, T, E, K, tile):
   assert np.all(scores[valid] > 0) and np.all(scores[valid] <= 1.0 + 1e-6)
 
 
-@pytest.mark.parametrize("T,E,seed", [(97, 12, 0), (1000, 5, 1), (1, 3, 2), (4099, 4, 3)])
-def test_top_per_column_equals_stable_sort(T, E, seed):
-  """The sort-free selection behind token rounding takes what a stable descending sort of
-  each column would: ties (values from a small set, both signs) go to the lower row."""
-  from sonicmoe_jax.core.routing import _top_per_column
+# (T, E, seed) of the selection checks (a stable sort's choice)
+SELECTION_SHAPES = [(97, 12, 0), (1000, 5, 1), (1, 3, 2), (4099, 4, 3)]
+
+
+def check_top_per_column(select, T, E, seed):
+  """select(values, counts) takes what a stable descending sort of each column would: ties
+  (values from a small set, both signs) go to the lower row; counts 0, 1 and T among them."""
   rng = np.random.default_rng(seed)
   values = rng.choice(np.array([-0.75, -0.5, -0.0, 0.0, 0.25, 0.5, 1.0], np.float32), (T, E))
   values[:, 0] = rng.normal(size=T)
@@ -141,12 +143,19 @@ def test_top_per_column_equals_stable_sort(T, E, seed):
   counts[1], counts[2] = 0, T
   if T > 1:
     counts[-1] = 1
-  got = np.asarray(_top_per_column(jnp.asarray(values), jnp.asarray(counts)))
+  got = np.asarray(select(jnp.asarray(values), jnp.asarray(counts, jnp.int32)))
   order = np.argsort(-values, axis=0, kind="stable")
   for e in range(E):
     want = np.zeros(T, bool)
     want[order[:counts[e], e]] = True
     np.testing.assert_array_equal(got[:, e], want, err_msg=f"column {e}, count {counts[e]}")
+
+
+@pytest.mark.parametrize("T,E,seed", SELECTION_SHAPES)
+def test_top_per_column_equals_stable_sort(T, E, seed):
+  """The sort-free selection behind token rounding (32 bisection passes over [T, E])."""
+  from sonicmoe_jax.core.routing import top_per_column
+  check_top_per_column(jax.jit(top_per_column), T, E, seed)
 
 
 @pytest.mark.parametrize("mode", ["up", "down"])

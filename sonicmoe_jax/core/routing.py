@@ -150,7 +150,7 @@ def _scores(pair_logits, logits, topk_logits, score_fn: str, renormalize: bool):
 
 def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool = False,
           rounding: Optional[str] = None, tile: int = 128, rng=None, align: int = 1,
-          top_k=jax.lax.top_k):
+          top_k=jax.lax.top_k, top_per_column=None):
   """Builds the routing plan from router logits.
 
   Args:
@@ -166,6 +166,8 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
     align: every expert's group of slots starts at a multiple of this (a power of two).
     top_k: the top-K implementation, (logits, k) -> (values, experts) as jax.lax.top_k (the
       layer passes its backend's, for example the Pallas kernel on GPUs).
+    top_per_column: token rounding's selection, (values [T, E], counts [E]) -> [T, E] bool as
+      routing.top_per_column (None: that one; the layer passes its backend's).
 
   Returns:
     (RoutingPlan, RouterStats).
@@ -204,7 +206,8 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
     targets = token_rounding.round_counts(topk_counts, tile=tile, num_tokens=num_tokens,
                                           mode=rounding, rng=rng)
     scores = _scores(logits, logits, topk_logits, score_fn, renormalize)
-    plan = _rounded_plan(scores, chosen, targets, k, tile, align)
+    plan = _rounded_plan(scores, chosen, targets, k, tile, align,
+                         select=top_per_column or _reference_selection)
     changed = jnp.sum(jnp.abs(targets - topk_counts))
 
   stats = RouterStats(
@@ -428,7 +431,7 @@ def _ordered_bits(x):
   return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def _top_per_column(values, counts):
+def top_per_column(values, counts):
   """select [T, E] bool: the counts[e] largest values of column e, ties to the lower row.
 
   The same choice as a stable descending sort of each column, found without sorting: a
@@ -462,11 +465,16 @@ def _chosen_mask(topk_experts, num_experts: int):
   return jnp.any(topk_experts[:, :, None] == experts, axis=1)
 
 
-def _rounded_plan(scores, chosen, targets, k: int, tile: int, align: int) -> RoutingPlan:
+def _reference_selection(values, counts):
+  return top_per_column(values, counts)
+
+
+def _rounded_plan(scores, chosen, targets, k: int, tile: int, align: int,
+                  select=top_per_column) -> RoutingPlan:
   num_tokens, num_experts = scores.shape
   # Chosen tokens rank before unchosen ones: unchosen scores are biased by -1 (scores <= 1).
   biased = jnp.where(chosen, scores, scores - 1.0)
-  selected = _top_per_column(biased, targets)                           # [T, E]
+  selected = select(biased, targets)                           # [T, E]
 
   size = num_slots(num_tokens, num_experts, k, tile, align)
   offsets = _aligned_offsets(targets, align)

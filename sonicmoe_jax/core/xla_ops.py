@@ -19,6 +19,7 @@ import numpy as np
 
 from sonicmoe_jax.core import swiglu
 from sonicmoe_jax.core.varying import vary_like
+from sonicmoe_jax.core import routing
 from sonicmoe_jax.core.routing import RoutingPlan
 
 _F32 = jnp.float32
@@ -153,6 +154,12 @@ def top_k(logits, k: int):
   return jax.lax.top_k(logits, k)
 
 
+def top_per_column(values, counts):
+  """Token rounding's selection: [T, E] bool, the counts[e] largest values of each column,
+  ties to the lower row (routing.top_per_column)."""
+  return routing.top_per_column(values, counts)
+
+
 def up_proj(x, w1, plan: RoutingPlan):
   """H = X_e W1_e and A = SwiGLU(H) per expert, rows gathered by plan.token_index."""
   h = _grouped_matmul(gather_rows(x, plan.token_index), w1, plan)
@@ -233,5 +240,5 @@ def dw2(a_scaled, dout, plan: RoutingPlan):
   return _grouped_weight_grad(a_scaled, gather_rows(dout, plan.token_index), plan)
 
 
-OPS = dict(top_k=top_k, up_proj=up_proj, down_proj=down_proj, aggregate=aggregate, dh=dh,
-           dx_tilde=dx_tilde, dw1=dw1, dw2=dw2)
+OPS = dict(top_k=top_k, top_per_column=top_per_column, up_proj=up_proj, down_proj=down_proj,
+           aggregate=aggregate, dh=dh, dx_tilde=dx_tilde, dw1=dw1, dw2=dw2)
