@@ -447,8 +447,9 @@ def test_command_lines_explain_every_flag_and_tiny_runs_pass_on_cpu(tmp_path):
   default impls are the ones that run there (no interpreted GPU kernels), and its --tiny run
   with them passes."""
   import jax
+  from benchmarks import rounding_bench
   from models import train
-  for parser in (bench.build_parser(), train.build_parser()):
+  for parser in (bench.build_parser(), train.build_parser(), rounding_bench.build_parser()):
     assert [a.dest for a in parser._actions if not a.help] == []
   if jax.default_backend() != "gpu":
     impls = bench.available_impls()
@@ -456,6 +457,17 @@ def test_command_lines_explain_every_flag_and_tiny_runs_pass_on_cpu(tmp_path):
     records = bench.main(["--tiny", "--impls", ",".join(i for i in impls if i != "tokamax"),
                           "--iters", "1", "--reps", "1", "--out", str(tmp_path / "tiny")])
     assert all(r["status"] == "ok" for r in records), [(r["impl"], r["status"]) for r in records]
+
+
+def test_rounding_bench_tiny_times_every_mode_and_tabulates_them(tmp_path):
+  from benchmarks import rounding_bench
+  records = rounding_bench.main(["--tiny", "--modes", "none,nearest,balanced",
+                                 "--out", str(tmp_path)])
+  assert [r["mode"] for r in records] == ["none", "nearest", "balanced"]
+  assert all(r["step_wall_ms"] > 0 for r in records)
+  saved = json.loads((tmp_path / "rounding.json").read_text())
+  assert saved["meta"]["commit"] and len(saved["records"]) == 3
+  assert "| 512,256,64,8,2 | balanced |" in rounding_bench.table(records)
 
 
 def test_lowered_step_digests_are_stable_and_see_a_configuration_change():
