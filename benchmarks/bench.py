@@ -522,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
   p = build_parser()
   a = p.parse_args(argv)
-  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # (before JAX takes the GPU)
+  sm.memory.take_gpu_memory_as_needed()   # (before JAX takes the GPU)
   kernel_config = kernel_config_from(a.pallas, a.cute)
   cases = dict(C.TINY) if a.tiny else {c: C.ANCHORS[c] for c in a.configs.split(",") if c}
   cases.update(C.parse_config(c) for c in a.custom)

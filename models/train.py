@@ -191,6 +191,7 @@ def ops_by_backend(cfg: LMConfig) -> str:
 
 def main(argv=None):
   args = parse_args(argv)
+  sm.memory.take_gpu_memory_as_needed()   # (before JAX takes the GPU)
   rounding = None if args.rounding == "none" else args.rounding
   if args.distributed:
     jax.distributed.initialize()

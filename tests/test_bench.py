@@ -483,3 +483,20 @@ def test_lowered_step_digests_are_stable_and_see_a_configuration_change():
   other = lowered_step.digests(shape, backend={"dh": "xla", **{
       op: "cute" for op in ("up_proj", "down_proj", "dx_tilde", "dw1", "dw2")}})
   assert other["kernels"] != first["kernels"] and other["program"] != first["program"]
+
+
+def test_command_lines_let_jax_take_the_gpu_memory_a_large_layer_needs(monkeypatch):
+  """The benchmarks and the demo let JAX take up to 95% of the GPU as it needs it (a
+  DeepSeek-V3-size layer needs more than JAX's default 75%), unless the user has set it."""
+  import os
+  from sonicmoe_jax import memory
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+  memory.take_gpu_memory_as_needed()
+  assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"
+  assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"     # the user's setting stays
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+  memory.take_gpu_memory_as_needed()
+  assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+  with pytest.raises(ValueError, match="fraction"):
+    memory.take_gpu_memory_as_needed(1.5)

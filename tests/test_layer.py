@@ -128,6 +128,33 @@ def test_vmap_over_the_layer_is_each_batch_element_on_its_own():
     assert rel_err(grads[0][i], want[0]) < 1e-5 and rel_err(grads[1][i], want[1]) < 1e-5
 
 
+def _check_vmap(backend, dtype, tol):
+  """jax.vmap over the layer on `backend`: each batch element's output and gradients as when
+  it runs alone (plain top-K and token rounding)."""
+  T, d, n, E = (256, 128, 128, 8) if backend != "xla" else (64, 32, 16, 8)
+  x, r, w1, w2 = make_inputs(1, T, d, n, E, dtype)
+  xb = jnp.stack([x, (-x.astype(jnp.float32)).astype(dtype)])
+  for rounding in (None, "nearest"):
+    f = lambda xx: sm.moe(xx, r, w1, w2, k=2, rounding=rounding, tile=64, backend=backend).out
+    out, one = jax.jit(jax.vmap(f))(xb), jax.jit(f)
+    for i in range(2):
+      assert rel_err(out[i], one(xb[i])) < tol, (rounding, i)
+  loss = lambda xx, w: jnp.sum(sm.moe(xx, r, w, w2, k=2, backend=backend).out.astype(jnp.float32) ** 2)
+  grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None)))(xb, w1)
+  one = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  for i in range(2):
+    want = one(xb[i], w1)
+    assert rel_err(grads[0][i], want[0]) < tol and rel_err(grads[1][i], want[1]) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["pallas", "cute", "auto"])
+def test_vmap_over_the_layer_on_gpu_backends(backend):
+  if backend == "cute":
+    pytest.importorskip("cutlass")
+  _check_vmap(backend, jnp.bfloat16, 1e-2)
+
+
 def test_cpu_grouped_gemms_compute_each_expert_alone_as_ragged_dot_would():
   """On a one-device CPU the xla backend's grouped GEMMs run each expert's rows on the host
   (no E-fold dense ragged_dot) and give ragged_dot's numbers, empty experts and rows past the
