@@ -34,7 +34,7 @@ DEFAULT_CONFIGS = ("32768,4096,256,256,4", "32768,2048,256,512,4")
 
 def backend_spec(select: str):
   """The layer's backends: "auto", with rounding's selection on XLA for select="xla"."""
-  return "auto" if select == "backend" else {"top_per_column": "xla"}
+  return "auto" if select == "backend" else {"rounded_slots": "xla"}
 
 
 def step_fn(mode, K, tile, select):
@@ -58,7 +58,7 @@ def routing_fn(mode, K, tile, select, d, n, slot_weights):
     def loss(l):
       plan, _ = routing.route(l, k=K, rounding=rounding, tile=tile, rng=jax.random.key(0),
                               align=ops.align, top_k=ops.top_k,
-                              top_per_column=ops.top_per_column)
+                              rounded_slots=ops.rounded_slots)
       return jnp.sum(plan.scores * slot_weights[:plan.num_slots])
     return jax.grad(loss)(logits)
   return jax.jit(fn)

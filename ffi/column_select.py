@@ -1,5 +1,5 @@
 """Token rounding's selection as a CuTe DSL kernel: per expert, its counts[e] highest-ranked
-tokens, as a threshold key and the row of the last tie taken.
+tokens, written as their rows, in row order, into the expert's slots of the routing plan.
 
 Input: keys [E, T] int32, one row per expert: the ranking values' float32 bits as int32 keys in
 the order of the values (negative floats with their magnitude bits flipped), so that each
@@ -12,9 +12,12 @@ suffices):
      counts[e]-th largest key), 32 steps;
   2. over rows: with ties_needed = counts[e] - count(keys > v), the row of the
      ties_needed-th key equal to v (ties are taken in row order), ROW_STEPS steps.
-Output per expert: v and that row (-1 where no tie is taken). The tokens selected are those
-with keys > v, and those with keys == v in rows <= that row: exactly counts[e] of them, the
-choice of a stable descending sort.
+The tokens selected are those with keys > v and those with keys == v in rows <= that row:
+exactly counts[e] of them, the choice of a stable descending sort. 3. Placing them: the CTA walks
+its rows THREADS at a time (one row a thread); each selected row's rank among the expert's
+selected rows is the count before it (the warp's ballot below its lane, the earlier warps'
+counts through SMEM, the earlier chunks' total), and the row goes to slot offsets[e] + rank.
+The slot array comes in filled with T (no token) and only selected rows are written over it.
 """
 from __future__ import annotations
 
@@ -65,8 +68,8 @@ def _block_sum(value, partials: cute.Tensor, parity):
 
 
 @cute.kernel
-def _select_kernel(keys: cute.Tensor, counts: cute.Tensor, threshold: cute.Tensor,
-                   last_row: cute.Tensor, per_thread: cutlass.Constexpr):
+def _select_kernel(keys: cute.Tensor, counts: cute.Tensor, offsets: cute.Tensor,
+                   token_index: cute.Tensor, per_thread: cutlass.Constexpr):
   tidx, _, _ = cute.arch.thread_idx()
   expert, _, _ = cute.arch.block_idx()
   num_rows = keys.shape[1]
@@ -121,34 +124,61 @@ def _select_kernel(keys: cute.Tensor, counts: cute.Tensor, threshold: cute.Tenso
       row_lo = row_mid + 1
     parity = 1 - parity
 
-  if tidx == 0:
-    threshold[expert] = key
-    last_row[expert] = row_lo
-    if ties_needed <= 0:
-      last_row[expert] = cutlass.Int32(-1)
+  # 3. the selected rows, in row order, into the expert's slots
+  last_tie = row_lo
+  if ties_needed <= 0:
+    last_tie = cutlass.Int32(-1)
+  lane = cute.arch.lane_idx()
+  warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+  slot = offsets[expert]
+  for i in cutlass.range_constexpr(per_thread):
+    row = tidx + THREADS * i
+    take = cutlass.Boolean(False)
+    if row < num_rows:
+      if mine[i] > key:
+        take = cutlass.Boolean(True)
+      if mine[i] == key and row <= last_tie:
+        take = cutlass.Boolean(True)
+    ballot = cute.arch.vote_ballot_sync(take)
+    if lane == 0:
+      partials[parity * WARPS + warp] = cute.arch.popc(ballot)
+    cute.arch.sync_threads()
+    before = cute.arch.popc(ballot & ((cutlass.Uint32(1) << lane) - 1))
+    chunk = cutlass.Int32(0)
+    for w in cutlass.range_constexpr(WARPS):
+      count = partials[parity * WARPS + w]
+      if w < warp:
+        before += count
+      chunk += count
+    if take:
+      token_index[slot + before] = row
+    slot += chunk
+    parity = 1 - parity
 
 
 @cute.jit
-def _select(stream, keys: cute.Tensor, counts: cute.Tensor, threshold: cute.Tensor,
-            last_row: cute.Tensor, per_thread: cutlass.Constexpr):
-  _select_kernel(keys, counts, threshold, last_row, per_thread).launch(
+def _select(stream, keys: cute.Tensor, counts: cute.Tensor, offsets: cute.Tensor,
+            slots_in: cute.Tensor, token_index: cute.Tensor, per_thread: cutlass.Constexpr):
+  del slots_in   # (token_index is its buffer: the call aliases the two)
+  _select_kernel(keys, counts, offsets, token_index, per_thread).launch(
       grid=(keys.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream)
 
 
-def top_per_column(values, counts):
-  """select [T, E] bool: the counts[e] largest values of column e, ties to the lower row (as
-  routing's reference selection). values: [T, E] float32 (finite), T <= MAX_TOKENS;
-  counts: [E] int, 0 <= counts[e] <= T."""
+def rounded_slots(values, counts, offsets, num_slots: int):
+  """token_index [num_slots] int32: from slot offsets[e] on, the rows of the counts[e] largest
+  values of column e in row order (ties to the lower row), T elsewhere; as
+  routing.rounded_slots. values: [T, E] float32 (finite), T <= MAX_TOKENS; counts: [E] int,
+  0 <= counts[e] <= T; offsets: [E] int32, groups that do not overlap."""
   if values.ndim != 2:
-    raise ValueError(f"cute top_per_column: values must be [T, E]; got shape {values.shape}")
+    raise ValueError(f"cute rounded_slots: values must be [T, E]; got shape {values.shape}")
   num_rows, num_cols = values.shape
   reason = unsupported(num_rows)
   if reason:
-    raise ValueError(f"cute top_per_column: {reason}")
-  keys = ordered_keys(values)
-  threshold, last_row = xla_call.call(
-      _select, [keys.T, counts.astype(jnp.int32)],
-      [jax.ShapeDtypeStruct((num_cols,), jnp.int32), jax.ShapeDtypeStruct((num_cols,), jnp.int32)],
+    raise ValueError(f"cute rounded_slots: {reason}")
+  empty = jnp.full((num_slots,), num_rows, jnp.int32)
+  token_index, = xla_call.call(
+      _select, [ordered_keys(values).T, counts.astype(jnp.int32), offsets.astype(jnp.int32),
+                empty],
+      [jax.ShapeDtypeStruct((num_slots,), jnp.int32)], in_place={3: 0},
       per_thread=max(1, -(-num_rows // THREADS)))
-  rows = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
-  return (keys > threshold[None, :]) | ((keys == threshold[None, :]) & (rows <= last_row[None, :]))
+  return token_index

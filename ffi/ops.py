@@ -93,17 +93,16 @@ def top_k(logits, k, *, config: CuteConfig = DEFAULT):
   return topk.top_k(logits, k)
 
 
-def top_per_column(values, counts, *, config: CuteConfig = DEFAULT):
-  """Token rounding's selection, one CTA per expert (column_select.py); more tokens than it
-  holds in registers (T above column_select.MAX_TOKENS) go to the XLA selection with a warning
+def rounded_slots(values, counts, offsets, num_slots, *, config: CuteConfig = DEFAULT):
+  """Token rounding's placed selection, one CTA per expert (column_select.py); more tokens
+  than it holds in registers (T above column_select.MAX_TOKENS) go to XLA's with a warning
   (the same result)."""
   del config   # (one kernel)
   reason = column_select.unsupported(values.shape[0])
   if reason:
-    warnings.warn(f"backend 'cute' top_per_column: {reason}; using the XLA selection",
-                  stacklevel=2)
-    return xla_ops.top_per_column(values, counts)
-  return column_select.top_per_column(values, counts)
+    warnings.warn(f"backend 'cute' rounded_slots: {reason}; using XLA's", stacklevel=2)
+    return xla_ops.rounded_slots(values, counts, offsets, num_slots)
+  return column_select.rounded_slots(values, counts, offsets, num_slots)
 
 
 def aggregate(y, scores, plan, *, config: CuteConfig = DEFAULT):
@@ -295,5 +294,5 @@ def dw2(a_scaled, dout, plan, *, config: CuteConfig = DEFAULT):
                                   group_sizes=plan.group_sizes)
 
 
-OPS = dict(top_k=top_k, top_per_column=top_per_column, up_proj=up_proj, down_proj=down_proj,
+OPS = dict(top_k=top_k, rounded_slots=rounded_slots, up_proj=up_proj, down_proj=down_proj,
            aggregate=aggregate, dh=dh, dx_tilde=dx_tilde, dw1=dw1, dw2=dw2)

@@ -40,10 +40,10 @@ def top_k(logits, k, *, config: PallasConfig = DEFAULT):
   return topk.top_k(logits, k)
 
 
-def top_per_column(values, counts, *, config: PallasConfig = DEFAULT):
-  """Token rounding's selection: XLA's (xla_ops.top_per_column; no Pallas kernel)."""
+def rounded_slots(values, counts, offsets, num_slots, *, config: PallasConfig = DEFAULT):
+  """Token rounding's placed selection: XLA's (xla_ops.rounded_slots; no Pallas kernel)."""
   del config
-  return xla_ops.top_per_column(values, counts)
+  return xla_ops.rounded_slots(values, counts, offsets, num_slots)
 
 
 def up_proj(x, w1, plan, *, config: PallasConfig = DEFAULT):
@@ -104,5 +104,5 @@ def dw2(a_scaled, dout, plan, *, config: PallasConfig = DEFAULT):
                                  group_sizes=plan.group_sizes)
 
 
-OPS = dict(top_k=top_k, top_per_column=top_per_column, up_proj=up_proj, down_proj=down_proj,
+OPS = dict(top_k=top_k, rounded_slots=rounded_slots, up_proj=up_proj, down_proj=down_proj,
            aggregate=aggregate, dh=dh, dx_tilde=dx_tilde, dw1=dw1, dw2=dw2)

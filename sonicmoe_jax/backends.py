@@ -2,8 +2,10 @@
 
 Ops (signatures as in xla_ops.py):
   top_k(logits, k) -> (values, experts)   router top-K over fp32 logits [T, E], as jax.lax.top_k
-  top_per_column(values, counts) -> select  token rounding's selection: [T, E] bool, the
-                                          counts[e] largest of each column, ties to the lower row
+  rounded_slots(values, counts, offsets, num_slots) -> token_index
+                                          token rounding's selection placed in the plan's slots:
+                                          each column's counts[e] largest values (ties to the
+                                          lower row) as their rows, from slot offsets[e] on
   up_proj(x, w1, plan) -> (H, A)          gather-fused varlen-M GEMM + SwiGLU
   down_proj(a, w2, plan, cols=None) -> Y  varlen-M GEMM, contiguous store
   aggregate(y, scores|None, plan) -> O    per-token gather-and-sum
@@ -45,7 +47,7 @@ from typing import Callable, Hashable, NamedTuple, Optional, Union
 
 import jax
 
-OP_NAMES = ("top_k", "top_per_column", "up_proj", "down_proj", "aggregate", "dh", "dx_tilde", "dw1", "dw2")
+OP_NAMES = ("top_k", "rounded_slots", "up_proj", "down_proj", "aggregate", "dh", "dx_tilde", "dw1", "dw2")
 
 BACKEND_MODULES = {
     "xla": "sonicmoe_jax.core.xla_ops",
@@ -82,7 +84,7 @@ def _many_experts(shape: LayerShape) -> bool:
 # in the layer's step, at the paper's configs), the router's top-K where E >= 256 (one warp
 # per token; at E = 128 the Pallas top-K is faster) and token rounding's selection (one CTA per
 # expert; XLA's takes 32 passes over [T, E]). docs/design.md, sections 3-4.
-GPU_CUTE_WHERE = {"top_k": _many_experts, "top_per_column": _everywhere, "up_proj": _everywhere,
+GPU_CUTE_WHERE = {"top_k": _many_experts, "rounded_slots": _everywhere, "up_proj": _everywhere,
                   "down_proj": _everywhere, "dh": _everywhere, "dx_tilde": _everywhere,
                   "dw1": _everywhere, "dw2": _everywhere}
 
@@ -124,7 +126,7 @@ class Ops(NamedTuple):
   """Resolved implementations, one per op, and the plan alignment they need (hashable: used
   as a static argument)."""
   top_k: Callable
-  top_per_column: Callable
+  rounded_slots: Callable
   up_proj: Callable
   down_proj: Callable
   aggregate: Callable

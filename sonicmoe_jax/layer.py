@@ -274,7 +274,7 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
   logits = routing.router_logits(x, router_w)
   plan, stats = routing.route(logits, k=k, score_fn=score_fn, renormalize=renormalize,
                               rounding=rounding, tile=tile, rng=rng, align=ops.align,
-                              top_k=ops.top_k, top_per_column=ops.top_per_column)
+                              top_k=ops.top_k, rounded_slots=ops.rounded_slots)
   plan_arrays = dataclasses.replace(plan, scores=jax.lax.stop_gradient(plan.scores))
   out = expert_mlp(ops, x, plan.scores, w1, w2, plan_arrays, resolve_windows(windows, ops,
                                                                              x.shape[1]))

@@ -1,43 +1,68 @@
-"""Token rounding's selection as a CuTe kernel (ffi/column_select.py): it lowers for CUDA, the
-op hands what it cannot hold to the XLA selection, and on the GPU it takes what a stable sort
-takes, the XLA selection's choice, and the same rounded plans."""
-import warnings
-
+"""Token rounding's placed selection as a CuTe kernel (ffi/column_select.py): it lowers for
+CUDA, the op hands what it cannot hold to XLA's, and on the GPU it places what XLA's reference
+places (which takes what a stable sort takes) and gives the same rounded plans."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import sonicmoe_jax as sm
 from cute_helpers import FFI_TARGET, cuda_module, needs_cute
 from test_routing import SELECTION_SHAPES, check_top_per_column
 
 pytestmark = needs_cute
 
+PLAN_FIELDS = ("token_index", "expert_index", "scores", "valid", "group_sizes", "group_offsets",
+               "token_slots", "token_offsets")
 
-def test_cute_top_per_column_compiles_and_lowers_for_cuda():
+
+def test_cute_rounded_slots_compiles_and_lowers_for_cuda():
   from ffi import column_select
   values = jnp.zeros((32768, 64), jnp.float32)
   counts = jnp.zeros((64,), jnp.int32)
-  assert FFI_TARGET in cuda_module(column_select.top_per_column, values, counts)
+  fn = lambda v, c, o: column_select.rounded_slots(v, c, o, 40000)
+  assert FFI_TARGET in cuda_module(fn, values, counts, counts)
 
 
-def test_cute_top_per_column_hands_too_many_tokens_to_xla():
+def test_cute_rounded_slots_hands_too_many_tokens_to_xla():
   from ffi import column_select, ops
   values = jax.random.normal(jax.random.key(0), (column_select.MAX_TOKENS + 1, 2))
   counts = jnp.array([3, 200], jnp.int32)
-  with pytest.warns(UserWarning, match="top_per_column: T=32769 is above 32768"):
-    text = jax.jit(ops.top_per_column).lower(values, counts).as_text()
+  offsets = jnp.array([0, 128], jnp.int32)
+  fn = lambda v, c, o: ops.rounded_slots(v, c, o, 512)
+  with pytest.warns(UserWarning, match="rounded_slots: T=32769 is above 32768"):
+    text = jax.jit(fn).lower(values, counts, offsets).as_text()
   assert "sonicmoe_cute" not in text
   with pytest.raises(ValueError, match="T=32769"):
-    column_select.top_per_column(values, counts)
+    column_select.rounded_slots(values, counts, offsets, 512)
+
+
+def _as_mask(token_index, counts, offsets, num_rows):
+  """The [T, E] selection a placed token_index holds (each group's slots read back)."""
+  token_index, counts, offsets = (np.asarray(a) for a in (token_index, counts, offsets))
+  mask = np.zeros((num_rows, len(counts)), bool)
+  for e, (count, first) in enumerate(zip(counts, offsets)):
+    rows = token_index[first:first + count]
+    assert np.all(np.diff(rows) > 0), f"expert {e}: rows not in order"
+    mask[rows, e] = True
+  return mask
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,E,seed", SELECTION_SHAPES + [(32768, 256, 4)])
-def test_cute_top_per_column_equals_stable_sort_on_gpu(T, E, seed):
+def test_cute_rounded_slots_place_a_stable_sorts_choice_on_gpu(T, E, seed):
   from ffi import column_select
-  check_top_per_column(jax.jit(column_select.top_per_column), T, E, seed)
+
+  def select(values, counts):
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts)[:-1]]) + 3
+    num_slots = int(jnp.sum(counts)) + 10
+    token_index = jax.jit(column_select.rounded_slots, static_argnums=3)(
+        values, counts, offsets.astype(jnp.int32), num_slots)
+    placed = np.zeros(num_slots, bool)
+    for count, first in zip(np.asarray(counts), np.asarray(offsets)):
+      placed[first:first + count] = True
+    assert np.all(np.asarray(token_index)[~placed] == T), "a slot outside the groups was written"
+    return _as_mask(token_index, counts, offsets, T)
+  check_top_per_column(select, T, E, seed)
 
 
 @pytest.mark.gpu
@@ -46,10 +71,9 @@ def test_cute_rounded_plan_equals_xla_plan_on_gpu(mode):
   from ffi import ops
   from sonicmoe_jax.core import routing
   logits = jax.random.normal(jax.random.key(1), (4096, 64)).astype(jnp.bfloat16).astype(jnp.float32)
-  route = lambda select: jax.jit(lambda l: routing.route(
+  route = lambda place: jax.jit(lambda l: routing.route(
       l, k=4, rounding=mode, tile=128, align=128, rng=jax.random.key(2),
-      top_per_column=select)[0])(logits)
-  cute, xla = route(ops.top_per_column), route(routing.top_per_column)
-  for field in ("token_index", "expert_index", "scores", "valid", "group_sizes",
-                "group_offsets", "token_slots", "token_offsets"):
+      rounded_slots=place)[0])(logits)
+  cute, xla = route(ops.rounded_slots), route(routing.rounded_slots)
+  for field in PLAN_FIELDS:
     np.testing.assert_array_equal(getattr(cute, field), getattr(xla, field), err_msg=field)

@@ -150,7 +150,7 @@ def _scores(pair_logits, logits, topk_logits, score_fn: str, renormalize: bool):
 
 def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool = False,
           rounding: Optional[str] = None, tile: int = 128, rng=None, align: int = 1,
-          top_k=jax.lax.top_k, top_per_column=None):
+          top_k=jax.lax.top_k, rounded_slots=None):
   """Builds the routing plan from router logits.
 
   Args:
@@ -166,8 +166,9 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
     align: every expert's group of slots starts at a multiple of this (a power of two).
     top_k: the top-K implementation, (logits, k) -> (values, experts) as jax.lax.top_k (the
       layer passes its backend's, for example the Pallas kernel on GPUs).
-    top_per_column: token rounding's selection, (values [T, E], counts [E]) -> [T, E] bool as
-      routing.top_per_column (None: that one; the layer passes its backend's).
+    rounded_slots: token rounding's selection placed in the slots, (values [T, E], counts [E],
+      offsets [E], num_slots) -> token_index [num_slots] as routing.rounded_slots (None: that
+      one; the layer passes its backend's).
 
   Returns:
     (RoutingPlan, RouterStats).
@@ -207,7 +208,7 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
                                           mode=rounding, rng=rng)
     scores = _scores(logits, logits, topk_logits, score_fn, renormalize)
     plan = _rounded_plan(scores, chosen, targets, k, tile, align,
-                         select=top_per_column or _reference_selection)
+                         place=rounded_slots or _reference_rounded_slots)
     changed = jnp.sum(jnp.abs(targets - topk_counts))
 
   stats = RouterStats(
@@ -465,26 +466,41 @@ def _chosen_mask(topk_experts, num_experts: int):
   return jnp.any(topk_experts[:, :, None] == experts, axis=1)
 
 
-def _reference_selection(values, counts):
-  return top_per_column(values, counts)
+def rounded_slots(values, counts, offsets, num_slots: int):
+  """Token rounding's selection, placed: token_index [num_slots] int32 holding, from slot
+  offsets[e] on, the rows of the counts[e] largest values of column e in row order (ties to the
+  lower row: top_per_column's choice), and T (values' rows) in every other slot.
+  values: [T, E] float32; counts: [E]; offsets: [E] int32, each group's first slot (groups
+  must not overlap). The reference (XLA: the selection, a prefix count down each column for
+  the ranks, one scatter); backends may run it as a kernel."""
+  num_tokens, num_experts = values.shape
+  selected = top_per_column(values, counts)
+  rank = _column_prefix_counts(selected)[0] - 1                # within the expert
+  slot = jnp.where(selected, offsets[None, :num_experts] + rank, num_slots).reshape(-1)
+  rows = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None],
+                          (num_tokens, num_experts)).reshape(-1)
+  return jnp.full((num_slots,), num_tokens, jnp.int32).at[slot].set(rows, mode="drop")
+
+
+def _reference_rounded_slots(values, counts, offsets, num_slots: int):
+  return rounded_slots(values, counts, offsets, num_slots)
 
 
 def _rounded_plan(scores, chosen, targets, k: int, tile: int, align: int,
-                  select=top_per_column) -> RoutingPlan:
+                  place=_reference_rounded_slots) -> RoutingPlan:
+  """The plan of the rounded counts `targets`: place (rounded_slots or a backend's) puts each
+  expert's selected tokens in its slots; the rest follows from the group offsets."""
   num_tokens, num_experts = scores.shape
   # Chosen tokens rank before unchosen ones: unchosen scores are biased by -1 (scores <= 1).
   biased = jnp.where(chosen, scores, scores - 1.0)
-  selected = select(biased, targets)                           # [T, E]
-
   size = num_slots(num_tokens, num_experts, k, tile, align)
   offsets = _aligned_offsets(targets, align)
-  rank = _column_prefix_counts(selected)[0] - 1                          # within the expert
-  slot = jnp.where(selected, offsets[None, :num_experts] + rank, size).reshape(-1)
-  pair = _pair_of_slot(slot, size)                   # pair t * E + e; the rest by gathers
-  valid = pair >= 0
-  token_index = jnp.where(valid, pair // num_experts, num_tokens)
-  expert_index = jnp.where(valid, pair % num_experts, num_experts)
-  slot_scores = jnp.where(valid, scores.reshape(-1)[jnp.maximum(pair, 0)], 0.0)
+  token_index = place(biased, targets, offsets[:num_experts], size)
+  valid = token_index < num_tokens
+  expert = count_below(offsets[1:], jnp.arange(size, dtype=jnp.int32), inclusive=True)
+  expert_index = jnp.where(valid, expert, num_experts)
+  slot_scores = jnp.where(valid, scores.at[token_index, expert_index].get(mode="fill",
+                                                                          fill_value=0), 0.0)
   token_slots, token_offsets = _token_csr(token_index, num_tokens)
   return RoutingPlan(
       token_index=token_index, expert_index=expert_index,

@@ -154,10 +154,9 @@ def top_k(logits, k: int):
   return jax.lax.top_k(logits, k)
 
 
-def top_per_column(values, counts):
-  """Token rounding's selection: [T, E] bool, the counts[e] largest values of each column,
-  ties to the lower row (routing.top_per_column)."""
-  return routing.top_per_column(values, counts)
+def rounded_slots(values, counts, offsets, num_slots: int):
+  """Token rounding's selection placed in the plan's slots (routing.rounded_slots)."""
+  return routing.rounded_slots(values, counts, offsets, num_slots)
 
 
 def up_proj(x, w1, plan: RoutingPlan):
@@ -240,5 +239,5 @@ def dw2(a_scaled, dout, plan: RoutingPlan):
   return _grouped_weight_grad(a_scaled, gather_rows(dout, plan.token_index), plan)
 
 
-OPS = dict(top_k=top_k, top_per_column=top_per_column, up_proj=up_proj, down_proj=down_proj,
+OPS = dict(top_k=top_k, rounded_slots=rounded_slots, up_proj=up_proj, down_proj=down_proj,
            aggregate=aggregate, dh=dh, dx_tilde=dx_tilde, dw1=dw1, dw2=dw2)
