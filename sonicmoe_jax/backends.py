@@ -63,12 +63,14 @@ PLATFORM_DEFAULTS: dict[str, dict[str, str]] = {
 }
 
 class LayerShape(NamedTuple):
-  """What "auto" chooses by on GPUs: the hidden size d, the expert width n, and for the
-  router's top-K the number of experts and k (None where the caller does not say)."""
+  """What "auto" chooses by on GPUs: the hidden size d, the expert width n, for the router's
+  top-K the number of experts and k (None where the caller does not say), and whether the
+  plan varies its slots per token (token rounding)."""
   d: int
   n: int
   num_experts: int | None = None
   k: int | None = None
+  token_rounding: bool = False
 
 
 def _everywhere(shape: LayerShape) -> bool:
@@ -79,14 +81,22 @@ def _many_experts(shape: LayerShape) -> bool:
   return None not in (shape.num_experts, shape.k) and shape.num_experts >= 256
 
 
+def _token_rounding(shape: LayerShape) -> bool:
+  return shape.token_rounding
+
+
 # GPU ops the cute backend takes over, and where (by the LayerShape): every GEMM wherever the
 # cute kernels can run the layer (each measured faster than its Pallas counterpart, alone and
 # in the layer's step, at the paper's configs), the router's top-K where E >= 256 (one warp
 # per token; at E = 128 the Pallas top-K is faster) and token rounding's selection (one CTA per
-# expert; XLA's takes 32 passes over [T, E]). docs/design.md, sections 3-4.
-GPU_CUTE_WHERE = {"top_k": _many_experts, "rounded_slots": _everywhere, "up_proj": _everywhere,
-                  "down_proj": _everywhere, "dh": _everywhere, "dx_tilde": _everywhere,
-                  "dw1": _everywhere, "dw2": _everywhere}
+# expert; XLA's takes 32 passes over [T, E]) and, under token rounding, the aggregation (its
+# tokens' slot counts vary: the kernel reads each token's own; XLA's reads blocks of k slots per
+# token, as many as the busiest token needs, and for plain top-K fuses its sums into the
+# windows' concatenation). docs/design.md, sections 3-4.
+GPU_CUTE_WHERE = {"top_k": _many_experts, "rounded_slots": _everywhere,
+                  "aggregate": _token_rounding, "up_proj": _everywhere, "down_proj": _everywhere,
+                  "dh": _everywhere, "dx_tilde": _everywhere, "dw1": _everywhere,
+                  "dw2": _everywhere}
 
 
 # The layer's column windows when moe's `windows` is left None: WINDOWED_STORE_WINDOWS where
@@ -174,13 +184,14 @@ def _check_kernel_config(kernel_config) -> dict:
 
 def default_backend(op: str, platform: str | None = None, *, dtype=None, d: int | None = None,
                     n: int | None = None, num_experts: int | None = None,
-                    k: int | None = None) -> str:
+                    k: int | None = None, token_rounding: bool = False) -> str:
   """The backend "auto" picks for op: PLATFORM_DEFAULTS, or on GPUs "cute" for the ops of
   GPU_CUTE_WHERE at the shapes it names, where the cute extra is installed and can run the
   layer (and, for top_k, these logits)."""
   platform = platform or jax.default_backend()
   if (platform == "gpu" and op in GPU_CUTE_WHERE and None not in (dtype, d, n)
-      and GPU_CUTE_WHERE[op](LayerShape(d, n, num_experts, k)) and _cute_installed()):
+      and GPU_CUTE_WHERE[op](LayerShape(d, n, num_experts, k, token_rounding))
+      and _cute_installed()):
     cute = _backend_module("cute")
     if cute.unsupported(dtype, d, n) is None and (
         op != "top_k" or cute.top_k_unsupported(num_experts, k) is None):
@@ -190,12 +201,13 @@ def default_backend(op: str, platform: str | None = None, *, dtype=None, d: int 
 
 def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype=None,
             d: int | None = None, n: int | None = None, num_experts: int | None = None,
-            k: int | None = None,
+            k: int | None = None, token_rounding: bool = False,
             kernel_config: Optional[Mapping[str, Hashable]] = None) -> Ops:
   """Resolves a backend spec to one implementation per op.
 
   dtype, d, n (the layer's input dtype and widths) let "auto" skip a default backend that
-  cannot run them; num_experts and k (the router's) let it pick the top-K's.
+  cannot run them; num_experts and k (the router's) let it pick the top-K's; token_rounding
+  (the plan varies its slots per token) the aggregation's.
   kernel_config: {backend name: its configuration} (an instance of the backend's CONFIG_TYPE)
   for the ops that run on that backend; backends left out run their defaults.
 
@@ -216,7 +228,8 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype
   fallbacks = {}   # (default backend, reason) -> the ops "auto" moved to xla for it
   for op, name in choice.items():
     if name == "auto":
-      name = default_backend(op, platform, dtype=dtype, d=d, n=n, num_experts=num_experts, k=k)
+      name = default_backend(op, platform, dtype=dtype, d=d, n=n, num_experts=num_experts, k=k,
+                             token_rounding=token_rounding)
       module = _backend_module(name)
       reason = module.unsupported(dtype, d, n) if hasattr(module, "unsupported") and dtype is not None else None
       if reason:

@@ -270,7 +270,8 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
   x, router_w, w1, w2 = as_arrays(x=x, router_w=router_w, w1=w1, w2=w2)
   _check_inputs(x, router_w, w1, w2)
   ops = backends.resolve(backend, dtype=x.dtype, d=x.shape[1], n=w2.shape[1],
-                         num_experts=router_w.shape[1], k=k, kernel_config=kernel_config)
+                         num_experts=router_w.shape[1], k=k,
+                         token_rounding=rounding not in (None, "none"), kernel_config=kernel_config)
   logits = routing.router_logits(x, router_w)
   plan, stats = routing.route(logits, k=k, score_fn=score_fn, renormalize=renormalize,
                               rounding=rounding, tile=tile, rng=rng, align=ops.align,

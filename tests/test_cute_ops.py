@@ -82,6 +82,12 @@ def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
   assert top_k(256, 16) is cute_ops.top_k and top_k(1024, 8) is cute_ops.top_k
   assert top_k(128, 8) is pallas_ops.top_k and top_k(64, 8) is pallas_ops.top_k
   assert top_k(256, 64) is pallas_ops.top_k and top_k(2048, 8) is pallas_ops.top_k   # its limits
+  # token rounding's placement on cute; its aggregation too (plain top-K's stays XLA's)
+  ops = resolve(4096, 256)
+  assert ops.rounded_slots is cute_ops.rounded_slots and ops.aggregate is xla_ops.aggregate
+  rounding = backends.resolve("auto", platform="gpu", dtype=jnp.bfloat16, d=4096, n=256,
+                              token_rounding=True)
+  assert rounding.aggregate is cute_ops.aggregate
   with pytest.warns(UserWarning, match="float32"):
     assert resolve(4096, 256, jnp.float32).dh is xla_ops.dh
   for n in (64, 96, 192):   # the up-projection's 128-column tiles, dW2's 128-row tiles

@@ -85,7 +85,8 @@ def test_one_device_mesh_pallas_backend_lowers_for_cuda():
 @pytest.mark.gpu
 def test_training_loop_on_gpu_mesh_of_one_matches_no_mesh(tmp_path):
   """The models/ training loop on one GPU: --mesh data=1,expert=1 (the expert-parallel layer
-  under shard_map) gives the losses of the unsharded loop (relative 1e-4)."""
+  under shard_map) gives the losses of the unsharded loop (relative 2e-3: the model computes
+  in bfloat16 there, and the two programs sum in different orders)."""
   import numpy as np
 
   from models import train
@@ -94,4 +95,4 @@ def test_training_loop_on_gpu_mesh_of_one_matches_no_mesh(tmp_path):
   losses = lambda r: np.array([h[1] for h in r["history"]] + [e[1] for e in r["evals"]])
   single = train.main(args + [str(tmp_path / "a")])
   one = train.main(args + [str(tmp_path / "b"), "--mesh", "data=1,expert=1"])
-  np.testing.assert_allclose(losses(one), losses(single), rtol=1e-4)
+  np.testing.assert_allclose(losses(one), losses(single), rtol=2e-3)
