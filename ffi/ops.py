@@ -25,6 +25,7 @@ except ImportError as e:  # the optional extra is missing
       "backend 'cute' needs NVIDIA's CuTe DSL and jax-tvm-ffi: pip install 'sonicmoe-jax[cute]' "
       f"(nvidia-cutlass-dsl>=4.8.1, jax-tvm-ffi>=0.1.3); import failed with: {e}") from e
 
+import functools
 import warnings
 
 import jax
@@ -96,13 +97,34 @@ def top_k(logits, k, *, config: CuteConfig = DEFAULT):
 def rounded_slots(values, counts, offsets, num_slots, *, config: CuteConfig = DEFAULT):
   """Token rounding's placed selection, one CTA per expert (column_select.py); more tokens
   than it holds in registers (T above column_select.MAX_TOKENS) go to XLA's with a warning
-  (the same result)."""
+  (the same result), and so does a batch under jax.vmap (the kernel writes its slots over a
+  buffer it is handed, which a sequential vmap of the call would share between the batch's
+  elements)."""
   del config   # (one kernel)
   reason = column_select.unsupported(values.shape[0])
   if reason:
     warnings.warn(f"backend 'cute' rounded_slots: {reason}; using XLA's", stacklevel=2)
     return xla_ops.rounded_slots(values, counts, offsets, num_slots)
-  return column_select.rounded_slots(values, counts, offsets, num_slots)
+  return _kernel_rounded_slots(values, counts, offsets, num_slots)
+
+
+@functools.partial(jax.custom_batching.custom_vmap)
+def _placed_by_kernel(values, counts, offsets, num_slots_like):
+  return column_select.rounded_slots(values, counts, offsets, num_slots_like.shape[0])
+
+
+@_placed_by_kernel.def_vmap
+def _placed_by_xla_in_batches(axis_size, in_batched, values, counts, offsets, num_slots_like):
+  del axis_size
+  batched = [b for b in in_batched[:3]]
+  place = lambda v, c, o: xla_ops.rounded_slots(v, c, o, num_slots_like.shape[0])
+  out = jax.vmap(place, in_axes=[0 if b else None for b in batched])(values, counts, offsets)
+  return out, True
+
+
+def _kernel_rounded_slots(values, counts, offsets, num_slots: int):
+  # (num_slots travels as an array's shape: custom_vmap takes arrays only)
+  return _placed_by_kernel(values, counts, offsets, jnp.zeros((num_slots, 0), jnp.int8))
 
 
 def aggregate(y, scores, plan, *, config: CuteConfig = DEFAULT):

@@ -77,3 +77,35 @@ def test_cute_rounded_plan_equals_xla_plan_on_gpu(mode):
   cute, xla = route(ops.rounded_slots), route(routing.rounded_slots)
   for field in PLAN_FIELDS:
     np.testing.assert_array_equal(getattr(cute, field), getattr(xla, field), err_msg=field)
+
+
+def test_cute_rounded_slots_under_vmap_place_by_xla():
+  """Under jax.vmap the op runs XLA's placement over the batch (the kernel writes over a buffer
+  it is handed, which a sequential vmap of the call would share between elements): no kernel
+  in the program, the reference's result."""
+  from ffi import ops
+  from sonicmoe_jax.core import routing
+  values = jax.random.normal(jax.random.key(0), (3, 300, 8))
+  counts = jnp.array([[40] * 8, [0, 300, 5, 7, 9, 11, 13, 15], [1] * 8], jnp.int32)
+  offsets = jnp.arange(8, dtype=jnp.int32) * 320
+  fn = jax.jit(jax.vmap(lambda v, c: ops.rounded_slots(v, c, offsets, 2600)))
+  assert "sonicmoe_cute" not in fn.lower(values, counts).as_text()
+  want = jax.vmap(lambda v, c: routing.rounded_slots(v, c, offsets, 2600))(values, counts)
+  np.testing.assert_array_equal(fn(values, counts), want)
+
+
+def test_cute_layer_with_rounding_lowers_under_grad_and_vmap(monkeypatch):
+  """The layer's step with token rounding on cute lowers for CUDA with the placement kernel in
+  it (no gradient reaches the placement), and so does its vmap."""
+  import sonicmoe_jax as sm
+  from conftest import make_inputs
+  from ffi import column_select
+  placed = []
+  kernel = column_select.rounded_slots
+  monkeypatch.setattr(column_select, "rounded_slots", lambda *a: placed.append(a) or kernel(*a))
+  x, r, w1, w2 = make_inputs(0, 256, 128, 128, 8, jnp.bfloat16)
+  loss = lambda x, w1: jnp.sum(sm.moe(x, r, w1, w2, k=2, rounding="nearest", tile=64,
+                                      backend="cute").out.astype(jnp.float32))
+  assert FFI_TARGET in cuda_module(jax.grad(loss, argnums=(0, 1)), x, w1)
+  assert placed
+  assert FFI_TARGET in cuda_module(jax.vmap(jax.grad(loss), in_axes=(0, None)), jnp.stack([x, x]), w1)

@@ -495,7 +495,8 @@ def _rounded_plan(scores, chosen, targets, k: int, tile: int, align: int,
   biased = jnp.where(chosen, scores, scores - 1.0)
   size = num_slots(num_tokens, num_experts, k, tile, align)
   offsets = _aligned_offsets(targets, align)
-  token_index = place(biased, targets, offsets[:num_experts], size)
+  # (integer slots: no gradient flows through the placement)
+  token_index = place(jax.lax.stop_gradient(biased), targets, offsets[:num_experts], size)
   valid = token_index < num_tokens
   expert = count_below(offsets[1:], jnp.arange(size, dtype=jnp.int32), inclusive=True)
   expert_index = jnp.where(valid, expert, num_experts)
