@@ -121,6 +121,7 @@ def build_parser():
   p.add_argument("--reps", type=int, default=3, help="timed samples; their median is the time")
   p.add_argument("--tiny", action="store_true", help="one tiny config (CPU smoke run)")
   p.add_argument("--out", default="runs/rounding", help="folder for rounding.json")
+  p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD here)")
   return p
 
 
@@ -143,7 +144,7 @@ def main(argv=None):
         rec["round"] = r
         records.append(rec)
         print(json.dumps(rec), flush=True)
-  meta = dict(commit=bench.commit(), command=" ".join(sys.argv), versions=bench.versions(),
+  meta = dict(commit=a.commit or bench.commit(), command=" ".join(sys.argv), versions=bench.versions(),
               device=str(jax.devices()[0].device_kind))
   print(table(records))
   output.write_json(a.out, "rounding", dict(meta=meta, records=records))
