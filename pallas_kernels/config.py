@@ -48,9 +48,15 @@ class PallasConfig:
 DEFAULT = PallasConfig()
 
 UP_PROJ = TileConfig(block_n=64)     # two accumulators (gate, up): 2 x 128x64 fp32
-MATMUL = TileConfig(block_n=128)     # down-projection and dX~
+MATMUL = TileConfig(block_n=128)     # down-projection and dX~ (their N is d)
 DH = TileConfig(block_n=64)          # one accumulator plus the heavy dSwiGLU epilogue
 WEIGHT_GRAD = TileConfig(block_m=128, block_n=128, block_k=64)
+
+
+def matmul_tiles(num_cols: int) -> TileConfig:
+  """The store GEMMs' tiling for num_cols output columns: MATMUL, or 64-column tiles where
+  num_cols is not a multiple of 128."""
+  return MATMUL if num_cols % MATMUL.block_n == 0 else TileConfig(block_n=64)
 
 
 def up_proj_gather_tiles(n: int) -> TileConfig:
@@ -72,8 +78,8 @@ def unsupported(dtype, d: int, n: int):
   """Why these kernels cannot run a layer of this dtype and widths, or None."""
   if not any(jnp.dtype(dtype) == jnp.dtype(t) for t in SUPPORTED_DTYPES):
     return f"dtype {jnp.dtype(dtype).name} (needs bfloat16 or float16)"
-  if d % 128:
-    return f"d={d} is not a multiple of 128"
+  if d % 64:
+    return f"d={d} is not a multiple of 64"
   if n % 64:
     return f"n={n} is not a multiple of 64"
   return None
@@ -87,9 +93,9 @@ def check_operands(op: str, **arrays) -> None:
 
 
 def check_dims(d: int, n: int) -> None:
-  """The kernels tile d by 128 and n by 64."""
-  if d % 128:
-    raise ValueError(f"backend 'pallas' needs d (model width) to be a multiple of 128; got d={d}")
+  """The kernels tile d and n by 64 (or 128 where they are multiples of it)."""
+  if d % 64:
+    raise ValueError(f"backend 'pallas' needs d (model width) to be a multiple of 64; got d={d}")
   if n % 64:
     raise ValueError(f"backend 'pallas' needs n (expert width) to be a multiple of 64; got n={n}")
 

@@ -5,7 +5,8 @@ The plan is aligned to BLOCK_M rows per expert (ALIGN) so every M tile has one e
 X are gathered inside the up-projection kernel by cp.async (Hopper has no TMA row gather;
 PallasConfig.up_proj_gather_in_kernel); rows of dO, and of X for dW1, are gathered by XLA (inside
 the dH kernel it is slower; inside dW1's kernel it is slower but saves memory:
-PallasConfig.dw1_gather_in_kernel); every op takes its PallasConfig as `config`; aggregation is XLA's gather-and-sum. Limits: bf16/f16 inputs, d a multiple of 128, n of 64.
+PallasConfig.dw1_gather_in_kernel); every op takes its PallasConfig as `config`; aggregation is XLA's gather-and-sum. Limits: bf16/f16 inputs, d and n multiples of 64 (64-column
+tiles where they are not multiples of 128).
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def down_proj(a, w2, plan, cols=None, *, config: PallasConfig = DEFAULT):
   tiling.check_operands("down_proj", a=a, w2=w2)
   w2 = xla_ops.output_window(w2, cols, 2)
   tiling.check_dims(w2.shape[2], w2.shape[1])
-  return grouped_gemm.matmul(a, w2, tiles(plan), transpose_rhs=False)
+  return grouped_gemm.matmul(a, w2, tiles(plan), transpose_rhs=False,
+                             cfg=tiling.matmul_tiles(w2.shape[2]))
 
 
 def aggregate(y, scores, plan, *, config: PallasConfig = DEFAULT):
@@ -85,7 +87,8 @@ def dx_tilde(dh_, w1, plan, cols=None, *, config: PallasConfig = DEFAULT):
   tiling.check_operands("dx_tilde", dh=dh_, w1=w1)
   w1 = xla_ops.output_window(w1, cols, 1)
   tiling.check_dims(w1.shape[1], w1.shape[2] // 2)
-  return grouped_gemm.matmul(dh_, w1, tiles(plan), transpose_rhs=True)
+  return grouped_gemm.matmul(dh_, w1, tiles(plan), transpose_rhs=True,
+                             cfg=tiling.matmul_tiles(w1.shape[1]))
 
 
 def dw1(x, dh_, plan, *, config: PallasConfig = DEFAULT):

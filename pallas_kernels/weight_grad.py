@@ -58,7 +58,8 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, out_dtype,
   num_slots, m_dim = lhs.shape
   n_dim = rhs.shape[1]
   bm = cfg.block_m if m_dim % cfg.block_m == 0 else 64
-  bn, bk = cfg.block_n, cfg.block_k
+  bn = cfg.block_n if n_dim % cfg.block_n == 0 else 64
+  bk = cfg.block_k
   if m_dim % bm or n_dim % bn:
     raise ValueError(f"weight gradient dims ({m_dim}, {n_dim}) must be multiples of ({bm}, {bn})")
   grid_m, grid_n = m_dim // bm, n_dim // bn

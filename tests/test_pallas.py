@@ -16,6 +16,7 @@ CASES = [
     (40, 128, 128, 1, 1, 0, None, 128),      # E = 1, K = 1, n = 128 (H two 128-column tiles), T < tile
     (256, 128, 64, 4, 2, 1, "nearest", 128),  # an expert with zero tokens; token rounding: counts
                                               # are tile multiples
+    (150, 192, 64, 4, 2, 0, None, 128),     # d = 3 x 64: 64-column tiles of the store GEMMs and dW2
 ]
 
 
@@ -85,7 +86,7 @@ def test_pallas_errors():
   with pytest.raises(TypeError, match="backend 'pallas' .* must be bfloat16 or float16"):
     sm.moe(x, r, w1, w2, k=1, backend="pallas")
   x, r, w1, w2 = make_inputs(0, 32, 96, 64, 4, jnp.bfloat16)
-  with pytest.raises(ValueError, match="d \\(model width\\) to be a multiple of 128; got d=96"):
+  with pytest.raises(ValueError, match="d \\(model width\\) to be a multiple of 64; got d=96"):
     sm.moe(x, r, w1, w2, k=1, backend="pallas")
   x, r, w1, w2 = make_inputs(0, 32, 128, 48, 4, jnp.bfloat16)
   with pytest.raises(ValueError, match="n \\(expert width\\) to be a multiple of 64; got n=48"):
@@ -133,9 +134,11 @@ def test_vmapped_pallas_layer_on_gpu_matches_each_element():
   _assert_vmapped_pallas_layer_matches_each_element(1024, 512, 128, 16, 2)
 
 
-def test_pallas_lowers_for_cuda():
-  """The real (non-interpreted) kernels trace and lower to Mosaic GPU custom calls for CUDA."""
-  T, d, n, E, K = 512, 256, 128, 8, 2
+@pytest.mark.parametrize("d,n", [(256, 128), (2944, 1472)], ids=["d256-n128", "d2944-n1472"])
+def test_pallas_lowers_for_cuda(d, n):
+  """The real (non-interpreted) kernels trace and lower to Mosaic GPU custom calls for CUDA,
+  also at widths that are multiples of 64 but not of 128 (64-column tiles)."""
+  T, E, K = 512, 8, 2
   args = make_inputs(0, T, d, n, E, jnp.bfloat16)
   cot = jnp.ones((T, d), jnp.float32)
 
@@ -154,6 +157,7 @@ def test_pallas_lowers_for_cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 1024, 256, 32, 4), (3000, 512, 128, 64, 8),
                                    (2000, 512, 192, 16, 2),    # n % 128 != 0: 64-column tiles
+                                   (3000, 2944, 1472, 16, 4),  # d, n % 128 == 64: the same
                                    (1000, 128, 64, 8, 2)])     # the demo's widths
 def test_pallas_on_gpu_matches_xla(shape):
   T, d, n, E, K = shape
