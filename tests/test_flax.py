@@ -118,3 +118,14 @@ def test_flax_defaults_follow_the_input_and_take_a_small_batch():
   rounded = sm.SonicMoE(32, 16, 8, 2, rounding="nearest", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="token rounding needs at least one tile of tokens"):
     rounded(x)
+
+
+def test_nnx_parameters_carry_their_partitioning():
+  """nnx.get_partition_spec gives w1 and w2 split over the "expert" mesh axis and the router
+  replicated: what a jit/pjit training loop builds its NamedShardings from."""
+  from jax.sharding import PartitionSpec as P
+  m = sm.SonicMoE(32, 16, 8, 2, rngs=nnx.Rngs(0))
+  specs = nnx.get_partition_spec(nnx.state(m, nnx.Param))
+  assert specs["w1"] == P("expert", None, None)
+  assert specs["w2"] == P("expert", None, None)
+  assert specs["router_w"] == P(None, None)
