@@ -55,16 +55,7 @@ def grouped_expert_mlp(rows, scores, w1, w2, group_sizes, *,
   num_experts = w1.shape[0]
   validation.check_dim("scores", scores.shape[0], num_rows, "dim 0 (R, from rows)")
   validation.check_dim("group_sizes", group_sizes.shape[0], num_experts, "dim 0 (E, from w1)")
-  validation.check_dim("w1", w1.shape[1], d, "dim 1 (d, from rows)")
-  if w1.shape[2] % 2:
-    raise ValueError(f"w1: dim 2 (2n: gate and up halves) must be even; got {w1.shape[2]}")
-  n = w1.shape[2] // 2
-  validation.check_dim("w2", w2.shape[0], num_experts, "dim 0 (E, from w1)")
-  validation.check_dim("w2", w2.shape[1], n, "dim 1 (n, half of w1's dim 2)")
-  validation.check_dim("w2", w2.shape[2], d, "dim 2 (d, from rows)")
-  for name, arr in (("w1", w1), ("w2", w2)):
-    if arr.dtype != rows.dtype:
-      raise TypeError(f"{name} must have rows' dtype {rows.dtype}; got {arr.dtype}")
+  n = layer.check_expert_weights(w1, w2, rows, "rows", num_experts, "w1")
 
   ops = backends.resolve(backend, dtype=rows.dtype, d=d, n=n, num_experts=num_experts, k=1,
                          kernel_config=kernel_config)

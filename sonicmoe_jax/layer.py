@@ -214,17 +214,26 @@ def _check_inputs(x, router_w, w1, w2):
   if t < 1:
     raise ValueError(f"x must have at least one token; got shape {tuple(x.shape)}")
   validation.check_dim("router_w", router_w.shape[0], d, "dim 0 (d, from x)")
-  validation.check_dim("w1", w1.shape[0], e, "dim 0 (E, from router_w)")
-  validation.check_dim("w1", w1.shape[1], d, "dim 1 (d, from x)")
+  check_expert_weights(w1, w2, x, "x", e, "router_w")
+
+
+def check_expert_weights(w1, w2, rows, rows_name: str, num_experts: int, experts_from: str) -> int:
+  """w1 [E, d, 2n] and w2 [E, n, d] (ranks checked) against the rows they multiply (`rows`,
+  named rows_name: d wide, their dtype) and E (from the argument experts_from); errors name the
+  argument and where the expected size comes from. Returns n."""
+  d = rows.shape[1]
+  validation.check_dim("w1", w1.shape[0], num_experts, f"dim 0 (E, from {experts_from})")
+  validation.check_dim("w1", w1.shape[1], d, f"dim 1 (d, from {rows_name})")
   if w1.shape[2] % 2:
     raise ValueError(f"w1: dim 2 (2n: gate and up halves) must be even; got {w1.shape[2]}")
   n = w1.shape[2] // 2
-  validation.check_dim("w2", w2.shape[0], e, "dim 0 (E, from router_w)")
+  validation.check_dim("w2", w2.shape[0], num_experts, f"dim 0 (E, from {experts_from})")
   validation.check_dim("w2", w2.shape[1], n, "dim 1 (n, half of w1's dim 2)")
-  validation.check_dim("w2", w2.shape[2], d, "dim 2 (d, from x)")
+  validation.check_dim("w2", w2.shape[2], d, f"dim 2 (d, from {rows_name})")
   for name, arr in (("w1", w1), ("w2", w2)):
-    if arr.dtype != x.dtype:
-      raise TypeError(f"{name} must have x's dtype {x.dtype}; got {arr.dtype}")
+    if arr.dtype != rows.dtype:
+      raise TypeError(f"{name} must have {rows_name}'s dtype {rows.dtype}; got {arr.dtype}")
+  return n
 
 
 def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",

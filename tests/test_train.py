@@ -11,7 +11,7 @@ def test_training_loop_loss_falls(tmp_path, capsys):
   report = capsys.readouterr().out
   # the demo says where its ops ran (off a GPU: float32, XLA's)
   if jax.default_backend() != "gpu":
-    assert "dtype='float32'" in report and "expert ops run on: xla: top_k, up_proj," in report
+    assert "dtype='float32'" in report and "expert ops run on: xla: top_k, rounded_slots, up_proj," in report
   first, last = result["history"][0][1], result["history"][-1][1]
   assert last < first - 0.3
   assert (tmp_path / "loss_curve.png").stat().st_size > 1000
