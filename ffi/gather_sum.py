@@ -7,6 +7,11 @@ slot's score, and writes O[t] in Y's dtype. Bandwidth-bound: reads each slot row
 each token row once. Callable from any jitted JAX program: the kernel is compiled for the GPU
 when the program is lowered (CUTE_DSL_ARCH=sm_90a compiles it on a machine without a GPU) and
 runs as an XLA FFI custom call on XLA's stream.
+
+A column window of a wider result (`into`): the kernel writes its sums into columns
+col_offset .. of the [T, D] output, which is either new (the first window: its other columns
+are written by the later windows' calls) or the previous window's output, written in place
+(the call aliases it), so the windows' sums are never concatenated in a copy.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ ACCESS_BYTES = 16   # one vector load or store per chunk
 @cute.kernel
 def _gather_sum_kernel(y: cute.Tensor, scores: cute.Tensor, token_slots: cute.Tensor,
                        token_offsets: cute.Tensor, out: cute.Tensor, weighted: cutlass.Constexpr,
-                       vec: cutlass.Constexpr):
+                       vec: cutlass.Constexpr, first_chunk: cutlass.Constexpr):
   tidx, _, _ = cute.arch.thread_idx()
   token, _, _ = cute.arch.block_idx()
   start = token_offsets[token]
@@ -41,27 +46,59 @@ def _gather_sum_kernel(y: cute.Tensor, scores: cute.Tensor, token_slots: cute.Te
       acc.store(acc.load() + values)
     result = cute.make_rmem_tensor((vec,), out.element_type)
     result.store(acc.load().to(out.element_type))
-    cute.autovec_copy(result, cute.local_tile(out[cutlass.Int64(token), None], (vec,), (chunk,)))
+    cute.autovec_copy(result, cute.local_tile(out[cutlass.Int64(token), None], (vec,),
+                                              (first_chunk + chunk,)))
 
 
 @cute.jit
 def _gather_sum(stream, y: cute.Tensor, scores: cute.Tensor, token_slots: cute.Tensor,
                 token_offsets: cute.Tensor, out: cute.Tensor, weighted: cutlass.Constexpr,
-                vec: cutlass.Constexpr):
-  _gather_sum_kernel(y, scores, token_slots, token_offsets, out, weighted, vec).launch(
+                vec: cutlass.Constexpr, first_chunk: cutlass.Constexpr = 0):
+  _gather_sum_kernel(y, scores, token_slots, token_offsets, out, weighted, vec,
+                     first_chunk).launch(
       grid=(out.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream)
 
 
-def gather_sum(y, scores, token_slots, token_offsets, num_tokens: int):
+@cute.jit
+def _gather_sum_over(stream, y: cute.Tensor, scores: cute.Tensor, token_slots: cute.Tensor,
+                     token_offsets: cute.Tensor, previous: cute.Tensor, out: cute.Tensor,
+                     weighted: cutlass.Constexpr, vec: cutlass.Constexpr,
+                     first_chunk: cutlass.Constexpr):
+  del previous   # (out is its buffer: the call aliases the two)
+  _gather_sum_kernel(y, scores, token_slots, token_offsets, out, weighted, vec,
+                     first_chunk).launch(
+      grid=(out.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+
+def gather_sum(y, scores, token_slots, token_offsets, num_tokens: int, into=None):
   """[num_tokens, d] in y's dtype; scores=None sums unweighted. Rows whose width is not a
-  multiple of a 16-byte access are read one value at a time."""
+  multiple of a 16-byte access are read one value at a time.
+
+  into=(out, lo): the sums are columns lo .. lo + d of a wider [num_tokens, D] result, returned
+  whole: out is D (an int: a new result, whose other columns are left to later calls) or the
+  [num_tokens, D] result of an earlier window, written over in place."""
   weighted = scores is not None
   if scores is None:
     scores = jax.numpy.zeros((y.shape[0],), jax.numpy.float32)
   vec = ACCESS_BYTES // y.dtype.itemsize
   if y.shape[1] % vec:
     vec = 1
-  out, = xla_call.call(
-      _gather_sum, [y, scores.astype(jax.numpy.float32), token_slots, token_offsets],
-      [jax.ShapeDtypeStruct((num_tokens, y.shape[1]), y.dtype)], weighted=weighted, vec=vec)
+  inputs = [y, scores.astype(jax.numpy.float32), token_slots, token_offsets]
+  if into is None:
+    out, = xla_call.call(_gather_sum, inputs,
+                         [jax.ShapeDtypeStruct((num_tokens, y.shape[1]), y.dtype)],
+                         weighted=weighted, vec=vec)
+    return out
+  base, lo = into
+  width = base if isinstance(base, int) else base.shape[1]
+  if lo % vec or lo + y.shape[1] > width:
+    raise ValueError(f"cute gather_sum: columns {lo} .. {lo + y.shape[1]} do not fit a result "
+                     f"{width} wide in {vec}-column chunks")
+  result = jax.ShapeDtypeStruct((num_tokens, width), y.dtype)
+  if isinstance(base, int):
+    out, = xla_call.call(_gather_sum, inputs, [result], weighted=weighted, vec=vec,
+                         first_chunk=lo // vec)
+  else:
+    out, = xla_call.call(_gather_sum_over, inputs + [base], [result], in_place={4: 0},
+                         weighted=weighted, vec=vec, first_chunk=lo // vec)
   return out
