@@ -2,12 +2,13 @@
 forward+backward step (their profilers' per-step times, longest first), in columns; or with
 --by-op their sums per op of the layer (op_of); or with --by-gemm each of the six GEMMs,
 the median over rounds when given several files of one side-by-side run (by_gemm); or with
---by-layer the whole step's times, TF/s and memory, medians over rounds (layer_table). Those
-two keep one impl's runs under other kernel configurations (bench.py --cute, --pallas) apart
-(variant).
+--by-layer the whole step's times, TF/s and memory, medians over rounds (layer_table); or with
+--roofline each GEMM's FLOPs and least bytes, and the share of the card's bf16 peak and HBM
+bandwidth its median time reaches (roofline_table). Those keep one impl's runs under other
+kernel configurations (bench.py --cute, --pallas) apart (variant).
 
   python -m benchmarks.kernel_table benchmarks/results/<run>/bench.json [more.json ...] [--top 12]
-      [--fwd] [--order] [--min-ms 0.05] [--by-op | --by-gemm | --by-layer]
+      [--fwd] [--order] [--min-ms 0.05] [--by-op | --by-gemm | --by-layer | --roofline]
 """
 from __future__ import annotations
 
@@ -114,6 +115,62 @@ def by_gemm(record, key: str = "kernels_fwd_bwd") -> dict:
   if len(plain_after_dh) == 3:
     sums["dW2"], sums["dX~"], sums["dW1"] = plain_after_dh
   return {gemm: sums[gemm] for gemm in GEMMS if gemm in sums}
+
+
+# dense bf16 tensor-core peak (TFLOP/s) and HBM bandwidth (TB/s) of the SXM cards, by the
+# device_kind's words
+CARDS = {"H100": (989.0, 3.35), "H200": (989.0, 4.8)}
+
+
+def gemm_work(gemm: str, T: int, d: int, n: int, E: int, K: int, itemsize: int = 2):
+  """(FLOPs, least bytes) of one of the six GEMMs of a step: every operand read once and
+  every output written once (the gathered rows as T*K rows; weights whole; the weight
+  gradients written in the input dtype)."""
+  rows = T * K
+  flops = {"up-proj": 2 * rows * d * 2 * n, "down-proj": 2 * rows * n * d,
+           "dH": 2 * rows * d * n, "dX~": 2 * rows * 2 * n * d,
+           "dW1": 2 * rows * d * 2 * n, "dW2": 2 * rows * n * d}[gemm]
+  w1, w2 = E * d * 2 * n, E * n * d
+  elems = {"up-proj": rows * d + w1 + rows * 2 * n + rows * n,     # X rows, W1 -> H, A
+           "down-proj": rows * n + w2 + rows * d,                   # A, W2 -> Y
+           "dH": rows * d + w2 + rows * 2 * n + rows * 2 * n + rows * n,   # dO rows, W2, H -> dH, A'
+           "dX~": rows * 2 * n + w1 + rows * d,                     # dH, W1 -> dX~
+           "dW1": rows * d + rows * 2 * n + w1,                     # X rows, dH -> dW1
+           "dW2": rows * n + rows * d + w2}[gemm]                   # A', dO rows -> dW2
+  return flops, elems * itemsize
+
+
+def card_of(record):
+  """(peak TFLOP/s, HBM TB/s) of the record's GPU, or None for a card not in CARDS."""
+  kind = record.get("gpu") or ""
+  return next((peaks for name, peaks in CARDS.items() if name in kind), None)
+
+
+def roofline_table(records, key: str = "kernels_fwd_bwd") -> str:
+  """Text table: per config and impl, each GEMM's median ms (gemm_table's), its TFLOP/s and
+  share of the card's bf16 peak, its least bytes' GB/s and share of HBM bandwidth."""
+  groups = rounds_by_config_impl(records, lambda r: r.get(key))
+  w = _impl_width(groups)
+  lines = [_lead("config", "impl", "rounds", w)
+           + f"{'gemm':>9s} {'ms':>8s} {'GFLOP':>8s} {'MB':>8s} {'TF/s':>7s} {'%peak':>6s} "
+           f"{'GB/s':>7s} {'%HBM':>5s}"]
+  for (config, impl), records_of in groups.items():
+    r0 = records_of[0]
+    shape = tuple(r0[k] for k in ("T", "d", "n", "E", "K"))
+    peaks = card_of(r0)
+    rounds = [by_gemm(r, key) for r in records_of]
+    for g in GEMMS:
+      if not all(g in r for r in rounds):
+        continue
+      ms = statistics.median(r[g] for r in rounds)
+      flops, nbytes = gemm_work(g, *shape)
+      tflops, gbs = flops / ms / 1e9, nbytes / ms / 1e6
+      share = (f"{100 * tflops / peaks[0]:6.1f} {gbs:7.0f} {100 * gbs / 1e3 / peaks[1]:5.1f}"
+               if peaks else f"{'-':>6s} {gbs:7.0f} {'-':>5s}")
+      lines.append(_lead(config, impl, len(rounds), w)
+                   + f"{g:>9s} {ms:8.3f} {flops / 1e9:8.1f} {nbytes / 1e6:8.1f} {tflops:7.1f} "
+                   + share)
+  return "\n".join(lines)
 
 
 def variant(record) -> str:
@@ -240,13 +297,18 @@ def main(argv=None):
                  help="each impl's six GEMMs (by_gemm), medians over the files' records")
   p.add_argument("--by-layer", action="store_true",
                  help="each impl's step: kernels, wall, TF/s, memory (layer_table), medians")
+  p.add_argument("--roofline", action="store_true",
+                 help="each GEMM's FLOPs, least bytes and shares of the card's peaks "
+                      "(roofline_table), medians")
   a = p.parse_args(argv)
   records = []
   for path in a.bench_json:
     with open(path) as f:
       records += json.load(f)
   key = "kernels_fwd" if a.fwd else "kernels_fwd_bwd"
-  if a.by_layer:
+  if a.roofline:
+    text = roofline_table(records, key)
+  elif a.by_layer:
     text = layer_table(records)
   elif a.by_gemm:
     text = gemm_table(records, key)

@@ -25,7 +25,6 @@ except ImportError as e:  # the optional extra is missing
       "backend 'cute' needs NVIDIA's CuTe DSL and jax-tvm-ffi: pip install 'sonicmoe-jax[cute]' "
       f"(nvidia-cutlass-dsl>=4.8.1, jax-tvm-ffi>=0.1.3); import failed with: {e}") from e
 
-import functools
 import warnings
 
 import jax
@@ -108,7 +107,7 @@ def rounded_slots(values, counts, offsets, num_slots, *, config: CuteConfig = DE
   return _kernel_rounded_slots(values, counts, offsets, num_slots)
 
 
-@functools.partial(jax.custom_batching.custom_vmap)
+@jax.custom_batching.custom_vmap
 def _placed_by_kernel(values, counts, offsets, num_slots_like):
   return column_select.rounded_slots(values, counts, offsets, num_slots_like.shape[0])
 
@@ -116,10 +115,9 @@ def _placed_by_kernel(values, counts, offsets, num_slots_like):
 @_placed_by_kernel.def_vmap
 def _placed_by_xla_in_batches(axis_size, in_batched, values, counts, offsets, num_slots_like):
   del axis_size
-  batched = [b for b in in_batched[:3]]
   place = lambda v, c, o: xla_ops.rounded_slots(v, c, o, num_slots_like.shape[0])
-  out = jax.vmap(place, in_axes=[0 if b else None for b in batched])(values, counts, offsets)
-  return out, True
+  in_axes = [0 if batched else None for batched in in_batched[:3]]
+  return jax.vmap(place, in_axes=in_axes)(values, counts, offsets), True
 
 
 def _kernel_rounded_slots(values, counts, offsets, num_slots: int):

@@ -284,6 +284,29 @@ def test_kernel_table_names_the_six_gemms(tmp_path):
   assert lines[3].split()[-6:] == ["1.200", "0.800", "0.857", "1.062", "1.056", "1.167"]
 
 
+def test_kernel_table_roofline_gives_each_gemms_share_of_the_cards_peaks(tmp_path):
+  """--roofline: a GEMM's FLOPs and least bytes from the layer's shape, the TF/s and GB/s of its
+  median time, and their shares of the card's bf16 peak and HBM bandwidth."""
+  from benchmarks import kernel_table
+  T, d, n, E, K = 1024, 512, 128, 8, 2
+  flops, nbytes = kernel_table.gemm_work("down-proj", T, d, n, E, K)
+  assert flops == 2 * T * K * n * d
+  assert nbytes == 2 * (T * K * n + E * n * d + T * K * d)   # A, W2 read; Y written (bf16)
+  assert kernel_table.gemm_work("dX~", T, d, n, E, K)[0] == 2 * flops
+  record = dict(config="c", impl="auto", gpu="NVIDIA H100 80GB HBM3", T=T, d=d, n=n, E=E, K=K,
+                kernels_fwd_bwd=[["x", 0]], kernel_launches_fwd_bwd=[
+                    ["sonicmoe_up_proj_gather_kernel__k", 0.01],
+                    ["sonicmoe_pingpong_matmul_kernel__k", 0.002]])
+  path = tmp_path / "bench.json"
+  path.write_text(json.dumps([record]))
+  lines = kernel_table.main([str(path), "--roofline"]).splitlines()
+  down = next(line.split() for line in lines if "down-proj" in line)
+  tflops = flops / 0.002 / 1e9
+  assert float(down[-4]) == pytest.approx(tflops, rel=1e-3)
+  assert float(down[-3]) == pytest.approx(100 * tflops / 989.0, abs=0.1)
+  assert float(down[-1]) == pytest.approx(100 * nbytes / 0.002 / 1e9 / 3.35, abs=0.1)
+
+
 def test_kernel_table_by_layer_takes_medians_over_rounds(tmp_path):
   """--by-layer: per config and impl the medians over rounds of the step's kernels, wall times
   and memory (MiB), and the TF/s of the median wall forward+backward from the anchor's FLOP;

@@ -482,12 +482,12 @@ def rounded_slots(values, counts, offsets, num_slots: int):
   return jnp.full((num_slots,), num_tokens, jnp.int32).at[slot].set(rows, mode="drop")
 
 
-def _reference_rounded_slots(values, counts, offsets, num_slots: int):
-  return rounded_slots(values, counts, offsets, num_slots)
+# rounded_slots under another name, for route (whose argument of that name shadows it)
+_reference_rounded_slots = rounded_slots
 
 
 def _rounded_plan(scores, chosen, targets, k: int, tile: int, align: int,
-                  place=_reference_rounded_slots) -> RoutingPlan:
+                  place=rounded_slots) -> RoutingPlan:
   """The plan of the rounded counts `targets`: place (rounded_slots or a backend's) puts each
   expert's selected tokens in its slots; the rest follows from the group offsets."""
   num_tokens, num_experts = scores.shape
