@@ -42,26 +42,24 @@ def grouped_expert_mlp(rows, scores, w1, w2, group_sizes, *,
                                                       group_sizes=group_sizes)
   validation.check_rank("rows", rows, 2, "[R, d]")
   validation.check_rank("scores", scores, 1, "[R]")
-  validation.check_rank("w1", w1, 3, "[E, d, 2n]")
-  validation.check_rank("w2", w2, 3, "[E, n, d]")
   validation.check_rank("group_sizes", group_sizes, 1, "[E]")
-  for name, arr in (("rows", rows), ("scores", scores), ("w1", w1), ("w2", w2)):
+  for name, arr in (("rows", rows), ("scores", scores)):
     validation.check_float_dtype(name, arr)
   if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
     raise TypeError(f"group_sizes must be integers; got {group_sizes.dtype}")
   num_rows, d = rows.shape
   if num_rows < 1:
     raise ValueError(f"rows must have at least one row; got shape {tuple(rows.shape)}")
-  num_experts = w1.shape[0]
   validation.check_dim("scores", scores.shape[0], num_rows, "dim 0 (R, from rows)")
+  n = layer.check_expert_weights(w1, w2, rows, "rows")
+  num_experts = w1.shape[0]
   validation.check_dim("group_sizes", group_sizes.shape[0], num_experts, "dim 0 (E, from w1)")
-  n = layer.check_expert_weights(w1, w2, rows, "rows", num_experts, "w1")
 
   ops = backends.resolve(backend, dtype=rows.dtype, d=d, n=n, num_experts=num_experts, k=1,
                          kernel_config=kernel_config)
   plan = routing.plan_from_group_sizes(jax.lax.stop_gradient(group_sizes), num_rows,
                                        align=ops.align)
-  slot_scores = jnp.where(plan.valid, scores.astype(jnp.float32).at[plan.token_index].get(
-      mode="fill", fill_value=0), 0.0)
+  slot_scores = scores.astype(jnp.float32).at[plan.token_index].get(mode="fill",
+                                                                     fill_value=0)  # (0: padding)
   return layer.expert_mlp(ops, rows, slot_scores, w1, w2, plan,
                           layer.resolve_windows(windows, ops, d))

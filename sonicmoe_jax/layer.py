@@ -211,9 +211,7 @@ def as_arrays(**named):
 def _check_inputs(x, router_w, w1, w2):
   validation.check_rank("x", x, 2, "[T, d]")
   validation.check_rank("router_w", router_w, 2, "[d, E]")
-  validation.check_rank("w1", w1, 3, "[E, d, 2n]")
-  validation.check_rank("w2", w2, 3, "[E, n, d]")
-  for name, arr in (("x", x), ("router_w", router_w), ("w1", w1), ("w2", w2)):
+  for name, arr in (("x", x), ("router_w", router_w)):
     validation.check_float_dtype(name, arr)
   t, d = x.shape
   e = router_w.shape[1]
@@ -223,10 +221,18 @@ def _check_inputs(x, router_w, w1, w2):
   check_expert_weights(w1, w2, x, "x", e, "router_w")
 
 
-def check_expert_weights(w1, w2, rows, rows_name: str, num_experts: int, experts_from: str) -> int:
-  """w1 [E, d, 2n] and w2 [E, n, d] (ranks checked) against the rows they multiply (`rows`,
-  named rows_name: d wide, their dtype) and E (from the argument experts_from); errors name the
-  argument and where the expected size comes from. Returns n."""
+def check_expert_weights(w1, w2, rows, rows_name: str, num_experts: Optional[int] = None,
+                         experts_from: str = "w1") -> int:
+  """w1 [E, d, 2n] and w2 [E, n, d]: their ranks, float dtypes, and shapes against the rows they
+  multiply (`rows`, named rows_name: d wide, their dtype) and E (from the argument
+  experts_from; None: w1's own); errors name the argument and where the expected size comes
+  from. Returns n."""
+  validation.check_rank("w1", w1, 3, "[E, d, 2n]")
+  validation.check_rank("w2", w2, 3, "[E, n, d]")
+  for name, arr in (("w1", w1), ("w2", w2)):
+    validation.check_float_dtype(name, arr)
+  if num_experts is None:
+    num_experts = w1.shape[0]
   d = rows.shape[1]
   validation.check_dim("w1", w1.shape[0], num_experts, f"dim 0 (E, from {experts_from})")
   validation.check_dim("w1", w1.shape[1], d, f"dim 1 (d, from {rows_name})")

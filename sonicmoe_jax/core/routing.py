@@ -500,8 +500,7 @@ def _rounded_plan(scores, chosen, targets, k: int, tile: int, align: int,
   valid = token_index < num_tokens
   expert = count_below(offsets[1:], jnp.arange(size, dtype=jnp.int32), inclusive=True)
   expert_index = jnp.where(valid, expert, num_experts)
-  slot_scores = jnp.where(valid, scores.at[token_index, expert_index].get(mode="fill",
-                                                                          fill_value=0), 0.0)
+  slot_scores = scores.at[token_index, expert_index].get(mode="fill", fill_value=0)  # (0: padding)
   token_slots, token_offsets = _token_csr(token_index, num_tokens)
   return RoutingPlan(
       token_index=token_index, expert_index=expert_index,
@@ -537,22 +536,13 @@ def plan_from_group_sizes(group_sizes, num_rows: int, align: int = 1) -> Routing
   rank = slot - offsets[expert_c]
   row = row_start[expert_c] + rank
   valid = (expert < num_experts) & (rank < group_sizes[expert_c]) & (row < num_rows)
-  # rows in order: row r < total (its group found by its start) sits at its group's offset + rank
-  total = jnp.minimum(row_start[num_experts], num_rows)
-  r = jnp.arange(num_rows, dtype=jnp.int32)
-  row_expert = jnp.minimum(count_below(row_start[1:], r, inclusive=True), num_experts - 1)
-  row_slot = offsets[row_expert] + r - row_start[row_expert]
-  # padding slots after the rows' slots, in slot order (token_slots stays a permutation)
-  padding = jnp.argsort(valid, stable=True).astype(jnp.int32)  # invalid slots first
-  order = jnp.arange(size, dtype=jnp.int32)
-  token_slots = jnp.where(order < total, row_slot[jnp.minimum(order, num_rows - 1)],
-                          padding[jnp.maximum(order - total, 0)])
-  token_offsets = jnp.minimum(jnp.arange(num_rows + 1, dtype=jnp.int32), total)
+  token_index = jnp.where(valid, row, num_rows)
+  token_slots, token_offsets = _token_csr(token_index, num_rows)
   return RoutingPlan(
-      token_index=jnp.where(valid, row, num_rows),
+      token_index=token_index,
       expert_index=jnp.where(valid, expert, num_experts),
       scores=jnp.zeros((size,), jnp.float32), valid=valid,
-      group_sizes=jnp.clip(jnp.minimum(row_start[1:], num_rows) - jnp.minimum(row_start[:-1], num_rows), 0),
+      group_sizes=jnp.diff(jnp.minimum(row_start, num_rows)),    # (groups cut at num_rows)
       group_offsets=offsets, token_slots=token_slots, token_offsets=token_offsets,
       num_tokens=num_rows, num_experts=num_experts, k=1, fixed_k=False, align=align,
       max_token_slots=1)
