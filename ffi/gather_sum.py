@@ -15,6 +15,8 @@ are written by the later windows' calls) or the previous window's output, writte
 """
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 import jax
@@ -76,29 +78,73 @@ def gather_sum(y, scores, token_slots, token_offsets, num_tokens: int, into=None
 
   into=(out, lo): the sums are columns lo .. lo + d of a wider [num_tokens, D] result, returned
   whole: out is D (an int: a new result, whose other columns are left to later calls) or the
-  [num_tokens, D] result of an earlier window, written over in place."""
+  [num_tokens, D] result of an earlier window, written over in place. Under jax.vmap each
+  element's window is summed on its own and XLA writes it into the result (a sequential vmap
+  of a call that writes over its input does not keep the input's other columns)."""
   weighted = scores is not None
   if scores is None:
     scores = jax.numpy.zeros((y.shape[0],), jax.numpy.float32)
-  vec = ACCESS_BYTES // y.dtype.itemsize
-  if y.shape[1] % vec:
-    vec = 1
-  inputs = [y, scores.astype(jax.numpy.float32), token_slots, token_offsets]
+  scores = scores.astype(jax.numpy.float32)
+  vec = _vector_width(y)
   if into is None:
-    out, = xla_call.call(_gather_sum, inputs,
-                         [jax.ShapeDtypeStruct((num_tokens, y.shape[1]), y.dtype)],
-                         weighted=weighted, vec=vec)
-    return out
+    return _sums(y, scores, token_slots, token_offsets, num_tokens=num_tokens,
+                 weighted=weighted, vec=vec)
   base, lo = into
   width = base if isinstance(base, int) else base.shape[1]
   if lo % vec or lo + y.shape[1] > width:
     raise ValueError(f"cute gather_sum: columns {lo} .. {lo + y.shape[1]} do not fit a result "
                      f"{width} wide in {vec}-column chunks")
+  new = isinstance(base, int)
+  window = jax.custom_batching.custom_vmap(functools.partial(
+      _window, num_tokens=num_tokens, weighted=weighted, vec=vec, lo=lo, width=width, new=new))
+  window.def_vmap(functools.partial(_windows_placed_by_xla, num_tokens=num_tokens,
+                                    weighted=weighted, lo=lo, width=width, new=new))
+  # (a new result travels as a [0, D] stand-in: custom_vmap takes arrays only)
+  return window(y, scores, token_slots, token_offsets,
+                jax.numpy.zeros((0, width), y.dtype) if new else base)
+
+
+def _vector_width(y):
+  """Values per 16-byte access, or 1 where the row width is not a multiple of it."""
+  vec = ACCESS_BYTES // y.dtype.itemsize
+  return vec if y.shape[1] % vec == 0 else 1
+
+
+def _sums(y, scores, token_slots, token_offsets, *, num_tokens, weighted, vec):
+  out, = xla_call.call(_gather_sum, [y, scores, token_slots, token_offsets],
+                       [jax.ShapeDtypeStruct((num_tokens, y.shape[1]), y.dtype)],
+                       weighted=weighted, vec=vec)
+  return out
+
+
+def _window(y, scores, token_slots, token_offsets, base, *, num_tokens, weighted, vec, lo,
+            width, new):
+  """The window's sums written into columns lo .. of a new result or over base, in place."""
+  inputs = [y, scores, token_slots, token_offsets]
   result = jax.ShapeDtypeStruct((num_tokens, width), y.dtype)
-  if isinstance(base, int):
+  if new:
     out, = xla_call.call(_gather_sum, inputs, [result], weighted=weighted, vec=vec,
                          first_chunk=lo // vec)
   else:
     out, = xla_call.call(_gather_sum_over, inputs + [base], [result], in_place={4: 0},
                          weighted=weighted, vec=vec, first_chunk=lo // vec)
   return out
+
+
+def _windows_placed_by_xla(axis_size, in_batched, y, scores, token_slots, token_offsets, base,
+                           *, num_tokens, weighted, lo, width, new):
+  """A batch of windows: each element's sums made whole (no aliasing), then set into its
+  columns of the batch's results by XLA."""
+  def sums(y, scores, token_slots, token_offsets):
+    return gather_sum(y, scores if weighted else None, token_slots, token_offsets, num_tokens)
+  args = (y, scores, token_slots, token_offsets)
+  if any(in_batched[:4]):
+    in_axes = [0 if batched else None for batched in in_batched[:4]]
+    window = jax.vmap(sums, in_axes=in_axes, axis_size=axis_size)(*args)
+  else:
+    window = jax.numpy.broadcast_to(sums(*args), (axis_size, num_tokens, y.shape[-1]))
+  if new:
+    base = jax.numpy.zeros((axis_size, num_tokens, width), y.dtype)
+  elif not in_batched[4]:
+    base = jax.numpy.broadcast_to(base, (axis_size, *base.shape))
+  return jax.lax.dynamic_update_slice_in_dim(base, window, lo, axis=2), True
