@@ -64,9 +64,14 @@ def routing_fn(mode, K, tile, select, d, n, slot_weights):
   return jax.jit(fn)
 
 
-def kernel_ms(fn, args):
+def kernel_ms(fn, args, top: int = 0):
+  """GPU kernel ms per call of fn(*args) (None off the GPU); with top, also its `top` longest
+  kernels as [name, ms]."""
   times = device_kernels.kernel_times(fn, args)
-  return None if times is None else times[0]
+  ms = None if times is None else times[0]
+  if not top:
+    return ms
+  return ms, (None if times is None else [[name[:80], t] for name, t in times[1][:top]])
 
 
 def measure(cfg, mode, a, cache):
@@ -85,7 +90,7 @@ def measure(cfg, mode, a, cache):
   rec = dict(config=",".join(map(str, cfg)), mode=mode, select=a.select)
   rec["step_wall_ms"] = bench.time_ms(step, step_args, a.iters, a.reps)
   rec["step_kernel_ms"] = kernel_ms(step, step_args)
-  rec["routing_kernel_ms"] = kernel_ms(route, routing_args)
+  rec["routing_kernel_ms"], rec["routing_kernels"] = kernel_ms(route, routing_args, top=8)
   return rec
 
 

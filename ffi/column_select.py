@@ -3,21 +3,21 @@ tokens, written as their rows, in row order, into the expert's slots of the rout
 
 Input: keys [E, T] int32, one row per expert: the ranking values' float32 bits as int32 keys in
 the order of the values (negative floats with their magnitude bits flipped), so that each
-expert's tokens are contiguous. Tiling: one CTA per expert, THREADS threads; thread i holds
-rows i, i + THREADS, i + 2 THREADS, ... (per_thread keys in registers: T <= MAX_TOKENS), read
-from memory once. Two searches on the registers, each step one block-wide count (each warp's
-redux.sync add, the warps' sums through SMEM, double-buffered so that one barrier a step
-suffices):
-  1. over the 32-bit keys: the largest key v with count(keys >= v) >= counts[e] (the
-     counts[e]-th largest key), 32 steps;
-  2. over rows: with ties_needed = counts[e] - count(keys > v), the row of the
-     ties_needed-th key equal to v (ties are taken in row order), ROW_STEPS steps.
-The tokens selected are those with keys > v and those with keys == v in rows <= that row:
-exactly counts[e] of them, the choice of a stable descending sort. 3. Placing them: the CTA walks
-its rows THREADS at a time (one row a thread); each selected row's rank among the expert's
-selected rows is the count before it (the warp's ballot below its lane, the earlier warps'
-counts through SMEM, the earlier chunks' total), and the row goes to slot offsets[e] + rank.
-The slot array comes in filled with T (no token) and only selected rows are written over it.
+expert's tokens are contiguous. Tiling: one CTA per expert, THREADS threads; thread i holds the
+per_thread consecutive rows from i * per_thread on, in registers (T <= MAX_TOKENS), read from
+memory once.
+  1. The counts[e]-th largest key v, by a radix select: 4 passes over 8-bit digits from the top,
+     each a histogram of the keys that match the digits found so far (SMEM atomics), then the
+     digit whose bins hold the wanted rank (each of 256 threads sums the bins from its own up).
+     What is left of the rank after the last pass is ties_needed: how many keys equal to v are
+     taken (ties go to the lower rows, the choice of a stable descending sort).
+  2. Placing them: each thread counts its keys above v and equal to v; one block-wide exclusive
+     scan of both (warp shuffles, the warps' totals through SMEM) gives the rows selected
+     before each thread's; each thread then writes its selected rows, in order, to slots
+     offsets[e] + rank. The slot array comes in filled with T (no token); only selected rows
+     are written over it.
+Seven barriers a pass of the select and three for the placement, where a bisection over the
+keys and rows would take one per step (about 80).
 """
 from __future__ import annotations
 
@@ -32,8 +32,14 @@ THREADS = 1024
 WARPS = THREADS // 32
 MAX_PER_THREAD = 32          # keys a thread holds in registers
 MAX_TOKENS = THREADS * MAX_PER_THREAD
-ROW_STEPS = (MAX_TOKENS - 1).bit_length()   # a bisection over rows 0 .. MAX_TOKENS - 1
-_KEY_MIN, _KEY_MAX = -2**31, 2**31 - 1
+DIGIT_BITS = 8
+BINS = 1 << DIGIT_BITS
+_SIGN = -2**31               # the sign bit: key ^ _SIGN orders as unsigned as key does as signed
+
+
+def _as_int32(bits: int) -> int:
+  """A 32-bit pattern as the int32 holding it."""
+  return bits - (1 << 32) if bits >= 1 << 31 else bits
 _MAGNITUDE_BITS = 0x7FFFFFFF
 
 
@@ -52,19 +58,27 @@ def ordered_keys(values):
 
 
 @cute.jit
-def _block_sum(value, partials: cute.Tensor, parity):
-  """The sum of value over the CTA's threads (every thread gets it). parity alternates
-  between consecutive calls: the warps' sums of one call and of the next use different halves
-  of `partials`, so a thread still reading one call's sums is never overwritten."""
-  warp_sum = cute.arch.warp_redux_sync(value, "add")
+def _exclusive_scan(value, warp_totals: cute.Tensor):
+  """(the sum of value over the CTA's threads before this one, the sum over all of them)."""
+  lane = cute.arch.lane_idx()
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-  if cute.arch.lane_idx() == 0:
-    partials[parity * WARPS + warp] = warp_sum
+  inclusive = value
+  for shift in cutlass.range_constexpr(5):
+    other = cute.arch.shuffle_sync_up(inclusive, 1 << shift)
+    if lane >= (1 << shift):
+      inclusive += other
+  if lane == 31:
+    warp_totals[warp] = inclusive
   cute.arch.sync_threads()
+  before = inclusive - value
   total = cutlass.Int32(0)
   for w in cutlass.range_constexpr(WARPS):
-    total += partials[parity * WARPS + w]
-  return total
+    count = warp_totals[w]
+    if w < warp:
+      before += count
+    total += count
+  cute.arch.sync_threads()   # (warp_totals is read by all before anyone writes it again)
+  return before, total
 
 
 @cute.kernel
@@ -73,87 +87,77 @@ def _select_kernel(keys: cute.Tensor, counts: cute.Tensor, offsets: cute.Tensor,
   tidx, _, _ = cute.arch.thread_idx()
   expert, _, _ = cute.arch.block_idx()
   num_rows = keys.shape[1]
+  first_row = tidx * per_thread
   smem = cutlass.memory.SmemAllocator()
-  partials = smem.allocate_tensor(cutlass.Int32, cute.make_layout(2 * WARPS), 16)
+  hist = smem.allocate_tensor(cutlass.Int32, cute.make_layout(BINS), 16)
+  found = smem.allocate_tensor(cutlass.Int32, cute.make_layout(2), 16)   # digit, keys above it
+  warp_totals = smem.allocate_tensor(cutlass.Int32, cute.make_layout(WARPS), 16)
 
   mine = cute.make_rmem_tensor((per_thread,), cutlass.Int32)
   for i in cutlass.range_constexpr(per_thread):
-    row = tidx + THREADS * i
-    mine[i] = cutlass.Int32(_KEY_MIN)
-    if row < num_rows:
-      mine[i] = keys[expert, row]
-  wanted = counts[expert]
-  parity = cutlass.Int32(0)
+    mine[i] = cutlass.Int32(0)
+    if first_row + i < num_rows:
+      mine[i] = keys[expert, first_row + i]
 
-  # 1. the largest key v with count(keys >= v) >= wanted; invariant: lo satisfies it
-  lo = cutlass.Int64(_KEY_MIN)
-  hi = cutlass.Int64(_KEY_MAX)
-  for _ in range(32):
-    mid = lo + (hi - lo + 1) // 2
-    mid32 = cutlass.Int32(mid)
-    count = cutlass.Int32(0)
-    for i in cutlass.range_constexpr(per_thread):
-      if tidx + THREADS * i < num_rows and mine[i] >= mid32:
-        count += 1
-    if _block_sum(count, partials, parity) >= wanted:
-      lo = mid
-    else:
-      hi = mid - 1
-    parity = 1 - parity
-  key = cutlass.Int32(lo)
-
-  # 2. the row of the ties_needed-th key equal to v: the smallest r with that many at or before
-  count = cutlass.Int32(0)
-  for i in cutlass.range_constexpr(per_thread):
-    if tidx + THREADS * i < num_rows and mine[i] > key:
-      count += 1
-  ties_needed = wanted - _block_sum(count, partials, parity)
-  parity = 1 - parity
-  row_lo = cutlass.Int32(0)
-  row_hi = num_rows - 1
-  for _ in range(ROW_STEPS):
-    row_mid = (row_lo + row_hi) // 2
-    count = cutlass.Int32(0)
-    for i in cutlass.range_constexpr(per_thread):
-      row = tidx + THREADS * i
-      if row <= row_mid and mine[i] == key:
-        count += 1
-    if _block_sum(count, partials, parity) >= ties_needed:
-      row_hi = row_mid
-    else:
-      row_lo = row_mid + 1
-    parity = 1 - parity
-
-  # 3. the selected rows, in row order, into the expert's slots
-  last_tie = row_lo
-  if ties_needed <= 0:
-    last_tie = cutlass.Int32(-1)
-  lane = cute.arch.lane_idx()
-  warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-  slot = offsets[expert]
-  for i in cutlass.range_constexpr(per_thread):
-    row = tidx + THREADS * i
-    take = cutlass.Boolean(False)
-    if row < num_rows:
-      if mine[i] > key:
-        take = cutlass.Boolean(True)
-      if mine[i] == key and row <= last_tie:
-        take = cutlass.Boolean(True)
-    ballot = cute.arch.vote_ballot_sync(take)
-    if lane == 0:
-      partials[parity * WARPS + warp] = cute.arch.popc(ballot)
+  # 1. radix select of the wanted-th largest key, DIGIT_BITS at a time from the top; digits are
+  # read off key ^ sign bit (unsigned order = the keys' signed order), as int32 bit patterns
+  remaining = counts[expert]     # rank still to find among the keys matching the prefix
+  prefix = cutlass.Int32(0)
+  for p in cutlass.range_constexpr(32 // DIGIT_BITS):
+    shift = 32 - DIGIT_BITS * (p + 1)
+    high_mask = cutlass.Int32(_as_int32(((1 << (DIGIT_BITS * p)) - 1) << (32 - DIGIT_BITS * p)))
+    if tidx < BINS:
+      hist[tidx] = cutlass.Int32(0)
     cute.arch.sync_threads()
-    before = cute.arch.popc(ballot & ((cutlass.Uint32(1) << lane) - 1))
-    chunk = cutlass.Int32(0)
-    for w in cutlass.range_constexpr(WARPS):
-      count = partials[parity * WARPS + w]
-      if w < warp:
-        before += count
-      chunk += count
-    if take:
-      token_index[slot + before] = row
-    slot += chunk
-    parity = 1 - parity
+    for i in cutlass.range_constexpr(per_thread):
+      if first_row + i < num_rows:
+        bits = mine[i] ^ cutlass.Int32(_SIGN)
+        if (bits & high_mask) == prefix:
+          digit = (bits >> shift) & cutlass.Int32(BINS - 1)
+          cute.arch.atomic_add(hist.iterator + digit, cutlass.Int32(1))
+    cute.arch.sync_threads()
+    if tidx < BINS:   # the digit whose bins, from the top, first reach the rank
+      above = cutlass.Int32(0)
+      for b in range(tidx + 1, BINS):
+        above += hist[b]
+      if above < remaining and remaining <= above + hist[tidx]:
+        found[0] = tidx
+        found[1] = above
+    cute.arch.sync_threads()
+    if remaining > 0:
+      prefix = prefix | (found[0] << shift)
+      remaining = remaining - found[1]
+    cute.arch.sync_threads()   # (found is read by all before the next pass writes it)
+  ties_needed = remaining        # keys equal to the threshold still to take, in row order
+  threshold = prefix ^ cutlass.Int32(_SIGN)
+  wanted = counts[expert]
+
+  # 2. the selected rows, in row order, into the expert's slots
+  above = cutlass.Int32(0)
+  ties = cutlass.Int32(0)
+  for i in cutlass.range_constexpr(per_thread):
+    if first_row + i < num_rows and wanted > 0:
+      if mine[i] > threshold:
+        above += 1
+      if mine[i] == threshold:
+        ties += 1
+  above_before, _ = _exclusive_scan(above, warp_totals)
+  ties_before, _ = _exclusive_scan(ties, warp_totals)
+  rank = above_before + cutlass.min(ties_before, ties_needed)
+  slot = offsets[expert] + rank
+  ties_taken = ties_before
+  for i in cutlass.range_constexpr(per_thread):
+    if first_row + i < num_rows and wanted > 0:
+      take = cutlass.Boolean(False)
+      if mine[i] > threshold:
+        take = cutlass.Boolean(True)
+      if mine[i] == threshold:
+        if ties_taken < ties_needed:
+          take = cutlass.Boolean(True)
+        ties_taken += 1
+      if take:
+        token_index[slot] = first_row + i
+        slot += 1
 
 
 @cute.jit

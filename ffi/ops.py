@@ -125,10 +125,17 @@ def _kernel_rounded_slots(values, counts, offsets, num_slots: int):
   return _placed_by_kernel(values, counts, offsets, jnp.zeros((num_slots, 0), jnp.int8))
 
 
-def aggregate(y, scores, plan, *, config: CuteConfig = DEFAULT):
-  """O_t = sum over token t's slots of score * Y_slot (fp32 sum), as xla_ops.aggregate."""
+def aggregate(y, scores, plan, into=None, *, config: CuteConfig = DEFAULT):
+  """O_t = sum over token t's slots of score * Y_slot (fp32 sum), as xla_ops.aggregate; into
+  as xla_ops.aggregate's, written in place (gather_sum.gather_sum)."""
   del config   # (one kernel)
-  return gather_sum.gather_sum(y, scores, plan.token_slots, plan.token_offsets, plan.num_tokens)
+  return gather_sum.gather_sum(y, scores, plan.token_slots, plan.token_offsets, plan.num_tokens,
+                               into=into)
+
+
+# aggregate writes a column window into the wider result itself: the layer's windows chain
+# their sums through it instead of concatenating them (layer.window_sum)
+AGGREGATE_INTO = True
 
 
 def up_proj(x, w1, plan, *, config: CuteConfig = DEFAULT):

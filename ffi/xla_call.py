@@ -127,7 +127,10 @@ def call(kernel, inputs: Sequence, outputs: Sequence[jax.ShapeDtypeStruct], *,
   """`kernel` on `inputs` (arrays), writing `outputs` (shapes and dtypes): a list of arrays.
   modes: per input, then per output, its dimensions' order in the kernel (None: as stored).
   in_place: {input index: output index} of outputs the kernel writes over an input's buffer
-  (XLA's operand aliasing: it copies the input first where the input is used later)."""
+  (XLA's operand aliasing: it copies the input first where the input is used later). A kernel
+  that writes only part of such an output relies on the input's values in the rest; under
+  jax.vmap (a sequential loop of calls) they were found lost on the GPU, so such callers give
+  their own batching rule (jax.custom_batching.custom_vmap) that does without the aliasing."""
   modes = list(modes) if modes is not None else [None] * (len(inputs) + len(outputs))
   if len(modes) != len(inputs) + len(outputs):
     raise ValueError(f"CuTe FFI call: {len(modes)} modes for {len(inputs) + len(outputs)} operands")

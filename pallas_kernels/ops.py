@@ -66,10 +66,10 @@ def down_proj(a, w2, plan, cols=None, *, config: PallasConfig = DEFAULT):
                              cfg=tiling.matmul_tiles(w2.shape[2]))
 
 
-def aggregate(y, scores, plan, *, config: PallasConfig = DEFAULT):
+def aggregate(y, scores, plan, into=None, *, config: PallasConfig = DEFAULT):
   """XLA's gather-and-sum (xla_ops.aggregate)."""
   del config
-  return xla_ops.aggregate(y, scores, plan)
+  return xla_ops.aggregate(y, scores, plan, into)
 
 
 def dh(dout, w2, h, scores, plan, *, config: PallasConfig = DEFAULT):

@@ -8,7 +8,10 @@ Ops (signatures as in xla_ops.py):
                                           lower row) as their rows, from slot offsets[e] on
   up_proj(x, w1, plan) -> (H, A)          gather-fused varlen-M GEMM + SwiGLU
   down_proj(a, w2, plan, cols=None) -> Y  varlen-M GEMM, contiguous store
-  aggregate(y, scores|None, plan) -> O    per-token gather-and-sum
+  aggregate(y, scores|None, plan, into=None) -> O
+                                          per-token gather-and-sum; into=(out, lo): as columns
+                                          lo .. of a wider result (out: its width or an
+                                          earlier window's result), returned whole
   dh(dO, w2, H, scores, plan) -> (dH, dS, A')
   dx_tilde(dH, w1, plan, cols=None) -> dX~  varlen-M GEMM with W1^T
   dw1(x, dH, plan) -> dW1                 varlen-K GEMM, X rows gathered
@@ -19,7 +22,9 @@ the product's columns lo .. hi - 1.
 
 A backend is a module exposing OPS: {op name: function}, imported on first use, and optionally
 ALIGN: the row alignment its kernels need for each expert's group of slots (the routing plan
-is built with the largest ALIGN among the chosen backends). Every backend implements every
+is built with the largest ALIGN among the chosen backends) and AGGREGATE_INTO: True where its
+aggregate writes a column window into the result in place (the layer's windows then chain
+through it instead of concatenating their sums). Every backend implements every
 op. Users pick a backend by name for all ops ("xla", "pallas", "cute"), "auto" for the
 platform default, or a mapping {op: backend} for a mix (ops left out use "auto").
 
@@ -146,6 +151,7 @@ class Ops(NamedTuple):
   dw2: Callable
   align: int = 1
   windows: int = 1   # the layer's default column windows (default_windows)
+  aggregate_into: bool = False   # aggregate writes windows into the result (AGGREGATE_INTO)
   backends: tuple[str, ...] = ()   # the backend each op runs on, in OP_NAMES order
 
   def backend_by_op(self) -> dict[str, str]:
@@ -244,4 +250,6 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype
     warnings.warn(f"backend 'auto': {name!r} cannot run this layer ({reason}); using 'xla' for "
                   f"{', '.join(ops)}", stacklevel=3)
   windows = default_windows((names["down_proj"], names["dx_tilde"]), d, n)
-  return Ops(**impls, align=align, windows=windows, backends=tuple(names[op] for op in OP_NAMES))
+  aggregate_into = getattr(_backend_module(names["aggregate"]), "AGGREGATE_INTO", False)
+  return Ops(**impls, align=align, windows=windows, aggregate_into=aggregate_into,
+             backends=tuple(names[op] for op in OP_NAMES))

@@ -128,12 +128,13 @@ def resolve_windows(windows, ops: backends.Ops, d: int) -> tuple[int, int]:
 
 
 def window_sum(matmul, aggregate, lhs, rhs, scores, plan: RoutingPlan, windows: int,
-               num_cols: int):
+               num_cols: int, into: bool = False):
   """aggregate(matmul(lhs, rhs, plan), scores, plan), the [slots, num_cols] product made over
   column_windows one window at a time: each window's columns are summed per token before the
   next window's GEMM starts (an optimization barrier orders them), so the product is never
   whole in memory: its peak is one window's. The sums are the result's columns (no partial
-  sums: each window is complete in its columns), concatenated."""
+  sums: each window is complete in its columns): concatenated, or with `into` (an aggregate
+  that writes its window into the result, Ops.aggregate_into) written there in turn."""
   bounds = column_windows(num_cols, windows)
   if len(bounds) == 1:
     return aggregate(matmul(lhs, rhs, plan), scores, plan)
@@ -141,15 +142,19 @@ def window_sum(matmul, aggregate, lhs, rhs, scores, plan: RoutingPlan, windows: 
   for cols in bounds:
     if outs:
       outs[-1], lhs = jax.lax.optimization_barrier((outs[-1], lhs))
-    outs.append(aggregate(matmul(lhs, rhs, plan, cols=cols), scores, plan))
-  return jnp.concatenate(outs, axis=1)
+    product = matmul(lhs, rhs, plan, cols=cols)
+    if into:
+      outs = [aggregate(product, scores, plan, into=(outs[-1] if outs else num_cols, cols[0]))]
+    else:
+      outs.append(aggregate(product, scores, plan))
+  return outs[0] if into else jnp.concatenate(outs, axis=1)
 
 
 def _expert_mlp_fwd(ops, x, scores, w1, w2, plan, windows, dispatch):
   slot_scores = dispatch.slot_scores(scores, plan)
   h, a = ops.up_proj(dispatch.rows(x), w1, plan)
   out_rows = window_sum(ops.down_proj, ops.aggregate, a, w2, slot_scores, plan,
-                        window_pair(windows)[0], x.shape[1])
+                        window_pair(windows)[0], x.shape[1], ops.aggregate_into)
   return dispatch.combine(ops, out_rows), (x, h, slot_scores, w1, w2, plan, dispatch)
 
 
@@ -160,7 +165,8 @@ def _expert_mlp_bwd(ops, windows, residuals, dout):
   # dW2 first: A' (and dO's rows, where a backend gathers them in XLA) die before dX~ is made
   dw2 = ops.dw2(a_scaled, dout_rows, plan)
   dx = dispatch.combine(ops, window_sum(ops.dx_tilde, ops.aggregate, dh, w1, None, plan,
-                                        window_pair(windows)[1], x.shape[1]))
+                                        window_pair(windows)[1], x.shape[1],
+                                        ops.aggregate_into))
   # X's rows again for dW1 (gathered, or sent, anew: never kept from the forward). The barrier
   # keeps XLA from merging this gather of X's rows with the forward's (when a backend gathers
   # them in XLA): merged, the gathered X [pairs, d] would be kept from the forward to the

@@ -71,6 +71,52 @@ def test_cute_gather_sum_matches_numpy_on_gpu(d, dtype):
     assert np.all(np.asarray(got.astype(jnp.float32))[counts == 0] == 0)
 
 
+@needs_cute
+def test_cute_gather_sum_into_under_vmap_lowers_without_writing_over_its_input():
+  """Batched windows are summed on their own and set into the result by XLA: the unbatched
+  window aliases the earlier result, the batched one does not (a sequential vmap of the
+  aliasing call loses the earlier windows' columns)."""
+  from ffi import gather_sum
+  T, P, d = 64, 96, 256
+  slots = jnp.arange(P, dtype=jnp.int32) % T
+  offsets = jnp.asarray(np.minimum(np.arange(T + 1) * 2, P), jnp.int32)
+
+  def windows(y, scores):
+    out = gather_sum.gather_sum(y[:, :128], scores, slots, offsets, T, into=(d, 0))
+    return gather_sum.gather_sum(y[:, 128:], scores, slots, offsets, T, into=(out, 128))
+
+  y, s = jnp.ones((P, d), jnp.bfloat16), jnp.ones((P,), jnp.float32)
+  assert "output_operand_aliases" in cuda_module(windows, y, s)
+  batched = cuda_module(jax.vmap(windows), jnp.stack([y, y]), jnp.stack([s, s]))
+  assert "output_operand_aliases" not in batched and "dynamic_update_slice" in batched
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_cute_gather_sum_into_a_wider_result_on_gpu():
+  """Windows written into the result: a new [T, 384] result takes its first window's columns,
+  the next call writes its own over it in place (the layer's windows under vmap too), and the
+  whole equals the sums of the whole rows."""
+  from ffi import gather_sum
+  rng = np.random.default_rng(0)
+  T, P, d = 300, 1000, 384
+  y = jnp.asarray(rng.normal(size=(P, d)), jnp.bfloat16)
+  scores = jnp.asarray(rng.random(P), jnp.float32)
+  counts = rng.integers(0, 7, T)
+  offsets = jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
+  slots = jnp.asarray(rng.integers(0, P, int(offsets[-1])), jnp.int32)
+
+  def windows(y, scores):
+    out = gather_sum.gather_sum(y[:, :128], scores, slots, offsets, T, into=(d, 0))
+    return gather_sum.gather_sum(y[:, 128:], scores, slots, offsets, T, into=(out, 128))
+
+  whole = jax.jit(lambda y, s: gather_sum.gather_sum(y, s, slots, offsets, T))(y, scores)
+  np.testing.assert_array_equal(jax.jit(windows)(y, scores), whole)
+  batched = jax.jit(jax.vmap(windows))(jnp.stack([y, -y]), jnp.stack([scores, scores]))
+  np.testing.assert_array_equal(batched[0], whole)
+  np.testing.assert_array_equal(batched[1], -whole)
+
+
 @pytest.mark.gpu
 @needs_cute
 def test_cute_aggregate_past_2_31_elements_on_gpu():

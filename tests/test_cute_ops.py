@@ -138,9 +138,9 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_
       dh_block_ns.append(block_n), real_dh(*a, block_n=block_n, **k))[1])
   args = make_inputs(0, T, d, n, E, jnp.bfloat16)
 
-  def loss(*a):
-    return jnp.sum(sm.moe(*a, k=K, backend=CUTE_GEMMS, kernel_config=config).out.astype(
-        jnp.float32))
+  def loss(*a):   # (one window: the aggregate's windows alias their result too)
+    return jnp.sum(sm.moe(*a, k=K, backend=CUTE_GEMMS, kernel_config=config,
+                          windows=1).out.astype(jnp.float32))
 
   text = cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
   assert text.count(FFI_TARGET) >= 8
@@ -157,7 +157,7 @@ def test_cute_gemms_compile_and_lower_for_cuda(dout_gather_max_column_tiles, dh_
 def test_dh_over_h_can_be_turned_off():
   """CuteConfig(dh_over_h=False) (per-op timings) lowers the layer with no operand aliasing."""
   args = make_inputs(0, 256, 256, 128, 8, jnp.bfloat16)
-  loss = lambda *a: jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS, kernel_config=cute(
+  loss = lambda *a: jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS, windows=1, kernel_config=cute(
       dh_over_h=False)).out.astype(jnp.float32))
   text = cuda_module(jax.value_and_grad(loss, argnums=(0, 2, 3)), *args)
   assert text.count(FFI_TARGET) >= 8 and "output_operand_alias" not in text

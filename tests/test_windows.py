@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import sonicmoe_jax as sm
+from cute_helpers import needs_cute
 from conftest import make_inputs, rel_err
 from sonicmoe_jax.core import xla_ops
 
@@ -64,11 +65,40 @@ def test_window_sum_orders_each_window_after_the_last_ones_sum():
 
   whole = xla_ops.aggregate(matmul(a, w, plan), plan.scores, plan)
   for windows in (1, 2, 3):
-    fn = jax.jit(lambda a, w, plan: sm.layer.window_sum(
-        matmul, xla_ops.aggregate, a, w, plan.scores, plan, windows, d))
-    assert fn.lower(a, w, plan).as_text().count("optimization_barrier") == windows - 1
-    np.testing.assert_array_equal(fn(a, w, plan), whole)   # each column's sum as without
+    for into in (False, True):   # concatenated, or each window written into the result
+      fn = jax.jit(lambda a, w, plan: sm.layer.window_sum(
+          matmul, xla_ops.aggregate, a, w, plan.scores, plan, windows, d, into))
+      text = fn.lower(a, w, plan).as_text()
+      assert text.count("optimization_barrier") == windows - 1
+      assert ("concatenate" in text) == (windows > 1 and not into)
+      np.testing.assert_array_equal(fn(a, w, plan), whole)   # each column's sum as without
 
+
+def test_aggregate_into_writes_its_columns_of_the_result():
+  x, router_w, _, _ = make_inputs(3, 64, 32, 16, 4, jnp.float32)
+  plan, _ = sm.route(sm.router_logits(x, router_w), k=2)
+  y = jax.random.normal(jax.random.key(4), (plan.num_slots, 128))
+  sums = xla_ops.aggregate(y, plan.scores, plan)
+  first = xla_ops.aggregate(y, plan.scores, plan, into=(384, 128))
+  np.testing.assert_array_equal(first[:, 128:256], sums)
+  assert not np.any(first[:, :128]) and not np.any(first[:, 256:])
+  again = xla_ops.aggregate(2 * y, plan.scores, plan, into=(first, 256))
+  np.testing.assert_array_equal(again[:, 128:256], sums)
+  np.testing.assert_allclose(again[:, 256:], 2 * sums, rtol=1e-6)
+
+
+@needs_cute
+def test_cute_windows_write_into_the_result_and_lower_for_cuda():
+  """With the cute aggregate the layer's windows chain through its in-place writes: no
+  concatenation in the lowered step."""
+  from cute_helpers import cuda_module
+  x, r, w1, w2 = make_inputs(0, 256, 256, 128, 8, jnp.bfloat16)
+  loss = lambda x, w1: jnp.sum(sm.moe(x, r, w1, w2, k=2, backend="cute", windows=2)
+                               .out.astype(jnp.float32))
+  text = cuda_module(jax.grad(loss, argnums=(0, 1)), x, w1)
+  joins = [line for line in text.splitlines() if "stablehlo.concatenate" in line]
+  assert joins and not any("tensor<256x256xbf16>" in line for line in joins)   # (the plan's
+  # offsets are joined; the outputs' windows are not)
 
 @pytest.mark.parametrize("stores,d,n,expected", [
     (("cute", "cute"), 1536, 256, 2), (("cute", "cute"), 2048, 1024, 2),

@@ -171,8 +171,11 @@ def down_proj(a, w2, plan: RoutingPlan, cols=None):
   return _grouped_matmul(a, output_window(w2, cols, 2), plan).astype(a.dtype)
 
 
-def aggregate(y, scores, plan: RoutingPlan):
+def aggregate(y, scores, plan: RoutingPlan, into=None):
   """O_t = sum over token t's slots of score * Y_slot (fp32 sum); scores=None sums plainly.
+  into=(out, lo): the sums as columns lo .. of a wider result, returned whole (out: its width,
+  a new result with zeros elsewhere, or an earlier window's result); the layer's windows
+  concatenate this backend's sums instead, which XLA fuses.
 
   A gather-and-sum, never a scatter: with a variable slot count per token (token rounding),
   tokens' slots are read in column blocks of k (slot j of token t in block j // k), as many
@@ -180,6 +183,16 @@ def aggregate(y, scores, plan: RoutingPlan):
   per expert), or where the plan bounds a token's slots (plan.max_token_slots: plans from
   given assignments) that many, unrolled.
   """
+  sums = _aggregate(y, scores, plan)
+  if into is None:
+    return sums
+  out, lo = into
+  if isinstance(out, int):
+    out = jnp.zeros((sums.shape[0], out), sums.dtype)
+  return jax.lax.dynamic_update_slice(out, sums, (0, lo))
+
+
+def _aggregate(y, scores, plan: RoutingPlan):
   if plan.fixed_k:  # every token has exactly k slots
     rows = y.astype(_F32)
     if scores is not None:
