@@ -1,5 +1,6 @@
 """OmniMoE latency and memory, side by side (seed 003's setup): d = 1024, activated parameters
-swept 3M-28M, tokens 1K-16K; OmniMoE expert-centric, PEER-style token-centric, a coarse
+swept 3M-28M (K paired with it as in the paper's Table A: table_a_point), tokens 1K-16K;
+OmniMoE expert-centric, PEER-style token-centric, a coarse
 DeepSeekMoE layer and a dense SwiGLU MLP of equal activated parameters. OmniMoE runs twice:
 its grouped GEMMs through XLA's ragged_dot ("omnimoe") and through our Pallas kernels
 ("omnimoe_pallas", GPU only).
@@ -7,8 +8,9 @@ its grouped GEMMs through XLA's ragged_dot ("omnimoe") and through our Pallas ke
   python -m benchmarks.omnimoe_bench                 # GPU
   python -m benchmarks.omnimoe_bench --tiny          # CPU smoke run
 
-Activated parameters per token: OmniMoE 2dK (K rows of W and V) + 3 d d_mlp (shared MLP);
-DeepSeekMoE 3 d (d_shared + K_r d_expert); dense 3 d d_hidden. Latency: forward of the layer
+Activated parameters per token: OmniMoE 2dK (K rows of W and V) + 3 d d_mlp (shared MLP) +
+2 d sqrt(N) (router); DeepSeekMoE 3 d (d_shared + K_r d_expert) + d E_r (router); dense
+3 d d_hidden. Latency: forward of the layer
 (median, block_until_ready); memory: XLA's temp + output bytes of the compiled forward.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import statistics
 import time
 
@@ -29,25 +32,37 @@ from models.omnimoe import OmniMoE
 from benchmarks import output
 
 
+def table_a_point(d, active, n_atomic):
+  """(K, shared MLP width, OmniMoE activated parameters) at about `active` activated parameters,
+  paired as the paper's Table A pairs them: K atomic experts per token in proportion to the
+  budget, 512 at about 4M up to 4096 at 28M (a multiple of 64); the shared MLP 1.5 K wide (a
+  multiple of 128). Counted per token: 2 d K (the K rows of W and V) + 3 d d_mlp (the shared
+  SwiGLU MLP) + 2 d sqrt(N) (the router's two projections)."""
+  k = min(n_atomic, max(64, round(active * 4096 / 28e6 / 64) * 64))
+  d_mlp = max(128, round(1.5 * k / 128) * 128)
+  return k, d_mlp, 2 * d * k + 3 * d * d_mlp + 2 * d * math.isqrt(n_atomic)
+
+
 def layers(d, active, n_atomic, tiny):
-  """Four layers with about `active` activated parameters per token."""
-  d_mlp = 4 * d if not tiny else 2 * d
-  k = max(16, (active - 3 * d * d_mlp) // (2 * d))
-  k = min(k, n_atomic)
+  """The layers compared at one point, each with its activated parameters per token: OmniMoE
+  (expert-centric, on XLA's and on our Pallas grouped GEMMs), the PEER-style token-centric
+  layer (the same parameters), a DeepSeekMoE layer and a dense SwiGLU MLP of about as many."""
+  k, d_mlp, params = table_a_point(d, active, n_atomic)
+  if tiny:
+    k, d_mlp, params = 16, 2 * d, 2 * d * 16 + 3 * d * 2 * d + 2 * d * math.isqrt(n_atomic)
   routed_experts, k_r = 64, 6
-  d_expert = max(64, (active - 3 * d * d_mlp) // (3 * d * k_r) // 64 * 64)
+  # DeepSeekMoE: the shared MLP as OmniMoE's, the routed experts' width taking the rest
+  d_expert = max(64, (params // (3 * d) - d_mlp) // k_r // 64 * 64)
   rngs = nnx.Rngs(0)
-  omni_params = 2 * d * k + 3 * d * d_mlp
-  pallas = {} if tiny else {"omnimoe_pallas": (OmniMoE(d, n_atomic, k, d_mlp, group=128, grouped="pallas",
-                                                       dtype=jnp.bfloat16, rngs=rngs), omni_params)}
+  omni = lambda **kw: OmniMoE(d, n_atomic, k, d_mlp, group=128, dtype=jnp.bfloat16, rngs=rngs, **kw)
+  pallas = {} if tiny else {"omnimoe_pallas": (omni(grouped="pallas"), params)}
   return {
       **pallas,
-      "omnimoe": (OmniMoE(d, n_atomic, k, d_mlp, group=128, dtype=jnp.bfloat16, rngs=rngs), omni_params),
-      "peer_token_centric": (OmniMoE(d, n_atomic, k, d_mlp, execution="token_centric", dtype=jnp.bfloat16,
-                                     rngs=rngs), 2 * d * k + 3 * d * d_mlp),
+      "omnimoe": (omni(), params),
+      "peer_token_centric": (omni(execution="token_centric"), params),
       "deepseekmoe": (DeepSeekMoE(d, d_mlp, routed_experts, k_r, d_expert, rngs=rngs),
-                      3 * d * (d_mlp + k_r * d_expert)),
-      "dense": (DenseMLP(d, active // (3 * d), rngs=rngs), active // (3 * d) * 3 * d),
+                      3 * d * (d_mlp + k_r * d_expert) + d * routed_experts),
+      "dense": (DenseMLP(d, params // (3 * d), rngs=rngs), params // (3 * d) * 3 * d),
   }
 
 
@@ -107,7 +122,8 @@ def main(argv=None):
           status = "ok"
         except Exception as e:
           ms, peak, status = None, None, f"{type(e).__name__}: {str(e)[:200]}"
-        rec = dict(impl=name, tokens=t, active_params=params, ms=ms, temp_bytes=peak, status=status,
+        rec = dict(impl=name, tokens=t, active_params=params, atomic_experts=a.atomic_experts,
+                   k=model.k if isinstance(model, OmniMoE) else None, ms=ms, temp_bytes=peak, status=status,
                    active_experts=active_experts(model, x) if status == "ok" else None, **meta)
         recs.append(rec)
         print(json.dumps(rec), flush=True)

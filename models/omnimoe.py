@@ -75,11 +75,33 @@ def route(x, w_row, w_col, k: int):
   return jax.nn.softmax(scores, axis=-1), ids
 
 
-def token_centric(x, w, v, g, ids):
-  """PEER-style: each token gathers its k rows of W and V."""
-  wx, vx = w[ids].astype(_F32), v[ids].astype(_F32)             # [T, k, d]
-  z = jnp.einsum("td,tkd->tk", x.astype(_F32), wx)
-  return jnp.einsum("tk,tkd->td", g * jax.nn.silu(z), vx).astype(x.dtype)
+# the token-centric gathers' bytes per chunk of tokens ([chunk, k, d] rows of W and of V)
+TOKEN_CENTRIC_CHUNK_BYTES = 1 << 30
+
+
+def token_centric(x, w, v, g, ids, chunk_bytes: int = TOKEN_CENTRIC_CHUNK_BYTES):
+  """PEER-style: each token gathers its k rows of W and V ([T, k, d] each), in chunks of tokens
+  whose gathers take at most chunk_bytes (a scan over the chunks, each recomputed in the
+  backward), so memory stays bounded at any T and k."""
+  num_tokens, k = ids.shape
+  per_token = 2 * k * x.shape[1] * w.dtype.itemsize
+  chunk = max(1, min(num_tokens, chunk_bytes // per_token))
+  if chunk == num_tokens:
+    return _token_centric_rows(x, w, v, g, ids)
+  num_chunks = -(-num_tokens // chunk)
+  pad = num_chunks * chunk - num_tokens
+  split = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(
+      num_chunks, chunk, *a.shape[1:])
+  rows = jax.checkpoint(lambda c: _token_centric_rows(c[0], w, v, c[1], c[2]))
+  out = jax.lax.map(rows, (split(x), split(g), split(ids)))
+  return out.reshape(num_chunks * chunk, -1)[:num_tokens]
+
+
+def _token_centric_rows(x, w, v, g, ids):
+  wx, vx = w[ids], v[ids]                                       # [T, k, d]
+  z = jnp.einsum("td,tkd->tk", x, wx, preferred_element_type=_F32)
+  a = (g.astype(_F32) * jax.nn.silu(z)).astype(vx.dtype)
+  return jnp.einsum("tk,tkd->td", a, vx, preferred_element_type=_F32).astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -121,3 +121,29 @@ def test_pallas_grouped_matches_xla_interpret():
   assert rel_err(out_p, out_x) < 2e-2
   for name, a, b in zip(("x", "w", "v", "g"), g_p, g_x):
     assert rel_err(a, b) < 2e-2, name
+
+
+def test_token_centric_in_chunks_is_the_same_with_gradients():
+  """The token-centric gathers in chunks of tokens (the last one padded): the same output and
+  gradients as in one piece."""
+  T, N, k, d = 37, 64, 8, 16
+  ks = jax.random.split(jax.random.key(3), 5)
+  x = jax.random.normal(ks[0], (T, d))
+  w, v = jax.random.normal(ks[1], (N, d)) / 4, jax.random.normal(ks[2], (N, d)) / 4
+  g = jax.nn.softmax(jax.random.normal(ks[3], (T, k)), -1)
+  ids = jax.random.randint(ks[4], (T, k), 0, N)
+  cot = jax.random.normal(jax.random.key(9), (T, d))
+  one_token = 2 * k * d * 4   # bytes of one token's gathers
+
+  def run(chunk_bytes):
+    f = lambda *a: omnimoe.token_centric(*a, ids, chunk_bytes=chunk_bytes)
+    return f(x, w, v, g), jax.grad(lambda *a: jnp.sum(f(*a) * cot), argnums=(0, 1, 2, 3))(x, w, v, g)
+
+  whole, whole_grads = run(T * one_token)
+  chunked, chunked_grads = run(5 * one_token)
+  assert rel_err(chunked, whole) < 1e-6
+  for a, b in zip(chunked_grads, whole_grads):
+    assert rel_err(a, b) < 1e-6
+  text = jax.jit(lambda *a: omnimoe.token_centric(*a, ids, chunk_bytes=5 * one_token)).lower(
+      x, w, v, g).as_text()
+  assert "while" in text and f"{T}x{k}x{d}" not in text   # a loop; no whole [T, k, d] gather
