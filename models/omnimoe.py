@@ -17,6 +17,9 @@ Execution (same math, two schedules):
     into a row, and run each group as two dense GEMMs (rows x B scores, then rows x B times
     B x d) through jax.lax.ragged_dot; rows are summed back per token. Its custom_vjp keeps only
     the inputs and the schedule and recomputes the grouped forward in the backward.
+Both run over chunks of tokens (in_token_chunks) sized so that one chunk's gathers or task rows
+take at most CHUNK_BYTES: memory is bounded at any T and k (the expert-centric chunks each read
+their own active experts' weights).
 """
 from __future__ import annotations
 
@@ -75,26 +78,31 @@ def route(x, w_row, w_col, k: int):
   return jax.nn.softmax(scores, axis=-1), ids
 
 
-# the token-centric gathers' bytes per chunk of tokens ([chunk, k, d] rows of W and of V)
-TOKEN_CENTRIC_CHUNK_BYTES = 1 << 30
+# bytes a chunk of tokens may take: the token-centric gathers ([chunk, k, d] rows of W and V),
+# or the expert-centric rows of the chunk's tasks (rows of x, output rows, gate and scores)
+CHUNK_BYTES = 1 << 30
 
 
-def token_centric(x, w, v, g, ids, chunk_bytes: int = TOKEN_CENTRIC_CHUNK_BYTES):
-  """PEER-style: each token gathers its k rows of W and V ([T, k, d] each), in chunks of tokens
-  whose gathers take at most chunk_bytes (a scan over the chunks, each recomputed in the
-  backward), so memory stays bounded at any T and k."""
-  num_tokens, k = ids.shape
-  per_token = 2 * k * x.shape[1] * w.dtype.itemsize
-  chunk = max(1, min(num_tokens, chunk_bytes // per_token))
-  if chunk == num_tokens:
-    return _token_centric_rows(x, w, v, g, ids)
+def in_token_chunks(fn, chunk: int, *arrays):
+  """fn(*arrays) over chunks of `chunk` tokens (rows; the last chunk padded with zeros): a scan
+  whose chunks are each recomputed in the backward, so memory is one chunk's at any T."""
+  num_tokens = arrays[0].shape[0]
+  if chunk >= num_tokens:
+    return fn(*arrays)
   num_chunks = -(-num_tokens // chunk)
   pad = num_chunks * chunk - num_tokens
   split = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(
       num_chunks, chunk, *a.shape[1:])
-  rows = jax.checkpoint(lambda c: _token_centric_rows(c[0], w, v, c[1], c[2]))
-  out = jax.lax.map(rows, (split(x), split(g), split(ids)))
-  return out.reshape(num_chunks * chunk, -1)[:num_tokens]
+  out = jax.lax.map(jax.checkpoint(lambda c: fn(*c)), tuple(split(a) for a in arrays))
+  return out.reshape(num_chunks * chunk, *out.shape[2:])[:num_tokens]
+
+
+def token_centric(x, w, v, g, ids, chunk_bytes: int = CHUNK_BYTES):
+  """PEER-style: each token gathers its k rows of W and V ([T, k, d] each), in chunks of tokens
+  whose gathers take at most chunk_bytes, so memory stays bounded at any T and k."""
+  per_token = 2 * ids.shape[1] * x.shape[1] * w.dtype.itemsize
+  chunk = max(1, chunk_bytes // per_token)
+  return in_token_chunks(lambda x, g, ids: _token_centric_rows(x, w, v, g, ids), chunk, x, g, ids)
 
 
 def _token_centric_rows(x, w, v, g, ids):
@@ -252,6 +260,19 @@ def _ec_bwd(ops, res, dout):
 expert_centric.defvjp(_ec_fwd, _ec_bwd)
 
 
+def expert_centric_in_chunks(ops, x, w, v, g, ids, num_experts: int, group: int,
+                             chunk_bytes: int = CHUNK_BYTES):
+  """expert_centric over chunks of tokens, each chunk's tasks scheduled on their own, the rows
+  of a chunk taking at most about chunk_bytes (a row of x and its fp32 output row, its gate,
+  scores and activations across the group: 6 d + 12 B bytes a task). A chunk reads the
+  weights of its own active experts, so fewer, larger chunks read them fewer times."""
+  per_task = 6 * x.shape[1] + 12 * group
+  chunk = max(1, chunk_bytes // (ids.shape[1] * per_task))
+  run = lambda x, g, ids: expert_centric(ops, x, w, v, g,
+                                         schedule(ids, num_experts, group, ops.align))
+  return in_token_chunks(run, chunk, x, g, ids)
+
+
 def usage_stats(ids, num_experts: int, k: int):
   """(RouterStats with expert usage counts and zero aux losses, KL(usage || uniform))."""
   counts = jnp.zeros((num_experts,), jnp.int32).at[ids.reshape(-1)].add(1)
@@ -304,8 +325,8 @@ class OmniMoE(nnx.Module):
     if self.execution == "token_centric":
       routed = token_centric(x2, w, v, g, ids)
     else:
-      ops = self.grouped_ops
-      routed = expert_centric(ops, x2, w, v, g, schedule(ids, self.num_experts, self.group, ops.align))
+      routed = expert_centric_in_chunks(self.grouped_ops, x2, w, v, g, ids, self.num_experts,
+                                        self.group)
     shared = self.mlp_out(swiglu.forward(self.mlp_in(x2)).astype(x2.dtype))
     stats, kl = usage_stats(ids, self.num_experts, self.k)
     self.last_unevenness[...] = kl

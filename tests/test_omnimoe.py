@@ -123,27 +123,34 @@ def test_pallas_grouped_matches_xla_interpret():
     assert rel_err(a, b) < 2e-2, name
 
 
-def test_token_centric_in_chunks_is_the_same_with_gradients():
-  """The token-centric gathers in chunks of tokens (the last one padded): the same output and
-  gradients as in one piece."""
-  T, N, k, d = 37, 64, 8, 16
+@pytest.mark.parametrize("execution", ["token_centric", "expert_centric"])
+def test_chunks_of_tokens_give_the_same_output_and_gradients(execution):
+  """Both executions in chunks of tokens (the last one padded): the same output and gradients
+  as in one piece, and the lowered program loops over chunks without a whole-batch array."""
+  T, N, k, d, group = 37, 64, 8, 16, 4
   ks = jax.random.split(jax.random.key(3), 5)
   x = jax.random.normal(ks[0], (T, d))
   w, v = jax.random.normal(ks[1], (N, d)) / 4, jax.random.normal(ks[2], (N, d)) / 4
   g = jax.nn.softmax(jax.random.normal(ks[3], (T, k)), -1)
   ids = jax.random.randint(ks[4], (T, k), 0, N)
   cot = jax.random.normal(jax.random.key(9), (T, d))
-  one_token = 2 * k * d * 4   # bytes of one token's gathers
+  if execution == "token_centric":
+    per_token = 2 * k * d * 4                       # bytes of one token's gathers
+    f = lambda chunk: lambda *a: omnimoe.token_centric(*a, ids, chunk_bytes=chunk * per_token)
+  else:
+    per_token = k * (6 * d + 12 * group)            # bytes of one token's task rows
+    f = lambda chunk: lambda *a: omnimoe.expert_centric_in_chunks(
+        omnimoe.XlaGroupedOps, *a, ids, N, group, chunk_bytes=chunk * per_token)
 
-  def run(chunk_bytes):
-    f = lambda *a: omnimoe.token_centric(*a, ids, chunk_bytes=chunk_bytes)
-    return f(x, w, v, g), jax.grad(lambda *a: jnp.sum(f(*a) * cot), argnums=(0, 1, 2, 3))(x, w, v, g)
+  def run(chunk):
+    fn = f(chunk)
+    return fn(x, w, v, g), jax.grad(lambda *a: jnp.sum(fn(*a) * cot), argnums=(0, 1, 2, 3))(x, w, v, g)
 
-  whole, whole_grads = run(T * one_token)
-  chunked, chunked_grads = run(5 * one_token)
-  assert rel_err(chunked, whole) < 1e-6
+  whole, whole_grads = run(T)
+  chunked, chunked_grads = run(5)
+  assert rel_err(whole, omnimoe.token_centric(x, w, v, g, ids)) < 1e-5
+  assert rel_err(chunked, whole) < 1e-5
   for a, b in zip(chunked_grads, whole_grads):
-    assert rel_err(a, b) < 1e-6
-  text = jax.jit(lambda *a: omnimoe.token_centric(*a, ids, chunk_bytes=5 * one_token)).lower(
-      x, w, v, g).as_text()
-  assert "while" in text and f"{T}x{k}x{d}" not in text   # a loop; no whole [T, k, d] gather
+    assert rel_err(a, b) < 1e-5
+  text = jax.jit(f(5)).lower(x, w, v, g).as_text()
+  assert "while" in text and f"{T}x{k}x{d}" not in text and f"{T * k}x{d}" not in text
