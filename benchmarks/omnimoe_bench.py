@@ -10,8 +10,9 @@ its grouped GEMMs through XLA's ragged_dot ("omnimoe") and through our Pallas ke
 
 Activated parameters per token: OmniMoE 2dK (K rows of W and V) + 3 d d_mlp (shared MLP) +
 2 d sqrt(N) (router); DeepSeekMoE 3 d (d_shared + K_r d_expert) + d E_r (router); dense
-3 d d_hidden. Latency: forward of the layer
-(median, block_until_ready); memory: XLA's temp + output bytes of the compiled forward.
+3 d d_hidden. Latency: the layer's forward and its
+forward+backward (median wall time, block_until_ready); memory: XLA's temp + output bytes of
+each compiled program. Points: sweep_points (the paper's two sweeps and its headline point).
 """
 from __future__ import annotations
 
@@ -66,26 +67,51 @@ def layers(d, active, n_atomic, tiny):
   }
 
 
-def measure(model, x, iters=10, reps=3):
-  graph, state = nnx.split(model)
-
-  @jax.jit
-  def fwd(state, x):
-    out = nnx.merge(graph, state)(x)
-    return out[0] if isinstance(out, tuple) else out
-
-  compiled = fwd.lower(state, x).compile()
-  mem = compiled.memory_analysis()
+def _timed(fn, args, iters, reps):
+  """(median ms per call, XLA's temp + output bytes) of the jitted fn(*args)."""
+  mem = fn.lower(*args).compile().memory_analysis()
   peak = None if mem is None else int(mem.temp_size_in_bytes + mem.output_size_in_bytes)
-  jax.block_until_ready(fwd(state, x))
+  jax.block_until_ready(fn(*args))
   ts = []
   for _ in range(reps):
     t0 = time.perf_counter()
     for _ in range(iters):
-      out = fwd(state, x)
+      out = fn(*args)
     jax.block_until_ready(out)
     ts.append((time.perf_counter() - t0) / iters * 1e3)
   return statistics.median(ts), peak
+
+
+def _output(out):
+  """The layer's output (the MoE layers return it with their router statistics)."""
+  return out[0] if isinstance(out, tuple) else out
+
+
+def measure(model, x, iters=10, reps=3):
+  """The layer's forward, and its forward+backward (the gradients of every parameter and of x
+  for a fixed cotangent): {"fwd_ms", "fwd_bytes", "step_ms", "step_bytes"}."""
+  graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def forward(params, rest, x):
+    return _output(nnx.merge(graph, params, rest)(x))
+
+  cot = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
+
+  def step(params, rest, x):   # (nnx.grad: the layer may update its own state as it runs)
+    loss = lambda m, x: jnp.sum(_output(m(x)).astype(jnp.float32) * cot)
+    return nnx.grad(loss, argnums=(0, 1))(nnx.merge(graph, params, rest), x)
+
+  fwd_ms, fwd_bytes = _timed(jax.jit(forward), (params, rest, x), iters, reps)
+  step_ms, step_bytes = _timed(jax.jit(step), (params, rest, x), iters, reps)
+  return dict(fwd_ms=fwd_ms, fwd_bytes=fwd_bytes, step_ms=step_ms, step_bytes=step_bytes)
+
+
+def sweep_points(actives, tokens):
+  """The paper's sweep: every activated-parameter budget at the fewest tokens, every token
+  count at the smallest budget, and the largest budget at 4096 tokens (its headline point)."""
+  points = [(a, tokens[0]) for a in actives] + [(actives[0], t) for t in tokens]
+  points.append((actives[-1], 4096))
+  return list(dict.fromkeys(points))
 
 
 def active_experts(model, x):
@@ -113,22 +139,23 @@ def main(argv=None):
   meta = dict(gpu=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               jax=jax.__version__)
   recs = []
-  for active in (int(float(v)) for v in a.active.split(",")):
+  actives = sorted(int(float(v)) for v in a.active.split(","))
+  tokens = sorted(int(v) for v in a.tokens.split(","))
+  points = [(active, 128) for active in actives] if a.tiny else sweep_points(actives, tokens)
+  for active, t in points:
     for name, (model, params) in layers(a.d, active, a.atomic_experts, a.tiny).items():
-      for t in (int(v) for v in a.tokens.split(",")):
-        x = jax.random.normal(jax.random.key(0), (t, a.d), jnp.bfloat16)
-        try:
-          ms, peak = measure(model, x, iters=2 if a.tiny else 10)
-          status = "ok"
-        except Exception as e:
-          ms, peak, status = None, None, f"{type(e).__name__}: {str(e)[:200]}"
-        rec = dict(impl=name, tokens=t, active_params=params, atomic_experts=a.atomic_experts,
-                   k=model.k if isinstance(model, OmniMoE) else None, ms=ms, temp_bytes=peak, status=status,
-                   active_experts=active_experts(model, x) if status == "ok" else None, **meta)
-        recs.append(rec)
-        print(json.dumps(rec), flush=True)
-        # after every case: a run cut short keeps what it measured
-        output.write_json(a.out, "omnimoe_bench", recs, quiet=True)
+      x = jax.random.normal(jax.random.key(0), (t, a.d), jnp.bfloat16)
+      try:
+        times, status = measure(model, x, iters=2 if a.tiny else 10), "ok"
+      except Exception as e:
+        times, status = {}, f"{type(e).__name__}: {str(e)[:200]}"
+      rec = dict(impl=name, tokens=t, active_params=params, atomic_experts=a.atomic_experts,
+                 k=model.k if isinstance(model, OmniMoE) else None, **times, status=status,
+                 active_experts=active_experts(model, x) if status == "ok" else None, **meta)
+      recs.append(rec)
+      print(json.dumps(rec), flush=True)
+      # after every case: a run cut short keeps what it measured
+      output.write_json(a.out, "omnimoe_bench", recs, quiet=True)
   print(f"wrote {output.json_path(a.out, 'omnimoe_bench')}")
   return recs
 

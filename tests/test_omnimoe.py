@@ -76,12 +76,22 @@ def test_layer_and_errors():
     omnimoe.OmniMoE(32, 64, 8, 64, execution="scatter", rngs=nnx.Rngs(0))
 
 
+def test_omnimoe_benchmark_sweeps_the_papers_points():
+  from benchmarks import omnimoe_bench
+  points = omnimoe_bench.sweep_points([3_000_000, 7_000_000, 28_000_000], [1024, 4096, 16384])
+  assert points == [(3_000_000, 1024), (7_000_000, 1024), (28_000_000, 1024),
+                    (3_000_000, 4096), (3_000_000, 16384), (28_000_000, 4096)]
+  k, d_mlp, params = omnimoe_bench.table_a_point(1024, 28_000_000, 1024 * 1024)
+  assert (k, d_mlp) == (4096, 6144) and abs(params - 28e6) < 0.1 * 28e6
+  assert omnimoe_bench.table_a_point(1024, 4_000_000, 1024 * 1024)[0] == 576   # about 512
+
+
 def test_omnimoe_benchmark_tiny(tmp_path):
   from benchmarks import omnimoe_bench
   recs = omnimoe_bench.main(["--tiny", "--out", str(tmp_path)])
   assert json.loads((tmp_path / "omnimoe_bench.json").read_text()) == json.loads(json.dumps(recs))
   assert {r["impl"] for r in recs} == {"omnimoe", "peer_token_centric", "deepseekmoe", "dense"}
-  assert all(r["status"] == "ok" and r["ms"] > 0 for r in recs), recs
+  assert all(r["status"] == "ok" and r["fwd_ms"] > 0 and r["step_ms"] > 0 for r in recs), recs
   for r in recs:  # |E_active| for the OmniMoE layers (256 atomic experts in the tiny setup)
     assert (1 <= r["active_experts"] <= 256) if r["impl"] in ("omnimoe", "peer_token_centric") \
         else r["active_experts"] is None
