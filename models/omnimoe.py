@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from sonicmoe_jax.core import swiglu
+from sonicmoe_jax.core import routing
 from sonicmoe_jax.core.routing import RouterStats
 
 _F32 = jnp.float32
@@ -146,13 +147,14 @@ def schedule(ids, num_experts: int, group: int, align: int = 1) -> Schedule:
   num_groups = -(-min(num_experts, m) // group)
   num_rows = _round_up(m + (num_groups * (align - 1) if align > 1 else 0), align)
   flat = ids.reshape(-1)
-  token = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), k)
   active = jnp.zeros((num_experts,), bool).at[flat].set(True)
   rank = jnp.cumsum(active) - 1                                 # index among active experts
   task_group = (rank[flat] // group).astype(jnp.int32)
   task_col = (rank[flat] % group).astype(jnp.int32)
-  order = jnp.lexsort((token, task_group))                       # by (group, token)
-  g_sorted, t_sorted = task_group[order], token[order]
+  # by (group, token): a stable sort by group keeps the tasks' token order (one key: a radix
+  # sort on the GPU where group and task index pack into 32 bits)
+  order, g_sorted = routing.sort_pairs_by_expert(task_group, num_groups)
+  t_sorted = order // k
   new_row = jnp.concatenate([jnp.ones((1,), bool),
                              (g_sorted[1:] != g_sorted[:-1]) | (t_sorted[1:] != t_sorted[:-1])])
   dense_row = jnp.cumsum(new_row) - 1

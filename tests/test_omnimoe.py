@@ -164,3 +164,22 @@ def test_chunks_of_tokens_give_the_same_output_and_gradients(execution):
     assert rel_err(a, b) < 1e-5
   text = jax.jit(f(5)).lower(x, w, v, g).as_text()
   assert "while" in text and f"{T}x{k}x{d}" not in text and f"{T * k}x{d}" not in text
+
+
+@pytest.mark.parametrize("align", [1, 8])
+def test_schedule_rows_are_each_groups_tokens_once_in_order(align):
+  """Each group's rows hold its tokens in ascending order, each token once (its tasks in the
+  group merged into one row), and every task sits in a row of its token."""
+  T, N, k, group = 40, 64, 6, 8
+  ids = jax.vmap(lambda key: jax.random.permutation(key, N)[:k])(
+      jax.random.split(jax.random.key(5), T)).astype(jnp.int32)
+  sched = omnimoe.schedule(ids, N, group, align)
+  offsets, row_token = np.asarray(sched.row_offsets), np.asarray(sched.row_token)
+  experts = np.asarray(sched.group_experts)
+  for q in range(len(offsets) - 1):
+    tokens = row_token[offsets[q]:offsets[q + 1]]
+    tokens = tokens[tokens < T]
+    want = [t for t in range(T) if np.isin(np.asarray(ids[t]), experts[q]).any()]
+    np.testing.assert_array_equal(tokens, want)
+  task_row = np.asarray(sched.task_row).reshape(T, k)
+  assert np.all(row_token[task_row] == np.arange(T)[:, None])

@@ -336,10 +336,10 @@ def test_topk_plan_method_is_checked_and_many_experts_sort(monkeypatch):
 
 
 @pytest.mark.parametrize("num_experts", [1, 7, 300])
-def test_sort_pairs_by_expert_is_a_stable_argsort(num_experts):
-  from sonicmoe_jax.core.routing import _sort_pairs_by_expert
+def testsort_pairs_by_expert_is_a_stable_argsort(num_experts):
+  from sonicmoe_jax.core.routing import sort_pairs_by_expert
   flat = np.random.default_rng(num_experts).integers(0, num_experts + 1, 5000).astype(np.int32)
-  order, sorted_expert = _sort_pairs_by_expert(jnp.asarray(flat), num_experts)
+  order, sorted_expert = sort_pairs_by_expert(jnp.asarray(flat), num_experts)
   want = np.argsort(flat, kind="stable")
   np.testing.assert_array_equal(order, want)
   np.testing.assert_array_equal(sorted_expert, flat[want])

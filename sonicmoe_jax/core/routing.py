@@ -359,7 +359,7 @@ def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: 
   """
   num_tokens, j = pair_expert.shape
   flat = pair_expert.reshape(-1).astype(jnp.int32)             # pair i = t * j + column
-  order, sorted_expert = _sort_pairs_by_expert(flat, num_experts)
+  order, sorted_expert = sort_pairs_by_expert(flat, num_experts)
   first = count_below(sorted_expert, jnp.arange(num_experts + 1, dtype=jnp.int32),
                        inclusive=False)                        # expert e's pairs: first[e]..
   counts = first[1:] - first[:-1]
@@ -389,7 +389,7 @@ def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: 
       fixed_k=fixed_k, align=align, max_token_slots=j)
 
 
-def _sort_pairs_by_expert(flat_expert, num_experts: int):
+def sort_pairs_by_expert(flat_expert, num_experts: int):
   """(order, sorted experts): a stable sort of the pairs by expert (sorted position -> pair).
 
   Each pair's expert and index are packed into one uint32 key, expert * P + pair, so one
