@@ -183,3 +183,25 @@ def test_schedule_rows_are_each_groups_tokens_once_in_order(align):
     np.testing.assert_array_equal(tokens, want)
   task_row = np.asarray(sched.task_row).reshape(T, k)
   assert np.all(row_token[task_row] == np.arange(T)[:, None])
+
+
+def test_expert_centric_with_empty_groups_and_a_token_in_one_group():
+  """Groups left with no tasks (fewer active experts than the groups hold) and a token whose
+  experts all fall in one group (one row, all its weights in it): the dense reference's output
+  and gradients."""
+  T, N, k, d, group = 9, 64, 4, 16, 4
+  ks = jax.random.split(jax.random.key(12), 4)
+  x = jax.random.normal(ks[0], (T, d))
+  w, v = jax.random.normal(ks[1], (N, d)) / 4, jax.random.normal(ks[2], (N, d)) / 4
+  g = jax.nn.softmax(jax.random.normal(ks[3], (T, k)), -1)
+  ids = jnp.asarray([[0, 1, 2, 3]] + [[8, 9, 40, 41]] * (T - 1), jnp.int32)  # 8 active experts
+  sched = omnimoe.schedule(ids, N, group)
+  sizes = np.asarray(sched.padded_group_sizes)
+  assert sizes[0] == 1 and np.sum(sizes == 0) >= 1    # token 0 alone in group 0; empty groups
+  cot = jax.random.normal(jax.random.key(2), (T, d))
+  run = lambda f: (f(x, w, v, g), jax.grad(lambda *a: jnp.sum(f(*a) * cot), argnums=(0, 1, 2, 3))(x, w, v, g))
+  out, grads = run(lambda *a: omnimoe.expert_centric(omnimoe.XlaGroupedOps, *a, sched))
+  ref, ref_grads = run(lambda *a: _dense_reference(*a, ids))
+  assert rel_err(out, ref) < 1e-5
+  for a, b in zip(grads, ref_grads):
+    assert rel_err(a, b) < 1e-5
