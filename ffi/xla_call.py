@@ -129,8 +129,8 @@ def call(kernel, inputs: Sequence, outputs: Sequence[jax.ShapeDtypeStruct], *,
   in_place: {input index: output index} of outputs the kernel writes over an input's buffer
   (XLA's operand aliasing: it copies the input first where the input is used later). A kernel
   that writes only part of such an output relies on the input's values in the rest; under
-  jax.vmap (a sequential loop of calls) they were found lost on the GPU, so such callers give
-  their own batching rule (jax.custom_batching.custom_vmap) that does without the aliasing."""
+  jax.vmap (a sequential loop of calls) the rest does not survive on the GPU, so such callers
+  give their own batching rule (jax.custom_batching.custom_vmap) that does without the aliasing."""
   modes = list(modes) if modes is not None else [None] * (len(inputs) + len(outputs))
   if len(modes) != len(inputs) + len(outputs):
     raise ValueError(f"CuTe FFI call: {len(modes)} modes for {len(inputs) + len(outputs)} operands")
