@@ -64,14 +64,13 @@ def routing_fn(mode, K, tile, select, d, n, slot_weights):
   return jax.jit(fn)
 
 
-def kernel_ms(fn, args, top: int = 0):
-  """GPU kernel ms per call of fn(*args) (None off the GPU); with top, also its `top` longest
-  kernels as [name, ms]."""
+def kernel_ms(fn, args, top: int = 8):
+  """(GPU kernel ms per call of fn(*args), its `top` longest kernels as [name, ms]); (None,
+  None) off the GPU."""
   times = device_kernels.kernel_times(fn, args)
-  ms = None if times is None else times[0]
-  if not top:
-    return ms
-  return ms, (None if times is None else [[name[:80], t] for name, t in times[1][:top]])
+  if times is None:
+    return None, None
+  return times[0], [[name[:80], t] for name, t in times[1][:top]]
 
 
 def measure(cfg, mode, a, cache):
@@ -89,8 +88,8 @@ def measure(cfg, mode, a, cache):
   step, route = cache[cfg, mode]
   rec = dict(config=",".join(map(str, cfg)), mode=mode, select=a.select)
   rec["step_wall_ms"] = bench.time_ms(step, step_args, a.iters, a.reps)
-  rec["step_kernel_ms"] = kernel_ms(step, step_args)
-  rec["routing_kernel_ms"], rec["routing_kernels"] = kernel_ms(route, routing_args, top=8)
+  rec["step_kernel_ms"] = kernel_ms(step, step_args)[0]
+  rec["routing_kernel_ms"], rec["routing_kernels"] = kernel_ms(route, routing_args)
   return rec
 
 

@@ -22,6 +22,7 @@ import cutlass.cute as cute
 import jax
 
 from ffi import xla_call
+from sonicmoe_jax.core import xla_ops
 
 THREADS = 128
 ACCESS_BYTES = 16   # one vector load or store per chunk
@@ -144,7 +145,7 @@ def _windows_placed_by_xla(axis_size, in_batched, y, scores, token_slots, token_
   else:
     window = jax.numpy.broadcast_to(sums(*args), (axis_size, num_tokens, y.shape[-1]))
   if new:
-    base = jax.numpy.zeros((axis_size, num_tokens, width), y.dtype)
+    base = width
   elif not in_batched[4]:
     base = jax.numpy.broadcast_to(base, (axis_size, *base.shape))
-  return jax.lax.dynamic_update_slice_in_dim(base, window, lo, axis=2), True
+  return xla_ops.write_window(base, lo, window), True

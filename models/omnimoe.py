@@ -32,9 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sonicmoe_jax.core import swiglu
-from sonicmoe_jax.core import routing
-from sonicmoe_jax.core.routing import RouterStats
+from sonicmoe_jax.core import routing, swiglu
 
 _F32 = jnp.float32
 
@@ -281,7 +279,7 @@ def usage_stats(ids, num_experts: int, k: int):
   p = counts / jnp.maximum(counts.sum(), 1)
   kl = jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.maximum(p, 1e-30) * num_experts), 0.0))
   zero = jnp.zeros((), _F32)
-  return RouterStats(topk_counts=counts, expert_counts=counts, changed_pairs=jnp.zeros((), jnp.int32),
+  return routing.RouterStats(topk_counts=counts, expert_counts=counts, changed_pairs=jnp.zeros((), jnp.int32),
                      load_balancing_loss=zero, z_loss=zero), kl
 
 

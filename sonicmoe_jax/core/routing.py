@@ -366,7 +366,7 @@ def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: 
   offsets = _aligned_offsets(counts, align)
 
   slot = jnp.arange(size, dtype=jnp.int32)
-  expert = count_below(offsets[1:], slot, inclusive=True)     # groups ending at or before
+  expert = group_of_slot(offsets, slot)
   expert_c = jnp.minimum(expert, num_experts - 1)
   rank = slot - offsets[expert_c]
   valid = (expert < num_experts) & (rank < counts[expert_c])
@@ -403,6 +403,16 @@ def sort_pairs_by_expert(flat_expert, num_experts: int):
   packed = flat_expert.astype(jnp.uint32) * jnp.uint32(num_pairs) + jnp.arange(num_pairs, dtype=jnp.uint32)
   packed = jnp.sort(packed)
   return (packed % num_pairs).astype(jnp.int32), (packed // num_pairs).astype(jnp.int32)
+
+
+def group_of_slot(group_offsets, slots):
+  """The group each slot lies in, by the groups' first slots group_offsets [G+1] (ascending):
+  how many groups end at or before it; G for slots from group_offsets[G] on. slots: an array,
+  or an int S for every slot 0 .. S - 1."""
+  ends = group_offsets[1:]
+  if isinstance(slots, int):
+    slots = jnp.arange(slots, dtype=jnp.int32)
+  return count_below(ends, slots, inclusive=True)
 
 
 def count_below(sorted_values, queries, *, inclusive: bool):
@@ -498,7 +508,7 @@ def _rounded_plan(scores, chosen, targets, k: int, tile: int, align: int,
   # (integer slots: no gradient flows through the placement)
   token_index = place(jax.lax.stop_gradient(biased), targets, offsets[:num_experts], size)
   valid = token_index < num_tokens
-  expert = count_below(offsets[1:], jnp.arange(size, dtype=jnp.int32), inclusive=True)
+  expert = group_of_slot(offsets, size)
   expert_index = jnp.where(valid, expert, num_experts)
   slot_scores = scores.at[token_index, expert_index].get(mode="fill", fill_value=0)  # (0: padding)
   token_slots, token_offsets = _token_csr(token_index, num_tokens)
@@ -531,7 +541,7 @@ def plan_from_group_sizes(group_sizes, num_rows: int, align: int = 1) -> Routing
   row_start = _exclusive_cumsum(group_sizes)                   # [E+1]
   offsets = _aligned_offsets(group_sizes, align)               # [E+1]
   slot = jnp.arange(size, dtype=jnp.int32)
-  expert = count_below(offsets[1:], slot, inclusive=True)     # groups ending at or before
+  expert = group_of_slot(offsets, slot)
   expert_c = jnp.minimum(expert, num_experts - 1)
   rank = slot - offsets[expert_c]
   row = row_start[expert_c] + rank

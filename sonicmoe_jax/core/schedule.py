@@ -11,9 +11,7 @@ def tile_owners(group_offsets, num_rows: int, block_m: int):
   starts multiples of block_m) hold each tile, or G for tiles past the last group (the kernels
   write zeros there)."""
   starts = jnp.arange(num_rows // block_m, dtype=jnp.int32) * block_m
-  # the groups ending at or before each tile's start, by a binary search unrolled in Python
-  # (jnp.searchsorted's is a while loop: on a GPU one host round trip per step)
-  return routing.count_below(group_offsets[1:], starts, inclusive=True)
+  return routing.group_of_slot(group_offsets, starts)
 
 
 def _check_aligned(plan, rows: int, what: str):

@@ -184,12 +184,15 @@ def aggregate(y, scores, plan: RoutingPlan, into=None):
   given assignments) that many, unrolled.
   """
   sums = _aggregate(y, scores, plan)
-  if into is None:
-    return sums
-  out, lo = into
+  return sums if into is None else write_window(*into, sums)
+
+
+def write_window(out, lo: int, sums):
+  """sums [..., T, d] as columns lo .. lo + d of out [..., T, D], returned whole; out as an int
+  D: a new result, zeros outside the window."""
   if isinstance(out, int):
-    out = jnp.zeros((sums.shape[0], out), sums.dtype)
-  return jax.lax.dynamic_update_slice(out, sums, (0, lo))
+    out = jnp.zeros((*sums.shape[:-1], out), sums.dtype)
+  return jax.lax.dynamic_update_slice_in_dim(out, sums, lo, axis=-1)
 
 
 def _aggregate(y, scores, plan: RoutingPlan):
