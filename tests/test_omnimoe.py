@@ -205,3 +205,16 @@ def test_expert_centric_with_empty_groups_and_a_token_in_one_group():
   assert rel_err(out, ref) < 1e-5
   for a, b in zip(grads, ref_grads):
     assert rel_err(a, b) < 1e-5
+
+
+def test_schedule_stats_tiny(tmp_path):
+  """The schedule-density benchmark's smoke run: its JSON, and rows that hold between one and
+  min(B, K) tasks each."""
+  from benchmarks import omnimoe_schedule_stats
+  recs = omnimoe_schedule_stats.main(["--tiny", "--out", str(tmp_path)])
+  saved = json.loads((tmp_path / "omnimoe_schedule_stats.json").read_text())
+  assert saved["records"] == json.loads(json.dumps(recs)) and saved["meta"]["commit"]
+  for r in recs:
+    assert 1 <= r["tasks_per_row"] <= min(r["group"], r["k"])
+    assert r["dense_over_useful"] == pytest.approx(r["group"] / r["tasks_per_row"])
+    assert 1 <= r["active_experts"] <= r["atomic_experts"]
