@@ -158,6 +158,17 @@ def test_top_per_column_equals_stable_sort(T, E, seed):
   check_top_per_column(jax.jit(top_per_column), T, E, seed)
 
 
+def test_rounded_slot_scores_keep_no_pair_scores_for_the_backward(capsys):
+  """Under rounding the slots' scores come from their own logits: the backward of the plan's
+  scores saves no [T, E] float array (the pairs' scores only rank the tokens)."""
+  T, E = 256, 8
+  loss = lambda l: jnp.sum(sm.route(l, k=2, rounding="nearest", tile=16)[0].scores ** 2)
+  from jax.ad_checkpoint import print_saved_residuals
+  print_saved_residuals(loss, _logits(1, T, E))
+  saved = capsys.readouterr().out
+  assert f"f32[{T},{E}]" not in saved, saved
+
+
 @pytest.mark.parametrize("mode", ["up", "down"])
 def test_rounding_with_all_scores_tied(mode):
   T, E, K, tile = 64, 4, 2, 16

@@ -137,15 +137,18 @@ def _router_logits_bwd(residuals, dlogits):
 router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)
 
 
-def _scores(pair_logits, logits, topk_logits, score_fn: str, renormalize: bool):
-  """s_te = exp(l_te - c_t) (see module docstring) for the pairs whose logits pair_logits
-  holds: [T, K] (the chosen pairs) or [T, E] (every pair, for token rounding). With the
-  default score_fn, scoring the chosen pairs only keeps no [T, E] array for the backward."""
+def _score_offsets(logits, topk_logits, score_fn: str, renormalize: bool):
+  """c_t [T, 1] of the scores s_te = exp(l_te - c_t) (see module docstring)."""
   if score_fn == "softmax_all" and not renormalize:
-    c = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-  else:
-    c = jax.nn.logsumexp(topk_logits, axis=-1, keepdims=True)
-  return jnp.exp(pair_logits - c)
+    return jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  return jax.nn.logsumexp(topk_logits, axis=-1, keepdims=True)
+
+
+def _scores(pair_logits, logits, topk_logits, score_fn: str, renormalize: bool):
+  """s_te = exp(l_te - c_t) for the pairs whose logits pair_logits holds: [T, K] (the chosen
+  pairs) or [T, E] (every pair, for token rounding's ranking). With the default score_fn,
+  scoring the chosen pairs only keeps no [T, E] array for the backward."""
+  return jnp.exp(pair_logits - _score_offsets(logits, topk_logits, score_fn, renormalize))
 
 
 def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool = False,
@@ -206,8 +209,8 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
     topk_counts = jnp.sum(chosen, axis=0, dtype=jnp.int32)
     targets = token_rounding.round_counts(topk_counts, tile=tile, num_tokens=num_tokens,
                                           mode=rounding, rng=rng)
-    scores = _scores(logits, logits, topk_logits, score_fn, renormalize)
-    plan = _rounded_plan(scores, chosen, targets, k, tile, align,
+    score_offsets = _score_offsets(logits, topk_logits, score_fn, renormalize)
+    plan = _rounded_plan(logits, score_offsets, chosen, targets, k, tile, align,
                          place=rounded_slots or _reference_rounded_slots)
     changed = jnp.sum(jnp.abs(targets - topk_counts))
 
@@ -496,21 +499,26 @@ def rounded_slots(values, counts, offsets, num_slots: int):
 _reference_rounded_slots = rounded_slots
 
 
-def _rounded_plan(scores, chosen, targets, k: int, tile: int, align: int,
+def _rounded_plan(logits, score_offsets, chosen, targets, k: int, tile: int, align: int,
                   place=rounded_slots) -> RoutingPlan:
   """The plan of the rounded counts `targets`: place (rounded_slots or a backend's) puts each
-  expert's selected tokens in its slots; the rest follows from the group offsets."""
-  num_tokens, num_experts = scores.shape
+  expert's selected tokens in its slots; the rest follows from the group offsets. The pairs'
+  scores exp(l_te - c_t) rank the tokens ([T, E], no gradient); the slots' own scores are
+  computed from their logits alone, so the backward keeps and makes no [T, E] scores."""
+  num_tokens, num_experts = logits.shape
+  scores = jnp.exp(jax.lax.stop_gradient(logits - score_offsets))
   # Chosen tokens rank before unchosen ones: unchosen scores are biased by -1 (scores <= 1).
   biased = jnp.where(chosen, scores, scores - 1.0)
   size = num_slots(num_tokens, num_experts, k, tile, align)
   offsets = _aligned_offsets(targets, align)
   # (integer slots: no gradient flows through the placement)
-  token_index = place(jax.lax.stop_gradient(biased), targets, offsets[:num_experts], size)
+  token_index = place(biased, targets, offsets[:num_experts], size)
   valid = token_index < num_tokens
   expert = group_of_slot(offsets, size)
   expert_index = jnp.where(valid, expert, num_experts)
-  slot_scores = scores.at[token_index, expert_index].get(mode="fill", fill_value=0)  # (0: padding)
+  slot_logits = logits.at[token_index, expert_index].get(mode="fill", fill_value=0)
+  slot_offsets = score_offsets[:, 0].at[token_index].get(mode="fill", fill_value=0)
+  slot_scores = jnp.where(valid, jnp.exp(slot_logits - slot_offsets), 0.0)   # (0: padding)
   token_slots, token_offsets = _token_csr(token_index, num_tokens)
   return RoutingPlan(
       token_index=token_index, expert_index=expert_index,
