@@ -41,6 +41,9 @@ CONFIG_TYPE = CuteConfig   # what backends.resolve accepts as this backend's ker
 # n's multiple: the up-projection's column tile (block_n 128: the gate and up halves each) and
 # dW2's rows (the varlen-K kernels' 128-row tiles of [n, d])
 N_MULTIPLE = 128
+# the widths the layer pads d and n up to for these kernels (sonicmoe_jax/core/padding.py);
+# "auto" runs widths that are not multiples of them on the pallas kernels instead (unsupported)
+WIDTH_MULTIPLES = (grouped_gemm.BLOCK_M, N_MULTIPLE)
 
 
 def _dtype_unsupported(dtype):

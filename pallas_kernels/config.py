@@ -74,14 +74,17 @@ def swizzled_tile(row_elems: int, dtype):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+# d's and n's multiples (the column tiles: 64, or 128 where a width is a multiple of it); the
+# layer zero-pads other widths up to them (sonicmoe_jax/core/padding.py)
+WIDTH_MULTIPLES = (64, 64)
+
+
 def unsupported(dtype, d: int, n: int):
-  """Why these kernels cannot run a layer of this dtype and widths, or None."""
+  """Why these kernels cannot run a layer of this dtype and widths, or None (any widths: the
+  layer pads them to WIDTH_MULTIPLES)."""
+  del d, n
   if not any(jnp.dtype(dtype) == jnp.dtype(t) for t in SUPPORTED_DTYPES):
     return f"dtype {jnp.dtype(dtype).name} (needs bfloat16 or float16)"
-  if d % 64:
-    return f"d={d} is not a multiple of 64"
-  if n % 64:
-    return f"n={n} is not a multiple of 64"
   return None
 
 
@@ -94,10 +97,11 @@ def check_operands(op: str, **arrays) -> None:
 
 def check_dims(d: int, n: int) -> None:
   """The kernels tile d and n by 64 (or 128 where they are multiples of it)."""
-  if d % 64:
-    raise ValueError(f"backend 'pallas' needs d (model width) to be a multiple of 64; got d={d}")
-  if n % 64:
-    raise ValueError(f"backend 'pallas' needs n (expert width) to be a multiple of 64; got n={n}")
+  for name, width, what, multiple in (("d", d, "model width", WIDTH_MULTIPLES[0]),
+                                      ("n", n, "expert width", WIDTH_MULTIPLES[1])):
+    if width % multiple:
+      raise ValueError(f"backend 'pallas' kernels need {name} ({what}) to be a multiple of "
+                       f"{multiple}; got {name}={width} (the layer pads it: sonicmoe_jax.moe)")
 
 
 _LOWERING_FOR_GPU = False

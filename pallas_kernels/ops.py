@@ -6,7 +6,7 @@ X are gathered inside the up-projection kernel by cp.async (Hopper has no TMA ro
 PallasConfig.up_proj_gather_in_kernel); rows of dO, and of X for dW1, are gathered by XLA (inside
 the dH kernel it is slower; inside dW1's kernel it is slower but saves memory:
 PallasConfig.dw1_gather_in_kernel); every op takes its PallasConfig as `config`; aggregation is XLA's gather-and-sum. Limits: bf16/f16 inputs, d and n multiples of 64 (64-column
-tiles where they are not multiples of 128).
+tiles where they are not multiples of 128; the layer zero-pads other widths up to them).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from sonicmoe_jax.core import xla_ops
 ALIGN = tiling.BLOCK_M
 CONFIG_TYPE = PallasConfig   # what backends.resolve accepts as this backend's kernel_config
 unsupported = tiling.unsupported
+WIDTH_MULTIPLES = tiling.WIDTH_MULTIPLES
 
 
 def tiles(plan):

@@ -22,7 +22,10 @@ the product's columns lo .. hi - 1.
 
 A backend is a module exposing OPS: {op name: function}, imported on first use, and optionally
 ALIGN: the row alignment its kernels need for each expert's group of slots (the routing plan
-is built with the largest ALIGN among the chosen backends) and AGGREGATE_INTO: True where its
+is built with the largest ALIGN among the chosen backends), WIDTH_MULTIPLES: (d's, n's) the
+multiples of the model and expert widths its expert ops tile by (the layer zero-pads widths
+that are not up to the largest among the chosen backends: core/padding.py; absent: any width)
+and AGGREGATE_INTO: True where its
 aggregate writes a column window into the result in place (the layer's windows then chain
 through it instead of concatenating their sums). Every backend implements every
 op. Users pick a backend by name for all ops ("xla", "pallas", "cute"), "auto" for the
@@ -52,7 +55,11 @@ from typing import Callable, Hashable, NamedTuple, Optional, Union
 
 import jax
 
+from sonicmoe_jax.core import padding
+
 OP_NAMES = ("top_k", "rounded_slots", "up_proj", "down_proj", "aggregate", "dh", "dx_tilde", "dw1", "dw2")
+# the ops of the expert computation (the rest are the router's): the ones that see d and n
+EXPERT_OPS = OP_NAMES[2:]
 
 BACKEND_MODULES = {
     "xla": "sonicmoe_jax.core.xla_ops",
@@ -150,6 +157,7 @@ class Ops(NamedTuple):
   dw1: Callable
   dw2: Callable
   align: int = 1
+  width_multiples: tuple[int, int] = (1, 1)   # (d's, n's): the expert ops' WIDTH_MULTIPLES
   windows: int = 1   # the layer's default column windows (default_windows)
   aggregate_into: bool = False   # aggregate writes windows into the result (AGGREGATE_INTO)
   backends: tuple[str, ...] = ()   # the backend each op runs on, in OP_NAMES order
@@ -157,6 +165,12 @@ class Ops(NamedTuple):
   def backend_by_op(self) -> dict[str, str]:
     """{op name: the backend it runs on}, as resolve chose them."""
     return dict(zip(OP_NAMES, self.backends))
+
+  def kernel_widths(self, d: int, n: int) -> tuple[int, int]:
+    """The widths (d', n') the expert ops run a layer of widths (d, n) at: each rounded up to
+    its multiple in width_multiples (the layer zero-pads to them: core/padding.py)."""
+    return (padding.padded_width(d, self.width_multiples[0]),
+            padding.padded_width(n, self.width_multiples[1]))
 
 
 def _backend_module(name: str):
@@ -230,7 +244,7 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype
     choice = {op: backend.get(op, "auto") for op in OP_NAMES}
   else:
     raise TypeError(f"backend must be a string or a mapping of op name to backend; got {type(backend).__name__}")
-  impls, names, align = {}, {}, 1
+  impls, names, align, multiples = {}, {}, 1, (1, 1)
   fallbacks = {}   # (default backend, reason) -> the ops "auto" moved to xla for it
   for op, name in choice.items():
     if name == "auto":
@@ -246,10 +260,12 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype
     if name in configs:
       impls[op] = Configured(module.OPS[op], configs[name])
     align = max(align, getattr(module, "ALIGN", 1))
+    if op in EXPERT_OPS:
+      multiples = tuple(map(max, multiples, getattr(module, "WIDTH_MULTIPLES", (1, 1))))
   for (name, reason), ops in fallbacks.items():
     warnings.warn(f"backend 'auto': {name!r} cannot run this layer ({reason}); using 'xla' for "
                   f"{', '.join(ops)}", stacklevel=3)
   windows = default_windows((names["down_proj"], names["dx_tilde"]), d, n)
   aggregate_into = getattr(_backend_module(names["aggregate"]), "AGGREGATE_INTO", False)
-  return Ops(**impls, align=align, windows=windows, aggregate_into=aggregate_into,
+  return Ops(**impls, align=align, width_multiples=multiples, windows=windows, aggregate_into=aggregate_into,
              backends=tuple(names[op] for op in OP_NAMES))

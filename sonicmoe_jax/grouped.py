@@ -61,5 +61,5 @@ def grouped_expert_mlp(rows, scores, w1, w2, group_sizes, *,
                                        align=ops.align)
   slot_scores = scores.astype(jnp.float32).at[plan.token_index].get(mode="fill",
                                                                      fill_value=0)  # (0: padding)
-  return layer.expert_mlp(ops, rows, slot_scores, w1, w2, plan,
-                          layer.resolve_windows(windows, ops, d))
+  return layer.run_experts(ops, rows, slot_scores, w1, w2, plan,
+                           layer.resolve_windows(windows, ops, d))

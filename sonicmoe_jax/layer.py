@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from sonicmoe_jax import backends
-from sonicmoe_jax.core import routing, validation
+from sonicmoe_jax.core import padding, routing, validation
 from sonicmoe_jax.core.routing import RouterStats, RoutingPlan
 
 
@@ -116,9 +116,11 @@ def window_pair(windows) -> tuple[int, int]:
 
 
 def resolve_windows(windows, ops: backends.Ops, d: int) -> tuple[int, int]:
-  """moe's `windows` as (forward, backward) counts for a layer of width d: None takes the
-  resolved backends' default (ops.windows) where d has room for it, else 1; each count is
-  checked against d (column_windows' errors name the limit)."""
+  """moe's `windows` as (forward, backward) counts for a layer of width d, run at the width
+  the kernels take it (Ops.kernel_widths): None takes the resolved backends' default
+  (ops.windows) where that width has room for it, else 1; each count is checked against that
+  width (column_windows' errors name the limit)."""
+  d = ops.kernel_widths(d, 1)[0]
   if windows is None:
     windows = ops.windows if ops.windows <= max_column_windows(d) else 1
   forward, backward = window_pair(windows)
@@ -148,6 +150,19 @@ def window_sum(matmul, aggregate, lhs, rhs, scores, plan: RoutingPlan, windows: 
     else:
       outs.append(aggregate(product, scores, plan))
   return outs[0] if into else jnp.concatenate(outs, axis=1)
+
+
+def run_experts(ops: backends.Ops, x, scores, w1, w2, plan: RoutingPlan,
+                windows: tuple[int, int] = (1, 1), dispatch=LocalRows()):
+  """expert_mlp at the widths the resolved kernels take (Ops.kernel_widths): x, w1 and w2
+  zero-padded to them where d or n is not a multiple of the kernels' column tiles, the output
+  cut back to x's d columns (core/padding.py: the numbers are those of the unpadded layer).
+  Every layer of this package calls the expert computation through here."""
+  d, n = x.shape[1], w2.shape[1]
+  kernel_d, kernel_n = ops.kernel_widths(d, n)
+  w1, w2 = padding.pad_expert_weights(w1, w2, kernel_d, kernel_n)
+  out = expert_mlp(ops, padding.pad_columns(x, kernel_d), scores, w1, w2, plan, windows, dispatch)
+  return out if kernel_d == d else out[:, :d]
 
 
 def _expert_mlp_fwd(ops, x, scores, w1, w2, plan, windows, dispatch):
@@ -279,7 +294,11 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
       pair (forward, backward): Y's windows and dX~'s (the step's peak is the larger of the
       two passes'). None (default): the measured choice
       (backends.default_windows: two where the store GEMMs run on cute and d >= 2n, else one;
-      one where d is not a multiple of 128 or too narrow for them).
+      one where the width the kernels run d at, padded as below, is not a multiple of 128 or
+      is too narrow for them).
+      Widths the chosen kernels do not tile (d or n not a multiple of 128 on cute, of 64 on
+      pallas) run zero-padded up to their multiple, the output cut back to d columns: the
+      numbers are the unpadded layer's (core/padding.py).
 
     kernel_config: {backend name: its kernel configuration} for the ops that run on that
       backend, e.g. {"cute": ffi.config.CuteConfig(store_cluster_n=2)} or {"pallas":
@@ -298,6 +317,6 @@ def moe(x, router_w, w1, w2, *, k: int, score_fn: str = "softmax_topk",
                               rounding=rounding, tile=tile, rng=rng, align=ops.align,
                               top_k=ops.top_k, rounded_slots=ops.rounded_slots)
   plan_arrays = dataclasses.replace(plan, scores=jax.lax.stop_gradient(plan.scores))
-  out = expert_mlp(ops, x, plan.scores, w1, w2, plan_arrays, resolve_windows(windows, ops,
-                                                                             x.shape[1]))
+  out = run_experts(ops, x, plan.scores, w1, w2, plan_arrays,
+                    resolve_windows(windows, ops, x.shape[1]))
   return MoEOutput(out=out, plan=plan, stats=stats)

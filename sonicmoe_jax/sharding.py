@@ -205,7 +205,7 @@ def _ep_layer(x, router_w, w1, w2, rng, *, ops, k, expert_axis, token_axes, capa
   arrays = dataclasses.replace(plan, scores=jax.lax.stop_gradient(plan.scores))
   dispatch = ExpertParallelRows(arrays, route_rows,
                                 tuple(a for a in token_axes if a != expert_axis))
-  out = layer.expert_mlp(ops, x, plan.scores, w1, w2, recv_plan, windows, dispatch)
+  out = layer.run_experts(ops, x, plan.scores, w1, w2, recv_plan, windows, dispatch)
   dropped = route_rows.dropped(plan)
   topk_counts = jax.lax.psum(stats.topk_counts, token_axes)
   mean_prob = jax.lax.pmean(jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0), token_axes)

@@ -13,6 +13,7 @@ import sonicmoe_jax as sm
 from conftest import make_inputs, rel_err
 from cute_helpers import CUTE_GEMMS, FFI_TARGET, cuda_module, needs_cute
 from ffi.config import CuteConfig
+from sonicmoe_jax.core import routing
 
 
 def cute(**fields):
@@ -41,23 +42,28 @@ def test_cute_dh_past_its_offsets_falls_back_to_xla(monkeypatch):
 
 @needs_cute
 def test_cute_ops_name_the_layer_limit_they_miss():
-  """Backend "cute" asked for a layer its kernels cannot run fails at trace time naming the
-  op and the limit (not a kernel's operand names), the dtype as a TypeError."""
+  """Backend "cute" asked for a float32 layer fails at trace time naming the op and the limit
+  (not a kernel's operand names); its ops called on widths their tiles do not divide name the
+  width and its multiple; the layer pads such widths up to them (core/padding.py)."""
   def trace(d, n, dtype, backend="cute"):
     args = make_inputs(0, 256, d, n, 8, dtype)
     loss = lambda *a: jnp.sum(sm.moe(*a, k=2, backend=backend).out.astype(jnp.float32))
-    jax.eval_shape(jax.grad(loss, argnums=(0, 2, 3)), *args)
+    return jax.eval_shape(jax.grad(loss, argnums=(0, 2, 3)), *args)
   with pytest.raises(TypeError, match=r"backend 'cute' \(up_proj\): inputs must be bfloat16 "
                                       r"or float16; got float32"):
     trace(128, 128, jnp.float32)
-  with pytest.raises(ValueError, match=r"\(up_proj\): n \(expert width\) must be a multiple "
-                                       r"of 128; got n=64"):
-    trace(128, 64, jnp.bfloat16)
+  cute_ops = importlib.import_module("ffi.ops")
+  x, router_w, w1, w2 = make_inputs(0, 256, 192, 64, 8, jnp.bfloat16)
+  plan = routing.route(routing.router_logits(x, router_w), k=2, align=cute_ops.ALIGN)[0]
   with pytest.raises(ValueError, match=r"\(up_proj\): d \(model width\) must be a multiple "
                                        r"of 128; got d=192"):
-    trace(192, 128, jnp.bfloat16)
-  with pytest.raises(ValueError, match=r"\(dw2\): n \(expert width\) must be a multiple"):
-    trace(128, 64, jnp.bfloat16, {op: "xla" for op in sm.OP_NAMES} | {"dw2": "cute"})
+    cute_ops.up_proj(x, w1, plan)
+  with pytest.raises(ValueError, match=r"\(dw2\): n \(expert width\) must be a multiple "
+                                       r"of 128; got n=64"):
+    cute_ops.dw2(jnp.zeros((plan.num_slots, 64), x.dtype), x[:, :128], plan)
+  for backend in ("cute", {op: "xla" for op in sm.OP_NAMES} | {"dw2": "cute"}):
+    dx, dw1, dw2 = trace(192, 64, jnp.bfloat16, backend)   # padded to d 256, n 128
+    assert (dx.shape, dw1.shape, dw2.shape) == ((256, 192), (8, 192, 128), (8, 64, 192))
 
 
 @needs_cute
@@ -94,6 +100,9 @@ def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
     assert "multiple of 128" in cute_ops.unsupported(jnp.bfloat16, 4096, n)
   ops = resolve(128, 64)   # the demo's widths: the GEMMs on pallas (n a multiple of 64)
   assert (ops.up_proj, ops.dw2) == (pallas_ops.up_proj, pallas_ops.dw2)
+  for d, n, kernel_widths in [(2944, 1472, (2944, 1472)), (2952, 1480, (3008, 1536))]:
+    ops = resolve(d, n)   # widths cute's tiles do not divide: pallas, at multiples of 64
+    assert ops.backend_by_op()["dh"] == "pallas" and ops.kernel_widths(d, n) == kernel_widths
   monkeypatch.setattr(backends, "_cute_installed", lambda: False)
   assert resolve(4096, 1024).dh is pallas_ops.dh
 
@@ -526,7 +535,9 @@ def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(cluster_
     ((4096, 1536, 256, 128, 8), 2, "registers", "cute"),
     ((1000, 2048, 1024, 16, 4), 8, "registers", "cute"),
     ((512, 4096, 1024, 8, 2), 8, "registers", "cute"),
-    ((1000, 128, 128, 8, 2), 0, "registers", "cute")])   # the narrowest widths it takes
+    ((1000, 128, 128, 8, 2), 0, "registers", "cute"),    # the narrowest widths it takes
+    ((1000, 200, 72, 8, 2), 0, "registers", "cute"),     # padded by the layer to 256, 128
+    ((2000, 2944, 1472, 16, 4), 0, "registers", "cute")])   # padded to 3072, 1536
 def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_max_column_tiles, dh_kernel, backend):
   """Every expert op on cute (dO's rows gathered by XLA, or by dh and dw2; dH's register or TMA
   stores; at d 2048 and 4096, n 1024 dx_tilde on the persistent wide store tiles and down_proj

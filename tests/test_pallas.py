@@ -10,6 +10,7 @@ import sonicmoe_jax as sm
 import interpret_cache
 from conftest import INTERPRET_CACHE, PaddingSteps, has_gpu, make_inputs, oracle_moe, rel_err
 from pallas_kernels import config
+from sonicmoe_jax.core import routing
 
 # (T, d, n, E, K, dead experts, rounding, tile): every case has tiles past the last group
 CASES = [
@@ -17,6 +18,7 @@ CASES = [
     (256, 128, 64, 4, 2, 1, "nearest", 128),  # an expert with zero tokens; token rounding: counts
                                               # are tile multiples
     (150, 192, 64, 4, 2, 0, None, 128),     # d = 3 x 64: 64-column tiles of the store GEMMs and dW2
+    (100, 200, 72, 4, 2, 0, None, 128),     # d, n multiples of 8, not of 64: zero-padded to 256, 128
 ]
 
 
@@ -85,12 +87,14 @@ def test_pallas_errors():
   x, r, w1, w2 = make_inputs(0, 32, 128, 64, 4, jnp.float32)
   with pytest.raises(TypeError, match="backend 'pallas' .* must be bfloat16 or float16"):
     sm.moe(x, r, w1, w2, k=1, backend="pallas")
+  # the kernels themselves take multiples of 64 (the layer pads other widths up to them)
+  from pallas_kernels import ops as pallas_ops
   x, r, w1, w2 = make_inputs(0, 32, 96, 64, 4, jnp.bfloat16)
+  plan = routing.route(routing.router_logits(x, r), k=1, align=config.BLOCK_M)[0]
   with pytest.raises(ValueError, match="d \\(model width\\) to be a multiple of 64; got d=96"):
-    sm.moe(x, r, w1, w2, k=1, backend="pallas")
-  x, r, w1, w2 = make_inputs(0, 32, 128, 48, 4, jnp.bfloat16)
+    pallas_ops.up_proj(x, w1, plan)
   with pytest.raises(ValueError, match="n \\(expert width\\) to be a multiple of 64; got n=48"):
-    sm.moe(x, r, w1, w2, k=1, backend="pallas")
+    pallas_ops.up_proj(x[:, :64], w1[:, :64, :96], plan)
   from pallas_kernels import weight_grad
   rows, offsets = jnp.zeros((256, 128), jnp.bfloat16), jnp.array([0, 128, 256], jnp.int32)
   with pytest.raises(ValueError, match=r"weight gradient group_sizes must be \[2\]; got \(3,\)"):
@@ -158,6 +162,8 @@ def test_pallas_lowers_for_cuda(d, n):
 @pytest.mark.parametrize("shape", [(4096, 1024, 256, 32, 4), (3000, 512, 128, 64, 8),
                                    (2000, 512, 192, 16, 2),    # n % 128 != 0: 64-column tiles
                                    (3000, 2944, 1472, 16, 4),  # d, n % 128 == 64: the same
+                                   (2000, 200, 72, 16, 2),     # multiples of 8: zero-padded
+                                   (3000, 2952, 1480, 16, 4),  # to 64's (3008, 1536)
                                    (1000, 128, 64, 8, 2)])     # the demo's widths
 def test_pallas_on_gpu_matches_xla(shape):
   T, d, n, E, K = shape
