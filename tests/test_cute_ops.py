@@ -27,14 +27,14 @@ def test_cute_dh_past_its_offsets_falls_back_to_xla(monkeypatch):
   gradients equal the xla backend's (runs on CPU: no cute kernel is called)."""
   from ffi import calls
   monkeypatch.setattr(calls, "MAX_REGISTER_ADDRESSED", 1000)
-  T, d, n, E, K = 200, 128, 64, 4, 2
+  T, d, n, E, K = 200, 128, 128, 4, 2
   args = make_inputs(5, T, d, n, E, jnp.float32)
 
   def grads(backend):
     loss = lambda *a: jnp.sum(sm.moe(*a, k=K, backend=backend).out ** 2)
     return jax.grad(loss, argnums=(0, 2, 3))(*args)
 
-  with pytest.warns(UserWarning, match=r"backend 'cute' dh: H \(\d+, 128\) has more than 1000"):
+  with pytest.warns(UserWarning, match=r"backend 'cute' dh: H \(\d+, 256\) has more than 1000"):
     got = grads({op: "xla" for op in sm.OP_NAMES} | {"dh": "cute"})
   for a, b in zip(got, grads("xla")):   # (cute's ALIGN pads the plan: other fp32 sum orders)
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
