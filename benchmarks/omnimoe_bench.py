@@ -2,8 +2,8 @@
 swept 3M-28M (K paired with it as in the paper's Table A: table_a_point), tokens 1K-16K;
 OmniMoE expert-centric, PEER-style token-centric, a coarse
 DeepSeekMoE layer and a dense SwiGLU MLP of equal activated parameters. OmniMoE runs twice:
-its grouped GEMMs through XLA's ragged_dot ("omnimoe") and through our Pallas kernels
-("omnimoe_pallas", GPU only).
+its grouped GEMMs through the xla backend's ("omnimoe": tiled batched GEMMs on a GPU) and
+through our Pallas kernels ("omnimoe_pallas", GPU only).
 
   python -m benchmarks.omnimoe_bench                 # GPU
   python -m benchmarks.omnimoe_bench --tiny          # CPU smoke run

@@ -15,8 +15,9 @@ Execution (same math, two schedules):
   * expert-centric: flatten (token, expert) tasks, number the active experts in ID order, split
     them into groups of B, sort tasks by (group, token), merge tasks of one token in one group
     into a row, and run each group as two dense GEMMs (rows x B scores, then rows x B times
-    B x d) through jax.lax.ragged_dot; rows are summed back per token. Its custom_vjp keeps only
-    the inputs and the schedule and recomputes the grouped forward in the backward.
+    B x d) through the xla backend's grouped GEMMs (or the Pallas kernels); rows are summed
+    back per token. Its custom_vjp keeps only the inputs and the schedule and recomputes the
+    grouped forward in the backward.
 Both run over chunks of tokens (in_token_chunks) sized so that one chunk's gathers or task rows
 take at most CHUNK_BYTES: memory is bounded at any T and k (the expert-centric chunks each read
 their own active experts' weights).
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sonicmoe_jax.core import routing, swiglu
+from sonicmoe_jax.core import routing, swiglu, xla_ops
 
 _F32 = jnp.float32
 
@@ -169,22 +170,20 @@ def schedule(ids, num_experts: int, group: int, align: int = 1) -> Schedule:
 
 
 class XlaGroupedOps:
-  """The two grouped GEMM shapes of expert-centric execution through jax.lax.ragged_dot."""
+  """The two grouped GEMM shapes of expert-centric execution through the xla backend's grouped
+  GEMMs (xla_ops.grouped_matmul: ragged_dot, tiled batched GEMMs on GPUs, NumPy on a CPU)."""
   align = 1
 
   @staticmethod
   def matmul(lhs, rhs, sched: Schedule, transpose_rhs: bool):
     """Per group q: lhs_q @ rhs[q] (rhs [Q, K, N]) or lhs_q @ rhs[q]^T (rhs [Q, N, K])."""
     rhs = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
-    return jax.lax.ragged_dot(lhs, rhs, sched.padded_group_sizes, preferred_element_type=_F32)
+    return xla_ops.grouped_matmul(lhs, rhs, sched.padded_group_sizes)
 
   @staticmethod
   def weight_grad(lhs, rhs, sched: Schedule):
     """Per group q: lhs_q^T rhs_q, [Q, lhs cols, rhs cols]."""
-    dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
-                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    return jax.lax.ragged_dot_general(lhs, rhs, sched.padded_group_sizes, dims,
-                                      preferred_element_type=_F32)
+    return xla_ops.grouped_weight_grad(lhs, rhs, sched.padded_group_sizes)
 
 
 class PallasGroupedOps:

@@ -4,8 +4,10 @@ Runs on any platform and is the reference every other backend is tested against.
 signatures are the dispatch table's (see backends.py). Padding slots of the plan gather zero
 rows, so every output row of a padding slot is exactly zero.
 
-The grouped GEMMs are jax.lax.ragged_dot on accelerators. On a CPU XLA computes ragged_dot as
-every group's dense product (E times the FLOPs, and as much memory), so where the CPU platform
+The grouped GEMMs are jax.lax.ragged_dot on TPUs. On GPUs XLA computes ragged_dot as every
+group's dense product (E times the FLOPs and memory; at production sizes its autotuner fails),
+so there they run as batched GEMMs over 128-row tiles, a chunk of tiles at a time
+(tiled_grouped.py). On a CPU XLA also computes ragged_dot densely, so where the CPU platform
 has one device each expert's rows are multiplied by its weights alone, in float32, by NumPy
 through jax.pure_callback (grouped_matmul_host, grouped_weight_grad_host): FLOPs as the math
 counts them, and jax.vmap runs it once per batch element. With several CPU devices (a mesh of
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sonicmoe_jax.core import swiglu
+from sonicmoe_jax.core import swiglu, tiled_grouped
 from sonicmoe_jax.core.varying import vary_like
 from sonicmoe_jax.core import routing
 from sonicmoe_jax.core.routing import RoutingPlan
@@ -133,20 +135,33 @@ def _one_cpu_device() -> bool:
     return False
 
 
+def grouped_matmul(lhs, rhs, group_sizes):
+  """Varlen-M grouped GEMM, fp32: out[r] = lhs[r] @ rhs[g] for group g's rows (groups laid out
+  from row 0, as jax.lax.ragged_dot), by the platform's formulation (module docstring)."""
+  return jax.lax.platform_dependent(
+      lhs, rhs, group_sizes,
+      cpu=grouped_matmul_host if _one_cpu_device() else _ragged_matmul,
+      cuda=tiled_grouped.grouped_matmul, rocm=tiled_grouped.grouped_matmul,
+      default=_ragged_matmul)
+
+
+def grouped_weight_grad(lhs, rhs, group_sizes):
+  """Varlen-K grouped GEMM, fp32 [G, a, b]: out[g] = lhs_g^T rhs_g over group g's rows."""
+  return jax.lax.platform_dependent(
+      lhs, rhs, group_sizes,
+      cpu=grouped_weight_grad_host if _one_cpu_device() else _ragged_weight_grad,
+      cuda=tiled_grouped.grouped_weight_grad, rocm=tiled_grouped.grouped_weight_grad,
+      default=_ragged_weight_grad)
+
+
 def _grouped_matmul(lhs, rhs, plan: RoutingPlan):
-  """Varlen-M grouped GEMM: slot rows of expert e times rhs[e], fp32 result."""
-  if not _one_cpu_device():
-    return _ragged_matmul(lhs, rhs, plan.padded_group_sizes)
-  return jax.lax.platform_dependent(lhs, rhs, plan.padded_group_sizes, cpu=grouped_matmul_host,
-                                    default=_ragged_matmul)
+  """Slot rows of expert e times rhs[e], fp32."""
+  return grouped_matmul(lhs, rhs, plan.padded_group_sizes)
 
 
 def _grouped_weight_grad(lhs, rhs, plan: RoutingPlan):
-  """Varlen-K grouped GEMM: out[e] = lhs_e^T rhs_e over expert e's slots, fp32 [E, a, b]."""
-  if not _one_cpu_device():
-    return _ragged_weight_grad(lhs, rhs, plan.padded_group_sizes)
-  return jax.lax.platform_dependent(lhs, rhs, plan.padded_group_sizes,
-                                    cpu=grouped_weight_grad_host, default=_ragged_weight_grad)
+  """out[e] = lhs_e^T rhs_e over expert e's slots, fp32 [E, a, b]."""
+  return grouped_weight_grad(lhs, rhs, plan.padded_group_sizes)
 
 
 def top_k(logits, k: int):
