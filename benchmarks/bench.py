@@ -490,7 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
   """The benchmark's command line (every flag with its help)."""
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--configs", default=",".join(C.ANCHORS),
-                 help="comma list of benchmarks/configs.py names (default: the paper's five)")
+                 help="comma list of benchmarks/configs.py names (default: the paper's five; "
+                      "PRODUCTION names released models' layers)")
   p.add_argument("--custom", action="append", default=[], help="T,d,n,E,K (repeatable)")
   p.add_argument("--impls", default=None, help="comma list; default: every available one")
   p.add_argument("--rounding", default=None, help="token rounding for our impls (default: none)")
@@ -524,7 +525,7 @@ def main(argv=None):
   a = p.parse_args(argv)
   sm.memory.take_gpu_memory_as_needed()   # (before JAX takes the GPU)
   kernel_config = kernel_config_from(a.pallas, a.cute)
-  cases = dict(C.TINY) if a.tiny else {c: C.ANCHORS[c] for c in a.configs.split(",") if c}
+  cases = dict(C.TINY) if a.tiny else dict(C.lookup(c) for c in a.configs.split(",") if c)
   cases.update(C.parse_config(c) for c in a.custom)
   impls = a.impls.split(",") if a.impls else available_impls()
   dev = jax.devices()[0]

@@ -243,8 +243,8 @@ def layer_table(records) -> str:
                for _, key, unit in columns if all(r.get(key) is not None for r in rounds)}
     cells = [f"{medians[key]:11.3f}" if key in medians else f"{'-':>11s}" for _, key, _ in columns]
     tflops = "-"
-    if config in configs.ANCHORS and "fwd_bwd_ms" in medians:
-      tflops = f"{configs.fwd_bwd_flops(*configs.ANCHORS[config]) / medians['fwd_bwd_ms'] / 1e9:.0f}"
+    if config in configs.NAMED and "fwd_bwd_ms" in medians:
+      tflops = f"{configs.fwd_bwd_flops(*configs.NAMED[config]) / medians['fwd_bwd_ms'] / 1e9:.0f}"
     lines.append(_lead(config, impl, len(rounds), w) + " ".join(cells) + f" {tflops:>6s}")
   return "\n".join(lines)
 

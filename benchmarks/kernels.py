@@ -148,7 +148,7 @@ def main(argv=None):
     cfg = tuple(int(v) for v in a.custom.split(","))
     cases = {"T{}-d{}-n{}-E{}-K{}".format(*cfg): cfg}
   else:
-    cases = {c: C.ANCHORS[c] for c in a.configs.split(",")}
+    cases = dict(C.lookup(c) for c in a.configs.split(",") if c)
   recs = []
   for name, cfg in cases.items():
     recs += breakdown(name, cfg, a.backend, a.rounding, a.iters, a.reps)

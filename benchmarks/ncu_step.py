@@ -40,13 +40,12 @@ def cuda_runtime():
 
 def main(argv=None):
   p = argparse.ArgumentParser()
-  p.add_argument("--config", default="30B-n256", help="an anchor name, or T,d,n,E,K")
+  p.add_argument("--config", default="30B-n256", help="a benchmarks/configs.py name, or T,d,n,E,K")
   p.add_argument("--impl", default="auto", help="as benchmarks.bench's --impls (one)")
   p.add_argument("--no-profiler", action="store_true",
                  help="run the steps without the profiler calls (off the GPU)")
   a = p.parse_args(argv)
-  name, (T, d, n, E, K) = ((a.config, C.ANCHORS[a.config]) if a.config in C.ANCHORS
-                            else C.parse_config(a.config))
+  name, (T, d, n, E, K) = C.lookup(a.config)
   args, dout = bench.make_args(T, d, n, E, K)
   step = bench.forward_backward(bench.impl_fn(a.impl, K, None, 128))
   args = args + (dout,)

@@ -523,3 +523,12 @@ def test_command_lines_let_jax_take_the_gpu_memory_a_large_layer_needs(monkeypat
   assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
   with pytest.raises(ValueError, match="fraction"):
     memory.take_gpu_memory_as_needed(1.5)
+
+
+def test_configs_are_looked_up_by_name_or_given_as_numbers():
+  from benchmarks import configs
+  assert configs.lookup("gpt-oss-20b") == ("gpt-oss-20b", (32768, 2880, 2880, 32, 4))
+  assert configs.lookup("7B-n256")[1] == configs.ANCHORS["7B-n256"]
+  assert configs.lookup("64,128,64,8,2") == ("T64-d128-n64-E8-K2", (64, 128, 64, 8, 2))
+  with pytest.raises(ValueError, match="unknown config 'gpt-oss'.*qwen3-30b-a3b"):
+    configs.lookup("gpt-oss")
