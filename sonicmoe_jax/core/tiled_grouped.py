@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sonicmoe_jax.core.varying import vary_like
+
 _F32 = jnp.float32
 
 TILE = 128              # rows per tile (a group's rows start on a multiple of it)
@@ -103,5 +105,7 @@ def grouped_weight_grad(lhs, rhs, sizes, *, chunk_bytes: int = CHUNK_BYTES):
     return total.at[groups].add(products, mode="drop"), None
   chunks = (_split(layout.tiles(lhs), *chunking), _split(layout.tiles(rhs), *chunking),
             _split(layout.tile_group, *chunking, fill=num_groups))
-  total, _ = jax.lax.scan(step, jnp.zeros((num_groups, k, n), _F32), chunks)
+  # (the sum starts varying over the mesh axes its terms vary over, inside shard_map)
+  total = vary_like(jnp.zeros((num_groups, k, n), _F32), lhs, rhs, sizes)
+  total, _ = jax.lax.scan(step, total, chunks)
   return total
