@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.baselines import DeepSeekMoE, DenseMLP
-from models.omnimoe import OmniMoE
+from models.omnimoe import CHUNK_BYTES, OmniMoE
 
 from benchmarks import output
 
@@ -44,7 +44,7 @@ def table_a_point(d, active, n_atomic):
   return k, d_mlp, 2 * d * k + 3 * d * d_mlp + 2 * d * math.isqrt(n_atomic)
 
 
-def layers(d, active, n_atomic, tiny):
+def layers(d, active, n_atomic, tiny, chunk_bytes=CHUNK_BYTES):
   """The layers compared at one point, each with its activated parameters per token: OmniMoE
   (expert-centric, on XLA's and on our Pallas grouped GEMMs), the PEER-style token-centric
   layer (the same parameters), a DeepSeekMoE layer and a dense SwiGLU MLP of about as many."""
@@ -55,7 +55,8 @@ def layers(d, active, n_atomic, tiny):
   # DeepSeekMoE: the shared MLP as OmniMoE's, the routed experts' width taking the rest
   d_expert = max(64, (params // (3 * d) - d_mlp) // k_r // 64 * 64)
   rngs = nnx.Rngs(0)
-  omni = lambda **kw: OmniMoE(d, n_atomic, k, d_mlp, group=128, dtype=jnp.bfloat16, rngs=rngs, **kw)
+  omni = lambda **kw: OmniMoE(d, n_atomic, k, d_mlp, group=128, chunk_bytes=chunk_bytes,
+                              dtype=jnp.bfloat16, rngs=rngs, **kw)
   pallas = {} if tiny else {"omnimoe_pallas": (omni(grouped="pallas"), params)}
   return {
       **pallas,
@@ -131,19 +132,23 @@ def main(argv=None):
   p.add_argument("--atomic-experts", type=int, default=1024 * 1024)
   p.add_argument("--active", default="3e6,7e6,14e6,28e6")
   p.add_argument("--tokens", default="1024,4096,16384")
+  p.add_argument("--chunk-gib", type=float, default=CHUNK_BYTES / 2 ** 30,
+                 help="OmniMoE's chunk of tokens: at most this many GiB of gathers or task rows")
   p.add_argument("--tiny", action="store_true")
   p.add_argument("--out", default="runs/omnimoe_bench", help="folder to write omnimoe_bench.json into")
   a = p.parse_args(argv)
   if a.tiny:
     a.d, a.atomic_experts, a.active, a.tokens = 64, 256, "60000", "128"
-  meta = dict(gpu=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  chunk_bytes = max(1, int(a.chunk_gib * 2 ** 30))
+  meta = dict(chunk_bytes=chunk_bytes, gpu=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               jax=jax.__version__)
   recs = []
   actives = sorted(int(float(v)) for v in a.active.split(","))
   tokens = sorted(int(v) for v in a.tokens.split(","))
   points = [(active, 128) for active in actives] if a.tiny else sweep_points(actives, tokens)
   for active, t in points:
-    for name, (model, params) in layers(a.d, active, a.atomic_experts, a.tiny).items():
+    for name, (model, params) in layers(a.d, active, a.atomic_experts, a.tiny,
+                                        chunk_bytes).items():
       x = jax.random.normal(jax.random.key(0), (t, a.d), jnp.bfloat16)
       try:
         times, status = measure(model, x, iters=2 if a.tiny else 10), "ok"

@@ -288,13 +288,15 @@ class OmniMoE(nnx.Module):
   Args: d_model, num_experts (N, a perfect square), k (experts per token, up to thousands),
   d_mlp (shared MLP width), group (B, experts per expert-centric group), execution
   ("expert_centric" or "token_centric"), grouped ("xla" or "pallas": the kernels of the
-  expert-centric GEMMs; pallas needs bf16, d and group multiples of 128), dtype, rngs.
+  expert-centric GEMMs; pallas needs bf16, d and group multiples of 128), chunk_bytes (the
+  most one chunk of tokens' gathers or task rows may take: larger chunks schedule more tokens
+  together, so each expert's weights serve more of them, for more memory), dtype, rngs.
   Call: (y, RouterStats with expert usage counts); `last_unevenness` holds KL(usage || uniform).
   """
 
   def __init__(self, d_model: int, num_experts: int, k: int, d_mlp: int, *, group: int = 128,
-               execution: str = "expert_centric", grouped: str = "xla", dtype=jnp.float32,
-               rngs: nnx.Rngs):
+               execution: str = "expert_centric", grouped: str = "xla",
+               chunk_bytes: int = CHUNK_BYTES, dtype=jnp.float32, rngs: nnx.Rngs):
     rows, cols = grid_shape(num_experts)
     if not 1 <= k <= num_experts:
       raise ValueError(f"k must satisfy 1 <= k <= num_experts = {num_experts}; got {k}")
@@ -304,6 +306,8 @@ class OmniMoE(nnx.Module):
       raise ValueError(f"group must be >= 1; got {group}")
     if grouped not in ("xla", "pallas"):
       raise ValueError(f"grouped must be 'xla' or 'pallas'; got {grouped!r}")
+    if chunk_bytes < 1:
+      raise ValueError(f"chunk_bytes must be >= 1; got {chunk_bytes}")
     self.grouped_ops = PallasGroupedOps if grouped == "pallas" else XlaGroupedOps
     key = rngs.params
     init = jax.nn.initializers.normal(stddev=d_model ** -0.5)
@@ -314,6 +318,7 @@ class OmniMoE(nnx.Module):
     self.mlp_in = nnx.Linear(d_model, 2 * d_mlp, use_bias=False, rngs=rngs)
     self.mlp_out = nnx.Linear(d_mlp, d_model, use_bias=False, rngs=rngs)
     self.num_experts, self.k, self.group, self.execution, self.dtype = num_experts, k, group, execution, dtype
+    self.chunk_bytes = chunk_bytes
     self.last_unevenness = nnx.Variable(jnp.zeros((), _F32))
 
   def __call__(self, x):
@@ -322,10 +327,10 @@ class OmniMoE(nnx.Module):
     g, ids = route(x2, self.w_row[...], self.w_col[...], self.k)
     w, v = self.w[...].astype(self.dtype), self.v[...].astype(self.dtype)
     if self.execution == "token_centric":
-      routed = token_centric(x2, w, v, g, ids)
+      routed = token_centric(x2, w, v, g, ids, self.chunk_bytes)
     else:
       routed = expert_centric_in_chunks(self.grouped_ops, x2, w, v, g, ids, self.num_experts,
-                                        self.group)
+                                        self.group, self.chunk_bytes)
     shared = self.mlp_out(swiglu.forward(self.mlp_in(x2)).astype(x2.dtype))
     stats, kl = usage_stats(ids, self.num_experts, self.k)
     self.last_unevenness[...] = kl

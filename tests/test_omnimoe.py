@@ -68,6 +68,10 @@ def test_layer_and_errors():
   t = omnimoe.OmniMoE(32, 64, 8, 64, execution="token_centric", rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(2), (7, 32))
   assert rel_err(t(x)[0], m(x)[0]) < 1e-5  # same init, same math
+  small = omnimoe.OmniMoE(32, 64, 8, 64, group=8, chunk_bytes=1, rngs=nnx.Rngs(0))
+  assert rel_err(small(x)[0], m(x)[0]) < 1e-5  # one token a chunk: the same numbers
+  with pytest.raises(ValueError, match="chunk_bytes must be >= 1; got 0"):
+    omnimoe.OmniMoE(32, 64, 8, 64, chunk_bytes=0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="perfect square"):
     omnimoe.OmniMoE(32, 60, 8, 64, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="k must satisfy"):
