@@ -25,9 +25,8 @@ ALIGN: the row alignment its kernels need for each expert's group of slots (the 
 is built with the largest ALIGN among the chosen backends), WIDTH_MULTIPLES: (d's, n's) the
 multiples of the model and expert widths its expert ops tile by (the layer zero-pads widths
 that are not up to the largest among the chosen backends: core/padding.py; absent: any width)
-and AGGREGATE_INTO: True where its
-aggregate writes a column window into the result in place (the layer's windows then chain
-through it instead of concatenating their sums). Every backend implements every
+and AGGREGATE_INTO: True where its aggregate writes a column window into the result in place
+(the layer's windows then chain through it instead of concatenating their sums). Every backend implements every
 op. Users pick a backend by name for all ops ("xla", "pallas", "cute"), "auto" for the
 platform default, or a mapping {op: backend} for a mix (ops left out use "auto").
 
@@ -267,5 +266,5 @@ def resolve(backend: BackendSpec = "auto", platform: str | None = None, *, dtype
                   f"{', '.join(ops)}", stacklevel=3)
   windows = default_windows((names["down_proj"], names["dx_tilde"]), d, n)
   aggregate_into = getattr(_backend_module(names["aggregate"]), "AGGREGATE_INTO", False)
-  return Ops(**impls, align=align, width_multiples=multiples, windows=windows, aggregate_into=aggregate_into,
-             backends=tuple(names[op] for op in OP_NAMES))
+  return Ops(**impls, align=align, width_multiples=multiples, windows=windows,
+             aggregate_into=aggregate_into, backends=tuple(names[op] for op in OP_NAMES))
