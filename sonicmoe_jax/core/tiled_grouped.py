@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sonicmoe_jax.core import routing
 from sonicmoe_jax.core.varying import vary_like
 
 _F32 = jnp.float32
@@ -34,25 +35,22 @@ CHUNK_BYTES = 1 << 28
 class _Layout:
   """Where each of P rows of `sizes` groups goes in the tiled layout: `position[r]` its row
   there (num_tiles * TILE for rows past the last group), `tile_group[t]` each tile's group
-  (G for tiles past the last group)."""
+  (G for tiles past the last group). The groups are found by routing.group_of_slot (an
+  unrolled search: no device loop)."""
 
   def __init__(self, num_rows: int, sizes):
     num_groups = sizes.shape[0]
-    sizes = sizes.astype(jnp.int32)
-    ends = jnp.cumsum(sizes)
-    tiled_sizes = -(-sizes // TILE) * TILE
-    tiled_ends = jnp.cumsum(tiled_sizes)
+    starts = routing._exclusive_cumsum(sizes)                        # [G+1]
+    tiled_starts = routing._aligned_offsets(sizes.astype(jnp.int32), TILE)   # [G+1]
     # each group adds at most one partly filled tile
     self.num_tiles = -(-num_rows // TILE) + num_groups
     rows = jnp.arange(num_rows, dtype=jnp.int32)
-    group = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
-    in_group = group < num_groups
+    group = routing.group_of_slot(starts, rows)
     g = jnp.minimum(group, num_groups - 1)
-    offset = rows - (ends[g] - sizes[g])
-    self.position = jnp.where(in_group, tiled_ends[g] - tiled_sizes[g] + offset,
+    self.position = jnp.where(group < num_groups, tiled_starts[g] + rows - starts[g],
                               self.num_tiles * TILE)
-    tile_starts = jnp.arange(self.num_tiles, dtype=jnp.int32) * TILE
-    self.tile_group = jnp.searchsorted(tiled_ends, tile_starts, side="right").astype(jnp.int32)
+    self.tile_group = routing.group_of_slot(
+        tiled_starts, jnp.arange(self.num_tiles, dtype=jnp.int32) * TILE)
 
   def tiles(self, a):
     """a [P, C] laid out as [num_tiles, TILE, C] (zeros where no row goes)."""
