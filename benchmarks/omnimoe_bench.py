@@ -30,7 +30,7 @@ from flax import nnx
 from models.baselines import DeepSeekMoE, DenseMLP
 from models.omnimoe import CHUNK_BYTES, OmniMoE
 
-from benchmarks import output
+from benchmarks import device_kernels, output
 
 
 def table_a_point(d, active, n_atomic):
@@ -88,9 +88,11 @@ def _output(out):
   return out[0] if isinstance(out, tuple) else out
 
 
-def measure(model, x, iters=10, reps=3):
+def measure(model, x, iters=10, reps=3, kernels=0):
   """The layer's forward, and its forward+backward (the gradients of every parameter and of x
-  for a fixed cotangent): {"fwd_ms", "fwd_bytes", "step_ms", "step_bytes"}."""
+  for a fixed cotangent): {"fwd_ms", "fwd_bytes", "step_ms", "step_bytes"}, and with kernels > 0
+  (on a GPU) the forward's GPU kernel time per call and its `kernels` longest kernels
+  ("fwd_kernel_ms", "fwd_kernels": [(name, ms per call)])."""
   graph, params, rest = nnx.split(model, nnx.Param, ...)
 
   def forward(params, rest, x):
@@ -104,7 +106,11 @@ def measure(model, x, iters=10, reps=3):
 
   fwd_ms, fwd_bytes = _timed(jax.jit(forward), (params, rest, x), iters, reps)
   step_ms, step_bytes = _timed(jax.jit(step), (params, rest, x), iters, reps)
-  return dict(fwd_ms=fwd_ms, fwd_bytes=fwd_bytes, step_ms=step_ms, step_bytes=step_bytes)
+  times = dict(fwd_ms=fwd_ms, fwd_bytes=fwd_bytes, step_ms=step_ms, step_bytes=step_bytes)
+  profiled = device_kernels.kernel_times(jax.jit(forward), (params, rest, x)) if kernels else None
+  if profiled is not None:
+    times.update(fwd_kernel_ms=profiled[0], fwd_kernels=profiled[1][:kernels])
+  return times
 
 
 def sweep_points(actives, tokens):
@@ -134,6 +140,8 @@ def main(argv=None):
   p.add_argument("--tokens", default="1024,4096,16384")
   p.add_argument("--chunk-gib", type=float, default=CHUNK_BYTES / 2 ** 30,
                  help="OmniMoE's chunk of tokens: at most this many GiB of gathers or task rows")
+  p.add_argument("--kernels", type=int, default=0,
+                 help="record the forward's N longest GPU kernels (a profiled run per layer)")
   p.add_argument("--tiny", action="store_true")
   p.add_argument("--out", default="runs/omnimoe_bench", help="folder to write omnimoe_bench.json into")
   a = p.parse_args(argv)
@@ -151,7 +159,7 @@ def main(argv=None):
                                         chunk_bytes).items():
       x = jax.random.normal(jax.random.key(0), (t, a.d), jnp.bfloat16)
       try:
-        times, status = measure(model, x, iters=2 if a.tiny else 10), "ok"
+        times, status = measure(model, x, iters=2 if a.tiny else 10, kernels=a.kernels), "ok"
       except Exception as e:
         times, status = {}, f"{type(e).__name__}: {str(e)[:200]}"
       rec = dict(impl=name, tokens=t, active_params=params, atomic_experts=a.atomic_experts,
