@@ -45,28 +45,79 @@ def grid_shape(num_experts: int) -> tuple[int, int]:
   return side, side
 
 
-@functools.lru_cache(maxsize=None)
-def _candidate_ranks(k: int, rows: int, cols: int):
-  """(row rank, column rank) pairs that can hold a top-k entry: (a+1)(b+1) <= k."""
-  pairs = [(a, b) for a in range(min(k, rows)) for b in range(min(k // (a + 1), cols))]
-  a, b = zip(*pairs)
-  return np.array(a, np.int32), np.array(b, np.int32)
+def _row_caps(k: int, rows: int, cols: int):
+  """The most columns row rank a can hold in a top-k: min(cols, k // (a + 1)), since every
+  (a' <= a, b' <= b) pair beats (a, b). Their sum is at least k (the pairs allowed hold the
+  top k)."""
+  a = np.arange(min(k, rows))
+  return np.minimum(cols, k // (a + 1)).astype(np.int32)
+
+
+def _sortable(x):
+  """float32 -> uint32 keys with the same order (-0.0 just below +0.0)."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _columns_at_least(row_vals, col_vals, caps, threshold):
+  """[T, kr]: for each row rank a, how many of its first caps[a] column ranks b have
+  key(row_vals[a] + col_vals[b]) >= threshold [T] (a prefix: col_vals descend). Binary search,
+  its steps unrolled; the sums are formed exactly as the scores are."""
+  num_tokens, kr = row_vals.shape
+  kc = col_vals.shape[1]
+  caps = jnp.broadcast_to(jnp.asarray(caps), (num_tokens, kr))
+  count = jnp.zeros((num_tokens, kr), jnp.int32)
+  step = 1 << (kc.bit_length() - 1)
+  while step:   # invariant: the first `count` columns pass
+    probe = count + step
+    value = jnp.take_along_axis(col_vals, jnp.minimum(probe, kc) - 1, axis=1)
+    passes = _sortable(row_vals + value) >= threshold[:, None]
+    count = jnp.where((probe <= caps) & passes, probe, count)
+    step >>= 1
+  return count
 
 
 def cartesian_topk(p_row, p_col, k: int):
-  """Exact top-k of p_row[:, i] + p_col[:, j] over the grid without materialising it.
+  """Exact top-k of p_row[:, i] + p_col[:, j] over the implicit grid, never materialising it
+  or a candidate list: sort each token's rows and columns, then find the k-th largest score
+  by bisection over its float32 bits (32 steps; each counts, for every row rank, the column
+  ranks whose sum reaches the threshold). Row rank a takes a prefix of the column ranks; ties
+  at the threshold go to lower (row rank, column rank) first, as a stable top-k over the
+  pairs in that order would take them.
 
-  Returns (scores [T, k], expert ids [T, k] = i * Nc + j), best first."""
+  Returns (scores [T, k], expert ids [T, k] = i * Nc + j), in (row rank, column rank) order."""
   rows, cols = p_row.shape[1], p_col.shape[1]
   if not 1 <= k <= rows * cols:
     raise ValueError(f"k must satisfy 1 <= k <= N = {rows * cols}; got {k}")
-  ra, cb = _candidate_ranks(k, rows, cols)
+  p_row, p_col = p_row.astype(_F32), p_col.astype(_F32)
   row_vals, row_idx = jax.lax.top_k(p_row, min(k, rows))
   col_vals, col_idx = jax.lax.top_k(p_col, min(k, cols))
-  cand = row_vals[:, ra] + col_vals[:, cb]                      # [T, ~k ln k]
-  vals, pick = jax.lax.top_k(cand, k)
-  ids = row_idx[:, ra][jnp.arange(pick.shape[0])[:, None], pick] * cols + \
-      col_idx[:, cb][jnp.arange(pick.shape[0])[:, None], pick]
+  caps = _row_caps(k, rows, cols)
+  num_tokens = p_row.shape[0]
+  at_least = lambda threshold: _columns_at_least(row_vals, col_vals, caps, threshold)
+
+  def bisect(_, bounds):   # invariant: at least k scores reach lo; fewer than k pass hi + 1
+    lo, hi = bounds
+    mid = lo + (hi - lo) // 2 + (hi - lo) % 2
+    enough = at_least(mid).sum(axis=1) >= k
+    return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid - 1)
+
+  top = jnp.uint32(2 ** 32 - 1)
+  start = (jnp.zeros((num_tokens,), jnp.uint32), jnp.full((num_tokens,), top))
+  threshold, _ = jax.lax.fori_loop(0, 32, bisect, start)
+  reach = at_least(threshold)                                     # >= the k-th score
+  above = jnp.where(threshold[:, None] == top, 0, at_least(threshold + 1))
+  ties = reach - above
+  ties_before = jnp.cumsum(ties, axis=1) - ties
+  need = k - above.sum(axis=1, keepdims=True)
+  taken = above + jnp.clip(need - ties_before, 0, ties)            # per row rank; sums to k
+  ends = jnp.cumsum(taken, axis=1)
+  slot = jnp.arange(k, dtype=jnp.int32)
+  a = jax.vmap(lambda e: routing.count_below(e, slot, inclusive=True))(ends)     # [T, k]
+  b = slot[None, :] - (jnp.take_along_axis(ends, a, axis=1) -
+                       jnp.take_along_axis(taken, a, axis=1))
+  vals = jnp.take_along_axis(row_vals, a, axis=1) + jnp.take_along_axis(col_vals, b, axis=1)
+  ids = jnp.take_along_axis(row_idx, a, axis=1) * cols + jnp.take_along_axis(col_idx, b, axis=1)
   return vals, ids.astype(jnp.int32)
 
 
