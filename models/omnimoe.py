@@ -5,10 +5,12 @@ weights g gets y = (g * silu(x W_I^T)) V_I + MLP(x) (Dynamic Expert Assembly; th
 scalar activation is taken as silu), with a shared dense SwiGLU MLP.
 
 Router: N = Nr x Nc experts on a grid; row and column log-softmaxes p_r, p_c; expert (i, j)
-scores p_r[i] + p_c[j]. The exact top-K over the implicit grid never materialises N scores: the
-candidate at row rank a and column rank b is beaten by every (a' <= a, b' <= b) pair, so only
-pairs with (a+1)(b+1) <= K can be in the top K (about K ln K candidates). g = softmax over the
-selected scores.
+scores p_r[i] + p_c[j]. The exact top-K over the implicit grid never materialises N scores or a
+candidate list: with each token's rows and columns sorted, the pair at row rank a and column
+rank b is beaten by every (a' <= a, b' <= b) pair, so row rank a holds at most K // (a + 1) of
+the top K, always a prefix of the column ranks; the K-th largest score is found by bisection
+over its float32 bits, each step counting the pairs that reach it (a binary search per row
+rank). g = softmax over the selected scores.
 
 Execution (same math, two schedules):
   * token-centric (PEER-style): gather each token's K rows of W and V;
