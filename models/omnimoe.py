@@ -14,15 +14,16 @@ rank). g = softmax over the selected scores.
 
 Execution (same math, two schedules):
   * token-centric (PEER-style): gather each token's K rows of W and V;
-  * expert-centric: flatten (token, expert) tasks, number the active experts in ID order, split
-    them into groups of B, sort tasks by (group, token), merge tasks of one token in one group
-    into a row, and run each group as two dense GEMMs (rows x B scores, then rows x B times
-    B x d) through the xla backend's grouped GEMMs (or the Pallas kernels); rows are summed
-    back per token. Its custom_vjp keeps only the inputs and the schedule and recomputes the
-    grouped forward in the backward.
+  * expert-centric: flatten (token, expert) tasks, split the experts into groups of B
+    consecutive ids (a group's rows of W and V are one contiguous block, read in place), sort
+    tasks by (group, token), merge tasks of one token in one group into a row, and run each
+    group as two dense GEMMs (rows x B scores, then rows x B times B x d) through the xla
+    backend's grouped GEMMs (or the Pallas kernels); rows are summed back per token. Its
+    custom_vjp keeps only the inputs and the schedule and recomputes the grouped forward in the
+    backward.
 Both run over chunks of tokens (in_token_chunks) sized so that one chunk's gathers or task rows
 take at most CHUNK_BYTES: memory is bounded at any T and k (the expert-centric chunks each read
-their own active experts' weights).
+the weights of the groups their tasks fall in).
 """
 from __future__ import annotations
 
@@ -167,23 +168,28 @@ def _token_centric_rows(x, w, v, g, ids):
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """Expert-centric schedule of the T*k tasks. Rows are (group, token) pairs, sorted by group
-  then token; group q's rows start at row_offsets[q] (a multiple of `align`, so tiled kernels
-  see one group per row tile). R (rows) and Q (groups) are static bounds.
+  """Expert-centric schedule of the T*k tasks. Group q holds experts q*B .. q*B + B - 1 (so
+  its weights are one contiguous block of W and of V, read in place). Rows are (group, token)
+  pairs, sorted by group then token; group q's rows start at row_offsets[q] (a multiple of
+  `align`, so tiled kernels see one group per row tile). R (rows) is a static bound.
 
-    row_token [R]: token of each row (T for unused rows); row_offsets [Q+1];
-    group_experts [Q, B]: expert ids of each group's columns (N for empty columns);
-    task_row, task_col [T*k]: where each task's routing weight sits in the [R, B] gate matrix.
+    row_token [R]: token of each row (T for unused rows); row_offsets [Q+1], Q = ceil(N / B);
+    task_row, task_col [T*k]: where each task's routing weight sits in the [R, B] gate matrix;
+    group: B (static).
   """
   row_token: jax.Array
   row_offsets: jax.Array
-  group_experts: jax.Array
   task_row: jax.Array
   task_col: jax.Array
+  group: int = dataclasses.field(metadata=dict(static=True))
 
   @property
   def padded_group_sizes(self):
     return jnp.diff(self.row_offsets)
+
+  @property
+  def num_groups(self) -> int:
+    return self.row_offsets.shape[0] - 1
 
 
 jax.tree_util.register_dataclass(Schedule)
@@ -196,13 +202,12 @@ def _round_up(x, m):
 def schedule(ids, num_experts: int, group: int, align: int = 1) -> Schedule:
   num_tokens, k = ids.shape
   m = num_tokens * k
-  num_groups = -(-min(num_experts, m) // group)
-  num_rows = _round_up(m + (num_groups * (align - 1) if align > 1 else 0), align)
+  num_groups = -(-num_experts // group)
+  # at most min(Q, m) groups have rows, each padded by at most align - 1
+  num_rows = _round_up(m + (min(num_groups, m) * (align - 1) if align > 1 else 0), align)
   flat = ids.reshape(-1)
-  active = jnp.zeros((num_experts,), bool).at[flat].set(True)
-  rank = jnp.cumsum(active) - 1                                 # index among active experts
-  task_group = (rank[flat] // group).astype(jnp.int32)
-  task_col = (rank[flat] % group).astype(jnp.int32)
+  task_group = (flat // group).astype(jnp.int32)
+  task_col = (flat % group).astype(jnp.int32)
   # by (group, token): a stable sort by group keeps the tasks' token order (one key: a radix
   # sort on the GPU where group and task index pack into 32 bits)
   order, g_sorted = routing.sort_pairs_by_expert(task_group, num_groups)
@@ -217,9 +222,7 @@ def schedule(ids, num_experts: int, group: int, align: int = 1) -> Schedule:
   row_sorted = (offsets[g_sorted] + dense_row - dense_start[g_sorted]).astype(jnp.int32)
   task_row = jnp.zeros((m,), jnp.int32).at[order].set(row_sorted)
   row_token = jnp.full((num_rows,), num_tokens, jnp.int32).at[row_sorted].set(t_sorted)
-  active_ids = jnp.nonzero(active, size=num_groups * group, fill_value=num_experts)[0]
-  return Schedule(row_token, offsets, active_ids.reshape(num_groups, group).astype(jnp.int32),
-                  task_row, task_col)
+  return Schedule(row_token, offsets, task_row, task_col, group)
 
 
 class XlaGroupedOps:
@@ -253,13 +256,19 @@ class PallasGroupedOps:
   @staticmethod
   def weight_grad(lhs, rhs, sched: Schedule):
     from pallas_kernels import weight_grad
-    return weight_grad.weight_grad(lhs, rhs, sched.row_offsets, sched.group_experts.shape[0], _F32)
+    return weight_grad.weight_grad(lhs, rhs, sched.row_offsets, sched.num_groups, _F32)
+
+
+def _in_groups(w, sched: Schedule):
+  """W [N, d] as [Q, B, d] blocks of B consecutive experts (a reshape; zero rows pad N up to
+  Q*B where B does not divide it)."""
+  num_groups, group = sched.num_groups, sched.group
+  return jnp.pad(w, ((0, num_groups * group - w.shape[0]), (0, 0))).reshape(num_groups, group, -1)
 
 
 def _gathered(x, w, v, g, sched: Schedule):
   rows = x.at[sched.row_token].get(mode="fill", fill_value=0)                      # [R, d]
-  wq = w.at[sched.group_experts].get(mode="fill", fill_value=0)                    # [Q, B, d]
-  vq = v.at[sched.group_experts].get(mode="fill", fill_value=0)
+  wq, vq = _in_groups(w, sched), _in_groups(v, sched)                             # [Q, B, d]
   gate = jnp.zeros((rows.shape[0], wq.shape[1]), _F32).at[sched.task_row, sched.task_col].add(
       g.reshape(-1).astype(_F32))
   return rows, wq, vq, gate
@@ -301,9 +310,8 @@ def _ec_bwd(ops, res, dout):
   dwq = ops.weight_grad(dz, rows, sched)                                          # dZ^T X
   dvq = ops.weight_grad(a, dout_rows, sched)                                      # A^T dO
   dx = jax.ops.segment_sum(drows.astype(_F32), sched.row_token, num_segments=x.shape[0])
-  experts = sched.group_experts.reshape(-1)
-  dw = jnp.zeros(w.shape, _F32).at[experts].add(dwq.reshape(-1, w.shape[1]), mode="drop")
-  dv = jnp.zeros(v.shape, _F32).at[experts].add(dvq.reshape(-1, v.shape[1]), mode="drop")
+  dw = dwq.reshape(-1, w.shape[1])[:w.shape[0]]
+  dv = dvq.reshape(-1, v.shape[1])[:v.shape[0]]
   dg = dgate[sched.task_row, sched.task_col].reshape(g.shape)
   return (dx.astype(x.dtype), dw.astype(w.dtype), dv.astype(v.dtype), dg.astype(g.dtype),
           jax.tree_util.tree_map(lambda _: None, sched))
@@ -317,7 +325,7 @@ def expert_centric_in_chunks(ops, x, w, v, g, ids, num_experts: int, group: int,
   """expert_centric over chunks of tokens, each chunk's tasks scheduled on their own, the rows
   of a chunk taking at most about chunk_bytes (a row of x and its fp32 output row, its gate,
   scores and activations across the group: 6 d + 12 B bytes a task). A chunk reads the
-  weights of its own active experts, so fewer, larger chunks read them fewer times."""
+  weights of the groups its tasks fall in, so fewer, larger chunks read them fewer times."""
   per_task = 6 * x.shape[1] + 12 * group
   chunk = max(1, chunk_bytes // (ids.shape[1] * per_task))
   run = lambda x, g, ids: expert_centric(ops, x, w, v, g,
