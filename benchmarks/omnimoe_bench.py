@@ -44,7 +44,7 @@ def table_a_point(d, active, n_atomic):
   return k, d_mlp, 2 * d * k + 3 * d * d_mlp + 2 * d * math.isqrt(n_atomic)
 
 
-def layers(d, active, n_atomic, tiny, chunk_bytes=CHUNK_BYTES):
+def layers(d, active, n_atomic, tiny, chunk_bytes=CHUNK_BYTES, group=128):
   """The layers compared at one point, each with its activated parameters per token: OmniMoE
   (expert-centric, on XLA's and on our Pallas grouped GEMMs), the PEER-style token-centric
   layer (the same parameters), a DeepSeekMoE layer and a dense SwiGLU MLP of about as many."""
@@ -55,7 +55,7 @@ def layers(d, active, n_atomic, tiny, chunk_bytes=CHUNK_BYTES):
   # DeepSeekMoE: the shared MLP as OmniMoE's, the routed experts' width taking the rest
   d_expert = max(64, (params // (3 * d) - d_mlp) // k_r // 64 * 64)
   rngs = nnx.Rngs(0)
-  omni = lambda **kw: OmniMoE(d, n_atomic, k, d_mlp, group=128, chunk_bytes=chunk_bytes,
+  omni = lambda **kw: OmniMoE(d, n_atomic, k, d_mlp, group=group, chunk_bytes=chunk_bytes,
                               dtype=jnp.bfloat16, rngs=rngs, **kw)
   pallas = {} if tiny else {"omnimoe_pallas": (omni(grouped="pallas"), params)}
   return {
@@ -140,6 +140,10 @@ def main(argv=None):
   p.add_argument("--tokens", default="1024,4096,16384")
   p.add_argument("--chunk-gib", type=float, default=CHUNK_BYTES / 2 ** 30,
                  help="OmniMoE's chunk of tokens: at most this many GiB of gathers or task rows")
+  p.add_argument("--layers", default=None,
+                 help="comma list of the layers to run (default: all of them; names as in the JSON)")
+  p.add_argument("--group", type=int, default=128,
+                 help="OmniMoE's experts per expert-centric group B (the Pallas GEMMs need a multiple of 128)")
   p.add_argument("--kernels", type=int, default=0,
                  help="record the forward's N longest GPU kernels (a profiled run per layer)")
   p.add_argument("--tiny", action="store_true")
@@ -148,7 +152,7 @@ def main(argv=None):
   if a.tiny:
     a.d, a.atomic_experts, a.active, a.tokens = 64, 256, "60000", "128"
   chunk_bytes = max(1, int(a.chunk_gib * 2 ** 30))
-  meta = dict(chunk_bytes=chunk_bytes, gpu=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  meta = dict(chunk_bytes=chunk_bytes, group=a.group, gpu=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               jax=jax.__version__)
   recs = []
   actives = sorted(int(float(v)) for v in a.active.split(","))
@@ -156,7 +160,9 @@ def main(argv=None):
   points = [(active, 128) for active in actives] if a.tiny else sweep_points(actives, tokens)
   for active, t in points:
     for name, (model, params) in layers(a.d, active, a.atomic_experts, a.tiny,
-                                        chunk_bytes).items():
+                                        chunk_bytes, a.group).items():
+      if a.layers and name not in a.layers.split(","):
+        continue
       x = jax.random.normal(jax.random.key(0), (t, a.d), jnp.bfloat16)
       try:
         times, status = measure(model, x, iters=2 if a.tiny else 10, kernels=a.kernels), "ok"
