@@ -10,7 +10,8 @@ through our Pallas kernels ("omnimoe_pallas", GPU only).
 
 Activated parameters per token: OmniMoE 2dK (K rows of W and V) + 3 d d_mlp (shared MLP) +
 2 d sqrt(N) (router); DeepSeekMoE 3 d (d_shared + K_r d_expert) + d E_r (router); dense
-3 d d_hidden. Latency: the layer's forward and its
+3 d d_hidden. Every layer holds its weights in the compute dtype (bf16), as a served model
+does, so no layer converts its weights per call. Latency: the layer's forward and its
 forward+backward (median wall time, block_until_ready); memory: XLA's temp + output bytes of
 each compiled program. Points: sweep_points (the paper's two sweeps and its headline point).
 """
@@ -94,6 +95,7 @@ def measure(model, x, iters=10, reps=3, kernels=0):
   (on a GPU) the forward's GPU kernel time per call and its `kernels` longest kernels
   ("fwd_kernel_ms", "fwd_kernels": [(name, ms per call)])."""
   graph, params, rest = nnx.split(model, nnx.Param, ...)
+  params = jax.tree.map(lambda p: p.astype(x.dtype), params)   # weights held as they compute
 
   def forward(params, rest, x):
     return _output(nnx.merge(graph, params, rest)(x))
