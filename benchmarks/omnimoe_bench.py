@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import sonicmoe_jax as sm
 from models.baselines import DeepSeekMoE, DenseMLP
 from models.omnimoe import CHUNK_BYTES, OmniMoE
 
@@ -151,6 +152,7 @@ def main(argv=None):
   p.add_argument("--tiny", action="store_true")
   p.add_argument("--out", default="runs/omnimoe_bench", help="folder to write omnimoe_bench.json into")
   a = p.parse_args(argv)
+  sm.memory.take_gpu_memory_as_needed()   # (before JAX takes the GPU)
   if a.tiny:
     a.d, a.atomic_experts, a.active, a.tokens = 64, 256, "60000", "128"
   chunk_bytes = max(1, int(a.chunk_gib * 2 ** 30))
