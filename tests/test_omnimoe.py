@@ -11,13 +11,14 @@ from conftest import rel_err
 from models import omnimoe
 
 
+@pytest.mark.parametrize("method", [None, "candidates", "bisection"])
 @pytest.mark.parametrize("rows,cols,k", [(8, 8, 1), (8, 8, 7), (16, 16, 40), (4, 4, 16),
                                          (32, 8, 50), (8, 32, 200)])
-def test_cartesian_topk_equals_brute_force(rows, cols, k):
+def test_cartesian_topk_equals_brute_force(rows, cols, k, method):
   ks = jax.random.split(jax.random.key(rows + k), 2)
   pr = jax.nn.log_softmax(jax.random.normal(ks[0], (12, rows)) * 2)
   pc = jax.nn.log_softmax(jax.random.normal(ks[1], (12, cols)) * 2)
-  vals, ids = jax.jit(omnimoe.cartesian_topk, static_argnums=2)(pr, pc, k)
+  vals, ids = jax.jit(omnimoe.cartesian_topk, static_argnums=(2, 3))(pr, pc, k, method)
   full = (pr[:, :, None] + pc[:, None, :]).reshape(12, -1)
   ref_vals, ref_ids = jax.lax.top_k(full, k)
   np.testing.assert_array_equal(-np.sort(-np.asarray(vals), 1), ref_vals)
@@ -28,16 +29,19 @@ def test_cartesian_topk_equals_brute_force(rows, cols, k):
 @pytest.mark.parametrize("rows,cols,k", [(8, 8, 5), (16, 16, 40), (4, 16, 30)])
 def test_cartesian_topk_with_ties_takes_k_distinct_experts_of_the_top_scores(rows, cols, k):
   """Scores on a coarse grid tie often: the k scores are still the k largest, the experts
-  distinct, and among equal scores lower row then column ranks go first."""
+  distinct, and both methods break ties alike (lower row, then column ranks first)."""
   ks = jax.random.split(jax.random.key(k), 2)
   pr = jnp.round(jax.random.normal(ks[0], (16, rows)) * 2) / 4
   pc = jnp.round(jax.random.normal(ks[1], (16, cols)) * 2) / 4
-  vals, ids = omnimoe.cartesian_topk(pr, pc, k)
+  vals, ids = omnimoe.cartesian_topk(pr, pc, k, "bisection")
   full = np.asarray((pr[:, :, None] + pc[:, None, :]).reshape(16, -1))
   np.testing.assert_array_equal(-np.sort(-np.asarray(vals), 1), -np.sort(-full, 1)[:, :k])
   np.testing.assert_array_equal(vals, np.take_along_axis(full, np.asarray(ids), 1))
   assert all(len(set(row)) == k for row in np.asarray(ids).tolist())
-  assert (np.diff(np.asarray(vals), axis=1) != 0).any()   # not best-first: (row, column) order
+  _, listed = omnimoe.cartesian_topk(pr, pc, k, "candidates")
+  np.testing.assert_array_equal(np.sort(ids, 1), np.sort(listed, 1))
+  with pytest.raises(ValueError, match="method must be"):
+    omnimoe.cartesian_topk(pr, pc, k, "sort")
 
 
 def _dense_reference(x, w, v, g, ids):
