@@ -232,6 +232,15 @@ def test_expert_centric_with_empty_groups_and_a_token_in_one_group():
     assert rel_err(a, b) < 1e-5
 
 
+def test_router_benchmark_tiny(tmp_path):
+  """The router benchmark's smoke run: both methods timed, the same experts picked."""
+  from benchmarks import omnimoe_router_bench
+  recs = omnimoe_router_bench.main(["--points", "16:40,8:100", "--side", "16", "--out", str(tmp_path)])
+  assert [(r["tokens"], r["k"]) for r in recs] == [(16, 40), (8, 100)]
+  assert all(r["same_experts"] and r["candidates_ms"] > 0 and r["bisection_ms"] > 0 for r in recs)
+  assert json.loads((tmp_path / "omnimoe_router_bench.json").read_text())["records"] == recs
+
+
 def test_schedule_stats_tiny(tmp_path):
   """The schedule-density benchmark's smoke run: its JSON, and rows that hold between one and
   min(B, K) tasks each."""
