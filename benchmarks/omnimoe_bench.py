@@ -32,7 +32,7 @@ import sonicmoe_jax as sm
 from models.baselines import DeepSeekMoE, DenseMLP
 from models.omnimoe import CHUNK_BYTES, OmniMoE
 
-from benchmarks import device_kernels, output
+from benchmarks import bench, device_kernels, output
 
 
 def table_a_point(d, active, n_atomic):
@@ -149,6 +149,7 @@ def main(argv=None):
                  help="OmniMoE's experts per expert-centric group B (the Pallas GEMMs need a multiple of 128)")
   p.add_argument("--kernels", type=int, default=0,
                  help="record the forward's N longest GPU kernels (a profiled run per layer)")
+  p.add_argument("--commit", default=None, help="the commit to record (default: git's)")
   p.add_argument("--tiny", action="store_true")
   p.add_argument("--out", default="runs/omnimoe_bench", help="folder to write omnimoe_bench.json into")
   a = p.parse_args(argv)
@@ -156,8 +157,9 @@ def main(argv=None):
   if a.tiny:
     a.d, a.atomic_experts, a.active, a.tokens = 64, 256, "60000", "128"
   chunk_bytes = max(1, int(a.chunk_gib * 2 ** 30))
-  meta = dict(chunk_bytes=chunk_bytes, group=a.group, gpu=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              jax=jax.__version__)
+  meta = dict(commit=a.commit or bench.commit(), versions=bench.versions(),
+              chunk_bytes=chunk_bytes, group=a.group, gpu=jax.devices()[0].device_kind,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
   recs = []
   actives = sorted(int(float(v)) for v in a.active.split(","))
   tokens = sorted(int(v) for v in a.tokens.split(","))
