@@ -12,8 +12,9 @@ Activated parameters per token: OmniMoE 2dK (K rows of W and V) + 3 d d_mlp (sha
 2 d sqrt(N) (router); DeepSeekMoE 3 d (d_shared + K_r d_expert) + d E_r (router); dense
 3 d d_hidden. Every layer holds its weights in the compute dtype (bf16), as a served model
 does, so no layer converts its weights per call. Latency: the layer's forward and its
-forward+backward (median wall time, block_until_ready); memory: XLA's temp + output bytes of
-each compiled program. Points: sweep_points (the paper's two sweeps and its headline point).
+forward+backward (median wall time, block_until_ready); for OmniMoE also its routing and
+scheduling alone (schedule_ms: their share of the forward is what the paper reports as the
+scheduling share); memory: XLA's temp + output bytes of each compiled program. Points: sweep_points (the paper's two sweeps and its headline point).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from flax import nnx
 
 import sonicmoe_jax as sm
 from models.baselines import DeepSeekMoE, DenseMLP
+from models import omnimoe
 from models.omnimoe import CHUNK_BYTES, OmniMoE
 
 from benchmarks import bench, device_kernels, output
@@ -85,6 +87,26 @@ def _timed(fn, args, iters, reps):
   return statistics.median(ts), peak
 
 
+def scheduling(model: OmniMoE):
+  """fn(params, rest, x): the OmniMoE layer's routing and scheduling alone (its router's top-K
+  and, expert-centric, every chunk's schedule), the part of its forward the paper reports as
+  the scheduling share."""
+  graph = nnx.split(model, nnx.Param, ...)[0]
+
+  def run(params, rest, x):
+    m = nnx.merge(graph, params, rest)
+    x = x.astype(m.dtype)
+    g, ids = omnimoe.route(x, m.w_row[...], m.w_col[...], m.k)
+    if m.execution == "token_centric":
+      return g, ids
+    align = m.grouped_ops.align
+    task_rows = lambda ids: omnimoe.schedule(ids, m.num_experts, m.group, align).task_row.reshape(ids.shape)
+    chunk = omnimoe.expert_centric_chunk(x.shape[1], m.k, m.group, m.chunk_bytes)
+    return g, omnimoe.in_token_chunks(task_rows, chunk, ids)
+
+  return run
+
+
 def _output(out):
   """The layer's output (the MoE layers return it with their router statistics)."""
   return out[0] if isinstance(out, tuple) else out
@@ -92,7 +114,8 @@ def _output(out):
 
 def measure(model, x, iters=10, reps=3, kernels=0):
   """The layer's forward, and its forward+backward (the gradients of every parameter and of x
-  for a fixed cotangent): {"fwd_ms", "fwd_bytes", "step_ms", "step_bytes"}, and with kernels > 0
+  for a fixed cotangent): {"fwd_ms", "fwd_bytes", "step_ms", "step_bytes"}, for OmniMoE layers
+  "schedule_ms" (routing and scheduling alone: `scheduling`), and with kernels > 0
   (on a GPU) the forward's GPU kernel time per call and its `kernels` longest kernels
   ("fwd_kernel_ms", "fwd_kernels": [(name, ms per call)])."""
   graph, params, rest = nnx.split(model, nnx.Param, ...)
@@ -110,6 +133,8 @@ def measure(model, x, iters=10, reps=3, kernels=0):
   fwd_ms, fwd_bytes = _timed(jax.jit(forward), (params, rest, x), iters, reps)
   step_ms, step_bytes = _timed(jax.jit(step), (params, rest, x), iters, reps)
   times = dict(fwd_ms=fwd_ms, fwd_bytes=fwd_bytes, step_ms=step_ms, step_bytes=step_bytes)
+  if isinstance(model, OmniMoE):
+    times["schedule_ms"], _ = _timed(jax.jit(scheduling(model)), (params, rest, x), iters, reps)
   profiled = device_kernels.kernel_times(jax.jit(forward), (params, rest, x)) if kernels else None
   if profiled is not None:
     times.update(fwd_kernel_ms=profiled[0], fwd_kernels=profiled[1][:kernels])

@@ -350,14 +350,18 @@ def _ec_bwd(ops, res, dout):
 expert_centric.defvjp(_ec_fwd, _ec_bwd)
 
 
+def expert_centric_chunk(d: int, k: int, group: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+  """Tokens per chunk of expert_centric_in_chunks: a task's rows take about 6 d + 12 B bytes
+  (a row of x and its fp32 output row, its gate, scores and activations across the group)."""
+  return max(1, chunk_bytes // (k * (6 * d + 12 * group)))
+
+
 def expert_centric_in_chunks(ops, x, w, v, g, ids, num_experts: int, group: int,
                              chunk_bytes: int = CHUNK_BYTES):
-  """expert_centric over chunks of tokens, each chunk's tasks scheduled on their own, the rows
-  of a chunk taking at most about chunk_bytes (a row of x and its fp32 output row, its gate,
-  scores and activations across the group: 6 d + 12 B bytes a task). A chunk reads the
-  weights of the groups its tasks fall in, so fewer, larger chunks read them fewer times."""
-  per_task = 6 * x.shape[1] + 12 * group
-  chunk = max(1, chunk_bytes // (ids.shape[1] * per_task))
+  """expert_centric over chunks of tokens (expert_centric_chunk), each chunk's tasks scheduled
+  on their own, the rows of a chunk taking at most about chunk_bytes. A chunk reads the weights
+  of the groups its tasks fall in, so fewer, larger chunks read them fewer times."""
+  chunk = expert_centric_chunk(x.shape[1], ids.shape[1], group, chunk_bytes)
   run = lambda x, g, ids: expert_centric(ops, x, w, v, g,
                                          schedule(ids, num_experts, group, ops.align))
   return in_token_chunks(run, chunk, x, g, ids)

@@ -117,9 +117,10 @@ def test_omnimoe_benchmark_tiny(tmp_path):
   assert json.loads((tmp_path / "omnimoe_bench.json").read_text()) == json.loads(json.dumps(recs))
   assert {r["impl"] for r in recs} == {"omnimoe", "peer_token_centric", "deepseekmoe", "dense"}
   assert all(r["status"] == "ok" and r["fwd_ms"] > 0 and r["step_ms"] > 0 for r in recs), recs
-  for r in recs:  # |E_active| for the OmniMoE layers (256 atomic experts in the tiny setup)
-    assert (1 <= r["active_experts"] <= 256) if r["impl"] in ("omnimoe", "peer_token_centric") \
-        else r["active_experts"] is None
+  for r in recs:  # |E_active| and the scheduling alone for the OmniMoE layers (256 atomic experts)
+    omni = r["impl"] in ("omnimoe", "peer_token_centric")
+    assert (1 <= r["active_experts"] <= 256) if omni else r["active_experts"] is None
+    assert (r["schedule_ms"] > 0) if omni else "schedule_ms" not in r
 
 
 @pytest.mark.parametrize("align", [1, 8])
