@@ -14,7 +14,8 @@ Activated parameters per token: OmniMoE 2dK (K rows of W and V) + 3 d d_mlp (sha
 does, so no layer converts its weights per call. Latency: the layer's forward and its
 forward+backward (median wall time, block_until_ready); for OmniMoE also its routing and
 scheduling alone (schedule_ms: their share of the forward is what the paper reports as the
-scheduling share); memory: XLA's temp + output bytes of each compiled program. Points: sweep_points (the paper's two sweeps and its headline point).
+scheduling share); memory: XLA's temp + output bytes of each compiled program. Points:
+sweep_points (the paper's two sweeps and its headline point).
 """
 from __future__ import annotations
 
@@ -96,11 +97,12 @@ def scheduling(model: OmniMoE):
   def run(params, rest, x):
     m = nnx.merge(graph, params, rest)
     x = x.astype(m.dtype)
-    g, ids = omnimoe.route(x, m.w_row[...], m.w_col[...], m.k)
+    g, ids = m.route(x)
     if m.execution == "token_centric":
       return g, ids
     align = m.grouped_ops.align
-    task_rows = lambda ids: omnimoe.schedule(ids, m.num_experts, m.group, align).task_row.reshape(ids.shape)
+    task_rows = lambda ids: omnimoe.schedule(ids, m.num_experts, m.group,
+                                             align).task_row.reshape(ids.shape)
     chunk = omnimoe.expert_centric_chunk(x.shape[1], m.k, m.group, m.chunk_bytes)
     return g, omnimoe.in_token_chunks(task_rows, chunk, ids)
 

@@ -56,12 +56,6 @@ def _row_caps(k: int, rows: int, cols: int):
   return np.minimum(cols, k // (a + 1)).astype(np.int32)
 
 
-def _sortable(x):
-  """float32 -> uint32 keys with the same order (-0.0 just below +0.0)."""
-  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
-
-
 def _columns_at_least(row_vals, col_vals, caps, threshold):
   """[T, kr]: for each row rank a, how many of its first caps[a] column ranks b have
   key(row_vals[a] + col_vals[b]) >= threshold [T] (a prefix: col_vals descend). Binary search,
@@ -74,7 +68,7 @@ def _columns_at_least(row_vals, col_vals, caps, threshold):
   while step:   # invariant: the first `count` columns pass
     probe = count + step
     value = jnp.take_along_axis(col_vals, jnp.minimum(probe, kc) - 1, axis=1)
-    passes = _sortable(row_vals + value) >= threshold[:, None]
+    passes = routing.ordered_bits(row_vals + value) >= threshold[:, None]
     count = jnp.where((probe <= caps) & passes, probe, count)
     step >>= 1
   return count
@@ -127,20 +121,16 @@ def _topk_by_bisection(row_vals, col_vals, caps, k: int):
   """(row ranks, column ranks, scores) [T, k] of the top k, by bisection over the k-th
   score's float32 bits; row rank a takes a prefix of the column ranks; in (row rank, column
   rank) order."""
-  num_tokens = row_vals.shape[0]
   at_least = lambda threshold: _columns_at_least(row_vals, col_vals, caps, threshold)
-
-  def bisect(_, bounds):   # invariant: at least k scores reach lo; fewer than k pass hi + 1
-    lo, hi = bounds
-    mid = lo + (hi - lo) // 2 + (hi - lo) % 2
-    enough = at_least(mid).sum(axis=1) >= k
-    return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid - 1)
-
-  top = jnp.uint32(2 ** 32 - 1)
-  start = (jnp.zeros((num_tokens,), jnp.uint32), jnp.full((num_tokens,), top))
-  threshold, _ = jax.lax.fori_loop(0, 32, bisect, start)
+  # bounds: the least candidate's score (every candidate reaches it) and the best score
+  least = jnp.min(row_vals + jnp.take(col_vals, jnp.asarray(caps) - 1, axis=1), axis=1)
+  # rolled: each step is itself log2(kc) unrolled passes, and 32 copies of them compile slowly
+  threshold = routing.kth_largest_key(lambda key: at_least(key).sum(axis=1), k,
+                                      routing.ordered_bits(least),
+                                      routing.ordered_bits(row_vals[:, 0] + col_vals[:, 0]),
+                                      unroll=False)
   reach = at_least(threshold)                                     # >= the k-th score
-  above = jnp.where(threshold[:, None] == top, 0, at_least(threshold + 1))
+  above = at_least(threshold + 1)   # (the k-th key is a finite score's, never the top key)
   ties = reach - above
   ties_before = jnp.cumsum(ties, axis=1) - ties
   need = k - above.sum(axis=1, keepdims=True)
@@ -246,9 +236,8 @@ def schedule(ids, num_experts: int, group: int, align: int = 1) -> Schedule:
                              (g_sorted[1:] != g_sorted[:-1]) | (t_sorted[1:] != t_sorted[:-1])])
   dense_row = jnp.cumsum(new_row) - 1
   rows_per_group = jnp.zeros((num_groups,), jnp.int32).at[g_sorted].add(new_row.astype(jnp.int32))
-  dense_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(rows_per_group)])
-  offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                             jnp.cumsum(_round_up(rows_per_group, align))]).astype(jnp.int32)
+  dense_start = routing.exclusive_cumsum(rows_per_group)
+  offsets = routing.aligned_offsets(rows_per_group, align)
   row_sorted = (offsets[g_sorted] + dense_row - dense_start[g_sorted]).astype(jnp.int32)
   task_row = jnp.zeros((m,), jnp.int32).at[order].set(row_sorted)
   row_token = jnp.full((num_rows,), num_tokens, jnp.int32).at[row_sorted].set(t_sorted)
@@ -416,10 +405,14 @@ class OmniMoE(nnx.Module):
     self.chunk_bytes = chunk_bytes
     self.last_unevenness = nnx.Variable(jnp.zeros((), _F32))
 
+  def route(self, x):
+    """(g [T, k] softmax weights, ids [T, k]) for tokens x [T, d] in the layer's dtype."""
+    return route(x, self.w_row[...], self.w_col[...], self.k)
+
   def __call__(self, x):
     lead, d = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, d).astype(self.dtype)
-    g, ids = route(x2, self.w_row[...], self.w_col[...], self.k)
+    g, ids = self.route(x2)
     w, v = self.w[...].astype(self.dtype), self.v[...].astype(self.dtype)
     if self.execution == "token_centric":
       routed = token_centric(x2, w, v, g, ids, self.chunk_bytes)

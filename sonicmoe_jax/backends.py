@@ -26,8 +26,8 @@ is built with the largest ALIGN among the chosen backends), WIDTH_MULTIPLES: (d'
 multiples of the model and expert widths its expert ops tile by (the layer zero-pads widths
 that are not up to the largest among the chosen backends: core/padding.py; absent: any width)
 and AGGREGATE_INTO: True where its aggregate writes a column window into the result in place
-(the layer's windows then chain through it instead of concatenating their sums). Every backend implements every
-op. Users pick a backend by name for all ops ("xla", "pallas", "cute"), "auto" for the
+(the layer's windows then chain through it instead of concatenating their sums). Every backend
+implements every op. Users pick a backend by name for all ops ("xla", "pallas", "cute"), "auto" for the
 platform default, or a mapping {op: backend} for a mix (ops left out use "auto").
 
 "auto" picks the platform default (PLATFORM_DEFAULTS, from measurements: the pallas kernels

@@ -224,7 +224,8 @@ def route(logits, *, k: int, score_fn: str = "softmax_topk", renormalize: bool =
   return plan, stats
 
 
-def _exclusive_cumsum(counts):
+def exclusive_cumsum(counts):
+  """[n+1] int32: 0, then the running sums of counts [n] (each group's start, then the end)."""
   return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
 
 
@@ -247,11 +248,13 @@ def _token_csr(token_index, num_tokens: int):
   """(slots ordered by token with padding slots (token T) last, offsets [T+1] into them)."""
   token_slots = jnp.argsort(token_index, stable=True).astype(jnp.int32)
   per_token = jnp.zeros((num_tokens + 1,), jnp.int32).at[token_index].add(1)[:num_tokens]
-  return token_slots, _exclusive_cumsum(per_token)
+  return token_slots, exclusive_cumsum(per_token)
 
 
-def _aligned_offsets(counts, align: int):
-  return _exclusive_cumsum(_round_up(counts, align) if align > 1 else counts)
+def aligned_offsets(counts, align: int):
+  """[n+1] int32: each group's first slot when every group of counts [n] starts at a multiple
+  of align (its size rounded up), then the end."""
+  return exclusive_cumsum(_round_up(counts, align) if align > 1 else counts)
 
 
 # Plain top-K plans count instead of sorting up to this many experts: the count keeps [T, E]
@@ -306,7 +309,7 @@ def _topk_plan(topk_scores, topk_experts, num_experts: int, align: int,
   if method != "count":
     raise ValueError(f"method must be 'count', 'sort' or None; got {method!r}")
   ranks, counts = _column_prefix_counts(_chosen_mask(topk_experts, num_experts))
-  offsets = _aligned_offsets(counts, align)
+  offsets = aligned_offsets(counts, align)
   # pair (t, j)'s slot: its expert's first slot + the expert's tokens before t
   slot = (offsets[topk_experts] + jnp.take_along_axis(ranks, topk_experts, axis=1) - 1).reshape(-1)
   pair = _pair_of_slot(slot, size)                   # pair t * K + j; the rest by gathers
@@ -366,7 +369,7 @@ def _pairs_to_plan(pair_expert, pair_score, num_experts: int, align: int, size: 
   first = count_below(sorted_expert, jnp.arange(num_experts + 1, dtype=jnp.int32),
                        inclusive=False)                        # expert e's pairs: first[e]..
   counts = first[1:] - first[:-1]
-  offsets = _aligned_offsets(counts, align)
+  offsets = aligned_offsets(counts, align)
 
   slot = jnp.arange(size, dtype=jnp.int32)
   expert = group_of_slot(offsets, slot)
@@ -437,12 +440,27 @@ def count_below(sorted_values, queries, *, inclusive: bool):
   return below
 
 
-def _ordered_bits(x):
+def ordered_bits(x):
   """uint32 keys ordered like the float32 values x (finite, no NaN; -0.0 ties with 0.0)."""
   x = x.astype(jnp.float32)
   bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
   negative = (bits >> 31) == 1
   return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def kth_largest_key(count_at_least, k, lo, hi, *, unroll: bool = True):
+  """The largest uint32 key in [lo, hi] that at least k values reach, by a 32-step bisection:
+  count_at_least(key) counts the values whose key is >= key (lo, hi, k and the counts share
+  one shape; count_at_least(lo) >= k). Unrolled by default: a rolled loop is a GPU while loop
+  with a host round trip per step (roll it where one step is a large program of its own)."""
+  def bisect(_, bounds):  # invariant: count_at_least(lo) >= k; the answer is in [lo, hi]
+    lo, hi = bounds
+    gap = hi - lo
+    mid = lo + (gap >> 1) + (gap & 1)
+    ok = count_at_least(mid) >= k
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+  return jax.lax.fori_loop(0, 32, bisect, (lo, hi), unroll=unroll)[0]
 
 
 def top_per_column(values, counts):
@@ -452,21 +470,13 @@ def top_per_column(values, counts):
   32-step bisection on the ordered bits finds each column's counts[e]-th largest key (one
   pass over [T, E] per step), then ties at that key are taken in row order.
   """
-  keys = _ordered_bits(values)
+  keys = ordered_bits(values)
   counts = counts.astype(jnp.int32)
-
-  def bisect(_, bounds):  # invariant: count(keys >= lo) >= counts; the answer is in [lo, hi]
-    lo, hi = bounds
-    gap = hi - lo
-    mid = lo + (gap >> 1) + (gap & 1)
-    ok = jnp.sum(keys >= mid[None, :], axis=0, dtype=jnp.int32) >= counts
-    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
 
   # bounds from the keys themselves (they also carry the keys' varying axes under shard_map);
   # a column asked for 0 values ends at its largest key, of which ties_needed takes none
-  start = (jnp.min(keys, axis=0), jnp.max(keys, axis=0))
-  # unrolled: a rolled loop is a GPU while loop with a host round trip per step
-  threshold, _ = jax.lax.fori_loop(0, 32, bisect, start, unroll=True)
+  threshold = kth_largest_key(lambda key: jnp.sum(keys >= key[None, :], axis=0, dtype=jnp.int32),
+                              counts, jnp.min(keys, axis=0), jnp.max(keys, axis=0))
   above = keys > threshold[None, :]
   tie = keys == threshold[None, :]
   ties_needed = counts - jnp.sum(above, axis=0, dtype=jnp.int32)
@@ -510,7 +520,7 @@ def _rounded_plan(logits, score_offsets, chosen, targets, k: int, tile: int, ali
   # Chosen tokens rank before unchosen ones: unchosen scores are biased by -1 (scores <= 1).
   biased = jnp.where(chosen, scores, scores - 1.0)
   size = num_slots(num_tokens, num_experts, k, tile, align)
-  offsets = _aligned_offsets(targets, align)
+  offsets = aligned_offsets(targets, align)
   # (integer slots: no gradient flows through the placement)
   token_index = place(biased, targets, offsets[:num_experts], size)
   valid = token_index < num_tokens
@@ -546,8 +556,8 @@ def plan_from_group_sizes(group_sizes, num_rows: int, align: int = 1) -> Routing
   group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
   num_experts = group_sizes.shape[0]
   size = _round_up(num_rows + (num_experts * (align - 1) if align > 1 else 0), align)
-  row_start = _exclusive_cumsum(group_sizes)                   # [E+1]
-  offsets = _aligned_offsets(group_sizes, align)               # [E+1]
+  row_start = exclusive_cumsum(group_sizes)                   # [E+1]
+  offsets = aligned_offsets(group_sizes, align)               # [E+1]
   slot = jnp.arange(size, dtype=jnp.int32)
   expert = group_of_slot(offsets, slot)
   expert_c = jnp.minimum(expert, num_experts - 1)

@@ -40,8 +40,8 @@ class _Layout:
 
   def __init__(self, num_rows: int, sizes):
     num_groups = sizes.shape[0]
-    starts = routing._exclusive_cumsum(sizes)                        # [G+1]
-    tiled_starts = routing._aligned_offsets(sizes.astype(jnp.int32), TILE)   # [G+1]
+    starts = routing.exclusive_cumsum(sizes)                        # [G+1]
+    tiled_starts = routing.aligned_offsets(sizes.astype(jnp.int32), TILE)   # [G+1]
     # each group adds at most one partly filled tile
     self.num_tiles = -(-num_rows // TILE) + num_groups
     rows = jnp.arange(num_rows, dtype=jnp.int32)
