@@ -80,7 +80,8 @@ def cartesian_topk(p_row, p_col, k: int, method: str | None = None):
   Every (a' <= a, b' <= b) pair of row and column ranks beats (a, b), so row rank a holds at
   most k // (a + 1) of the top k: about k ln k candidates in all. Two exact methods, picked by
   a cost model (on an H100 the candidate list was 1.8-2.3x faster at k = 576, T = 1K-16K, the
-  bisection 1.3x faster at k = 4096, T = 4096; benchmarks/omnimoe_router_bench.py times both):
+  bisection 1.3x faster at k = 4096, T = 4096: benchmarks/results/2026-12-07-h100-omnimoe-router;
+  benchmarks/omnimoe_router_bench.py times both):
     * a candidate list: score the candidates, then one top_k over them per token;
     * bisection: the k-th largest score by bisection over its float32 bits (32 steps, each a
       binary search per row rank), no candidate list.
