@@ -23,8 +23,6 @@ import argparse
 import datetime
 import json
 import math
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -77,15 +75,7 @@ def _timed(fn, args, iters, reps):
   """(median ms per call, XLA's temp + output bytes) of the jitted fn(*args)."""
   mem = fn.lower(*args).compile().memory_analysis()
   peak = None if mem is None else int(mem.temp_size_in_bytes + mem.output_size_in_bytes)
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    ts.append((time.perf_counter() - t0) / iters * 1e3)
-  return statistics.median(ts), peak
+  return bench.time_ms(fn, args, iters, reps), peak
 
 
 def scheduling(model: OmniMoE):
