@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import math
 
 import jax
@@ -196,12 +197,17 @@ class Schedule:
 
     row_token [R]: token of each row (T for unused rows); row_offsets [Q+1], Q = ceil(N / B);
     task_row, task_col [T*k]: where each task's routing weight sits in the [R, B] gate matrix;
+    token_rows [R], token_offsets [T+1]: the rows by token (token t's rows are
+    token_rows[token_offsets[t]:token_offsets[t+1]], unused rows last), for per-token sums
+    that gather rows rather than scatter them;
     group: B (static).
   """
   row_token: jax.Array
   row_offsets: jax.Array
   task_row: jax.Array
   task_col: jax.Array
+  token_rows: jax.Array
+  token_offsets: jax.Array
   group: int = dataclasses.field(metadata=dict(static=True))
 
   @property
@@ -242,7 +248,19 @@ def schedule(ids, num_experts: int, group: int, align: int = 1) -> Schedule:
   row_sorted = (offsets[g_sorted] + dense_row - dense_start[g_sorted]).astype(jnp.int32)
   task_row = jnp.zeros((m,), jnp.int32).at[order].set(row_sorted)
   row_token = jnp.full((num_rows,), num_tokens, jnp.int32).at[row_sorted].set(t_sorted)
-  return Schedule(row_token, offsets, task_row, task_col, group)
+  token_rows, token_offsets = _rows_by_token(task_row, new_row, order, num_rows, num_tokens, k)
+  return Schedule(row_token, offsets, task_row, task_col, token_rows, token_offsets, group)
+
+
+def _rows_by_token(task_row, new_row, order, num_rows: int, num_tokens: int, k: int):
+  """(token_rows, token_offsets): each used row listed once under its token, tokens in order
+  (the first task of each row, taken in task order, which is token-major); no sort. Entries
+  past token_offsets[T] are 0."""
+  first = jnp.zeros(new_row.shape, bool).at[order].set(new_row)        # in task order
+  position = jnp.where(first, jnp.cumsum(first) - 1, num_rows)
+  token_rows = jnp.zeros((num_rows,), jnp.int32).at[position].set(task_row, mode="drop")
+  rows_per_token = first.reshape(num_tokens, k).sum(axis=1, dtype=jnp.int32)
+  return token_rows, routing.exclusive_cumsum(rows_per_token)
 
 
 class XlaGroupedOps:
@@ -261,6 +279,12 @@ class XlaGroupedOps:
     """Per group q: lhs_q^T rhs_q, [Q, lhs cols, rhs cols]."""
     return xla_ops.grouped_weight_grad(lhs, rhs, sched.padded_group_sizes)
 
+  @staticmethod
+  def token_sums(rows, sched: Schedule, num_tokens: int):
+    """[T, d] in rows' dtype: each token's rows summed in fp32 (a scatter-add by row_token)."""
+    return jax.ops.segment_sum(rows.astype(_F32), sched.row_token,
+                               num_segments=num_tokens).astype(rows.dtype)
+
 
 class PallasGroupedOps:
   """The same GEMMs on the Pallas Mosaic GPU kernels (needs bf16/f16, d % 128, B % 128)."""
@@ -277,6 +301,16 @@ class PallasGroupedOps:
   def weight_grad(lhs, rhs, sched: Schedule):
     from pallas_kernels import weight_grad
     return weight_grad.weight_grad(lhs, rhs, sched.row_offsets, sched.num_groups, _F32)
+
+  @staticmethod
+  def token_sums(rows, sched: Schedule, num_tokens: int):
+    """Each token's rows summed in fp32 by the CuTe gather-and-sum kernel on a GPU where CuTe
+    DSL is installed (it reads each row once, through token_rows), else as XlaGroupedOps."""
+    from pallas_kernels import config
+    if config.interpret_mode() is not None or importlib.util.find_spec("cutlass") is None:
+      return XlaGroupedOps.token_sums(rows, sched, num_tokens)
+    from ffi import gather_sum
+    return gather_sum.gather_sum(rows, None, sched.token_rows, sched.token_offsets, num_tokens)
 
 
 def _in_groups(w, sched: Schedule):
@@ -299,8 +333,7 @@ def _expert_centric_forward(ops, x, w, v, g, sched):
   z = ops.matmul(rows, wq, sched, transpose_rhs=True).astype(_F32)                 # [R, B]
   a = (gate * jax.nn.silu(z)).astype(x.dtype)
   out_rows = ops.matmul(a, vq, sched, transpose_rhs=False)                         # [R, d]
-  return jax.ops.segment_sum(out_rows.astype(_F32), sched.row_token,
-                             num_segments=x.shape[0]).astype(x.dtype)
+  return ops.token_sums(out_rows, sched, x.shape[0]).astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -329,7 +362,7 @@ def _ec_bwd(ops, res, dout):
   drows = ops.matmul(dz, wq, sched, transpose_rhs=False)                          # dZ W
   dwq = ops.weight_grad(dz, rows, sched)                                          # dZ^T X
   dvq = ops.weight_grad(a, dout_rows, sched)                                      # A^T dO
-  dx = jax.ops.segment_sum(drows.astype(_F32), sched.row_token, num_segments=x.shape[0])
+  dx = ops.token_sums(drows, sched, x.shape[0])
   dw = dwq.reshape(-1, w.shape[1])[:w.shape[0]]
   dv = dvq.reshape(-1, v.shape[1])[:v.shape[0]]
   dg = dgate[sched.task_row, sched.task_col].reshape(g.shape)

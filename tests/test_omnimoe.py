@@ -1,6 +1,7 @@
 """OmniMoE: Cartesian top-K == brute force; expert-centric == token-centric == dense float32
 reference (forward and gradients, relative 1e-4); errors."""
 import json
+import re
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 from flax import nnx
 
 from conftest import rel_err
+from cute_helpers import FFI_TARGET, cuda_module, needs_cute
 from models import omnimoe
 
 
@@ -195,7 +197,8 @@ def test_chunks_of_tokens_give_the_same_output_and_gradients(execution):
 @pytest.mark.parametrize("align", [1, 8])
 def test_schedule_rows_are_each_groups_tokens_once_in_order(align):
   """Each group's rows hold its tokens in ascending order, each token once (its tasks in the
-  group merged into one row), and every task sits in a row of its token."""
+  group merged into one row), every task sits in a row of its token, and token_rows lists each
+  token's rows once, tokens in order."""
   T, N, k, group = 40, 64, 6, 8
   ids = jax.vmap(lambda key: jax.random.permutation(key, N)[:k])(
       jax.random.split(jax.random.key(5), T)).astype(jnp.int32)
@@ -209,6 +212,10 @@ def test_schedule_rows_are_each_groups_tokens_once_in_order(align):
     np.testing.assert_array_equal(tokens, want)
   task_row = np.asarray(sched.task_row).reshape(T, k)
   assert np.all(row_token[task_row] == np.arange(T)[:, None])
+  token_rows, token_offsets = np.asarray(sched.token_rows), np.asarray(sched.token_offsets)
+  for t in range(T):
+    rows = token_rows[token_offsets[t]:token_offsets[t + 1]]
+    np.testing.assert_array_equal(np.sort(rows), np.flatnonzero(row_token == t))
 
 
 def test_expert_centric_with_empty_groups_and_a_token_in_one_group():
@@ -231,6 +238,29 @@ def test_expert_centric_with_empty_groups_and_a_token_in_one_group():
   assert rel_err(out, ref) < 1e-5
   for a, b in zip(grads, ref_grads):
     assert rel_err(a, b) < 1e-5
+
+
+@needs_cute
+def test_pallas_grouped_sums_tokens_with_the_gather_sum_kernel_on_gpu():
+  """Lowered for a GPU, the Pallas-GEMM expert-centric layer sums each token's rows with the
+  CuTe gather-and-sum kernel (no scatter-add), forward and backward."""
+  from pallas_kernels import config
+  T, N, k, d, group = 64, 512, 8, 128, 128
+  x = jnp.zeros((T, d), jnp.bfloat16)
+  w = v = jnp.zeros((N, d), jnp.bfloat16)
+  g = jnp.zeros((T, k), jnp.bfloat16)
+  ids = jnp.zeros((T, k), jnp.int32)
+  ops = omnimoe.PallasGroupedOps
+  def step(x, w, v, g, ids):
+    f = lambda *a: omnimoe.expert_centric(ops, *a, omnimoe.schedule(ids, N, group, ops.align))
+    return jax.value_and_grad(lambda *a: jnp.sum(f(*a)),
+                              argnums=(0, 1, 2, 3))(x, w, v, g)
+  with config.lowering_for_gpu():
+    text = cuda_module(step, x, w, v, g, ids)
+  assert text.count(f"custom_call {FFI_TARGET}") == 2        # the output's sums and dX's
+  scatter_types = re.findall(r'"stablehlo.scatter".*?\}\) : \([^\n]*-> (tensor<[^>]*>)', text,
+                             re.DOTALL)
+  assert scatter_types and f"tensor<{T}x{d}xf32>" not in scatter_types   # no per-token scatter-add
 
 
 def test_router_benchmark_tiny(tmp_path):
