@@ -274,6 +274,12 @@ class XlaGroupedOps:
     rhs = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
     return xla_ops.grouped_matmul(lhs, rhs, sched.padded_group_sizes)
 
+  @classmethod
+  def scores(cls, x, wq, sched: Schedule):
+    """Z [R, B]: each row's token's x times its group's W block, transposed (x's rows gathered
+    first)."""
+    return cls.matmul(_rows(x, sched), wq, sched, transpose_rhs=True)
+
   @staticmethod
   def weight_grad(lhs, rhs, sched: Schedule):
     """Per group q: lhs_q^T rhs_q, [Q, lhs cols, rhs cols]."""
@@ -291,11 +297,18 @@ class PallasGroupedOps:
   align = 128
 
   @classmethod
-  def matmul(cls, lhs, rhs, sched: Schedule, transpose_rhs: bool):
+  def matmul(cls, lhs, rhs, sched: Schedule, transpose_rhs: bool, gather_index=None):
     from pallas_kernels import grouped_gemm
     from sonicmoe_jax.core import schedule as tiling
     tiles = tiling.tile_owners(sched.row_offsets, sched.row_token.shape[0], cls.align)
-    return grouped_gemm.matmul(lhs, rhs, tiles, transpose_rhs=transpose_rhs)
+    return grouped_gemm.matmul(lhs, rhs, tiles, transpose_rhs=transpose_rhs,
+                               gather_index=gather_index)
+
+  @classmethod
+  def scores(cls, x, wq, sched: Schedule):
+    """As XlaGroupedOps.scores, x's rows gathered inside the GEMM kernel on a GPU (no [R, d]
+    copy of them)."""
+    return cls.matmul(x, wq, sched, transpose_rhs=True, gather_index=sched.row_token)
 
   @staticmethod
   def weight_grad(lhs, rhs, sched: Schedule):
@@ -320,18 +333,21 @@ def _in_groups(w, sched: Schedule):
   return jnp.pad(w, ((0, num_groups * group - w.shape[0]), (0, 0))).reshape(num_groups, group, -1)
 
 
-def _gathered(x, w, v, g, sched: Schedule):
-  rows = x.at[sched.row_token].get(mode="fill", fill_value=0)                      # [R, d]
-  wq, vq = _in_groups(w, sched), _in_groups(v, sched)                             # [Q, B, d]
-  gate = jnp.zeros((rows.shape[0], wq.shape[1]), _F32).at[sched.task_row, sched.task_col].add(
-      g.reshape(-1).astype(_F32))
-  return rows, wq, vq, gate
+def _rows(x, sched: Schedule):
+  """[R, d]: each row's token's x (zeros for unused rows)."""
+  return x.at[sched.row_token].get(mode="fill", fill_value=0)
+
+
+def _gate(g, sched: Schedule):
+  """[R, B] fp32: each task's routing weight at its (row, expert in group), zeros elsewhere."""
+  return jnp.zeros((sched.row_token.shape[0], sched.group), _F32).at[
+      sched.task_row, sched.task_col].add(g.reshape(-1).astype(_F32))
 
 
 def _expert_centric_forward(ops, x, w, v, g, sched):
-  rows, wq, vq, gate = _gathered(x, w, v, g, sched)
-  z = ops.matmul(rows, wq, sched, transpose_rhs=True).astype(_F32)                 # [R, B]
-  a = (gate * jax.nn.silu(z)).astype(x.dtype)
+  wq, vq = _in_groups(w, sched), _in_groups(v, sched)                             # [Q, B, d]
+  z = ops.scores(x, wq, sched).astype(_F32)                                       # [R, B]
+  a = (_gate(g, sched) * jax.nn.silu(z)).astype(x.dtype)
   out_rows = ops.matmul(a, vq, sched, transpose_rhs=False)                         # [R, d]
   return ops.token_sums(out_rows, sched, x.shape[0]).astype(x.dtype)
 
@@ -350,7 +366,8 @@ def _ec_fwd(ops, x, w, v, g, sched):
 
 def _ec_bwd(ops, res, dout):
   x, w, v, g, sched = res
-  rows, wq, vq, gate = _gathered(x, w, v, g, sched)
+  rows, gate = _rows(x, sched), _gate(g, sched)
+  wq, vq = _in_groups(w, sched), _in_groups(v, sched)
   z = ops.matmul(rows, wq, sched, transpose_rhs=True).astype(_F32)
   sig = jax.nn.sigmoid(z)
   silu = z * sig

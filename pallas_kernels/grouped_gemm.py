@@ -383,14 +383,23 @@ def _transposed_in_xla(rhs, transpose_rhs: bool):
   return rhs, transpose_rhs
 
 
-def matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool, cfg: TileConfig = cfg_lib.MATMUL):
-  """out = lhs_e rhs_e (rhs [E, K, N]) or lhs_e rhs_e^T (rhs [E, N, K] with transpose_rhs)."""
+def matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool, cfg: TileConfig | None = None,
+           gather_index=None):
+  """out = lhs_e rhs_e (rhs [E, K, N]) or lhs_e rhs_e^T (rhs [E, N, K] with transpose_rhs);
+  with gather_index (see varlen_m) lhs is the source of the rows, out row r = lhs[gather_index[r]]
+  times its expert's matrix (zeros for an index past lhs's rows). cfg: MATMUL, or with
+  gather_index the gathering tiles (config.up_proj_gather_tiles)."""
+  lhs, gather_index = row_gather.gather_off_gpu(lhs, gather_index)
+  num_rows = lhs.shape[0] if gather_index is None else gather_index.shape[0]
   n_out = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  if cfg is None:
+    cfg = cfg_lib.MATMUL if gather_index is None else cfg_lib.up_proj_gather_tiles(n_out)
   rhs, transpose_rhs = _transposed_in_xla(rhs, transpose_rhs)
-  out_type = jax.ShapeDtypeStruct((lhs.shape[0], n_out), lhs.dtype)
+  out_type = jax.ShapeDtypeStruct((num_rows, n_out), lhs.dtype)
   return varlen_m(lhs, rhs, tile_expert, (), col_blocks=lambda c: (c,),
                   num_col_tiles=n_out // cfg.block_n, transpose_rhs=transpose_rhs,
-                  epilogue=store_epilogue(cfg, lhs.dtype), out_types=out_type, cfg=cfg)
+                  epilogue=store_epilogue(cfg, lhs.dtype), out_types=out_type, cfg=cfg,
+                  gather_index=gather_index)
 
 
 def dh(dout_g, w2, h, scores, tile_expert, cfg: TileConfig = cfg_lib.DH):

@@ -161,6 +161,32 @@ def test_pallas_grouped_matches_xla_interpret():
     assert rel_err(a, b) < 2e-2, name
 
 
+@pytest.mark.gpu
+def test_pallas_grouped_matches_float32_reference_on_gpu():
+  """On the GPU (the Pallas GEMMs, x's rows gathered in the scores GEMM, the CuTe per-token
+  sums where installed): output and gradients against the dense float32 reference, at a token
+  count that is no multiple of a tile and a group with no tasks."""
+  T, N, k, d, group = 300, 1024, 24, 256, 128
+  ks = jax.random.split(jax.random.key(21), 5)
+  x = jax.random.normal(ks[0], (T, d))
+  w, v = jax.random.normal(ks[1], (N, d)) / 16, jax.random.normal(ks[2], (N, d)) / 4
+  rows, cols = omnimoe.grid_shape(N)
+  g, ids = omnimoe.route(x, jax.random.normal(ks[3], (d, rows)), jax.random.normal(ks[4], (d, cols)), k)
+  ids = jnp.where(ids // group == 3, ids + group, ids)      # group 3 gets no tasks
+  cot = jax.random.normal(jax.random.key(3), (T, d))
+  bf = lambda a: a.astype(jnp.bfloat16)
+  sched = omnimoe.schedule(ids, N, group, omnimoe.PallasGroupedOps.align)
+  assert int(sched.padded_group_sizes[3]) == 0
+  f = lambda *a: omnimoe.expert_centric(omnimoe.PallasGroupedOps, *map(bf, a), sched)
+  ref = lambda *a: _dense_reference(*a, ids)
+  run = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(lambda *b: jnp.sum(
+      f(*b).astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(*a)))(x, w, v, g)
+  (out, grads), (want, want_grads) = run(f), run(ref)
+  assert rel_err(out, want) < 2e-2
+  for name, a, b in zip(("x", "w", "v", "g"), grads, want_grads):
+    assert rel_err(a, b) < 2e-2, name
+
+
 @pytest.mark.parametrize("execution", ["token_centric", "expert_centric"])
 def test_chunks_of_tokens_give_the_same_output_and_gradients(execution):
   """Both executions in chunks of tokens (the last one padded): the same output and gradients
@@ -243,7 +269,8 @@ def test_expert_centric_with_empty_groups_and_a_token_in_one_group():
 @needs_cute
 def test_pallas_grouped_sums_tokens_with_the_gather_sum_kernel_on_gpu():
   """Lowered for a GPU, the Pallas-GEMM expert-centric layer sums each token's rows with the
-  CuTe gather-and-sum kernel (no scatter-add), forward and backward."""
+  CuTe gather-and-sum kernel (no scatter-add), forward and backward, and its forward gathers
+  x's rows inside the scores GEMM (no [rows, d] gather by XLA)."""
   from pallas_kernels import config
   T, N, k, d, group = 64, 512, 8, 128, 128
   x = jnp.zeros((T, d), jnp.bfloat16)
@@ -261,6 +288,12 @@ def test_pallas_grouped_sums_tokens_with_the_gather_sum_kernel_on_gpu():
   scatter_types = re.findall(r'"stablehlo.scatter".*?\}\) : \([^\n]*-> (tensor<[^>]*>)', text,
                              re.DOTALL)
   assert scatter_types and f"tensor<{T}x{d}xf32>" not in scatter_types   # no per-token scatter-add
+  def forward(x, w, v, g, ids):
+    return omnimoe.expert_centric(ops, x, w, v, g, omnimoe.schedule(ids, N, group, ops.align))
+  with config.lowering_for_gpu():
+    text = cuda_module(forward, x, w, v, g, ids)
+  gather_types = re.findall(r'"stablehlo.gather"[^\n]*-> (tensor<[^>]*>)', text)
+  assert not [t for t in gather_types if t.endswith(f"x{d}xbf16>")]
 
 
 def test_router_benchmark_tiny(tmp_path):
