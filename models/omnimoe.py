@@ -18,7 +18,9 @@ Execution (same math, two schedules):
     consecutive ids (a group's rows of W and V are one contiguous block, read in place), sort
     tasks by (group, token), merge tasks of one token in one group into a row, and run each
     group as two dense GEMMs (rows x B scores, then rows x B times B x d) through the xla
-    backend's grouped GEMMs (or the Pallas kernels); rows are summed back per token. Its
+    backend's grouped GEMMs (or the Pallas kernels, the first gathering x's rows itself); each
+    token's rows are summed back (by gather through the schedule's rows-by-token list on a
+    GPU with CuTe DSL, else a scatter-add). Its
     custom_vjp keeps only the inputs and the schedule and recomputes the grouped forward in the
     backward.
 Both run over chunks of tokens (in_token_chunks) sized so that one chunk's gathers or task rows
