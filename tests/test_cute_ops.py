@@ -68,9 +68,10 @@ def test_cute_ops_name_the_layer_limit_they_miss():
 
 @needs_cute
 def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
-  """On GPUs "auto" runs the six GEMM ops on cute at every width they take (d and n multiples
-  of 128) and the router's top-K where E >= 256 and its kernel takes k (where each measured
-  faster), pallas elsewhere and without the extra; float32 goes to xla."""
+  """On GPUs "auto" runs the six GEMM ops on cute (where each measured faster) at every width,
+  padded to multiples of 128, unless that pads them to more than CUTE_PADDING_LIMIT times
+  pallas's multiples of 64, and the router's top-K where E >= 256 and its kernel takes k;
+  pallas elsewhere and without the extra; float32 goes to xla."""
   from sonicmoe_jax import backends
   from sonicmoe_jax.core import xla_ops
   # the modules as the dispatch table imports them (an earlier test may re-import ffi.ops)
@@ -98,11 +99,15 @@ def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
     assert resolve(4096, 256, jnp.float32).dh is xla_ops.dh
   for n in (64, 96, 192):   # the up-projection's 128-column tiles, dW2's 128-row tiles
     assert "multiple of 128" in cute_ops.unsupported(jnp.bfloat16, 4096, n)
-  ops = resolve(128, 64)   # the demo's widths: the GEMMs on pallas (n a multiple of 64)
-  assert (ops.up_proj, ops.dw2) == (pallas_ops.up_proj, pallas_ops.dw2)
-  for d, n, kernel_widths in [(2944, 1472, (2944, 1472)), (2952, 1480, (3008, 1536))]:
-    ops = resolve(d, n)   # widths cute's tiles do not divide: pallas, at multiples of 64
-    assert ops.backend_by_op()["dh"] == "pallas" and ops.kernel_widths(d, n) == kernel_widths
+  for d, n in [(128, 64), (4096, 192)]:   # cute's padding: 2x and 1.33x pallas's FLOPs
+    ops = resolve(d, n)
+    assert (ops.up_proj, ops.dw2) == (pallas_ops.up_proj, pallas_ops.dw2)
+    assert ops.kernel_widths(d, n) == (d, n)
+  assert backends.CUTE_PADDING_LIMIT < 256 / 192
+  for d, n, kernel_widths in [(2880, 2880, (2944, 2944)), (2944, 1472, (2944, 1536)),
+                              (2952, 1480, (3072, 1536)), (200, 72, (256, 128))]:
+    ops = resolve(d, n)   # widths cute's tiles do not divide, padded by at most 9%: cute
+    assert ops.backend_by_op()["dh"] == "cute" and ops.kernel_widths(d, n) == kernel_widths
   monkeypatch.setattr(backends, "_cute_installed", lambda: False)
   assert resolve(4096, 1024).dh is pallas_ops.dh
 
