@@ -23,6 +23,7 @@ import argparse
 import datetime
 import json
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -175,6 +176,7 @@ def main(argv=None):
     a.d, a.atomic_experts, a.active, a.tokens = 64, 256, "60000", "128"
   chunk_bytes = max(1, int(a.chunk_gib * 2 ** 30))
   meta = dict(commit=a.commit or bench.commit(), versions=bench.versions(),
+              command=" ".join(["python -m benchmarks.omnimoe_bench"] + (argv or sys.argv[1:])),
               chunk_bytes=chunk_bytes, group=a.group, gpu=jax.devices()[0].device_kind,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
   recs = []

@@ -119,6 +119,7 @@ def test_omnimoe_benchmark_tiny(tmp_path):
   assert json.loads((tmp_path / "omnimoe_bench.json").read_text()) == json.loads(json.dumps(recs))
   assert {r["impl"] for r in recs} == {"omnimoe", "peer_token_centric", "deepseekmoe", "dense"}
   assert all(r["status"] == "ok" and r["fwd_ms"] > 0 and r["step_ms"] > 0 for r in recs), recs
+  assert recs[0]["command"] == f"python -m benchmarks.omnimoe_bench --tiny --out {tmp_path}"
   for r in recs:  # |E_active| and the scheduling alone for the OmniMoE layers (256 atomic experts)
     omni = r["impl"] in ("omnimoe", "peer_token_centric")
     assert (1 <= r["active_experts"] <= 256) if omni else r["active_experts"] is None
