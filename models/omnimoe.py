@@ -157,7 +157,7 @@ def route(x, w_row, w_col, k: int):
 
 
 # bytes a chunk of tokens may take: the token-centric gathers ([chunk, k, d] rows of W and V),
-# or the expert-centric rows of the chunk's tasks (rows of x, output rows, gate and scores)
+# or the expert-centric rows of the chunk's tasks (rows of x, dO and dX, scores and activations)
 CHUNK_BYTES = 1 << 30
 
 
@@ -340,16 +340,30 @@ def _rows(x, sched: Schedule):
   return x.at[sched.row_token].get(mode="fill", fill_value=0)
 
 
-def _gate(g, sched: Schedule):
-  """[R, B] fp32: each task's routing weight at its (row, expert in group), zeros elsewhere."""
-  return jnp.zeros((sched.row_token.shape[0], sched.group), _F32).at[
-      sched.task_row, sched.task_col].add(g.reshape(-1).astype(_F32))
+def _at_tasks(m, sched: Schedule):
+  """[T*k] fp32: the entries of an [R, B] matrix at the tasks' (row, expert in group)."""
+  return m[sched.task_row, sched.task_col].astype(_F32)
+
+
+def _task_matrix(values, sched: Schedule, dtype):
+  """[R, B] in dtype: the tasks' values [T*k] at their (row, expert in group), zeros elsewhere
+  (summed where tasks share one: a token routed to an expert twice)."""
+  return jnp.zeros((sched.row_token.shape[0], sched.group), dtype).at[
+      sched.task_row, sched.task_col].add(values.astype(dtype))
+
+
+def _activations(z, g, sched: Schedule, dtype):
+  """A [R, B] = g * silu(Z) at the tasks, zeros elsewhere, and the tasks' (Z, silu(Z)) in fp32:
+  the gated activation is computed on the T*k routed scores only."""
+  zt = _at_tasks(z, sched)
+  silu = jax.nn.silu(zt)
+  return _task_matrix(g.reshape(-1).astype(_F32) * silu, sched, dtype), zt, silu
 
 
 def _expert_centric_forward(ops, x, w, v, g, sched):
   wq, vq = _in_groups(w, sched), _in_groups(v, sched)                             # [Q, B, d]
-  z = ops.scores(x, wq, sched).astype(_F32)                                       # [R, B]
-  a = (_gate(g, sched) * jax.nn.silu(z)).astype(x.dtype)
+  z = ops.scores(x, wq, sched)                                                    # [R, B]
+  a, _, _ = _activations(z, g, sched, x.dtype)
   out_rows = ops.matmul(a, vq, sched, transpose_rhs=False)                         # [R, d]
   return ops.token_sums(out_rows, sched, x.shape[0]).astype(x.dtype)
 
@@ -368,23 +382,22 @@ def _ec_fwd(ops, x, w, v, g, sched):
 
 def _ec_bwd(ops, res, dout):
   x, w, v, g, sched = res
-  rows, gate = _rows(x, sched), _gate(g, sched)
+  rows = _rows(x, sched)
   wq, vq = _in_groups(w, sched), _in_groups(v, sched)
-  z = ops.matmul(rows, wq, sched, transpose_rhs=True).astype(_F32)
-  sig = jax.nn.sigmoid(z)
-  silu = z * sig
-  a = (gate * silu).astype(x.dtype)
+  z = ops.matmul(rows, wq, sched, transpose_rhs=True)
+  a, zt, silu = _activations(z, g, sched, x.dtype)
   dout_rows = dout.astype(x.dtype).at[sched.row_token].get(mode="fill", fill_value=0)
-  da = ops.matmul(dout_rows, vq, sched, transpose_rhs=True).astype(_F32)         # dO V^T
-  dgate = da * silu
-  dz = (da * gate * sig * (1.0 + z * (1.0 - sig))).astype(x.dtype)
+  da = _at_tasks(ops.matmul(dout_rows, vq, sched, transpose_rhs=True), sched)     # dO V^T
+  sig = jax.nn.sigmoid(zt)
+  gt = g.reshape(-1).astype(_F32)
+  dz = _task_matrix(da * gt * sig * (1.0 + zt * (1.0 - sig)), sched, x.dtype)
   drows = ops.matmul(dz, wq, sched, transpose_rhs=False)                          # dZ W
   dwq = ops.weight_grad(dz, rows, sched)                                          # dZ^T X
   dvq = ops.weight_grad(a, dout_rows, sched)                                      # A^T dO
   dx = ops.token_sums(drows, sched, x.shape[0])
   dw = dwq.reshape(-1, w.shape[1])[:w.shape[0]]
   dv = dvq.reshape(-1, v.shape[1])[:v.shape[0]]
-  dg = dgate[sched.task_row, sched.task_col].reshape(g.shape)
+  dg = (da * silu).reshape(g.shape)
   return (dx.astype(x.dtype), dw.astype(w.dtype), dv.astype(v.dtype), dg.astype(g.dtype),
           jax.tree_util.tree_map(lambda _: None, sched))
 
@@ -393,8 +406,9 @@ expert_centric.defvjp(_ec_fwd, _ec_bwd)
 
 
 def expert_centric_chunk(d: int, k: int, group: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-  """Tokens per chunk of expert_centric_in_chunks: a task's rows take about 6 d + 12 B bytes
-  (a row of x and its fp32 output row, its gate, scores and activations across the group)."""
+  """Tokens per chunk of expert_centric_in_chunks: a task's rows take at most about 6 d + 12 B
+  bytes (the backward's rows of x, dO and dX, and the scores, activations and their gradients
+  across the group)."""
   return max(1, chunk_bytes // (k * (6 * d + 12 * group)))
 
 
