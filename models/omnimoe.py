@@ -198,10 +198,11 @@ class Schedule:
   `align`, so tiled kernels see one group per row tile). R (rows) is a static bound.
 
     row_token [R]: token of each row (T for unused rows); row_offsets [Q+1], Q = ceil(N / B);
-    task_row, task_col [T*k]: where each task's routing weight sits in the [R, B] gate matrix;
+    task_row, task_col [T*k]: each task's entry (row, expert in group) in the [R, B] scores
+    and activations;
     token_rows [R], token_offsets [T+1]: the rows by token (token t's rows are
-    token_rows[token_offsets[t]:token_offsets[t+1]], unused rows last), for per-token sums
-    that gather rows rather than scatter them;
+    token_rows[token_offsets[t]:token_offsets[t+1]]; entries past token_offsets[T] unused),
+    for per-token sums that gather rows rather than scatter them;
     group: B (static).
   """
   row_token: jax.Array
