@@ -94,7 +94,8 @@ def scheduling(model: OmniMoE):
     align = m.grouped_ops.align
     task_rows = lambda ids: omnimoe.schedule(ids, m.num_experts, m.group,
                                              align).task_row.reshape(ids.shape)
-    chunk = omnimoe.expert_centric_chunk(x.shape[1], m.k, m.group, m.chunk_bytes)
+    chunk = omnimoe.expert_centric_chunk(x.shape[1], m.k, m.group, m.chunk_bytes,
+                                         backward=False)   # (the forward's chunks)
     return g, omnimoe.in_token_chunks(task_rows, chunk, ids)
 
   return run

@@ -23,9 +23,10 @@ Execution (same math, two schedules):
     GPU with CuTe DSL, else a scatter-add). Its
     custom_vjp keeps only the inputs and the schedule and recomputes the grouped forward in the
     backward.
-Both run over chunks of tokens (in_token_chunks) sized so that one chunk's gathers or task rows
-take at most CHUNK_BYTES: memory is bounded at any T and k (the expert-centric chunks each read
-the weights of the groups their tasks fall in).
+Both run over chunks of tokens (in_token_chunks; the expert-centric backward in smaller chunks
+than its forward) sized so that one chunk's gathers or task rows take at most CHUNK_BYTES:
+memory is bounded at any T and k (the expert-centric chunks each read the weights of the
+groups their tasks fall in).
 """
 from __future__ import annotations
 
@@ -164,15 +165,22 @@ CHUNK_BYTES = 1 << 30
 def in_token_chunks(fn, chunk: int, *arrays):
   """fn(*arrays) over chunks of `chunk` tokens (rows; the last chunk padded with zeros): a scan
   whose chunks are each recomputed in the backward, so memory is one chunk's at any T."""
-  num_tokens = arrays[0].shape[0]
-  if chunk >= num_tokens:
+  if chunk >= arrays[0].shape[0]:
     return fn(*arrays)
+  chunked, unchunk = _split_tokens(chunk, *arrays)
+  return unchunk(jax.lax.map(jax.checkpoint(lambda c: fn(*c)), chunked))
+
+
+def _split_tokens(chunk: int, *arrays):
+  """(the arrays [T, ...] as [chunks, chunk, ...], zero-padded; a function taking a
+  [chunks, chunk, ...] result back to [T, ...])."""
+  num_tokens = arrays[0].shape[0]
   num_chunks = -(-num_tokens // chunk)
   pad = num_chunks * chunk - num_tokens
   split = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(
       num_chunks, chunk, *a.shape[1:])
-  out = jax.lax.map(jax.checkpoint(lambda c: fn(*c)), tuple(split(a) for a in arrays))
-  return out.reshape(num_chunks * chunk, *out.shape[2:])[:num_tokens]
+  unsplit = lambda a: a.reshape(num_chunks * chunk, *a.shape[2:])[:num_tokens]
+  return tuple(map(split, arrays)), unsplit
 
 
 def token_centric(x, w, v, g, ids, chunk_bytes: int = CHUNK_BYTES):
@@ -406,22 +414,57 @@ def _ec_bwd(ops, res, dout):
 expert_centric.defvjp(_ec_fwd, _ec_bwd)
 
 
-def expert_centric_chunk(d: int, k: int, group: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+def expert_centric_chunk(d: int, k: int, group: int, chunk_bytes: int = CHUNK_BYTES,
+                         backward: bool = True) -> int:
   """Tokens per chunk of expert_centric_in_chunks: a task's rows take at most about 6 d + 12 B
-  bytes (the backward's rows of x, dO and dX, and the scores, activations and their gradients
-  across the group)."""
-  return max(1, chunk_bytes // (k * (6 * d + 12 * group)))
+  bytes in the backward (its rows of x, dO and dX, and the scores, activations and their
+  gradients across the group), 2 d + 4 B in the forward (its output row, scores and
+  activations)."""
+  per_task = 6 * d + 12 * group if backward else 2 * d + 4 * group
+  return max(1, chunk_bytes // (k * per_task))
 
 
 def expert_centric_in_chunks(ops, x, w, v, g, ids, num_experts: int, group: int,
                              chunk_bytes: int = CHUNK_BYTES):
-  """expert_centric over chunks of tokens (expert_centric_chunk), each chunk's tasks scheduled
-  on their own, the rows of a chunk taking at most about chunk_bytes. A chunk reads the weights
-  of the groups its tasks fall in, so fewer, larger chunks read them fewer times."""
-  chunk = expert_centric_chunk(x.shape[1], ids.shape[1], group, chunk_bytes)
-  run = lambda x, g, ids: expert_centric(ops, x, w, v, g,
-                                         schedule(ids, num_experts, group, ops.align))
-  return in_token_chunks(run, chunk, x, g, ids)
+  """expert_centric over chunks of tokens, each chunk's tasks scheduled on their own, the rows
+  of a chunk taking at most about chunk_bytes: the forward in chunks sized for the forward,
+  the backward (which keeps only x, g and ids and recomputes each chunk's forward) in smaller
+  chunks sized for it (expert_centric_chunk). A chunk reads the weights of the groups its
+  tasks fall in, so fewer, larger chunks read them fewer times."""
+  d, k = x.shape[1], ids.shape[1]
+  chunks = (expert_centric_chunk(d, k, group, chunk_bytes, backward=False),
+            expert_centric_chunk(d, k, group, chunk_bytes))
+  return _in_chunks(ops, num_experts, group, chunks, x, w, v, g, ids)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _in_chunks(ops, num_experts, group, chunks, x, w, v, g, ids):
+  run = lambda x, g, ids: _expert_centric_forward(ops, x, w, v, g,
+                                                  schedule(ids, num_experts, group, ops.align))
+  return in_token_chunks(run, chunks[0], x, g, ids)
+
+
+def _in_chunks_fwd(ops, num_experts, group, chunks, x, w, v, g, ids):
+  return _in_chunks(ops, num_experts, group, chunks, x, w, v, g, ids), (x, w, v, g, ids)
+
+
+def _in_chunks_bwd(ops, num_experts, group, chunks, res, dout):
+  """Each backward chunk's gradients from its own schedule (_ec_bwd); dW and dV summed over the
+  chunks in the weights' dtype."""
+  x, w, v, g, ids = res
+  chunked, unchunk = _split_tokens(chunks[1], x, g, ids, dout)
+
+  def step(sums, c):
+    xc, gc, idc, dc = c
+    sched = schedule(idc, num_experts, group, ops.align)
+    dx, dw, dv, dg, _ = _ec_bwd(ops, (xc, w, v, gc, sched), dc)
+    return (sums[0] + dw, sums[1] + dv), (dx, dg)
+
+  (dw, dv), (dx, dg) = jax.lax.scan(step, (jnp.zeros_like(w), jnp.zeros_like(v)), chunked)
+  return unchunk(dx), dw, dv, unchunk(dg), None
+
+
+_in_chunks.defvjp(_in_chunks_fwd, _in_chunks_bwd)
 
 
 def usage_stats(ids, num_experts: int, k: int):

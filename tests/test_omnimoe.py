@@ -190,8 +190,9 @@ def test_pallas_grouped_matches_float32_reference_on_gpu():
 
 @pytest.mark.parametrize("execution", ["token_centric", "expert_centric"])
 def test_chunks_of_tokens_give_the_same_output_and_gradients(execution):
-  """Both executions in chunks of tokens (the last one padded): the same output and gradients
-  as in one piece, and the lowered program loops over chunks without a whole-batch array."""
+  """Both executions in chunks of tokens (the last one padded; expert-centric, larger ones in
+  the forward than in the backward): the same output and gradients as in one piece, and the
+  lowered program loops over chunks without a whole-batch array."""
   T, N, k, d, group = 37, 64, 8, 16, 4
   ks = jax.random.split(jax.random.key(3), 5)
   x = jax.random.normal(ks[0], (T, d))
@@ -203,7 +204,9 @@ def test_chunks_of_tokens_give_the_same_output_and_gradients(execution):
     per_token = 2 * k * d * 4                       # bytes of one token's gathers
     f = lambda chunk: lambda *a: omnimoe.token_centric(*a, ids, chunk_bytes=chunk * per_token)
   else:
-    per_token = k * (6 * d + 12 * group)            # bytes of one token's task rows
+    per_token = k * (6 * d + 12 * group)            # bytes of one token's task rows (backward)
+    # the forward in chunks of 15 tokens (3, the last padded), the backward in chunks of 5 (8)
+    assert omnimoe.expert_centric_chunk(d, k, group, 5 * per_token, backward=False) == 15
     f = lambda chunk: lambda *a: omnimoe.expert_centric_in_chunks(
         omnimoe.XlaGroupedOps, *a, ids, N, group, chunk_bytes=chunk * per_token)
 
