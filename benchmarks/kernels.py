@@ -53,7 +53,7 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
   topk = jax.jit(lambda lg: ops.top_k(lg, K))
   # the cute top-K and aggregation beside the backend's, on GPUs with the extra installed
   cute_topk, cute_aggregate = [], []
-  if jax.default_backend() == "gpu" and backends._cute_installed():
+  if jax.default_backend() == "gpu" and backends.cute_installed():
     from ffi import ops as cute_ops
     from ffi import topk as cute_topk_kernel
     if cute_topk_kernel.unsupported(E, K) is None:
@@ -125,7 +125,7 @@ def breakdown(name, cfg, backend, rounding, iters, reps):
 def per_op_kernel_config():
   """The kernel configuration ops are timed alone with: the cute dh writes no dH over H (H is an
   argument of the timed program, which XLA would copy first; the layer's step never does)."""
-  if not backends._cute_installed():
+  if not backends.cute_installed():
     return None
   from ffi.config import CuteConfig
   return {"cute": CuteConfig(dh_over_h=False)}

@@ -91,12 +91,11 @@ def scheduling(model: OmniMoE):
     g, ids = m.route(x)
     if m.execution == "token_centric":
       return g, ids
-    align = m.grouped_ops.align
-    task_rows = lambda ids: omnimoe.schedule(ids, m.num_experts, m.group,
-                                             align).task_row.reshape(ids.shape)
-    chunk = omnimoe.expert_centric_chunk(x.shape[1], m.k, m.group, m.chunk_bytes,
-                                         backward=False)   # (the forward's chunks)
-    return g, omnimoe.in_token_chunks(task_rows, chunk, ids)
+    # every schedule of the forward's chunks, whole (none of it left for XLA to drop)
+    chunk = omnimoe.expert_centric_chunk(x.shape[1], m.k, m.group, m.chunk_bytes, backward=False)
+    chunks, _ = omnimoe.split_tokens(min(chunk, x.shape[0]), ids)
+    return g, jax.lax.map(lambda c: omnimoe.schedule(c[0], m.num_experts, m.group,
+                                                     m.grouped_ops.align), chunks)
 
   return run
 

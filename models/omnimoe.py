@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
 
 import jax
@@ -40,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sonicmoe_jax import backends
 from sonicmoe_jax.core import routing, swiglu, xla_ops
 
 _F32 = jnp.float32
@@ -167,11 +167,11 @@ def in_token_chunks(fn, chunk: int, *arrays):
   whose chunks are each recomputed in the backward, so memory is one chunk's at any T."""
   if chunk >= arrays[0].shape[0]:
     return fn(*arrays)
-  chunked, unchunk = _split_tokens(chunk, *arrays)
+  chunked, unchunk = split_tokens(chunk, *arrays)
   return unchunk(jax.lax.map(jax.checkpoint(lambda c: fn(*c)), chunked))
 
 
-def _split_tokens(chunk: int, *arrays):
+def split_tokens(chunk: int, *arrays):
   """(the arrays [T, ...] as [chunks, chunk, ...], zero-padded; a function taking a
   [chunks, chunk, ...] result back to [T, ...])."""
   num_tokens = arrays[0].shape[0]
@@ -331,7 +331,7 @@ class PallasGroupedOps:
     """Each token's rows summed in fp32 by the CuTe gather-and-sum kernel on a GPU where CuTe
     DSL is installed (it reads each row once, through token_rows), else as XlaGroupedOps."""
     from pallas_kernels import config
-    if config.interpret_mode() is not None or importlib.util.find_spec("cutlass") is None:
+    if config.interpret_mode() is not None or not backends.cute_installed():
       return XlaGroupedOps.token_sums(rows, sched, num_tokens)
     from ffi import gather_sum
     return gather_sum.gather_sum(rows, None, sched.token_rows, sched.token_offsets, num_tokens)
@@ -345,7 +345,7 @@ def _in_groups(w, sched: Schedule):
 
 
 def _rows(x, sched: Schedule):
-  """[R, d]: each row's token's x (zeros for unused rows)."""
+  """[R, d]: each row's token's row of x (zeros for unused rows)."""
   return x.at[sched.row_token].get(mode="fill", fill_value=0)
 
 
@@ -395,7 +395,7 @@ def _ec_bwd(ops, res, dout):
   wq, vq = _in_groups(w, sched), _in_groups(v, sched)
   z = ops.matmul(rows, wq, sched, transpose_rhs=True)
   a, zt, silu = _activations(z, g, sched, x.dtype)
-  dout_rows = dout.astype(x.dtype).at[sched.row_token].get(mode="fill", fill_value=0)
+  dout_rows = _rows(dout.astype(x.dtype), sched)
   da = _at_tasks(ops.matmul(dout_rows, vq, sched, transpose_rhs=True), sched)     # dO V^T
   sig = jax.nn.sigmoid(zt)
   gt = g.reshape(-1).astype(_F32)
@@ -452,7 +452,7 @@ def _in_chunks_bwd(ops, num_experts, group, chunks, res, dout):
   """Each backward chunk's gradients from its own schedule (_ec_bwd); dW and dV summed over the
   chunks in the weights' dtype."""
   x, w, v, g, ids = res
-  chunked, unchunk = _split_tokens(chunks[1], x, g, ids, dout)
+  chunked, unchunk = split_tokens(chunks[1], x, g, ids, dout)
 
   def step(sums, c):
     xc, gc, idc, dc = c

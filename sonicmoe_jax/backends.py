@@ -159,7 +159,8 @@ class Configured:
     return self.fn(*args, config=self.config, **kwargs)
 
 
-def _cute_installed() -> bool:
+def cute_installed() -> bool:
+  """Whether the cute extra (CuTe DSL and jax-tvm-ffi) is installed."""
   return all(importlib.util.find_spec(m) is not None for m in ("cutlass", "jax_tvm_ffi"))
 
 
@@ -233,7 +234,7 @@ def default_backend(op: str, platform: str | None = None, *, dtype=None, d: int 
   platform = platform or jax.default_backend()
   if (platform == "gpu" and op in GPU_CUTE_WHERE and None not in (dtype, d, n)
       and GPU_CUTE_WHERE[op](LayerShape(d, n, num_experts, k, token_rounding))
-      and _cute_installed()):
+      and cute_installed()):
     cute = _backend_module("cute")
     if (_unsupported_at_kernel_widths(cute, dtype, d, n) is None
         and (op not in EXPERT_OPS or _padding_within_limit(cute, d, n))

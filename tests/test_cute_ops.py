@@ -108,7 +108,7 @@ def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
                               (2952, 1480, (3072, 1536)), (200, 72, (256, 128))]:
     ops = resolve(d, n)   # widths cute's tiles do not divide, padded by at most 9%: cute
     assert ops.backend_by_op()["dh"] == "cute" and ops.kernel_widths(d, n) == kernel_widths
-  monkeypatch.setattr(backends, "_cute_installed", lambda: False)
+  monkeypatch.setattr(backends, "cute_installed", lambda: False)
   assert resolve(4096, 1024).dh is pallas_ops.dh
 
 
