@@ -70,6 +70,13 @@ def unsupported(lhs, rhs, block_n: int, cols=None, clipped_last_tile: bool = Fal
   return None
 
 
+def column_tiles(num_cols: int, block_n: int) -> int:
+  """The column tiles of an output num_cols wide: the last one clipped where block_n does not
+  divide num_cols (the kernels' TMA loads past the columns fill zeros, their TMA stores past
+  them write nothing)."""
+  return -(-num_cols // block_n)
+
+
 def rhs_as_ekn(rhs, transpose_rhs: bool):
   """rhs's shape as [E, K, N] (with transpose_rhs it is stored [E, N, K])."""
   if not transpose_rhs:
@@ -112,14 +119,15 @@ def up_proj_call(kernels, xg, w1, tile_expert, gather_index, **config):
   return h[0], a[0]
 
 
-def dh_unsupported(dout_g, w2, h, scores, block_n: int):
+def dh_unsupported(dout_g, w2, h, scores, block_n: int, clipped_last_tile: bool = False):
   """Why the dH kernels cannot run these operands (a sentence naming the limit), or None:
-  dOg [P, d] (the rows read), w2 [E, n, d], H [P, 2n], scores [P]."""
+  dOg [P, d] (the rows read), w2 [E, n, d], H [P, 2n], scores [P]. clipped_last_tile: the
+  kernel loads H's tiles and stores its outputs by TMA (unsupported's)."""
   n, num_slots = w2.shape[1], dout_g.shape[0]
   if block_n > WGMMA_MAX_N:
     return f"block_n={block_n} is wider than {WGMMA_MAX_N} (one wgmma's widest N)"
   reason = unsupported(dout_g, jax.ShapeDtypeStruct((w2.shape[0], w2.shape[2], n), w2.dtype),
-                       block_n)
+                       block_n, clipped_last_tile=clipped_last_tile)
   if reason:
     return reason
   if h.shape != (num_slots, 2 * n) or h.dtype != dout_g.dtype or scores.shape != (num_slots,):
@@ -145,7 +153,7 @@ def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: b
                             scores.astype(jnp.float32)],
       [jax.ShapeDtypeStruct((1, num_slots, 2 * n), h.dtype),
        jax.ShapeDtypeStruct((1, num_slots, n), h.dtype),
-       jax.ShapeDtypeStruct((n // block_n, num_slots), jnp.float32)],
+       jax.ShapeDtypeStruct((column_tiles(n, block_n), num_slots), jnp.float32)],
       in_place={3 + len(index): 0} if over_h else None,
       modes=[ROW_MODES, (1, 2, 0), None, *[None] * len(index), ROW_MODES, None, ROW_MODES,
              ROW_MODES, None],
@@ -153,8 +161,12 @@ def dh_call(kernels, dout_g, w2, h, scores, tile_expert, gather_index, over_h: b
   return dh_[0], a_scaled[0], ds_parts
 
 
-def weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, group_sizes=None):
-  """Why weight_grad cannot run these operands (a sentence naming the limit), or None."""
+def weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, group_sizes=None,
+                            clipped_last_tile: bool = False):
+  """Why weight_grad cannot run these operands (a sentence naming the limit), or None.
+  clipped_last_tile: the kernel loads both operands by TMA, so that its last M and column
+  tiles may reach past M and N (zeros loaded, nothing stored there), which need then only be
+  multiples of EPI_TILE's columns."""
   reason = _dtype_unsupported(lhs, rhs)
   if reason:
     return reason
@@ -162,10 +174,17 @@ def weight_grad_unsupported(lhs, rhs, group_offsets, num_experts, block_n, group
     return f"need lhs [P, M] and rhs [P, N]; got {lhs.shape} and {rhs.shape}"
   if lhs.shape[0] % BLOCK_M:
     return f"rows P={lhs.shape[0]} must be a multiple of {BLOCK_M} (an aligned plan)"
-  if lhs.shape[1] % BLOCK_M:
-    return f"lhs columns M={lhs.shape[1]} must be a multiple of {BLOCK_M}"
-  if rhs.shape[1] % block_n or block_n % EPI_TILE[1]:
-    return f"rhs columns N={rhs.shape[1]} must be a multiple of block_n={block_n} (itself of {EPI_TILE[1]})"
+  if block_n % EPI_TILE[1]:
+    return f"block_n={block_n} must be a multiple of {EPI_TILE[1]}"
+  if clipped_last_tile:   # (name, width, its multiple, how the multiple is named)
+    limits = [("lhs columns M", lhs.shape[1], EPI_TILE[1], EPI_TILE[1]),
+              ("rhs columns N", rhs.shape[1], EPI_TILE[1], EPI_TILE[1])]
+  else:
+    limits = [("lhs columns M", lhs.shape[1], BLOCK_M, BLOCK_M),
+              ("rhs columns N", rhs.shape[1], block_n, f"block_n={block_n}")]
+  for name, width, multiple, said in limits:
+    if width % multiple:
+      return f"{name}={width} must be a multiple of {said}"
   if group_offsets.shape != (num_experts + 1,):
     return f"group_offsets must be [{num_experts + 1}]; got {group_offsets.shape}"
   return routing.group_sizes_mismatch(group_sizes, num_experts)

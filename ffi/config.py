@@ -63,6 +63,11 @@ class CuteConfig:
       store GEMMs run 256-wide tiles on store_wide_kernel ("persistent": each tile's epilogue
       under the next tile's loads; or "grouped"), with a producer warp issuing the TMA loads
       from store_wide_ws_min_n columns on (the "grouped" wide kernel).
+  Column tiles that may be clipped (the kernels loading and storing by TMA, whose last column
+  tile may reach past the output: up_proj, dh with dh_h_smem on "tma_store", the store GEMMs
+  but the ping-pong register stores, the weight gradients loading by TMA):
+    clipped_waste_percent: the widest tile an op takes is halved (down to 64) while its last
+      tile's columns past the output are more than this percent of the output's columns.
   Weight gradients (dw1, dw2):
     dw1_gather_max_column_tiles: dW1 gathers X's rows itself where its output has at most
       this many column tiles, else reads one gather made by XLA.
@@ -93,6 +98,7 @@ class CuteConfig:
   store_wide_min_n: int = 2048
   store_wide_ws_min_n: int = 4096
   store_wide_kernel: str = "persistent"
+  clipped_waste_percent: int = 5
   dw1_gather_max_column_tiles: int = 8
   wgrad_kernel: str = "persistent"
   wgrad_dynamic_order: str | tuple[str, ...] = "auto"
@@ -116,7 +122,8 @@ class CuteConfig:
         raise TypeError(f"CuteConfig.{name} must be a bool; got {getattr(self, name)!r}")
     for name in ("dh_pingpong_max_d", "dout_gather_max_column_tiles", "store_stages",
                  "store_wide_min_k", "store_wide_min_n", "store_wide_ws_min_n",
-                 "dw1_gather_max_column_tiles", "wgrad_dynamic_min_tiles"):
+                 "dw1_gather_max_column_tiles", "wgrad_dynamic_min_tiles",
+                 "clipped_waste_percent"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"CuteConfig.{name} must be a non-negative int; got {value!r}")

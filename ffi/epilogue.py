@@ -190,16 +190,19 @@ def store_ds_part(row_sums, thr_mma, m_ds, tidx, row0, n_tile, block_n: cutlass.
 
 
 @cute.jit
-def load_h_tile(tma_h, h_tiles, s_h, bar, nbytes: cutlass.Constexpr):
-  """The leader warp: H's gate and up tiles (h_tiles, of H's TMA tensor) into s_h's EPI_TILE
-  buffers (gate chunks first) by TMA, completing on mbarrier `bar` (nbytes in all)."""
+def load_h_tile(tma_hs, h_tiles, s_h, bar, nbytes: cutlass.Constexpr):
+  """The leader warp: H's gate and up tiles (h_tiles, each of its TMA tensor, loaded by its
+  atom in tma_hs) into s_h's EPI_TILE buffers (gate chunks first) by TMA, completing on
+  mbarrier `bar` (nbytes in all: the boxes' whole bytes, also where they reach past H's
+  columns and TMA fills zeros)."""
   with cute.arch.elect_one():
     cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
   chunks = cute.size(h_tiles[0], mode=[1]) // EPI_TILE[1]
   for half in cutlass.range_constexpr(2):
-    s_part, g_part = epi_tma_views(tma_h, s_h, h_tiles[half])
+    s_part, g_part = epi_tma_views(tma_hs[half], s_h, h_tiles[half])
     for j in cutlass.range_constexpr(chunks):
-      cute.copy(tma_h, g_part[None, (0, j)], s_part[None, half * chunks + j], tma_bar_ptr=bar)
+      cute.copy(tma_hs[half], g_part[None, (0, j)], s_part[None, half * chunks + j],
+                tma_bar_ptr=bar)
 
 
 @cute.jit

@@ -82,10 +82,13 @@ def pipeline_depth(block_n: int, num_rhs: int, itemsize: int, k_steps: int, stag
 
 @cute.kernel
 def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
-            m_out: cute.Tensor, m_out2: cute.Tensor, tma_out: cute.CopyAtom,
-            m_out_tma: cute.Tensor, tma_out2: cute.CopyAtom, m_out2_tma: cute.Tensor,
-            m_h: cute.Tensor, m_scores: cute.Tensor, m_ds: cute.Tensor, tma_h: cute.CopyAtom,
-            m_h_tma: cute.Tensor, h_smem_staged: cute.ComposedLayout, chunk_mma: cute.TiledMma,
+            tma_b_up: cute.CopyAtom, m_b_up: cute.Tensor,
+            m_out: cute.Tensor, m_out_up: cute.Tensor, m_out2: cute.Tensor,
+            tma_out: cute.CopyAtom, m_out_tma: cute.Tensor, tma_out_up: cute.CopyAtom,
+            m_out_up_tma: cute.Tensor, tma_out2: cute.CopyAtom, m_out2_tma: cute.Tensor,
+            m_h: cute.Tensor, m_h_up: cute.Tensor, m_scores: cute.Tensor, m_ds: cute.Tensor,
+            tma_h: cute.CopyAtom, m_h_tma: cute.Tensor, tma_h_up: cute.CopyAtom,
+            m_h_up_tma: cute.Tensor, h_smem_staged: cute.ComposedLayout, chunk_mma: cute.TiledMma,
             tile_expert: cute.Tensor, gather_index: cute.Tensor, tiled_mma: cute.TiledMma,
             a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
             c_smem_staged: cute.ComposedLayout, num_experts: cutlass.Int32,
@@ -102,9 +105,11 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   first_mma_warp = 4 if producer else 0
   tidx, _, _ = cute.arch.thread_idx()
   n_tile, m_tile, z_tile = cute.arch.block_idx()
-  num_n_tiles = cute.arch.grid_dim()[0]
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
   mainloop.prefetch_descriptors(warp, tma_a, tma_b, copies)
+  if cutlass.const_expr(swiglu):
+    if warp == 0:
+      cpasync.prefetch_descriptor(tma_b_up)
 
   num_k = cutlass.Int32(0)   # k steps: none for a tile past the last group or an empty expert
   k_begin = cutlass.Int32(0)
@@ -122,10 +127,10 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
     rhs_l, out_l = expert, 0
   tile_mnk = (BLOCK_M, block_n, BLOCK_K)
   tile_of = lambda t, n, l, proj: cute.local_tile(t, tile_mnk, (m_tile, n, None, l), proj=proj)
-  # rhs column blocks: one, or SwiGLU's gate and up blocks (columns c and n + c of W1)
-  half_cols = [n_tile, n_tile + num_n_tiles]   # a [P, 2n] tensor's gate and up column tiles
-  rhs_cols = half_cols if cutlass.const_expr(swiglu) else [n_tile]
-  g_bs = [tile_of(m_b, c, rhs_l, (None, 1, 1)) for c in rhs_cols]   # (bN, bK, k) each
+  # rhs column blocks: one, or SwiGLU's gate and up blocks (column tile n_tile of W1's gate
+  # and up views: columns c and n + c of W1)
+  rhs_halves = [(tma_b, m_b), (tma_b_up, m_b_up)] if cutlass.const_expr(swiglu) else [(tma_b, m_b)]
+  g_bs = [tile_of(m, n_tile, rhs_l, (None, 1, 1)) for _, m in rhs_halves]   # (bN, bK, k) each
 
   smem = cutlass.memory.SmemAllocator()
   storage = smem.allocate(shared_storage)
@@ -136,7 +141,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   loads, h_bar = mainloop.load_pipeline(storage, stages, stage_bytes, copies, THREADS, tidx,
                                1 if h_smem else 0)
 
-  operands = [mainloop.tma_operand(tma_b, sb, gb) for sb, gb in zip(s_bs, g_bs)]
+  operands = [mainloop.tma_operand(atom, sb, gb)
+              for (atom, _), sb, gb in zip(rhs_halves, s_bs, g_bs)]
   if cutlass.const_expr(not gather):   # else A's stages are filled by the gathers
     g_a = tile_of(m_a, n_tile, 0, (1, None, 1))                     # (bM, bK, k)
     operands = [mainloop.tma_operand(tma_a, s_a, g_a)] + operands
@@ -200,12 +206,13 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
 
     # out's tile (or H's, or dH's, gate and up tiles, then A's or A''s): (TMA atom, its TMA
     # tensor, the output, column tile)
-    outputs = [(tma_out, m_out_tma, m_out, c) for c in (half_cols if kind == "dh" else rhs_cols)]
-    if cutlass.const_expr(swiglu or kind == "dh"):
-      outputs = outputs + [(tma_out2, m_out2_tma, m_out2, n_tile)]
+    outputs = [(tma_out, m_out_tma, m_out, n_tile)]
+    if cutlass.const_expr(swiglu or kind == "dh"):   # the gate view's, the up view's, out2's
+      outputs = outputs + [(tma_out_up, m_out_up_tma, m_out_up, n_tile),
+                           (tma_out2, m_out2_tma, m_out2, n_tile)]
     tiles = accs
     if cutlass.const_expr(kind == "dh"):   # dH's and A''s tiles in registers from H and scores
-      h_tiles = [tile_of(m_h, c, 0, (1, 1, None)) for c in half_cols]
+      h_tiles = [tile_of(t, n_tile, 0, (1, 1, None)) for t in (m_h, m_h_up)]
       # each row's score broadcast along the tile's columns (stride 0)
       scores = cute.make_tensor(m_scores.iterator, cute.make_layout(
           (cute.size(m_scores), block_n, 1), stride=(1, 0, 0)))
@@ -220,7 +227,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
         s_h = cute.make_tensor(cute.recast_ptr(s_bs[0].iterator, h_smem_staged.inner,
                                                dtype=m_h.element_type), h_smem_staged.outer)
         if leader:
-          epilogue.load_h_tile(tma_h, [tile_of(m_h_tma, c, 0, (1, 1, None)) for c in half_cols],
+          epilogue.load_h_tile([tma_h, tma_h_up],
+                               [tile_of(t, n_tile, 0, (1, 1, None)) for t in (m_h_tma, m_h_up_tma)],
                                s_h, h_bar, 2 * BLOCK_M * block_n * m_h.element_type.width // 8)
         cute.arch.mbarrier_wait(h_bar, 0)
         h_srcs = epilogue.smem_chunks(s_h, chunk_mma, mma_tidx, [0, chunks], chunks)
@@ -259,16 +267,28 @@ def rhs_window(rhs: cute.Tensor, out: cute.Tensor, first_col: int) -> cute.Tenso
   slice of it in XLA may start off the 16-byte alignment the call requires."""
   if cutlass.const_expr(first_col == 0 and cute.size(rhs, mode=[0]) == cute.size(out, mode=[1])):
     return rhs
-  return _mode0_view(rhs, first_col, cute.size(out, mode=[1]), 16)
+  return mode_view(rhs, 0, first_col, cute.size(out, mode=[1]))
 
 
-def _mode0_view(tensor: cute.Tensor, first: int, count: int, align: int) -> cute.Tensor:
-  """tensor's entries first .. first + count - 1 along mode 0 (the other modes whole) as a view
-  with the same strides, its start assumed aligned to `align` bytes."""
-  start = tensor.iterator + first * tensor.stride[0]
+def mode_view(tensor: cute.Tensor, mode: int, first: int, count: int,
+              align: int = 16) -> cute.Tensor:
+  """tensor's entries first .. first + count - 1 along `mode` (the other modes whole) as a view
+  with the same strides, its start assumed aligned to `align` bytes (a TMA descriptor's
+  address: 16)."""
+  start = tensor.iterator + first * tensor.stride[mode]
+  shape = tuple(count if i == mode else extent for i, extent in enumerate(tensor.shape))
   return cute.make_tensor(cute.make_ptr(tensor.element_type, start.toint(), cute.AddressSpace.gmem,
                                         assumed_align=align),
-                          cute.make_layout((count, *tensor.shape[1:]), stride=tensor.stride))
+                          cute.make_layout(shape, stride=tensor.stride))
+
+
+def halves(tensor: cute.Tensor, mode: int):
+  """The gate and up halves of a [.., 2n, ..] tensor along `mode` (W1's columns, H's and dH's):
+  two views n entries long, the up half's from entry n (n a multiple of 8: 16 bytes). Each
+  half's TMA descriptor ends at n, so that a column tile reaching past n reads zeros and
+  stores nothing there instead of touching the other half."""
+  n = cute.size(tensor, mode=[mode]) // 2
+  return mode_view(tensor, mode, 0, n), mode_view(tensor, mode, n, n)
 
 
 @cute.jit
@@ -385,9 +405,13 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
       cutlass.Float32, (WARPGROUPS, 1, 1), tiler_mn=(64, block_n))
   a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
   b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
-  tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs,
-                                           cute.slice_(b_smem_staged, (None, None, 0)),
+  b_tile = cute.slice_(b_smem_staged, (None, None, 0))
+  # SwiGLU's rhs W1 (2n, d, E) as its gate and up halves (each its own TMA descriptor)
+  rhs_gate, rhs_up = halves(rhs, 0) if swiglu else (rhs, rhs)
+  tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs_gate, b_tile,
                                            (block_n, BLOCK_K))
+  tma_b_up, m_b_up = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rhs_up,
+                                                 b_tile, (block_n, BLOCK_K))
   if cutlass.const_expr(gather and tma_gather):   # A's rows by TMA, a box a row
     tma_a, m_a = row_gather.row_tma_atom(lhs, a_smem_staged)
   elif cutlass.const_expr(gather and kind == "wgrad"):   # no TMA for A (the kernel takes an atom: B's, unused)
@@ -402,8 +426,13 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   out_layout = LayoutEnum.from_tensor(out)
   c_smem_staged = sm90_utils.make_smem_layout_epi(dtype, out_layout, EPI_TILE, EPI_STAGES)
   c_tile = cute.slice_(c_smem_staged, (None, None, 0))
-  tma_out, m_out_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out, c_tile,
-                                                   EPI_TILE)
+  # H's or dH's (P, 2n, 1) as its gate and up halves, and H's for dh's epilogue
+  out_gate, out_up = halves(out, 1) if swiglu or kind == "dh" else (out, out)
+  h_gate, h_up = halves(m_h, 1) if kind == "dh" else (m_h, m_h)
+  tma_out, m_out_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out_gate,
+                                                   c_tile, EPI_TILE)
+  tma_out_up, m_out_up_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
+                                                         out_up, c_tile, EPI_TILE)
   tma_out2, m_out2_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out2,
                                                      c_tile, EPI_TILE)
   # (h_smem) H's gate and up tiles as EPI_TILE buffers over rhs's stages, their TMA atom, and
@@ -411,9 +440,11 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   # kernel takes them, unused elsewhere)
   h_smem_staged = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, EPI_TILE,
                                                   2 * (block_n // EPI_TILE[1]))
-  tma_h, m_h_tma = cpasync.make_tiled_tma_atom(
-      cpasync.CopyBulkTensorTileG2SOp(), m_h, cute.slice_(h_smem_staged, (None, None, 0)),
-      EPI_TILE)
+  h_tile = cute.slice_(h_smem_staged, (None, None, 0))
+  tma_h, m_h_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), h_gate, h_tile,
+                                               EPI_TILE)
+  tma_h_up, m_h_up_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), h_up,
+                                                     h_tile, EPI_TILE)
   chunk_mma = sm90_utils.make_trivial_tiled_mma(
       dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
       cutlass.Float32, (WARPGROUPS, 1, 1), tiler_mn=(64, EPI_TILE[1]))
@@ -422,8 +453,11 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   stage_bytes = num_rhs * cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
   if cutlass.const_expr(not gather or tma_gather):   # TMA brings A's tile too
     stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
-  num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
-  num_n_tiles = cute.size(out, mode=[1]) // ((1 if kind in ("store", "wgrad") else 2) * block_n)
+  # the output's tiles (of out_gate's columns: H's, dH's gate half), the last of each mode
+  # clipped where BLOCK_M or block_n does not divide it (TMA fills its loads past the
+  # operands' ends with zeros and stores nothing past the output's: calls.unsupported)
+  num_m_tiles = -(-cute.size(out, mode=[0]) // BLOCK_M)
+  num_n_tiles = -(-cute.size(out_gate, mode=[1]) // block_n)
   num_z = cute.size(out, mode=[2]) if kind == "wgrad" else 1   # wgrad: one per expert
   # (but wgrad) the contraction's k steps: lhs's columns
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K
@@ -431,9 +465,10 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
                                     num_rhs)
   producer = gather or warp_specialized   # a producer warpgroup loads the stages
   _kernel.set_name_prefix(kernel_label(kind, gather), remove_cutlass_symbol=True)
-  _kernel(tma_a, lhs if gather and not tma_gather else m_a, tma_b, m_b, out, out2, tma_out,
-          m_out_tma, tma_out2, m_out2_tma, m_h, m_scores, m_ds, tma_h, m_h_tma, h_smem_staged,
-          chunk_mma, tile_expert, gather_index, tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged,
+  _kernel(tma_a, lhs if gather and not tma_gather else m_a, tma_b, m_b, tma_b_up, m_b_up,
+          out_gate, out_up, out2, tma_out, m_out_tma, tma_out_up, m_out_up_tma, tma_out2,
+          m_out2_tma, h_gate, h_up, m_scores, m_ds, tma_h, m_h_tma, tma_h_up, m_h_up_tma,
+          h_smem_staged, chunk_mma, tile_expert, gather_index, tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged,
           cute.size(rhs, mode=[2]), storage, block_n, stages, stage_bytes, kind, gather,
           register_store, out_layout.is_m_major_c(), producer, h_smem, tma_gather,
           k_steps).launch(
@@ -448,9 +483,11 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   tile_expert: [P / BLOCK_M] int32, E or more past the last group. stages: the TMA pipeline's
   depth (default: as many as fit in SMEM, at most 8). warp_specialized: a producer warpgroup
   issues the TMA loads (bitwise the same result; one CTA per SM). cols=(lo, hi): out is the
-  product's columns lo .. hi - 1 only (out [P, hi - lo]; lo a multiple of 8, hi - lo of
-  block_n)."""
-  reason = calls.unsupported(lhs, calls.rhs_as_ekn(rhs, transpose_rhs), block_n, cols)
+  product's columns lo .. hi - 1 only (out [P, hi - lo]; lo a multiple of 8, hi - lo of 64).
+  block_n need not divide the output's columns: the last column tile is clipped
+  (calls.column_tiles)."""
+  reason = calls.unsupported(lhs, calls.rhs_as_ekn(rhs, transpose_rhs), block_n, cols,
+                             clipped_last_tile=True)
   if reason:
     raise ValueError(f"cute grouped_matmul: {reason}")
   stages = pipeline_depth(block_n, 1, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K, stages)
@@ -464,10 +501,13 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
   slot order, w1 [E, d, 2n]; returns H [P, 2n], A [P, n] (the SwiGLU epilogue). With
   gather_index [P], xg is X [T, d] and slot r reads X[gather_index[r]] (zeros where it is T or
   more), gathered inside the kernel by cp.async (by a producer warpgroup). stages and
-  warp_specialized (without gather_index): as grouped_matmul's."""
+  warp_specialized (without gather_index): as grouped_matmul's. block_n need not divide n (a
+  multiple of 64): the last column tile is clipped, W1's and H's gate and up halves each
+  read and written through a TMA descriptor of its own (halves)."""
   n = w1.shape[2] // 2
   reason = calls.unsupported(calls.rows_read(xg, gather_index),
-                       jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n)
+                             jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n,
+                             clipped_last_tile=True)
   if block_n > UP_PROJ_MAX_BLOCK_N:
     reason = (f"block_n={block_n} is wider than {UP_PROJ_MAX_BLOCK_N} (its gate and up "
               f"accumulators would not fit in registers)")
@@ -496,8 +536,11 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   is written over H's tile there and A' over the lhs stages, all three then stored by TMA
   (no register tiles of the outputs). Needs stages >= H_SMEM_MIN_STAGES (the rhs stages hold
   H's 2 x BLOCK_M x block_n tile, the lhs stages A''s BLOCK_M x block_n). Bitwise the same
-  outputs either way."""
-  reason = calls.dh_unsupported(calls.rows_read(dout_g, gather_index), w2, h, scores, block_n)
+  outputs either way. With h_smem and tma_store (H loaded and every output stored by TMA)
+  block_n need not divide n (a multiple of 64): the last column tile is clipped, and the dS
+  parts are [column tiles, P]."""
+  reason = calls.dh_unsupported(calls.rows_read(dout_g, gather_index), w2, h, scores, block_n,
+                                clipped_last_tile=h_smem and tma_store)
   if reason:
     raise ValueError(f"cute dh: {reason}")
   k_steps = dout_g.shape[1] // BLOCK_K
@@ -529,7 +572,9 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   transpose_out the kernel stores out[e]^T: [E, N, M] (its epilogue writes M-major tiles; no
   separate transpose). warp_specialized (without gather_index): as grouped_matmul's."""
   slots = calls.rows_read(lhs, gather_index)   # the rows the GEMM reads
-  reason = calls.weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n, group_sizes)
+  reason = calls.weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
+                                         group_sizes,
+                                         clipped_last_tile=gather_index is None or tma_gather)
   if reason:
     raise ValueError(f"cute weight_grad: {reason}")
   stages = pipeline_depth(block_n, 1, lhs.dtype.itemsize, slots.shape[0] // BLOCK_K, stages)

@@ -38,12 +38,13 @@ from sonicmoe_jax.core import xla_ops
 ALIGN = grouped_gemm.BLOCK_M
 CONFIG_TYPE = CuteConfig   # what backends.resolve accepts as this backend's kernel_config
 
-# n's multiple: the up-projection's column tile (block_n 128: the gate and up halves each) and
-# dW2's rows (the varlen-K kernels' 128-row tiles of [n, d])
-N_MULTIPLE = 128
+# d's and n's multiple: the contraction's k step (BLOCK_K: d is up_proj's and dh's contraction,
+# n down_proj's, 2n dx_tilde's; the gathers copy whole k steps) and the TMA epilogue's column
+# chunk. Column tiles wider than that need not divide the widths: the last one is clipped.
+WIDTH_MULTIPLE = grouped_gemm.BLOCK_K
 # the widths the layer pads d and n up to for these kernels (sonicmoe_jax/core/padding.py);
 # "auto" runs widths that are not multiples of them on the pallas kernels instead (unsupported)
-WIDTH_MULTIPLES = (grouped_gemm.BLOCK_M, N_MULTIPLE)
+WIDTH_MULTIPLES = (WIDTH_MULTIPLE, WIDTH_MULTIPLE)
 
 
 def _dtype_unsupported(dtype):
@@ -53,10 +54,9 @@ def _dtype_unsupported(dtype):
 
 
 def _widths_unsupported(d: int, n: int):
-  if d % grouped_gemm.BLOCK_M:
-    return f"d (model width) must be a multiple of {grouped_gemm.BLOCK_M}; got d={d}"
-  if n % N_MULTIPLE:
-    return f"n (expert width) must be a multiple of {N_MULTIPLE}; got n={n}"
+  for name, width in (("d (model width)", d), ("n (expert width)", n)):
+    if width % WIDTH_MULTIPLE:
+      return f"{name} must be a multiple of {WIDTH_MULTIPLE}; got {width}"
   return None
 
 
@@ -144,18 +144,33 @@ AGGREGATE_INTO = True
 def up_proj(x, w1, plan, *, config: CuteConfig = DEFAULT):
   """H = X_e W1_e and A = SwiGLU(H) per expert group, X's rows gathered in the kernel (or by XLA
   first: config.up_proj_gather_in_kernel off) by the config.up_proj_kernel variant."""
-  check_layer("up_proj", x.dtype, x.shape[1], w1.shape[2] // 2)
+  n = w1.shape[2] // 2
+  check_layer("up_proj", x.dtype, x.shape[1], n)
   if config.up_proj_gather_in_kernel and config.up_proj_kernel == "pingpong":
     return pingpong.up_proj(x, w1, _tiles(plan), plan.token_index)
+  block_n = _clipped_tile(n, grouped_gemm.UP_PROJ_MAX_BLOCK_N, config)
   if config.up_proj_gather_in_kernel:
-    return grouped_gemm.up_proj(x, w1, _tiles(plan), gather_index=plan.token_index)
-  return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan))
+    return grouped_gemm.up_proj(x, w1, _tiles(plan), block_n=block_n,
+                                gather_index=plan.token_index)
+  return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan),
+                              block_n=block_n)
 
 
 def _wide_tile(cols: int, widest: int) -> int:
   """block_n: `widest`, halved (down to 64) until it divides the output columns."""
   block_n = widest
   while cols % block_n and block_n > 64:
+    block_n //= 2
+  return block_n
+
+
+def _clipped_tile(cols: int, widest: int, config: CuteConfig, narrowest: int = 64) -> int:
+  """block_n of a kernel whose last column tile may be clipped: `widest`, halved (down to
+  narrowest) while that tile's columns past the output are more than
+  config.clipped_waste_percent of the output's columns."""
+  block_n = widest
+  while (block_n > narrowest
+         and 100 * (calls.column_tiles(cols, block_n) * block_n - cols) > config.clipped_waste_percent * cols):
     block_n //= 2
   return block_n
 
@@ -170,19 +185,20 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols, config:
   store_tile_m asks), in clusters of store_cluster_n CTAs where their column tiles pair up."""
   width = n_out if cols is None else cols[1] - cols[0]
   if lhs.shape[1] >= config.store_wide_min_k and n_out >= config.store_wide_min_n:
-    if config.store_wide_kernel == "persistent":
+    if config.store_wide_kernel == "persistent":   # (its rolling epilogue: 128-column steps)
       return persistent.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                       block_n=_wide_tile(width, 256), cols=cols)
+                                       block_n=_clipped_tile(width, 256, config, 128), cols=cols)
     return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                       block_n=_wide_tile(width, 256),
+                                       block_n=_clipped_tile(width, 256, config),
                                        warp_specialized=n_out >= config.store_wide_ws_min_n,
                                        cols=cols)
-  block_n = _wide_tile(width, 128)
   if config.store_kernel.startswith("pingpong"):
     widest = config.store_block_n
     # an out past the register stores' 32-bit offsets takes the TMA stores
     tma_store = (config.store_kernel == "pingpong_tma"
                  or not pingpong.register_stores_fit(lhs.shape[0], width))
+    # the register stores write whole tiles; the TMA stores clip the last one
+    block_n = _clipped_tile(width, 128, config) if tma_store else _wide_tile(width, 128)
     tile_m = config.store_tile_m
     if tile_m == "auto":
       tile_m = pingpong.TILE_M if width % widest == 0 else pingpong.ROW_TILE_M
@@ -199,7 +215,8 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols, config:
                                    tma_store=tma_store, cols=cols, tile_m=tile_m,
                                    cluster_n=cluster_n)
   return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                     block_n=block_n, stages=config.store_stages, cols=cols)
+                                     block_n=_clipped_tile(width, 128, config),
+                                     stages=config.store_stages, cols=cols)
 
 
 def down_proj(a, w2, plan, cols=None, *, config: CuteConfig = DEFAULT):
@@ -216,18 +233,26 @@ def _dh_kernel(d: int, config: CuteConfig) -> str:
   return config.dh_kernel
 
 
+def _dh_clips(d: int, config: CuteConfig) -> bool:
+  """Whether dH's kernel may clip its last column tile: grouped_gemm.dh loading H and storing
+  every output by TMA ("tma_store" with dh_h_smem)."""
+  return _dh_kernel(d, config) == "tma_store" and config.dh_h_smem
+
+
 def _dh_block_n(n: int, d: int, config: CuteConfig) -> int:
   """dH's column tile: config.dh_block_n (at most 128 on the ping-pong kernel), halved to
-  divide n."""
+  divide n (or, where the kernel clips its last tile, _clipped_tile's)."""
   widest = (pingpong.widest_block_n(1, "dh") if _dh_kernel(d, config).startswith("pingpong")
             else config.dh_block_n)
-  return _wide_tile(n, min(config.dh_block_n, widest))
+  widest = min(config.dh_block_n, widest)
+  return _clipped_tile(n, widest, config) if _dh_clips(d, config) else _wide_tile(n, widest)
 
 
 def _dout_gathered_in_kernel(n: int, d: int, config: CuteConfig) -> bool:
   """Whether dh and dw2 gather dO's rows themselves (dout_gather_max_column_tiles of dH; the
   two ops decide alike, so that XLA's gather, when made, is one copy shared by both)."""
-  return n // _dh_block_n(n, d, config) <= config.dout_gather_max_column_tiles
+  return (calls.column_tiles(n, _dh_block_n(n, d, config))
+          <= config.dout_gather_max_column_tiles)
 
 
 def dh(dout, w2, h, scores, plan, *, config: CuteConfig = DEFAULT):
@@ -296,14 +321,29 @@ def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, config: CuteConfi
                                 cluster_m=cluster_m, tma_gather=tma_gather)
 
 
+def _gathers_whole_tiles(op: str, m: int, n: int, block_n: int, config: CuteConfig) -> bool:
+  """Whether op's weight gradient ([m, n] an expert, block_n-wide tiles) can gather its rows
+  in the kernel: by TMA (config.tma_gather: its last M and column tiles may be clipped), or by
+  cp.async where BLOCK_M and block_n divide m and n."""
+  return op in config.tma_gather or (m % grouped_gemm.BLOCK_M == 0 and n % block_n == 0)
+
+
+def _wgrad_tile(cols: int, config: CuteConfig) -> int:
+  """A weight gradient's column tile: _clipped_tile's from 256 (down to 128 on the persistent
+  kernel: its rolling epilogue steps 128 columns at a time)."""
+  return _clipped_tile(cols, 256, config, 128 if config.wgrad_kernel == "persistent" else 64)
+
+
 def dw1(x, dh_, plan, *, config: CuteConfig = DEFAULT):
-  """dW1_e = X_e^T dH_e over expert e's rows; block_n 256 where 2n allows. X's rows are
-  gathered in the kernel (by TMA or cp.async: config.tma_gather) where dW1 has at most
-  config.dw1_gather_max_column_tiles column tiles (each tile gathers the rows again), else by
-  XLA first."""
-  check_layer("dw1", x.dtype, x.shape[1], dh_.shape[1] // 2)
-  block_n = _wide_tile(dh_.shape[1], 256)
-  if dh_.shape[1] // block_n <= config.dw1_gather_max_column_tiles:
+  """dW1_e = X_e^T dH_e over expert e's rows on 256-wide column tiles (_wgrad_tile's). X's
+  rows are gathered in the kernel (by TMA or cp.async: config.tma_gather) where dW1 has at
+  most config.dw1_gather_max_column_tiles column tiles (each tile gathers the rows again) and
+  the kernel takes the widths (_gathers_whole_tiles), else by XLA first."""
+  d, two_n = x.shape[1], dh_.shape[1]
+  check_layer("dw1", x.dtype, d, two_n // 2)
+  block_n = _wgrad_tile(two_n, config)
+  if (calls.column_tiles(two_n, block_n) <= config.dw1_gather_max_column_tiles
+      and _gathers_whole_tiles("dw1", d, two_n, block_n, config)):
     return _gathered_weight_grad("dw1", x, dh_, plan, block_n, config)
   return grouped_gemm.weight_grad(xla_ops.gather_rows(x, plan.token_index), dh_,
                                   plan.group_offsets, plan.num_experts, block_n=block_n,
@@ -313,14 +353,18 @@ def dw1(x, dh_, plan, *, config: CuteConfig = DEFAULT):
 def dw2(a_scaled, dout, plan, *, config: CuteConfig = DEFAULT):
   """dW2_e = A'_e^T dO_e over expert e's rows (dO's rows gathered by XLA first), or where
   _dout_gathered_in_kernel computed transposed, dW2_e^T = dO_e^T A'_e with dO's rows gathered
-  in the kernel (its gathered operand is the lhs), stored back as [E, n, d] by the kernel's
-  M-major epilogue."""
-  check_layer("dw2", dout.dtype, dout.shape[1], a_scaled.shape[1])
-  if _dout_gathered_in_kernel(a_scaled.shape[1], dout.shape[1], config):
-    return _gathered_weight_grad("dw2", dout, a_scaled, plan, _wide_tile(a_scaled.shape[1], 256),
-                                 config, transpose_out=True)
+  in the kernel (its gathered operand is the lhs; where the kernel takes the widths:
+  _gathers_whole_tiles), stored back as [E, n, d] by the kernel's M-major epilogue."""
+  n, d = a_scaled.shape[1], dout.shape[1]
+  check_layer("dw2", dout.dtype, d, n)
+  if _dout_gathered_in_kernel(n, d, config):
+    block_n = _wgrad_tile(n, config)
+    if _gathers_whole_tiles("dw2", d, n, block_n, config):
+      return _gathered_weight_grad("dw2", dout, a_scaled, plan, block_n, config,
+                                   transpose_out=True)
   return grouped_gemm.weight_grad(a_scaled, xla_ops.gather_rows(dout, plan.token_index),
                                   plan.group_offsets, plan.num_experts,
+                                  block_n=_clipped_tile(d, 128, config),
                                   group_sizes=plan.group_sizes)
 
 

@@ -346,8 +346,10 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   storage = mainloop.shared_storage(
       dtype, stages * 2 + ring_barriers, cute.cosize(a_smem_staged), cute.cosize(b_smem_staged),
       1, cute.cosize(c_smem_staged), TILE_SLOTS if dynamic else 0)
-  num_m_tiles = cute.size(out, mode=[0]) // BLOCK_M
-  num_n_tiles = cute.size(out, mode=[1]) // block_n
+  # (the last of each clipped where BLOCK_M or block_n does not divide the output: TMA loads
+  # zeros past the operands' ends and stores nothing past the output's)
+  num_m_tiles = calls.column_tiles(cute.size(out, mode=[0]), BLOCK_M)
+  num_n_tiles = calls.column_tiles(cute.size(out, mode=[1]), block_n)
   num_tiles = num_m_tiles * num_n_tiles * cute.size(out, mode=[2])
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K   # (store: the contraction)
   _kernel.set_name_prefix(gg.kernel_label(kind, gather, "persistent"), remove_cutlass_symbol=True)
@@ -419,8 +421,8 @@ def _tile_unsupported(block_n: int):
 
 
 def cluster_fits(cluster_m: int, m: int) -> bool:
-  """Whether M = m splits into whole clusters of cluster_m M tiles."""
-  return m % (cluster_m * BLOCK_M) == 0
+  """Whether M = m's tiles (the last maybe clipped) make whole clusters of cluster_m."""
+  return calls.column_tiles(m, BLOCK_M) % cluster_m == 0
 
 
 def _cluster_unsupported(cluster_m, m: int) -> str | None:
@@ -428,7 +430,8 @@ def _cluster_unsupported(cluster_m, m: int) -> str | None:
   if type(cluster_m) is not int or cluster_m not in CLUSTER_SIZES:   # (not a bool or a float)
     return f"cluster_m={cluster_m!r} must be one of {CLUSTER_SIZES}"
   if not cluster_fits(cluster_m, m):
-    return f"M={m} must be a multiple of cluster_m x BLOCK_M = {cluster_m * BLOCK_M}"
+    return (f"M={m} must make whole clusters: {calls.column_tiles(m, BLOCK_M)} M tiles of "
+            f"{BLOCK_M} in clusters of cluster_m={cluster_m}")
   return None
 
 
@@ -455,12 +458,14 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   whole clusters, at least one). dynamic: the tiles in the order the CTAs ask for them (the
   dynamic tile order, above _ask_tile) instead of every grid-th; the same bits. cluster_m:
   CTAs per cluster (CLUSTER_SIZES; 2: neighbouring M tiles share the rhs's stages by
-  multicast, M a multiple of 2 x BLOCK_M); the same bits. tma_gather: the gathered rows
+  multicast, M's tiles an even number); the same bits. tma_gather: the gathered rows
   loaded by TMA (row_gather.produce_wgrad_steps_tma) instead of the producer's cp.async;
-  the same bits (the TMA engine writes the rows into SMEM without the producer's LSU time)."""
+  the same bits (the TMA engine writes the rows into SMEM without the producer's LSU time),
+  and M and N need then only be multiples of 64: the last M and column tiles are clipped."""
   slots = calls.rows_read(x, gather_index)
   reason = (calls.weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
-                                       group_sizes) or _tile_unsupported(block_n)
+                                          group_sizes, clipped_last_tile=tma_gather)
+            or _tile_unsupported(block_n)
             or _cluster_unsupported(cluster_m, x.shape[1]))
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
@@ -478,9 +483,11 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   """grouped_gemm.grouped_matmul on persistent CTAs (module docstring): out [P, N] = lhs_e
   rhs_e per M tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major; tile_expert
   [P / BLOCK_M] (E or more past the last group: zeros); cols=(lo, hi): out's columns lo ..
-  hi - 1 only. stages: as weight_grad's (at most the contraction's k steps). num_ctas: the
-  grid's most CTAs (default NUM_SMS)."""
-  reason = (calls.unsupported(lhs, calls.rhs_as_ekn(rhs, transpose_rhs), block_n, cols)
+  hi - 1 only, a multiple of 64: block_n need not divide it (the last column tile is clipped).
+  stages: as weight_grad's (at most the contraction's k steps). num_ctas: the grid's most CTAs
+  (default NUM_SMS)."""
+  reason = (calls.unsupported(lhs, calls.rhs_as_ekn(rhs, transpose_rhs), block_n, cols,
+                             clipped_last_tile=True)
             or _tile_unsupported(block_n))
   if reason:
     raise ValueError(f"cute persistent grouped_matmul: {reason}")

@@ -162,16 +162,9 @@ def row_tiles_of(tiles, out, tile_m: int):
   return cute.size(tiles) // schedule.ROW_TILE_FIELDS
 
 
-def column_tiles(num_cols, block_n: int):
-  """The column tiles of an output num_cols wide: the last one clipped where block_n does not
-  divide num_cols (the store kernels' TMA-store epilogue only: grouped_matmul; its loads past
-  the columns fill zeros, its stores past them write nothing)."""
-  return (num_cols + block_n - 1) // block_n
-
-
 def cluster_fits(cluster_n: int, num_cols: int, block_n: int) -> bool:
   """Whether an output num_cols wide splits into whole clusters of cluster_n column tiles."""
-  return column_tiles(num_cols, block_n) % cluster_n == 0
+  return calls.column_tiles(num_cols, block_n) % cluster_n == 0
 
 
 @cute.jit
@@ -315,7 +308,7 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   num_ctas = cute.arch.grid_dim()[0]
   role = cute.arch.make_warp_uniform(tidx // 128)   # 0 producer, 1 and 2 consumers
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-  num_n_tiles = column_tiles(cute.size(m_out2, mode=[1]), block_n)
+  num_n_tiles = calls.column_tiles(cute.size(m_out2, mode=[1]), block_n)
   num_tiles = row_tiles_of(tile_expert, m_out2, tile_m) * num_n_tiles
   my_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
   k_steps = cute.size(m_a, mode=[1]) // BLOCK_K
@@ -497,7 +490,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   if cutlass.const_expr(not gather):
     tx_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   num_tiles = (row_tiles_of(tile_expert, out2, tile_m)
-               * column_tiles(cute.size(out2, mode=[1]), block_n))
+               * calls.column_tiles(cute.size(out2, mode=[1]), block_n))
   # (the TMA-store epilogue's buffers: the store kernels' and dh's with tma_store; dh's H
   # barriers, one per consumer)
   storage = mainloop.shared_storage(
@@ -598,7 +591,7 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   both give grouped_matmul's bits. The register stores' 32-bit offsets cannot address
   an out past 2^31 elements (refused). cols: a window of the product, as grouped_matmul's.
   With tma_store block_n need not divide out's columns (a multiple of 64): the last column
-  tile is clipped (column_tiles). tile_m: TILE_M rows a tile (the plan's M tiles: tile_expert
+  tile is clipped (calls.column_tiles). tile_m: TILE_M rows a tile (the plan's M tiles: tile_expert
   [P / 128]), or with tma_store ROW_TILE_M (three m64 wgmmas per consumer, block_n at most
   128): tile_expert is then schedule.row_tiles(group_offsets, P, ROW_TILE_M)'s table, the
   groups starting on multiples of MMA_M (schedule.plan_row_tiles checks a plan's). cluster_n:
@@ -624,7 +617,7 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
     reason = f"cluster_n={cluster_n!r} must be one of {CLUSTER_NS}"
   if not reason and not cluster_fits(cluster_n, out_cols, block_n):
     reason = (f"cluster_n={cluster_n} needs the column tiles in whole clusters: "
-              f"{column_tiles(out_cols, block_n)} tiles of block_n={block_n} in {out_cols} columns")
+              f"{calls.column_tiles(out_cols, block_n)} tiles of block_n={block_n} in {out_cols} columns")
   if reason:
     raise ValueError(f"cute ping-pong grouped_matmul: {reason}")
   stages = _check_tile(block_n, lhs.dtype.itemsize, 1, stages, "grouped_matmul", tma_store,

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import math
 import warnings
 from collections.abc import Mapping
 import dataclasses
@@ -109,21 +108,6 @@ GPU_CUTE_WHERE = {"top_k": _many_experts, "rounded_slots": _everywhere,
                   "aggregate": _token_rounding, "up_proj": _everywhere, "down_proj": _everywhere,
                   "dh": _everywhere, "dx_tilde": _everywhere, "dw1": _everywhere,
                   "dw2": _everywhere}
-
-
-# "auto" runs the expert ops on cute at widths its tiles do not divide too (the layer pads d and
-# n to its multiples of 128) unless that pads the up-projection's d x n to more than this many
-# times pallas's (multiples of 64). Measured on an H200 at gpt-oss-20b's d = n = 2880 (T = 32768,
-# E = 32, K = 4): cute at 2944 (4.5% more FLOPs) ran the step's kernels in 38.3 ms, pallas
-# unpadded in 55.4 (benchmarks/results/2026-12-07-h200-gpt-oss-20b/).
-CUTE_PADDING_LIMIT = 1.25
-
-
-def _padding_within_limit(cute, d: int, n: int) -> bool:
-  pallas = _backend_module("pallas")
-  cute_area = math.prod(map(padding.padded_width, (d, n), cute.WIDTH_MULTIPLES))
-  pallas_area = math.prod(map(padding.padded_width, (d, n), pallas.WIDTH_MULTIPLES))
-  return cute_area <= CUTE_PADDING_LIMIT * pallas_area
 
 
 def _unsupported_at_kernel_widths(module, dtype, d: int | None, n: int | None):
@@ -237,7 +221,6 @@ def default_backend(op: str, platform: str | None = None, *, dtype=None, d: int 
       and cute_installed()):
     cute = _backend_module("cute")
     if (_unsupported_at_kernel_widths(cute, dtype, d, n) is None
-        and (op not in EXPERT_OPS or _padding_within_limit(cute, d, n))
         and (op != "top_k" or cute.top_k_unsupported(num_experts, k) is None)):
       return "cute"
   return PLATFORM_DEFAULTS.get(platform, {}).get(op, "xla")

@@ -149,10 +149,10 @@ def test_cute_gemm_rejects_unsupported_operands():
     grouped_gemm.grouped_matmul(jnp.zeros((200, 64), jnp.bfloat16), jnp.zeros((2, 64, 128), jnp.bfloat16), tiles)
   with pytest.raises(ValueError, match="bfloat16 or float16"):
     grouped_gemm.grouped_matmul(jnp.zeros((256, 64)), jnp.zeros((2, 64, 128)), tiles)
-  with pytest.raises(ValueError, match="block_n=128"):
+  with pytest.raises(ValueError, match="output columns N=96 must be a multiple of 64"):
     grouped_gemm.grouped_matmul(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 96), jnp.bfloat16), tiles)
-  with pytest.raises(ValueError, match=r"cute up_proj: output columns N=64 must be a multiple of block_n=128"):
-    grouped_gemm.up_proj(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 128), jnp.bfloat16), tiles)
+  with pytest.raises(ValueError, match=r"cute up_proj: output columns N=96 must be a multiple of 64"):
+    grouped_gemm.up_proj(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 192), jnp.bfloat16), tiles)
   with pytest.raises(ValueError, match=r"cute up_proj: block_n=256 is wider than 128 \(its gate"):
     grouped_gemm.up_proj(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((2, 64, 512), jnp.bfloat16),
                          tiles, block_n=256)
@@ -162,13 +162,23 @@ def test_cute_gemm_rejects_unsupported_operands():
   dout, w2 = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((2, 96, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="cute dh: output columns N=96 must be a multiple of block_n=64"):
     grouped_gemm.dh(dout, w2, jnp.zeros((256, 192), jnp.bfloat16), jnp.zeros((256,)), tiles)
+  # (H loaded and the outputs stored by TMA, a last column tile past n is clipped; without,
+  # block_n must divide n)
+  w2_192 = jnp.zeros((2, 192, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="cute dh: output columns N=192 must be a multiple of block_n=128"):
+    grouped_gemm.dh(dout, w2_192, jnp.zeros((256, 384), jnp.bfloat16), jnp.zeros((256,)), tiles,
+                    block_n=128, tma_store=True)
   w2_wide = jnp.zeros((2, 320, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="cute dh: block_n=320 is wider than 256"):
     grouped_gemm.dh(dout, w2_wide, jnp.zeros((256, 640), jnp.bfloat16), jnp.zeros((256,)), tiles,
                     block_n=320)
-  with pytest.raises(ValueError, match="cute weight_grad: lhs columns M=64 must be a multiple of 128"):
-    grouped_gemm.weight_grad(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((256, 128), jnp.bfloat16),
+  with pytest.raises(ValueError, match="cute weight_grad: lhs columns M=96 must be a multiple of 64"):
+    grouped_gemm.weight_grad(jnp.zeros((256, 96), jnp.bfloat16), jnp.zeros((256, 128), jnp.bfloat16),
                              jnp.zeros((3,), jnp.int32), 2)
+  # (rows gathered by cp.async: whole tiles only)
+  with pytest.raises(ValueError, match="cute weight_grad: lhs columns M=192 must be a multiple of 128"):
+    grouped_gemm.weight_grad(jnp.zeros((300, 192), jnp.bfloat16), jnp.zeros((256, 128), jnp.bfloat16),
+                             jnp.zeros((3,), jnp.int32), 2, gather_index=jnp.zeros((256,), jnp.int32))
   with pytest.raises(ValueError, match=r"cute weight_grad: group_offsets must be \[3\]"):
     grouped_gemm.weight_grad(jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((256, 128), jnp.bfloat16),
                              jnp.zeros((2,), jnp.int32), 2)

@@ -53,25 +53,24 @@ def test_cute_ops_name_the_layer_limit_they_miss():
                                       r"or float16; got float32"):
     trace(128, 128, jnp.float32)
   cute_ops = importlib.import_module("ffi.ops")
-  x, router_w, w1, w2 = make_inputs(0, 256, 192, 64, 8, jnp.bfloat16)
+  x, router_w, w1, w2 = make_inputs(0, 256, 200, 72, 8, jnp.bfloat16)
   plan = routing.route(routing.router_logits(x, router_w), k=2, align=cute_ops.ALIGN)[0]
   with pytest.raises(ValueError, match=r"\(up_proj\): d \(model width\) must be a multiple "
-                                       r"of 128; got d=192"):
+                                       r"of 64; got 200"):
     cute_ops.up_proj(x, w1, plan)
   with pytest.raises(ValueError, match=r"\(dw2\): n \(expert width\) must be a multiple "
-                                       r"of 128; got n=64"):
-    cute_ops.dw2(jnp.zeros((plan.num_slots, 64), x.dtype), x[:, :128], plan)
+                                       r"of 64; got 72"):
+    cute_ops.dw2(jnp.zeros((plan.num_slots, 72), x.dtype), x[:, :128], plan)
   for backend in ("cute", {op: "xla" for op in sm.OP_NAMES} | {"dw2": "cute"}):
-    dx, dw1, dw2 = trace(192, 64, jnp.bfloat16, backend)   # padded to d 256, n 128
-    assert (dx.shape, dw1.shape, dw2.shape) == ((256, 192), (8, 192, 128), (8, 64, 192))
+    dx, dw1, dw2 = trace(200, 72, jnp.bfloat16, backend)   # padded to d 256, n 128
+    assert (dx.shape, dw1.shape, dw2.shape) == ((256, 200), (8, 200, 144), (8, 72, 200))
 
 
 @needs_cute
 def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
-  """On GPUs "auto" runs the six GEMM ops on cute (where each measured faster) at every width,
-  padded to multiples of 128, unless that pads them to more than CUTE_PADDING_LIMIT times
-  pallas's multiples of 64, and the router's top-K where E >= 256 and its kernel takes k;
-  pallas elsewhere and without the extra; float32 goes to xla."""
+  """On GPUs "auto" runs the six GEMM ops on cute (where each measured faster) at every width
+  (the layer padding d and n to multiples of 64), and the router's top-K where E >= 256 and its
+  kernel takes k; pallas elsewhere and without the extra; float32 goes to xla."""
   from sonicmoe_jax import backends
   from sonicmoe_jax.core import xla_ops
   # the modules as the dispatch table imports them (an earlier test may re-import ffi.ops)
@@ -97,16 +96,12 @@ def test_auto_backend_takes_cute_ops_where_measured_faster(monkeypatch):
   assert rounding.aggregate is cute_ops.aggregate
   with pytest.warns(UserWarning, match="float32"):
     assert resolve(4096, 256, jnp.float32).dh is xla_ops.dh
-  for n in (64, 96, 192):   # the up-projection's 128-column tiles, dW2's 128-row tiles
-    assert "multiple of 128" in cute_ops.unsupported(jnp.bfloat16, 4096, n)
-  for d, n in [(128, 64), (4096, 192)]:   # cute's padding: 2x and 1.33x pallas's FLOPs
-    ops = resolve(d, n)
-    assert (ops.up_proj, ops.dw2) == (pallas_ops.up_proj, pallas_ops.dw2)
-    assert ops.kernel_widths(d, n) == (d, n)
-  assert backends.CUTE_PADDING_LIMIT < 256 / 192
-  for d, n, kernel_widths in [(2880, 2880, (2944, 2944)), (2944, 1472, (2944, 1536)),
-                              (2952, 1480, (3072, 1536)), (200, 72, (256, 128))]:
-    ops = resolve(d, n)   # widths cute's tiles do not divide, padded by at most 9%: cute
+  for d, n in [(4096, 96), (200, 4096)]:   # the contraction's 64-column k steps
+    assert "multiple of 64" in cute_ops.unsupported(jnp.bfloat16, d, n)
+  for d, n, kernel_widths in [(2880, 2880, (2880, 2880)), (2944, 1472, (2944, 1472)),
+                              (128, 64, (128, 64)), (4096, 192, (4096, 192)),
+                              (2952, 1480, (3008, 1536)), (200, 72, (256, 128))]:
+    ops = resolve(d, n)   # widths cute's column tiles do not divide: their last tile clipped
     assert ops.backend_by_op()["dh"] == "cute" and ops.kernel_widths(d, n) == kernel_widths
   monkeypatch.setattr(backends, "cute_installed", lambda: False)
   assert resolve(4096, 1024).dh is pallas_ops.dh
@@ -542,7 +537,10 @@ def test_cute_layer_with_persistent_weight_grads_matches_grouped_on_gpu(cluster_
     ((512, 4096, 1024, 8, 2), 8, "registers", "cute"),
     ((1000, 128, 128, 8, 2), 0, "registers", "cute"),    # the narrowest widths it takes
     ((1000, 200, 72, 8, 2), 0, "registers", "cute"),     # padded by the layer to 256, 128
-    ((2000, 2944, 1472, 16, 4), 0, "registers", "cute")])   # padded to 3072, 1536
+    # widths the column tiles do not divide, each kernel's last tile clipped
+    ((1000, 320, 192, 8, 2), 8, "tma_store", "cute"),
+    ((2000, 2944, 1472, 16, 4), 0, "registers", "cute"),
+    ((2000, 2880, 2880, 16, 4), 8, "auto", "cute")])
 def test_cute_gemms_match_xla_on_gpu(shape, dout_gather_max_column_tiles, dh_kernel, backend):
   """Every expert op on cute (dO's rows gathered by XLA, or by dh and dw2; dH's register or TMA
   stores; at d 2048 and 4096, n 1024 dx_tilde on the persistent wide store tiles and down_proj

@@ -103,6 +103,10 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
     persistent.weight_grad(x, rhs, offsets, 4, index, stages=9)
   with pytest.raises(ValueError, match="rhs columns N=512 must be a multiple of block_n=384"):
     persistent.weight_grad(x, rhs, offsets, 4, index, block_n=384)
+  # (its rows loaded by TMA, the last M and column tiles may be clipped: multiples of 64)
+  with pytest.raises(ValueError, match="lhs columns M=288 must be a multiple of 64"):
+    persistent.weight_grad(jnp.zeros((300, 288), jnp.bfloat16), rhs, offsets, 4, index,
+                           tma_gather=True)
   with pytest.raises(ValueError, match="num_ctas must be a positive int; got 0"):
     persistent.weight_grad(x, rhs, offsets, 4, index, num_ctas=0)
   with pytest.raises(ValueError, match="cute persistent weight_grad: block_n=64 must be a multiple of 128"):
@@ -110,7 +114,8 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
   for bad in (3, True, 2.0):
     with pytest.raises(ValueError, match=rf"cluster_m={bad!r} must be one of \(1, 2\)"):
       persistent.weight_grad(x, rhs, offsets, 4, index, cluster_m=bad)
-  with pytest.raises(ValueError, match="M=384 must be a multiple of cluster_m x BLOCK_M = 256"):
+  with pytest.raises(ValueError, match="M=384 must make whole clusters: 3 M tiles of 128 in "
+                                       "clusters of cluster_m=2"):
     persistent.weight_grad(jnp.zeros((300, 384), jnp.bfloat16), rhs, offsets, 4, index,
                            cluster_m=2)
   lhs, w, tiles = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((4, 256, 512), jnp.bfloat16), \
