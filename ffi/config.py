@@ -98,7 +98,7 @@ class CuteConfig:
   store_wide_min_n: int = 2048
   store_wide_ws_min_n: int = 4096
   store_wide_kernel: str = "persistent"
-  clipped_waste_percent: int = 5
+  clipped_waste_percent: int = 10
   dw1_gather_max_column_tiles: int = 8
   wgrad_kernel: str = "persistent"
   wgrad_dynamic_order: str | tuple[str, ...] = "auto"
