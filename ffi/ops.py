@@ -42,8 +42,7 @@ CONFIG_TYPE = CuteConfig   # what backends.resolve accepts as this backend's ker
 # n down_proj's, 2n dx_tilde's; the gathers copy whole k steps) and the TMA epilogue's column
 # chunk. Column tiles wider than that need not divide the widths: the last one is clipped.
 WIDTH_MULTIPLE = grouped_gemm.BLOCK_K
-# the widths the layer pads d and n up to for these kernels (sonicmoe_jax/core/padding.py);
-# "auto" runs widths that are not multiples of them on the pallas kernels instead (unsupported)
+# the multiples the layer pads d and n up to for these kernels (sonicmoe_jax/core/padding.py)
 WIDTH_MULTIPLES = (WIDTH_MULTIPLE, WIDTH_MULTIPLE)
 
 
@@ -168,9 +167,9 @@ def _clipped_tile(cols: int, widest: int, config: CuteConfig, narrowest: int = 6
   """block_n of a kernel whose last column tile may be clipped: `widest`, halved (down to
   narrowest) while that tile's columns past the output are more than
   config.clipped_waste_percent of the output's columns."""
+  clipped = lambda block_n: calls.column_tiles(cols, block_n) * block_n - cols
   block_n = widest
-  while (block_n > narrowest
-         and 100 * (calls.column_tiles(cols, block_n) * block_n - cols) > config.clipped_waste_percent * cols):
+  while block_n > narrowest and 100 * clipped(block_n) > config.clipped_waste_percent * cols:
     block_n //= 2
   return block_n
 
