@@ -299,6 +299,21 @@ def test_cute_layer_with_down_proj_on_192_row_tiles_matches_the_wide_kernel_on_g
 
 
 @needs_cute
+def test_clipped_tiles_take_the_widest_within_the_waste_limit():
+  """_clipped_tile: the widest tile whose last, clipped tile reaches at most
+  clipped_waste_percent of the output's columns past it (halving down to the narrowest)."""
+  cute_ops = importlib.import_module("ffi.ops")
+  tile = lambda cols, widest, percent, narrowest=64: cute_ops._clipped_tile(
+      cols, widest, CuteConfig(clipped_waste_percent=percent), narrowest)
+  assert tile(4096, 256, 0) == 256 and tile(1536, 256, 0) == 256   # whole tiles: none clipped
+  assert tile(2880, 256, 10) == 256    # 12 tiles, 192 of 3072 columns past the output: 6.7%
+  assert tile(2880, 256, 5) == 128     # 23 tiles: 64 past it, 2.2%
+  assert tile(2880, 256, 0) == 64      # 45 whole tiles
+  assert tile(192, 256, 10) == 64 and tile(192, 256, 10, narrowest=128) == 128
+  assert tile(5760, 256, 5) == 256     # dW1's 2n at gpt-oss-20b: 2.2%
+
+
+@needs_cute
 def test_cute_dh_kernel_auto_follows_the_model_width():
   """dh_kernel "auto": the ping-pong dH (SMEM epilogue, 128-wide column tiles) up to
   dh_pingpong_max_d, grouped_gemm's dh (TMA stores, 256 wide) past it; dO's rows gathered by
