@@ -179,9 +179,10 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols, config:
   or where contraction and output are long (store_wide_min_k, store_wide_min_n) on 256-wide
   tiles of config.store_wide_kernel. n_out: the product's columns (they pick the kernel);
   cols=(lo, hi): out's columns lo .. hi - 1 only (the kernels read rhs from column lo: no
-  copy), their tile's width halved until it divides them (the ping-pong kernels' 192 wide
-  where store_block_n asks and it divides them; or their 192-row tiles, 128 wide, where
-  store_tile_m asks), in clusters of store_cluster_n CTAs where their column tiles pair up."""
+  copy). The column tile: _clipped_tile's (the last one may reach past the columns), or on
+  the ping-pong register stores halved until it divides them; the ping-pong kernels take 192
+  where store_block_n asks and it divides the columns, or their 192-row tiles, 128 wide, where
+  store_tile_m asks; in clusters of store_cluster_n CTAs where their column tiles pair up."""
   width = n_out if cols is None else cols[1] - cols[0]
   if lhs.shape[1] >= config.store_wide_min_k and n_out >= config.store_wide_min_n:
     if config.store_wide_kernel == "persistent":   # (its rolling epilogue: 128-column steps)
