@@ -450,14 +450,14 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
       cutlass.Float32, (WARPGROUPS, 1, 1), tiler_mn=(64, EPI_TILE[1]))
   num_barriers = stages * 2 + (1 if h_smem else 0)   # the pipeline's, (h_smem) H's
 
-  stage_bytes = num_rhs * cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+  stage_bytes = num_rhs * cute.size_in_bytes(dtype, b_tile)
   if cutlass.const_expr(not gather or tma_gather):   # TMA brings A's tile too
     stage_bytes += cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
   # the output's tiles (of out_gate's columns: H's, dH's gate half), the last of each mode
   # clipped where BLOCK_M or block_n does not divide it (TMA fills its loads past the
   # operands' ends with zeros and stores nothing past the output's: calls.unsupported)
-  num_m_tiles = -(-cute.size(out, mode=[0]) // BLOCK_M)
-  num_n_tiles = -(-cute.size(out_gate, mode=[1]) // block_n)
+  num_m_tiles = calls.column_tiles(cute.size(out, mode=[0]), BLOCK_M)
+  num_n_tiles = calls.column_tiles(cute.size(out_gate, mode=[1]), block_n)
   num_z = cute.size(out, mode=[2]) if kind == "wgrad" else 1   # wgrad: one per expert
   # (but wgrad) the contraction's k steps: lhs's columns
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K
@@ -468,7 +468,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   _kernel(tma_a, lhs if gather and not tma_gather else m_a, tma_b, m_b, tma_b_up, m_b_up,
           out_gate, out_up, out2, tma_out, m_out_tma, tma_out_up, m_out_up_tma, tma_out2,
           m_out2_tma, h_gate, h_up, m_scores, m_ds, tma_h, m_h_tma, tma_h_up, m_h_up_tma,
-          h_smem_staged, chunk_mma, tile_expert, gather_index, tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged,
+          h_smem_staged, chunk_mma, tile_expert, gather_index, tiled_mma, a_smem_staged,
+          b_smem_staged, c_smem_staged,
           cute.size(rhs, mode=[2]), storage, block_n, stages, stage_bytes, kind, gather,
           register_store, out_layout.is_m_major_c(), producer, h_smem, tma_gather,
           k_steps).launch(
