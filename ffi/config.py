@@ -19,6 +19,7 @@ STORE_BLOCK_NS = (128, 192)
 STORE_TILE_MS = ("auto", 128, 192)       # pingpong.TILE_M, pingpong.ROW_TILE_M
 STORE_CLUSTER_NS = (1, 2)                # pingpong.CLUSTER_NS
 STORE_WIDE_KERNELS = ("grouped", "persistent")
+PERSISTENT_BLOCK_NS = ("auto", 128, 192, 256)
 WGRAD_KERNELS = ("grouped", "persistent")
 WGRAD_CLUSTER_MS = (1, 2)                # persistent.CLUSTER_SIZES
 WEIGHT_GRADS = ("dw1", "dw2")
@@ -68,6 +69,10 @@ class CuteConfig:
   but the ping-pong register stores, the weight gradients loading by TMA):
     clipped_waste_percent: the widest tile an op takes is halved (down to 64) while its last
       tile's columns past the output are more than this percent of the output's columns.
+    persistent_block_n: the persistent kernels' column tile (the wide store GEMMs', the weight
+      gradients' on wgrad_kernel "persistent"): 128, 192, 256, or "auto": of 256 and 192 the
+      one whose last tile clips fewer columns (256 on a tie; 2880 = 15 x 192 takes 192), 128
+      where that is more than clipped_waste_percent of them.
   Weight gradients (dw1, dw2):
     dw1_gather_max_column_tiles: dW1 gathers X's rows itself where its output has at most
       this many column tiles, else reads one gather made by XLA.
@@ -88,7 +93,7 @@ class CuteConfig:
   dh_block_n: int = 256
   dh_h_smem: bool = True
   dh_over_h: bool = True
-  dout_gather_max_column_tiles: int = 8
+  dout_gather_max_column_tiles: int = 16
   store_kernel: str = "pingpong_tma"
   store_block_n: int = 192
   store_tile_m: str | int = "auto"
@@ -99,7 +104,8 @@ class CuteConfig:
   store_wide_ws_min_n: int = 4096
   store_wide_kernel: str = "persistent"
   clipped_waste_percent: int = 10
-  dw1_gather_max_column_tiles: int = 8
+  persistent_block_n: str | int = "auto"
+  dw1_gather_max_column_tiles: int = 32
   wgrad_kernel: str = "persistent"
   wgrad_dynamic_order: str | tuple[str, ...] = "auto"
   wgrad_dynamic_min_tiles: int = 128
@@ -112,6 +118,7 @@ class CuteConfig:
                           ("store_block_n", STORE_BLOCK_NS), ("store_tile_m", STORE_TILE_MS),
                           ("store_cluster_n", STORE_CLUSTER_NS),
                           ("store_wide_kernel", STORE_WIDE_KERNELS),
+                          ("persistent_block_n", PERSISTENT_BLOCK_NS),
                           ("wgrad_kernel", WGRAD_KERNELS),
                           ("wgrad_cluster_m", WGRAD_CLUSTER_MS)):
       value = getattr(self, name)

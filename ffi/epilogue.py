@@ -223,7 +223,8 @@ def tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutla
                         barrier_id: cutlass.Constexpr = EPILOGUE_BARRIER,
                         threads: cutlass.Constexpr = THREADS, first_buffer=0,
                         m_major: cutlass.Constexpr = False, rolling: cutlass.Constexpr = False,
-                        epi_tile: cutlass.Constexpr = EPI_TILE, row_limit=None):
+                        epi_tile: cutlass.Constexpr = EPI_TILE, row_limit=None,
+                        first_chunk: cutlass.Constexpr = 0):
   """The output tiles through SMEM: epi_tile column slices at a time, each thread writes its
   fragments' outputs to an SMEM buffer (stmatrix, swizzled; EPI_STAGES buffers of s_c from
   first_buffer: here over A's stages), then the leader warp (warp 0) stores the buffer by TMA
@@ -231,10 +232,12 @@ def tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutla
   tile of its TMA tensor) per output. The `threads` threads of tiled_mma (thread tidx here)
   sync on named barrier barrier_id. m_major: the outputs (and s_c) are M-major (columns
   contiguous; stmatrix writes its 8 x 8 blocks transposed). rolling (a persistent CTA's
-  epilogue, its tiles' chunks a multiple of EPI_STAGES): the leader waits for a buffer's last
-  store right before the buffer is written again, not after each store, and not for the tile's
-  last stores, which read on under the CTA's next tile; it waits for them once (store_tail)
-  before the CTA exits. epi_tile: the buffers' shape, EPI_TILE, or fewer rows than the tile
+  epilogue): the leader waits for a buffer's last store right before the buffer is written
+  again, not after each store, and not for the tile's last stores, which read on under the
+  CTA's next tile; it waits for them once (store_tail) before the CTA exits. first_chunk
+  (rolling): the buffer the tile's first chunk takes, counted from first_buffer (the CTA's
+  chunks so far modulo EPI_STAGES: the buffers taken in turn across tiles whose chunks do not
+  fill them whole). epi_tile: the buffers' shape, EPI_TILE, or fewer rows than the tile
   (the ping-pong kernel's 192-row tiles: (64, 64)), which are then stored one row block at a
   time down each column slice, and with row_limit (a count of rows) only the row blocks
   starting above it (the later ones are the tile's rows past its group: not stored, and,
@@ -273,7 +276,7 @@ def tma_store_epilogue(accs, stores, s_c, tiled_mma, tidx, leader, swiglu: cutla
           vals.append(frag.load().to(cutlass.Float32))
         outs = epilogue_values(vals, swiglu)
         for j in cutlass.range_constexpr(len(stores)):
-          buf = first_buffer + (step * len(stores) + j) % EPI_STAGES
+          buf = first_buffer + (first_chunk + step * len(stores) + j) % EPI_STAGES
           if cutlass.const_expr(rolling):
             if leader:
               buffers.producer_acquire()   # its last store (maybe the last tile's) read it

@@ -174,20 +174,32 @@ def _clipped_tile(cols: int, widest: int, config: CuteConfig, narrowest: int = 6
   return block_n
 
 
+def _persistent_tile(cols: int, config: CuteConfig) -> int:
+  """The persistent kernels' column tile for an output `cols` wide: config.persistent_block_n,
+  "auto" resolved (of 256 and 192 the one clipping fewer columns, 256 on a tie; 128 where
+  that is more than config.clipped_waste_percent of them)."""
+  if config.persistent_block_n != "auto":
+    return config.persistent_block_n
+  clipped = lambda block_n: calls.column_tiles(cols, block_n) * block_n - cols
+  block_n = min((256, 192), key=clipped)
+  return block_n if 100 * clipped(block_n) <= config.clipped_waste_percent * cols else 128
+
+
 def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols, config: CuteConfig):
   """out = lhs_e rhs_e (rhs_e^T with transpose_rhs) per expert group on config.store_kernel,
-  or where contraction and output are long (store_wide_min_k, store_wide_min_n) on 256-wide
-  tiles of config.store_wide_kernel. n_out: the product's columns (they pick the kernel);
-  cols=(lo, hi): out's columns lo .. hi - 1 only (the kernels read rhs from column lo: no
-  copy). The column tile: _clipped_tile's (the last one may reach past the columns), or on
+  or where contraction and output are long (store_wide_min_k, store_wide_min_n) on the wide
+  tiles of config.store_wide_kernel (persistent: _persistent_tile's). n_out: the product's
+  columns (they pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the kernels
+  read rhs from column lo: no copy). The column tile: _clipped_tile's (the last one may reach
+  past the columns), or on
   the ping-pong register stores halved until it divides them; the ping-pong kernels take 192
   where store_block_n asks and it divides the columns, or their 192-row tiles, 128 wide, where
   store_tile_m asks; in clusters of store_cluster_n CTAs where their column tiles pair up."""
   width = n_out if cols is None else cols[1] - cols[0]
   if lhs.shape[1] >= config.store_wide_min_k and n_out >= config.store_wide_min_n:
-    if config.store_wide_kernel == "persistent":   # (its rolling epilogue: 128-column steps)
+    if config.store_wide_kernel == "persistent":
       return persistent.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                       block_n=_clipped_tile(width, 256, config, 128), cols=cols)
+                                       block_n=_persistent_tile(width, config), cols=cols)
     return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                        block_n=_clipped_tile(width, 256, config),
                                        warp_specialized=n_out >= config.store_wide_ws_min_n,
@@ -329,13 +341,15 @@ def _gathers_whole_tiles(op: str, m: int, n: int, block_n: int, config: CuteConf
 
 
 def _wgrad_tile(cols: int, config: CuteConfig) -> int:
-  """A weight gradient's column tile: _clipped_tile's from 256 (down to 128 on the persistent
-  kernel: its rolling epilogue steps 128 columns at a time)."""
-  return _clipped_tile(cols, 256, config, 128 if config.wgrad_kernel == "persistent" else 64)
+  """A weight gradient's column tile: _persistent_tile's on the persistent kernel, else
+  _clipped_tile's from 256."""
+  if config.wgrad_kernel == "persistent":
+    return _persistent_tile(cols, config)
+  return _clipped_tile(cols, 256, config)
 
 
 def dw1(x, dh_, plan, *, config: CuteConfig = DEFAULT):
-  """dW1_e = X_e^T dH_e over expert e's rows on 256-wide column tiles (_wgrad_tile's). X's
+  """dW1_e = X_e^T dH_e over expert e's rows on _wgrad_tile's column tiles. X's
   rows are gathered in the kernel (by TMA or cp.async: config.tma_gather) where dW1 has at
   most config.dw1_gather_max_column_tiles column tiles (each tile gathers the rows again) and
   the kernel takes the widths (_gathers_whole_tiles), else by XLA first."""

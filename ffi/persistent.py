@@ -177,6 +177,23 @@ def _next_tile(barriers, tile_ids: cute.Tensor, i, t, stride, dynamic: cutlass.C
   return t
 
 
+def buffer_cycle_tiles(block_n: int) -> int:
+  """The tiles after which a CTA's rolling epilogue is back on its first buffer: 1 where a
+  tile's EPI_TILE chunks fill the EPI_STAGES buffers whole (block_n a multiple of 128), else
+  EPI_STAGES (2: a 64- or 192-wide tile's odd chunks)."""
+  chunks = block_n // EPI_TILE[1]
+  return 1 if chunks % epilogue.EPI_STAGES == 0 else epilogue.EPI_STAGES
+
+
+@cute.jit
+def _store_tile(acc, tma_out, out_tile, s_c, tiled_mma, mma_tidx, warp, out_m_major,
+                first_chunk: cutlass.Constexpr):
+  """A tile's rolling epilogue (warp 4 the leader), its first chunk on buffer first_chunk."""
+  epilogue.tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx,
+                              warp == 4, False, m_major=out_m_major, rolling=True,
+                              first_chunk=first_chunk)
+
+
 @cute.kernel
 def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: cute.Tensor,
             tma_out: cute.CopyAtom, m_out_tma: cute.Tensor, tile_info: cute.Tensor,
@@ -285,9 +302,14 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
       out_tile = cute.local_tile(m_out_tma, tile_mnk, (m_tile, n_tile, None, out_l),
                                  proj=(1, 1, None))
       # rolling: before writing a buffer the leader waits for its last store, which may be
-      # the previous tile's (block_n, a multiple of 128, fills the buffers whole)
-      epilogue.tma_store_epilogue([acc], [(tma_out, out_tile)], s_c, tiled_mma, mma_tidx,
-                                  warp == 4, False, m_major=out_m_major, rolling=True)
+      # the previous tile's; the buffers taken in turn across tiles (buffer_cycle_tiles)
+      if cutlass.const_expr(buffer_cycle_tiles(block_n) == 1):
+        _store_tile(acc, tma_out, out_tile, s_c, tiled_mma, mma_tidx, warp, out_m_major, 0)
+      else:   # (odd chunks a tile: every other tile starts on the second buffer)
+        if i % 2 == 0:
+          _store_tile(acc, tma_out, out_tile, s_c, tiled_mma, mma_tidx, warp, out_m_major, 0)
+        else:
+          _store_tile(acc, tma_out, out_tile, s_c, tiled_mma, mma_tidx, warp, out_m_major, 1)
       i += 1
       t = _next_tile(tile_bars, tile_ids, i, t, stride, dynamic, cluster)
     epilogue.store_tail(warp == 4)
@@ -414,10 +436,11 @@ def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int
 
 
 def _tile_unsupported(block_n: int):
-  """Why the rolling epilogue cannot take this column tile, or None: its chunks must fill the
-  EPI_STAGES buffers whole, so that each tile starts on the first buffer."""
-  whole = epilogue.EPI_STAGES * EPI_TILE[1]
-  return None if block_n % whole == 0 else f"block_n={block_n} must be a multiple of {whole}"
+  """Why the kernel cannot take this column tile, or None: one wgmma's N (a multiple of
+  EPI_TILE's columns, which the calls check, up to calls.WGMMA_MAX_N)."""
+  if block_n > calls.WGMMA_MAX_N:
+    return f"block_n={block_n} is wider than {calls.WGMMA_MAX_N} (one wgmma's widest N)"
+  return None
 
 
 def cluster_fits(cluster_m: int, m: int) -> bool:

@@ -16,12 +16,13 @@ from cute_helpers import FFI_TARGET, cuda_module, needs_cute
     (256, None, False, False, 1, False), (256, None, False, True, 1, False),
     (128, 3, True, True, 1, False), (256, None, False, True, 2, False),
     (128, 3, True, False, 2, False), (256, None, False, True, 2, True),
-    (128, 3, True, False, 1, True)])
+    (192, 3, True, False, 1, True)])
 def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out, dynamic,
                                                        cluster_m, tma_gather):
   """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers) compiles
   for sm_90a at the tiles and depths the layer and the sweep run, in either tile order, alone
-  or in clusters of 2, the rows by cp.async or TMA."""
+  or in clusters of 2, the rows by cp.async or TMA (192 wide: the last column tile clipped, the
+  epilogue's buffers taken in turn across tiles)."""
   from ffi import persistent
   P, M, N, E, T = 512, 256, 512, 4, 300
   offsets = jnp.arange(E + 1, dtype=jnp.int32) * (P // E)
@@ -56,10 +57,11 @@ def test_persistent_cluster_tiles_pair_neighbouring_m_tiles_of_one_column_tile()
 
 @needs_cute
 @pytest.mark.parametrize("block_n,stages,transpose_rhs,cols", [
-    (256, None, False, None), (256, 2, True, None), (128, None, False, (128, 384)),
+    (256, None, False, None), (192, 2, True, None), (128, None, False, (128, 384)),
     (256, None, True, (256, 512))])
 def test_cute_persistent_matmul_compiles_for_cuda(block_n, stages, transpose_rhs, cols):
-  """The persistent store GEMM compiles for sm_90a, both rhs layouts, whole and windowed."""
+  """The persistent store GEMM compiles for sm_90a, both rhs layouts, whole and windowed, 192
+  wide (the last column tile clipped)."""
   from ffi import persistent
   P, K, N, E = 512, 256, 512, 4
   fn = lambda a, b, t: persistent.grouped_matmul(
@@ -109,8 +111,8 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
                            tma_gather=True)
   with pytest.raises(ValueError, match="num_ctas must be a positive int; got 0"):
     persistent.weight_grad(x, rhs, offsets, 4, index, num_ctas=0)
-  with pytest.raises(ValueError, match="cute persistent weight_grad: block_n=64 must be a multiple of 128"):
-    persistent.weight_grad(x, rhs, offsets, 4, index, block_n=64)
+  with pytest.raises(ValueError, match=r"cute persistent weight_grad: block_n=512 is wider than 256"):
+    persistent.weight_grad(x, rhs, offsets, 4, index, block_n=512)
   for bad in (3, True, 2.0):
     with pytest.raises(ValueError, match=rf"cluster_m={bad!r} must be one of \(1, 2\)"):
       persistent.weight_grad(x, rhs, offsets, 4, index, cluster_m=bad)
@@ -124,8 +126,10 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
     persistent.grouped_matmul(lhs, w, tiles, cols=(0, 600))
   with pytest.raises(ValueError, match=r"cute persistent grouped_matmul: stages=1 must be"):
     persistent.grouped_matmul(lhs, w, tiles, stages=1)
-  with pytest.raises(ValueError, match="cute persistent grouped_matmul: block_n=64 must be a multiple of 128"):
-    persistent.grouped_matmul(lhs, w, tiles, block_n=64)
+  with pytest.raises(ValueError, match=r"cute persistent grouped_matmul: block_n=512 is wider than 256"):
+    persistent.grouped_matmul(lhs, w, tiles, block_n=512)
+  with pytest.raises(ValueError, match="cute persistent grouped_matmul: block_n=96 must be a multiple of 64"):
+    persistent.grouped_matmul(lhs, w, tiles, block_n=96)
 
 
 @pytest.mark.gpu
@@ -140,7 +144,9 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
     (128, 3, True, 6, True, 2, False), (256, None, False, 3, True, 2, False),
     (256, 2, True, 1, True, 2, False), (128, None, False, None, False, 1, True),
     (256, 2, True, 3, False, 1, True), (256, None, False, None, True, 2, True),
-    (128, 3, True, 6, True, 2, True), (256, 2, False, 1, False, 2, True)])
+    (128, 3, True, 6, True, 2, True), (256, 2, False, 1, False, 2, True),
+    (192, None, False, 3, False, 1, True), (192, 2, True, 5, True, 2, True),
+    (64, 3, False, 3, False, 1, False)])
 def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, transpose_out,
                                                             num_ctas, dynamic, cluster_m,
                                                             tma_gather):
@@ -151,8 +157,9 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
   either tile order (dynamic: the CTAs ask a counter; twice in a row, so a second call's
   counter starts at 0 again), alone or in clusters of 2 (M = 512: two cluster rows of M
   tiles; num_ctas 3 and 1 rounded to one whole cluster), the rows copied by the producer's
-  threads or (tma_gather) loaded by TMA, a box a row. The output is written over a freed
-  buffer of NaN, so an element left unstored shows."""
+  threads or (tma_gather) loaded by TMA, a box a row; 64 and 192 wide (odd epilogue chunks a
+  tile: the CTA's tiles start on either buffer; 192 clips N = 512's last column tile). The
+  output is written over a freed buffer of NaN, so an element left unstored shows."""
   from ffi import grouped_gemm, persistent
   sizes = [256, 0, 640, 128, 1152]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
@@ -167,8 +174,9 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
       a, b, o, E, i, stages=stages, num_ctas=num_ctas, dynamic=dynamic, cluster_m=cluster_m,
       tma_gather=tma_gather, **kw))
   got = run(x, rhs, offsets, index)
+  # (the one-CTA-a-tile kernel clips a last column tile where it loads its rows by TMA)
   want = jax.jit(lambda a, b, o, i: grouped_gemm.weight_grad(
-      a, b, o, E, gather_index=i, **kw))(x, rhs, offsets, index)
+      a, b, o, E, gather_index=i, tma_gather=N % block_n != 0, **kw))(x, rhs, offsets, index)
   assert got.shape == want.shape == ((E, N, M) if transpose_out else (E, M, N))
   assert np.all(np.asarray(want[1], np.float32) == 0) and np.any(np.asarray(want, np.float32) != 0)
   np.testing.assert_array_equal(got, want)
@@ -179,13 +187,16 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
 @needs_cute
 @pytest.mark.parametrize("transpose_rhs,block_n,stages,cols,num_ctas", [
     (False, 256, None, None, None), (True, 256, None, None, 3), (False, 128, 2, (128, 384), 5),
-    (True, 256, 3, (256, 512), 1), (True, 128, None, None, None)])
+    (True, 256, 3, (256, 512), 1), (True, 128, None, None, None), (False, 192, None, None, 3),
+    (True, 192, 2, (128, 512), 5), (False, 64, 3, None, 3)])
 def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, stages, cols,
                                                        num_ctas):
   """The persistent store GEMM gives grouped_gemm.grouped_matmul's bits: experts 0, 1 and 3
   (2 skipped: no tiles), a tile past the last group (zeros), whole and windowed (cols), both
   rhs layouts; num_ctas 1, 3 and 5 make each CTA loop over many tiles (the default grid: one
-  tile each). The contraction's 10 k steps wrap rings of 2-4 stages within and across tiles."""
+  tile each). The contraction's 10 k steps wrap rings of 2-4 stages within and across tiles.
+  64 and 192 wide, a tile's odd epilogue chunks start the CTA's next tile on the other buffer
+  (192: N = 512's last column tile clipped)."""
   from ffi import grouped_gemm, persistent
   E, K, N = 4, 640, 512
   tile_expert = jnp.array([0, 0, 1, 3, 3, 3, E], jnp.int32)
