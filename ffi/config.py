@@ -19,7 +19,7 @@ STORE_BLOCK_NS = (128, 192)
 STORE_TILE_MS = ("auto", 128, 192)       # pingpong.TILE_M, pingpong.ROW_TILE_M
 STORE_CLUSTER_NS = (1, 2)                # pingpong.CLUSTER_NS
 STORE_WIDE_KERNELS = ("grouped", "persistent")
-PERSISTENT_BLOCK_NS = ("auto", 128, 192, 256)
+STORE_WIDE_BLOCK_NS = ("auto", 128, 192, 256)
 WGRAD_KERNELS = ("grouped", "persistent")
 WGRAD_CLUSTER_MS = (1, 2)                # persistent.CLUSTER_SIZES
 WEIGHT_GRADS = ("dw1", "dw2")
@@ -61,18 +61,17 @@ class CuteConfig:
       where the column tiles pair up; 1: none).
     store_stages: the "grouped" store kernel's ring depth (3: two CTAs fit an SM).
     store_wide_min_k, store_wide_min_n: from this contraction and this output width on, the
-      store GEMMs run 256-wide tiles on store_wide_kernel ("persistent": each tile's epilogue
+      store GEMMs run wide tiles on store_wide_kernel ("persistent": each tile's epilogue
       under the next tile's loads; or "grouped"), with a producer warp issuing the TMA loads
       from store_wide_ws_min_n columns on (the "grouped" wide kernel).
+    store_wide_block_n: those wide tiles' columns: 128, 192, 256, or "auto": of 256 and 192
+      the one whose last tile clips fewer of the output's columns (256 on a tie; 2880 = 15 x
+      192 takes 192), 128 where that is more than clipped_waste_percent of them.
   Column tiles that may be clipped (the kernels loading and storing by TMA, whose last column
   tile may reach past the output: up_proj, dh with dh_h_smem on "tma_store", the store GEMMs
   but the ping-pong register stores, the weight gradients loading by TMA):
     clipped_waste_percent: the widest tile an op takes is halved (down to 64) while its last
       tile's columns past the output are more than this percent of the output's columns.
-    persistent_block_n: the persistent kernels' column tile (the wide store GEMMs', the weight
-      gradients' on wgrad_kernel "persistent"): 128, 192, 256, or "auto": of 256 and 192 the
-      one whose last tile clips fewer columns (256 on a tie; 2880 = 15 x 192 takes 192), 128
-      where that is more than clipped_waste_percent of them.
   Weight gradients (dw1, dw2):
     dw1_gather_max_column_tiles: dW1 gathers X's rows itself where its output has at most
       this many column tiles, else reads one gather made by XLA.
@@ -103,8 +102,8 @@ class CuteConfig:
   store_wide_min_n: int = 2048
   store_wide_ws_min_n: int = 4096
   store_wide_kernel: str = "persistent"
+  store_wide_block_n: str | int = "auto"
   clipped_waste_percent: int = 10
-  persistent_block_n: str | int = "auto"
   dw1_gather_max_column_tiles: int = 32
   wgrad_kernel: str = "persistent"
   wgrad_dynamic_order: str | tuple[str, ...] = "auto"
@@ -118,7 +117,7 @@ class CuteConfig:
                           ("store_block_n", STORE_BLOCK_NS), ("store_tile_m", STORE_TILE_MS),
                           ("store_cluster_n", STORE_CLUSTER_NS),
                           ("store_wide_kernel", STORE_WIDE_KERNELS),
-                          ("persistent_block_n", PERSISTENT_BLOCK_NS),
+                          ("store_wide_block_n", STORE_WIDE_BLOCK_NS),
                           ("wgrad_kernel", WGRAD_KERNELS),
                           ("wgrad_cluster_m", WGRAD_CLUSTER_MS)):
       value = getattr(self, name)

@@ -314,17 +314,17 @@ def test_clipped_tiles_take_the_widest_within_the_waste_limit():
 
 
 @needs_cute
-def test_persistent_tiles_take_the_one_clipping_fewer_columns():
-  """_persistent_tile "auto": of 256 and 192 the one whose last tile clips fewer columns (256
-  on a tie), 128 past clipped_waste_percent; a set persistent_block_n is taken as it is."""
+def test_wide_store_tiles_take_the_one_clipping_fewer_columns():
+  """_store_wide_tile "auto": of 256 and 192 the one whose last tile clips fewer columns (256
+  on a tie), 128 past clipped_waste_percent; a set store_wide_block_n is taken as it is."""
   cute_ops = importlib.import_module("ffi.ops")
-  tile = lambda cols, **fields: cute_ops._persistent_tile(cols, CuteConfig(**fields))
+  tile = lambda cols, **fields: cute_ops._store_wide_tile(cols, CuteConfig(**fields))
   assert tile(4096) == 256 and tile(1536) == 256 and tile(512) == 256   # whole 256 tiles
   assert tile(2880) == 192 and tile(5760) == 192   # 15 and 30 whole tiles (256: 192, 128 past)
   assert tile(2944) == 256      # both clip 128 columns
   assert tile(1600) == 192      # 256: 192 past (12%), 192: 128 past (8%); 10% allowed
   assert tile(1600, clipped_waste_percent=5) == 128
-  assert tile(2880, persistent_block_n=256) == 256 and tile(4096, persistent_block_n=192) == 192
+  assert tile(2880, store_wide_block_n=256) == 256 and tile(4096, store_wide_block_n=192) == 192
 
 
 @needs_cute
