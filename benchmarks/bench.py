@@ -531,8 +531,7 @@ def main(argv=None):
   dev = jax.devices()[0]
   meta = dict(gpu=dev.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               commit=a.commit or commit(), command=" ".join(["python -m benchmarks.bench"] + (argv or sys.argv[1:])),
-              versions=versions(), iters=a.iters, reps=a.reps,
-              kernel_config=changed_fields(kernel_config))
+              versions=versions(), iters=a.iters, reps=a.reps)
   print(f"devices {jax.devices()} | commit {meta['commit']} | {meta['versions']} | impls {impls}",
         flush=True)
   os.makedirs(a.out, exist_ok=True)
@@ -548,7 +547,9 @@ def main(argv=None):
           else:
             case = ours_cases.setdefault((impl, name), OurCase(impl, name, cfg, a.rounding, a.tile,
                                                                kernel_config))
-            rec = case.measure(a.iters, a.reps, meta)
+            # (the configuration is ours: the PyTorch records carry none)
+            rec = dict(case.measure(a.iters, a.reps, meta),
+                       kernel_config=changed_fields(kernel_config))
           rec["round"] = rnd
           records.append(rec)
           print(f"[round {rnd}] {name} {impl}: fwd {fmt(rec['fwd_ms'], '.3f')} ms, fwd+bwd "
