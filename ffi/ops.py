@@ -191,13 +191,13 @@ def _store_wide_tile(cols: int, config: CuteConfig) -> int:
 def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols, config: CuteConfig):
   """out = lhs_e rhs_e (rhs_e^T with transpose_rhs) per expert group on config.store_kernel,
   or where contraction and output are long (store_wide_min_k, store_wide_min_n) on the wide
-  tiles of config.store_wide_kernel (_store_wide_tile's). n_out: the product's
-  columns (they pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the kernels
-  read rhs from column lo: no copy). The column tile: _clipped_tile's (the last one may reach
-  past the columns), or on
-  the ping-pong register stores halved until it divides them; the ping-pong kernels take 192
-  where store_block_n asks and it divides the columns, or their 192-row tiles, 128 wide, where
-  store_tile_m asks; in clusters of store_cluster_n CTAs where their column tiles pair up."""
+  tiles of config.store_wide_kernel (_store_wide_tile's). n_out: the product's columns (they
+  pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the kernels read rhs from
+  column lo: no copy). The column tile: _clipped_tile's (the last one may reach past the
+  columns), or on the ping-pong register stores halved until it divides them; the ping-pong
+  kernels take 192 where store_block_n asks and it divides the columns, or their 192-row
+  tiles, 128 wide, where store_tile_m asks; in clusters of store_cluster_n CTAs where their
+  column tiles pair up."""
   width = n_out if cols is None else cols[1] - cols[0]
   if lhs.shape[1] >= config.store_wide_min_k and n_out >= config.store_wide_min_n:
     block_n = _store_wide_tile(width, config)
