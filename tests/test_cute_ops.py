@@ -3,6 +3,7 @@ passed as sm.moe's kernel_config) reaches the kernels it names (in the lowered p
 where a kernel cannot run, windows its store GEMMs, and matches the xla backend on the GPU."""
 import importlib
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import sonicmoe_jax as sm
+from benchmarks import configs
 from conftest import make_inputs, rel_err
 from cute_helpers import CUTE_GEMMS, FFI_TARGET, cuda_module, needs_cute
 from ffi.config import CuteConfig
@@ -38,6 +40,30 @@ def test_cute_dh_past_its_offsets_falls_back_to_xla(monkeypatch):
     got = grads({op: "xla" for op in sm.OP_NAMES} | {"dh": "cute"})
   for a, b in zip(got, grads("xla")):   # (cute's ALIGN pads the plan: other fp32 sum orders)
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+# the ops a production layer hands to XLA, warning (dbrx: H [133120, 21504] is past the dH
+# kernels' 32-bit offsets)
+PRODUCTION_FALLBACKS = {"dbrx": ("dh",)}
+
+
+@needs_cute
+@pytest.mark.parametrize("config", sorted(configs.PRODUCTION))
+def test_cute_layer_at_production_sizes_stays_on_its_kernels(config):
+  """At the released models' layers of the benchmark (T = 32768) the layer's forward and
+  gradients trace with every GEMM and the aggregation on their cute kernels: the size rules
+  (gathers by XLA past the column-tile limits, TMA stores past 2^31 elements) pick a kernel,
+  and an op that falls back to XLA (a warning naming it) is one PRODUCTION_FALLBACKS lists."""
+  T, d, n, E, K = configs.PRODUCTION[config]
+  shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in
+            [(T, d), (d, E), (E, d, 2 * n), (E, n, d)]]
+  loss = lambda *a: jnp.sum(sm.moe(*a, k=K, backend=CUTE_GEMMS).out.astype(jnp.float32))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2, 3)), *shapes)
+  fallbacks = sorted(re.findall(r"backend 'cute' (\w+):", str(w.message))[0] for w in caught
+                     if "backend 'cute'" in str(w.message))
+  assert tuple(fallbacks) == PRODUCTION_FALLBACKS.get(config, ())
 
 
 @needs_cute
