@@ -163,13 +163,18 @@ def _wide_tile(cols: int, widest: int) -> int:
   return block_n
 
 
+def _clipped_columns(cols: int, block_n: int) -> int:
+  """The columns past an output `cols` wide that its last block_n-wide tile reaches."""
+  return calls.column_tiles(cols, block_n) * block_n - cols
+
+
 def _clipped_tile(cols: int, widest: int, config: CuteConfig, narrowest: int = 64) -> int:
   """block_n of a kernel whose last column tile may be clipped: `widest`, halved (down to
   narrowest) while that tile's columns past the output are more than
   config.clipped_waste_percent of the output's columns."""
-  clipped = lambda block_n: calls.column_tiles(cols, block_n) * block_n - cols
   block_n = widest
-  while block_n > narrowest and 100 * clipped(block_n) > config.clipped_waste_percent * cols:
+  while (block_n > narrowest
+         and 100 * _clipped_columns(cols, block_n) > config.clipped_waste_percent * cols):
     block_n //= 2
   return block_n
 
@@ -183,9 +188,9 @@ def _store_wide_tile(cols: int, config: CuteConfig) -> int:
   their rows again for each column tile, keep 256 (_wgrad_tile)."""
   if config.store_wide_block_n != "auto":
     return config.store_wide_block_n
-  clipped = lambda block_n: calls.column_tiles(cols, block_n) * block_n - cols
-  block_n = min((256, 192), key=clipped)
-  return block_n if 100 * clipped(block_n) <= config.clipped_waste_percent * cols else 128
+  block_n = min((256, 192), key=lambda block_n: _clipped_columns(cols, block_n))
+  return (block_n if 100 * _clipped_columns(cols, block_n) <= config.clipped_waste_percent * cols
+          else 128)
 
 
 def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols, config: CuteConfig):
