@@ -93,7 +93,7 @@ def scheduling(model: OmniMoE):
       return g, ids
     # every schedule of the forward's chunks, whole (none of it left for XLA to drop)
     chunk = omnimoe.expert_centric_chunk(x.shape[1], m.k, m.group, m.chunk_bytes, backward=False)
-    chunks, _ = omnimoe.split_tokens(min(chunk, x.shape[0]), ids)
+    chunks, _ = omnimoe.split_tokens(chunk, ids)
     return g, jax.lax.map(lambda c: omnimoe.schedule(c[0], m.num_experts, m.group,
                                                      m.grouped_ops.align), chunks)
 

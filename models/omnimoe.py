@@ -163,8 +163,8 @@ CHUNK_BYTES = 1 << 30
 
 
 def in_token_chunks(fn, chunk: int, *arrays):
-  """fn(*arrays) over chunks of `chunk` tokens (rows; the last chunk padded with zeros): a scan
-  whose chunks are each recomputed in the backward, so memory is one chunk's at any T."""
+  """fn(*arrays) over chunks of at most `chunk` tokens (rows; split_tokens'): a scan whose
+  chunks are each recomputed in the backward, so memory is one chunk's at any T."""
   if chunk >= arrays[0].shape[0]:
     return fn(*arrays)
   chunked, unchunk = split_tokens(chunk, *arrays)
@@ -172,10 +172,12 @@ def in_token_chunks(fn, chunk: int, *arrays):
 
 
 def split_tokens(chunk: int, *arrays):
-  """(the arrays [T, ...] as [chunks, chunk, ...], zero-padded; a function taking a
-  [chunks, chunk, ...] result back to [T, ...])."""
+  """(the arrays [T, ...] as [chunks, size, ...], zero-padded; a function taking a
+  [chunks, size, ...] result back to [T, ...]): as few chunks as hold T tokens `chunk` at a
+  time, of equal sizes (at most `chunk`, and at most T: fewer than one padded token a chunk)."""
   num_tokens = arrays[0].shape[0]
   num_chunks = -(-num_tokens // chunk)
+  chunk = -(-num_tokens // num_chunks)
   pad = num_chunks * chunk - num_tokens
   split = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(
       num_chunks, chunk, *a.shape[1:])

@@ -188,6 +188,21 @@ def test_pallas_grouped_matches_float32_reference_on_gpu():
     assert rel_err(a, b) < 2e-2, name
 
 
+def test_token_chunks_are_as_few_and_as_even_as_the_limit_allows():
+  """split_tokens: ceil(T / chunk) chunks of equal size, padded by fewer tokens than chunks
+  (4096 tokens at 1638 a chunk: 3 of 1366, not 3 of 1638); a limit past T is one chunk of T
+  (not one of `chunk` tokens, mostly padding); unsplit gives back [T, ...]."""
+  x = jnp.arange(4096 * 2, dtype=jnp.float32).reshape(4096, 2)
+  (chunks,), unsplit = omnimoe.split_tokens(1638, x)
+  assert chunks.shape == (3, 1366, 2)
+  np.testing.assert_array_equal(unsplit(chunks), x)
+  (chunks,), _ = omnimoe.split_tokens(58254, x[:256])
+  assert chunks.shape == (1, 256, 2)
+  (chunks,), unsplit = omnimoe.split_tokens(5, x[:37])
+  assert chunks.shape == (8, 5, 2) and np.all(np.asarray(chunks[-1, 2:]) == 0)
+  np.testing.assert_array_equal(unsplit(chunks), x[:37])
+
+
 @pytest.mark.parametrize("execution", ["token_centric", "expert_centric"])
 def test_chunks_of_tokens_give_the_same_output_and_gradients(execution):
   """Both executions in chunks of tokens (the last one padded; expert-centric, larger ones in
@@ -205,7 +220,7 @@ def test_chunks_of_tokens_give_the_same_output_and_gradients(execution):
     f = lambda chunk: lambda *a: omnimoe.token_centric(*a, ids, chunk_bytes=chunk * per_token)
   else:
     per_token = k * (6 * d + 12 * group)            # bytes of one token's task rows (backward)
-    # the forward in chunks of 15 tokens (3, the last padded), the backward in chunks of 5 (8)
+    # the forward in chunks of at most 15 tokens (3 of 13), the backward of 5 (8, one padded)
     assert omnimoe.expert_centric_chunk(d, k, group, 5 * per_token, backward=False) == 15
     f = lambda chunk: lambda *a: omnimoe.expert_centric_in_chunks(
         omnimoe.XlaGroupedOps, *a, ids, N, group, chunk_bytes=chunk * per_token)
