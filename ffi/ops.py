@@ -168,13 +168,17 @@ def _clipped_columns(cols: int, block_n: int) -> int:
   return calls.column_tiles(cols, block_n) * block_n - cols
 
 
+def _within_waste(cols: int, block_n: int, config: CuteConfig) -> bool:
+  """Whether block_n-wide tiles clip at most config.clipped_waste_percent of `cols`."""
+  return 100 * _clipped_columns(cols, block_n) <= config.clipped_waste_percent * cols
+
+
 def _clipped_tile(cols: int, widest: int, config: CuteConfig, narrowest: int = 64) -> int:
   """block_n of a kernel whose last column tile may be clipped: `widest`, halved (down to
   narrowest) while that tile's columns past the output are more than
   config.clipped_waste_percent of the output's columns."""
   block_n = widest
-  while (block_n > narrowest
-         and 100 * _clipped_columns(cols, block_n) > config.clipped_waste_percent * cols):
+  while block_n > narrowest and not _within_waste(cols, block_n, config):
     block_n //= 2
   return block_n
 
@@ -189,8 +193,7 @@ def _store_wide_tile(cols: int, config: CuteConfig) -> int:
   if config.store_wide_block_n != "auto":
     return config.store_wide_block_n
   block_n = min((256, 192), key=lambda block_n: _clipped_columns(cols, block_n))
-  return (block_n if 100 * _clipped_columns(cols, block_n) <= config.clipped_waste_percent * cols
-          else 128)
+  return block_n if _within_waste(cols, block_n, config) else 128
 
 
 def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols, config: CuteConfig):

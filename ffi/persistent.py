@@ -177,12 +177,11 @@ def _next_tile(barriers, tile_ids: cute.Tensor, i, t, stride, dynamic: cutlass.C
   return t
 
 
-def buffer_cycle_tiles(block_n: int) -> int:
-  """The tiles after which a CTA's rolling epilogue is back on its first buffer: 1 where a
-  tile's EPI_TILE chunks fill the EPI_STAGES buffers whole (block_n a multiple of 128), else
-  EPI_STAGES (2: a 64- or 192-wide tile's odd chunks)."""
-  chunks = block_n // EPI_TILE[1]
-  return 1 if chunks % epilogue.EPI_STAGES == 0 else epilogue.EPI_STAGES
+def fills_buffers_whole(block_n: int) -> bool:
+  """Whether a tile's EPI_TILE chunks fill the rolling epilogue's EPI_STAGES (2) buffers whole
+  (block_n a multiple of 128), so that every tile starts on the first buffer; a 64- or
+  192-wide tile's odd chunks make every other tile start on the second."""
+  return (block_n // EPI_TILE[1]) % epilogue.EPI_STAGES == 0
 
 
 @cute.jit
@@ -302,10 +301,10 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
       out_tile = cute.local_tile(m_out_tma, tile_mnk, (m_tile, n_tile, None, out_l),
                                  proj=(1, 1, None))
       # rolling: before writing a buffer the leader waits for its last store, which may be
-      # the previous tile's; the buffers taken in turn across tiles (buffer_cycle_tiles)
-      if cutlass.const_expr(buffer_cycle_tiles(block_n) == 1):
+      # the previous tile's; the buffers taken in turn across tiles (fills_buffers_whole)
+      if cutlass.const_expr(fills_buffers_whole(block_n)):
         _store_tile(acc, tma_out, out_tile, s_c, tiled_mma, mma_tidx, warp, out_m_major, 0)
-      else:   # (odd chunks a tile: every other tile starts on the second buffer)
+      else:
         if i % 2 == 0:
           _store_tile(acc, tma_out, out_tile, s_c, tiled_mma, mma_tidx, warp, out_m_major, 0)
         else:
