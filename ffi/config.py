@@ -80,8 +80,9 @@ class CuteConfig:
     wgrad_dynamic_order: the weight gradients (a tuple of "dw1", "dw2") that take their tiles
       from an atomic counter instead of every grid-th, or "auto": dW1 where an expert's output
       has at least wgrad_dynamic_min_tiles tiles (many CTAs on one expert's operands).
-    wgrad_cluster_m: CTAs per cluster sharing the rhs's stages by TMA multicast (2 where M is a
-      multiple of 256).
+    wgrad_cluster_m: CTAs per cluster sharing the rhs's stages by TMA multicast (2 where M's
+      128-row tiles pair up, or, the rows loaded by TMA, where the one tile more that pairs
+      an odd count is at most clipped_waste_percent of M's rows).
     tma_gather: the weight gradients (a tuple of "dw1", "dw2") that load their gathered rows
       by TMA, a box a row, instead of by their producer's cp.async.
   """

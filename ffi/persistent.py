@@ -370,6 +370,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   # (the last of each clipped where BLOCK_M or block_n does not divide the output: TMA loads
   # zeros past the operands' ends and stores nothing past the output's)
   num_m_tiles = calls.column_tiles(cute.size(out, mode=[0]), BLOCK_M)
+  if cutlass.const_expr(cluster > 1):   # (whole clusters: the last's tiles past M load zeros)
+    num_m_tiles = -(-num_m_tiles // cluster) * cluster
   num_n_tiles = calls.column_tiles(cute.size(out, mode=[1]), block_n)
   num_tiles = num_m_tiles * num_n_tiles * cute.size(out, mode=[2])
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K   # (store: the contraction)
@@ -442,18 +444,20 @@ def _tile_unsupported(block_n: int):
   return None
 
 
-def cluster_fits(cluster_m: int, m: int) -> bool:
-  """Whether M = m's tiles (the last maybe clipped) make whole clusters of cluster_m."""
-  return calls.column_tiles(m, BLOCK_M) % cluster_m == 0
+def cluster_fits(cluster_m: int, m: int, tma_gather: bool) -> bool:
+  """Whether M = m's tiles (the last maybe clipped) can run in clusters of cluster_m: whole
+  clusters, or with the rows loaded by TMA (tma_gather) any number, the last cluster's tiles
+  past M loading zeros (TMA's out-of-bounds fill) and storing nothing."""
+  return tma_gather or calls.column_tiles(m, BLOCK_M) % cluster_m == 0
 
 
-def _cluster_unsupported(cluster_m, m: int) -> str | None:
+def _cluster_unsupported(cluster_m, m: int, tma_gather: bool) -> str | None:
   """Why the weight gradient cannot run clusters of cluster_m CTAs along its M = m, or None."""
   if type(cluster_m) is not int or cluster_m not in CLUSTER_SIZES:   # (not a bool or a float)
     return f"cluster_m={cluster_m!r} must be one of {CLUSTER_SIZES}"
-  if not cluster_fits(cluster_m, m):
+  if not cluster_fits(cluster_m, m, tma_gather):
     return (f"M={m} must make whole clusters: {calls.column_tiles(m, BLOCK_M)} M tiles of "
-            f"{BLOCK_M} in clusters of cluster_m={cluster_m}")
+            f"{BLOCK_M} in clusters of cluster_m={cluster_m} (any number with tma_gather)")
   return None
 
 
@@ -480,7 +484,8 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   whole clusters, at least one). dynamic: the tiles in the order the CTAs ask for them (the
   dynamic tile order, above _ask_tile) instead of every grid-th; the same bits. cluster_m:
   CTAs per cluster (CLUSTER_SIZES; 2: neighbouring M tiles share the rhs's stages by
-  multicast, M's tiles an even number); the same bits. tma_gather: the gathered rows
+  multicast; M's tiles an even number, or with tma_gather any: an odd count's last cluster
+  computes one tile past M, on zeros, and stores nothing); the same bits. tma_gather: the gathered rows
   loaded by TMA (row_gather.produce_wgrad_steps_tma) instead of the producer's cp.async;
   the same bits (the TMA engine writes the rows into SMEM without the producer's LSU time),
   and M and N need then only be multiples of 64: the last M and column tiles are clipped."""
@@ -488,7 +493,7 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   reason = (calls.weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
                                           group_sizes, clipped_last_tile=tma_gather)
             or _tile_unsupported(block_n)
-            or _cluster_unsupported(cluster_m, x.shape[1]))
+            or _cluster_unsupported(cluster_m, x.shape[1], tma_gather))
   if reason:
     raise ValueError(f"cute persistent weight_grad: {reason}")
   stages = _stages(stages, block_n, x.dtype.itemsize, slots.shape[0] // BLOCK_K, "weight_grad")

@@ -192,12 +192,13 @@ def test_dh_clips_its_last_column_tile_on_gpu(block_n, gather):
 @pytest.mark.parametrize("kernel,M,block_n,transpose_out", [
     ("grouped", D, 128, False), ("grouped_tma_gather", D, 256, True),
     ("persistent", D, 256, False), ("persistent", D, 128, True),
-    ("persistent_cluster", 448, 256, False)])
+    ("persistent_cluster", 448, 256, False), ("persistent_cluster", D, 128, True)])
 def test_weight_grad_clips_its_last_m_and_column_tiles_on_gpu(kernel, M, block_n, transpose_out):
   """out[e] = X_e^T rhs_e ([E, M, 192], or transposed [E, 192, M]) with M = 320 or 448 (the
   last M tile half past M) and 192 columns (the last column tile clipped): X's rows read in
   slot order, or gathered by TMA (padding slots: zeros); experts of 256, 0 (zeros), 384 and
-  128 rows; on persistent CTAs also in clusters of 2 along M."""
+  128 rows; on persistent CTAs also in clusters of 2 along M (M = 320's 3 M tiles: the
+  second cluster's second tile wholly past M, computed on zeros and stored nowhere)."""
   from ffi import grouped_gemm, persistent
   sizes = [256, 0, 384, 128]
   E = len(sizes)

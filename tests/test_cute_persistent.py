@@ -16,15 +16,16 @@ from cute_helpers import FFI_TARGET, cuda_module, needs_cute
     (256, None, False, False, 1, False), (256, None, False, True, 1, False),
     (128, 3, True, True, 1, False), (256, None, False, True, 2, False),
     (128, 3, True, False, 2, False), (256, None, False, True, 2, True),
-    (192, 3, True, False, 1, True)])
+    (192, 3, True, False, 1, True), (256, None, True, True, 2, True)])
 def test_cute_persistent_weight_grad_compiles_for_cuda(block_n, stages, transpose_out, dynamic,
                                                        cluster_m, tma_gather):
   """The persistent weight-gradient kernel (its tile loop, ring and epilogue buffers) compiles
   for sm_90a at the tiles and depths the layer and the sweep run, in either tile order, alone
-  or in clusters of 2, the rows by cp.async or TMA (192 wide: the last column tile clipped, the
-  epilogue's buffers taken in turn across tiles)."""
+  or in clusters of 2 (with the rows by TMA over M = 384's 3 M tiles: the second cluster's
+  second tile past M), the rows by cp.async or TMA (192 wide: the last column tile clipped,
+  the epilogue's buffers taken in turn across tiles)."""
   from ffi import persistent
-  P, M, N, E, T = 512, 256, 512, 4, 300
+  P, M, N, E, T = 512, 384 if cluster_m == 2 and tma_gather else 256, 512, 4, 300
   offsets = jnp.arange(E + 1, dtype=jnp.int32) * (P // E)
   fn = lambda x, r, i: persistent.weight_grad(x, r, offsets, E, i, block_n=block_n,
                                               stages=stages, transpose_out=transpose_out,
@@ -156,15 +157,16 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
   3, 5 and 1 make each CTA loop over many tiles (the default grid: one tile or fewer each), in
   either tile order (dynamic: the CTAs ask a counter; twice in a row, so a second call's
   counter starts at 0 again), alone or in clusters of 2 (M = 512: two cluster rows of M
-  tiles; num_ctas 3 and 1 rounded to one whole cluster), the rows copied by the producer's
-  threads or (tma_gather) loaded by TMA, a box a row; 64 and 192 wide (odd epilogue chunks a
+  tiles; with the rows by TMA M = 384, the second cluster's second M tile wholly past M;
+  num_ctas 3 and 1 rounded to one whole cluster), the rows copied by the producer's threads
+  or (tma_gather) loaded by TMA, a box a row; 64 and 192 wide (odd epilogue chunks a
   tile: the CTA's tiles start on either buffer; 192 clips N = 512's last column tile). The
   output is written over a freed buffer of NaN, so an element left unstored shows."""
   from ffi import grouped_gemm, persistent
   sizes = [256, 0, 640, 128, 1152]
   offsets = jnp.array(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
   T, P, N, E = 1000, sum(sizes) + 128, 512, len(sizes)
-  M = 384 if cluster_m == 1 else 512
+  M = 384 if cluster_m == 1 or tma_gather else 512   # (384 in clusters: one tile past M)
   x = jax.random.normal(jax.random.key(71), (T, M)).astype(jnp.bfloat16)
   rhs = jax.random.normal(jax.random.key(72), (P, N)).astype(jnp.bfloat16)
   index = jax.random.randint(jax.random.key(73), (P,), 0, T).at[::5].set(T)
