@@ -1,7 +1,8 @@
 """The Cartesian router's exact top-K, each method at each (tokens, K): median ms of the jitted
 top-K over random row and column log-probabilities (N = 1024 x 1024 by default), and whether
-the methods pick the same experts. cartesian_topk picks between the two by a cost model that
-these timings check.
+the methods pick the same experts. cartesian_topk runs its CuTe kernel on a GPU with the cute
+extra (timed as "kernel" where it runs), else picks between the two XLA methods by a cost
+model that these timings check.
 
   python -m benchmarks.omnimoe_router_bench                          # GPU
   python -m benchmarks.omnimoe_router_bench --points 64:576 --side 64   # CPU smoke run
@@ -22,17 +23,18 @@ METHODS = ("candidates", "bisection")
 
 
 def point(num_tokens: int, k: int, side: int, seed: int = 0) -> dict:
-  """{tokens, k, side, candidates_ms, bisection_ms, same_experts} at one point."""
+  """{tokens, k, side, <method>_ms for each method that runs here, same_experts} at one
+  point."""
   keys = jax.random.split(jax.random.key(seed), 2)
   p_row = jax.nn.log_softmax(jax.random.normal(keys[0], (num_tokens, side)), -1)
   p_col = jax.nn.log_softmax(jax.random.normal(keys[1], (num_tokens, side)), -1)
   rec = dict(tokens=num_tokens, k=k, side=side)
   picked = {}
-  for method in METHODS:
+  for method in METHODS + (("kernel",) if omnimoe._kernel_runs(side, side, k) else ()):
     fn = jax.jit(lambda r, c, m=method: omnimoe.cartesian_topk(r, c, k, m))
     rec[f"{method}_ms"] = bench.time_ms(fn, (p_row, p_col), iters=1, reps=7)
     picked[method] = jnp.sort(fn(p_row, p_col)[1], axis=1)
-  rec["same_experts"] = bool(jnp.all(picked["candidates"] == picked["bisection"]))
+  rec["same_experts"] = all(bool(jnp.all(ids == picked["bisection"])) for ids in picked.values())
   return rec
 
 

@@ -26,7 +26,7 @@ import cutlass.cute as cute
 import jax
 import jax.numpy as jnp
 
-from ffi import xla_call
+from ffi import block, xla_call
 
 THREADS = 1024
 WARPS = THREADS // 32
@@ -55,30 +55,6 @@ def ordered_keys(values):
   values = values.astype(jnp.float32)
   bits = jax.lax.bitcast_convert_type(jnp.where(values == 0, 0.0, values), jnp.int32)
   return jnp.where(bits < 0, bits ^ _MAGNITUDE_BITS, bits)
-
-
-@cute.jit
-def _exclusive_scan(value, warp_totals: cute.Tensor):
-  """(the sum of value over the CTA's threads before this one, the sum over all of them)."""
-  lane = cute.arch.lane_idx()
-  warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-  inclusive = value
-  for shift in cutlass.range_constexpr(5):
-    other = cute.arch.shuffle_sync_up(inclusive, 1 << shift)
-    if lane >= (1 << shift):
-      inclusive += other
-  if lane == 31:
-    warp_totals[warp] = inclusive
-  cute.arch.sync_threads()
-  before = inclusive - value
-  total = cutlass.Int32(0)
-  for w in cutlass.range_constexpr(WARPS):
-    count = warp_totals[w]
-    if w < warp:
-      before += count
-    total += count
-  cute.arch.sync_threads()   # (warp_totals is read by all before anyone writes it again)
-  return before, total
 
 
 @cute.kernel
@@ -141,8 +117,8 @@ def _select_kernel(keys: cute.Tensor, counts: cute.Tensor, offsets: cute.Tensor,
         above += 1
       if mine[i] == threshold:
         ties += 1
-  above_before, _ = _exclusive_scan(above, warp_totals)
-  ties_before, _ = _exclusive_scan(ties, warp_totals)
+  above_before, _ = block.exclusive_scan(above, warp_totals)
+  ties_before, _ = block.exclusive_scan(ties, warp_totals)
   rank = above_before + cutlass.min(ties_before, ties_needed)
   slot = offsets[expert] + rank
   ties_taken = ties_before

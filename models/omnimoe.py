@@ -89,8 +89,11 @@ def cartesian_topk(p_row, p_col, k: int, method: str | None = None):
     * a candidate list: score the candidates, then one top_k over them per token;
     * bisection: the k-th largest score by bisection over its float32 bits (32 steps, each a
       binary search per row rank), no candidate list.
-  Ties at the k-th score go to lower (row rank, column rank) first in both. method:
-  "candidates" or "bisection" to pick one; None picks by cost.
+    * "kernel": the bisection as one CuTe DSL kernel (ffi/cartesian_topk.py: a CTA per token,
+      the same pairs in the same order), on a GPU with the cute extra installed.
+  Ties at the k-th score go to lower (row rank, column rank) first in all. method:
+  "candidates", "bisection" or "kernel" to pick one; None picks the kernel where it runs,
+  else by cost.
 
   Returns (scores [T, k], expert ids [T, k] = i * Nc + j), in no promised order."""
   rows, cols = p_row.shape[1], p_col.shape[1]
@@ -101,16 +104,29 @@ def cartesian_topk(p_row, p_col, k: int, method: str | None = None):
   col_vals, col_idx = jax.lax.top_k(p_col, min(k, cols))
   caps = _row_caps(k, rows, cols)
   candidates, kr, kc = int(caps.sum()), len(caps), col_vals.shape[1]
-  if method is None:
+  if method is None and _kernel_runs(rows, cols, k):
+    method = "kernel"
+  elif method is None:
     cheaper = 32 * kc.bit_length() * kr < candidates * max(1, candidates.bit_length())
     method = "bisection" if cheaper else "candidates"
+  if method == "kernel":
+    from ffi import cartesian_topk as kernel
+    return kernel.cartesian_topk(row_vals, row_idx, col_vals, col_idx, k, rows, cols)
   methods = {"candidates": _topk_of_candidates, "bisection": _topk_by_bisection}
   if method not in methods:
-    raise ValueError(f"method must be 'candidates', 'bisection' or None; got {method!r}")
+    raise ValueError(f"method must be 'candidates', 'bisection', 'kernel' or None; got {method!r}")
   pick = methods[method]
   a, b, vals = pick(row_vals, col_vals, caps, k)
   ids = jnp.take_along_axis(row_idx, a, axis=1) * cols + jnp.take_along_axis(col_idx, b, axis=1)
   return vals, ids.astype(jnp.int32)
+
+
+def _kernel_runs(rows: int, cols: int, k: int) -> bool:
+  """Whether cartesian_topk's kernel runs here: on a GPU, with the cute extra, at this size."""
+  if jax.default_backend() != "gpu" or not backends.cute_installed():
+    return False
+  from ffi import cartesian_topk as kernel
+  return kernel.unsupported(rows, cols, k) is None
 
 
 def _topk_of_candidates(row_vals, col_vals, caps, k: int):
