@@ -122,7 +122,8 @@ def up_proj_call(kernels, xg, w1, tile_expert, gather_index, **config):
 def dh_unsupported(dout_g, w2, h, scores, block_n: int, clipped_last_tile: bool = False):
   """Why the dH kernels cannot run these operands (a sentence naming the limit), or None:
   dOg [P, d] (the rows read), w2 [E, n, d], H [P, 2n], scores [P]. clipped_last_tile: the
-  kernel loads H's tiles and stores its outputs by TMA (unsupported's)."""
+  kernel loads H's tiles and stores its outputs by TMA (unsupported's), addressing them by
+  coordinates a dimension each: H may then pass 2^31 elements."""
   n, num_slots = w2.shape[1], dout_g.shape[0]
   if block_n > WGMMA_MAX_N:
     return f"block_n={block_n} is wider than {WGMMA_MAX_N} (one wgmma's widest N)"
@@ -133,9 +134,10 @@ def dh_unsupported(dout_g, w2, h, scores, block_n: int, clipped_last_tile: bool 
   if h.shape != (num_slots, 2 * n) or h.dtype != dout_g.dtype or scores.shape != (num_slots,):
     return (f"need H [{num_slots}, {2 * n}] in {dout_g.dtype} and scores [{num_slots}]; got "
             f"{h.shape} {h.dtype} and {scores.shape}")
-  if h.size > MAX_REGISTER_ADDRESSED:
+  if h.size > MAX_REGISTER_ADDRESSED and not clipped_last_tile:
     return (f"H [{h.shape[0]}, {h.shape[1]}] has {h.size} elements; the epilogue addresses H, "
-            f"dH and A' with 32-bit offsets (at most {MAX_REGISTER_ADDRESSED}): split the batch")
+            f"dH and A' with 32-bit offsets (at most {MAX_REGISTER_ADDRESSED}): split the batch, "
+            f"or load H and store the outputs by TMA (grouped_gemm.dh's h_smem and tma_store)")
   return None
 
 

@@ -538,8 +538,9 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   (no register tiles of the outputs). Needs stages >= H_SMEM_MIN_STAGES (the rhs stages hold
   H's 2 x BLOCK_M x block_n tile, the lhs stages A''s BLOCK_M x block_n). Bitwise the same
   outputs either way. With h_smem and tma_store (H loaded and every output stored by TMA)
-  block_n need not divide n (a multiple of 64): the last column tile is clipped, and the dS
-  parts are [column tiles, P]."""
+  block_n need not divide n (a multiple of 64): the last column tile is clipped, the dS
+  parts are [column tiles, P], and H may pass 2^31 elements (the register paths' offsets are
+  32-bit)."""
   reason = calls.dh_unsupported(calls.rows_read(dout_g, gather_index), w2, h, scores, block_n,
                                 clipped_last_tile=h_smem and tma_store)
   if reason:

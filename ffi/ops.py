@@ -25,6 +25,7 @@ except ImportError as e:  # the optional extra is missing
       "backend 'cute' needs NVIDIA's CuTe DSL and jax-tvm-ffi: pip install 'sonicmoe-jax[cute]' "
       f"(nvidia-cutlass-dsl>=4.8.1, jax-tvm-ffi>=0.1.3); import failed with: {e}") from e
 
+import dataclasses
 import warnings
 
 import jax
@@ -279,13 +280,26 @@ def _dout_gathered_in_kernel(n: int, d: int, config: CuteConfig) -> bool:
           <= config.dout_gather_max_column_tiles)
 
 
+def _dh_config(h_elements: int, config: CuteConfig) -> CuteConfig | None:
+  """The configuration dh runs by for an H of h_elements: config, or where H has more elements
+  than the register paths' 32-bit offsets reach, config with dh_kernel "tma_store" (with
+  dh_h_smem: H loaded and dH, A' stored by TMA, by coordinates a dimension each), or None where
+  dh_h_smem is off (no kernel takes it: XLA's dh)."""
+  if h_elements <= calls.MAX_REGISTER_ADDRESSED:
+    return config
+  return dataclasses.replace(config, dh_kernel="tma_store") if config.dh_h_smem else None
+
+
 def dh(dout, w2, h, scores, plan, *, config: CuteConfig = DEFAULT):
   """dA' = dO_e W2_e^T fused with dSwiGLU: dH, dS, A' = s A (dO's rows gathered in the kernel
   or by XLA first: _dout_gathered_in_kernel), by the config.dh_kernel variant. An H past the
-  kernel's 32-bit epilogue offsets goes to xla_ops.dh with a warning."""
-  if h.size > calls.MAX_REGISTER_ADDRESSED:
+  32-bit offsets of the kernels' register paths runs on the TMA one (_dh_config), or without
+  dh_h_smem goes to xla_ops.dh with a warning."""
+  config = _dh_config(h.size, config)
+  if config is None:
     warnings.warn(f"backend 'cute' dh: H {h.shape} has more than "
-                  f"{calls.MAX_REGISTER_ADDRESSED} elements; using xla_ops.dh", stacklevel=2)
+                  f"{calls.MAX_REGISTER_ADDRESSED} elements and dh_h_smem is off; using "
+                  f"xla_ops.dh", stacklevel=2)
     return xla_ops.dh(dout, w2, h, scores, plan)
   n, d = w2.shape[1], w2.shape[2]
   check_layer("dh", dout.dtype, d, n)
@@ -390,7 +404,7 @@ def dw2(a_scaled, dout, plan, *, config: CuteConfig = DEFAULT):
   _gathers_whole_tiles), stored back as [E, n, d] by the kernel's M-major epilogue."""
   n, d = a_scaled.shape[1], dout.shape[1]
   check_layer("dw2", dout.dtype, d, n)
-  if _dout_gathered_in_kernel(n, d, config):
+  if _dout_gathered_in_kernel(n, d, _dh_config(2 * a_scaled.size, config) or config):
     block_n = _wgrad_tile(n, config)
     if _gathers_whole_tiles("dw2", d, n, block_n, config):
       return _gathered_weight_grad("dw2", dout, a_scaled, plan, block_n, config,

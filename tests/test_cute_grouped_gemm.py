@@ -52,6 +52,34 @@ def test_cute_dh_refuses_h_past_2_31_elements():
       ((P,), jnp.float32), ((P // 128,), jnp.int32)]]
   with pytest.raises(ValueError, match=r"cute dh: H \[4194432, 512\] has .* 32-bit offsets"):
     jax.eval_shape(lambda *a: grouped_gemm.dh(*a, block_n=128), *shapes)
+  # H loaded and the outputs stored by TMA: coordinates a dimension each, no element offsets
+  out = jax.eval_shape(lambda *a: grouped_gemm.dh(*a, block_n=128, tma_store=True, h_smem=True),
+                       *shapes)
+  assert out[0].shape == (P, 2 * n)
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_cute_dh_past_2_31_elements_on_gpu():
+  """dH on its TMA path (H loaded and every output stored by TMA) with H past 2^31 elements:
+  the last rows, past where a 32-bit element offset wraps, equal the same kernel's on those
+  rows alone (dH, A' and the dS parts)."""
+  from ffi import grouped_gemm
+  d = n = 256
+  P = 2**31 // (2 * n) + 2 * grouped_gemm.BLOCK_M
+  tail = 2 * grouped_gemm.BLOCK_M
+  dout = jax.random.normal(jax.random.key(48), (P, d), jnp.bfloat16)
+  w2 = (jax.random.normal(jax.random.key(49), (1, n, d)) / 16).astype(jnp.bfloat16)
+  h = jax.random.normal(jax.random.key(50), (P, 2 * n), jnp.bfloat16)
+  scores = jax.random.uniform(jax.random.key(51), (P,), jnp.float32)
+  run = jax.jit(lambda g, w, hh, s: grouped_gemm.dh(
+      g, w, hh, s, jnp.zeros((g.shape[0] // grouped_gemm.BLOCK_M,), jnp.int32), block_n=256,
+      tma_store=True, h_smem=True))
+  dh_, a_scaled, ds_parts = run(dout, w2, h, scores)
+  want = run(dout[-tail:], w2, h[-tail:], scores[-tail:])
+  np.testing.assert_array_equal(dh_[-tail:], want[0])
+  np.testing.assert_array_equal(a_scaled[-tail:], want[1])
+  np.testing.assert_array_equal(ds_parts[:, -tail:], want[2])
 
 
 @needs_cute

@@ -24,20 +24,43 @@ def cute(**fields):
 
 
 @needs_cute
+def test_cute_dh_past_its_offsets_takes_the_tma_kernel(monkeypatch):
+  """An H past the register paths' 32-bit offsets: the cute dh op runs grouped_gemm.dh with H
+  loaded and its outputs stored by TMA (coordinates, no element offsets), whatever dh_kernel
+  says, and dw2 decides its dO gather as dh does."""
+  from ffi import calls, grouped_gemm
+  monkeypatch.setattr(calls, "MAX_REGISTER_ADDRESSED", 1000)
+  cute_ops = importlib.import_module("ffi.ops")
+  seen = []
+  real_dh = grouped_gemm.dh
+  monkeypatch.setattr(grouped_gemm, "dh", lambda *a, **k: (seen.append(k), real_dh(*a, **k))[1])
+  args = make_inputs(5, 200, 128, 128, 4, jnp.bfloat16)
+  loss = lambda *a: jnp.sum(sm.moe(*a, k=2, backend="cute", windows=1,
+                                   kernel_config=cute(dh_kernel="registers")).out.astype(jnp.float32))
+  jax.eval_shape(jax.grad(loss, argnums=(0, 2, 3)), *args)
+  assert [(k["tma_store"], k["h_smem"]) for k in seen] == [(True, True)]
+  big = cute_ops._dh_config(1001, CuteConfig(dh_kernel="pingpong"))
+  assert big.dh_kernel == "tma_store" and cute_ops._dh_config(1000, CuteConfig()) == CuteConfig()
+
+
+@needs_cute
 def test_cute_dh_past_its_offsets_falls_back_to_xla(monkeypatch):
-  """The cute dh op hands an H too large for its kernel to xla_ops.dh, saying so: the layer's
-  gradients equal the xla backend's (runs on CPU: no cute kernel is called)."""
+  """Without dh_h_smem no dH kernel takes an H past its offsets: the cute dh op hands it to
+  xla_ops.dh, saying so, and the layer's gradients equal the xla backend's (runs on CPU: no
+  cute kernel is called)."""
   from ffi import calls
   monkeypatch.setattr(calls, "MAX_REGISTER_ADDRESSED", 1000)
   T, d, n, E, K = 200, 128, 128, 4, 2
   args = make_inputs(5, T, d, n, E, jnp.float32)
 
-  def grads(backend):
-    loss = lambda *a: jnp.sum(sm.moe(*a, k=K, backend=backend).out ** 2)
+  def grads(backend, **kw):
+    loss = lambda *a: jnp.sum(sm.moe(*a, k=K, backend=backend, **kw).out ** 2)
     return jax.grad(loss, argnums=(0, 2, 3))(*args)
 
-  with pytest.warns(UserWarning, match=r"backend 'cute' dh: H \(\d+, 256\) has more than 1000"):
-    got = grads({op: "xla" for op in sm.OP_NAMES} | {"dh": "cute"})
+  with pytest.warns(UserWarning, match=r"backend 'cute' dh: H \(\d+, 256\) has more than 1000 "
+                                       r"elements and dh_h_smem is off"):
+    got = grads({op: "xla" for op in sm.OP_NAMES} | {"dh": "cute"},
+                kernel_config=cute(dh_h_smem=False))
   for a, b in zip(got, grads("xla")):   # (cute's ALIGN pads the plan: other fp32 sum orders)
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
