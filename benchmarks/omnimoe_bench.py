@@ -2,8 +2,9 @@
 swept 3M-28M (K paired with it as in the paper's Table A: table_a_point), tokens 1K-16K;
 OmniMoE expert-centric, PEER-style token-centric, a coarse
 DeepSeekMoE layer and a dense SwiGLU MLP of equal activated parameters. OmniMoE runs twice:
-its grouped GEMMs through the xla backend's ("omnimoe": tiled batched GEMMs on a GPU) and
-through our Pallas kernels ("omnimoe_pallas", GPU only).
+its grouped GEMMs through the xla backend's ("omnimoe": tiled batched GEMMs on a GPU),
+through our Pallas kernels ("omnimoe_pallas", GPU only) and through our CuTe kernels
+("omnimoe_cute", GPU with the cute extra).
 
   python -m benchmarks.omnimoe_bench                 # GPU
   python -m benchmarks.omnimoe_bench --tiny          # CPU smoke run
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import sonicmoe_jax as sm
+from sonicmoe_jax import backends
 from models.baselines import DeepSeekMoE, DenseMLP
 from models import omnimoe
 from models.omnimoe import CHUNK_BYTES, OmniMoE
@@ -50,7 +52,7 @@ def table_a_point(d, active, n_atomic):
 
 def layers(d, active, n_atomic, tiny, chunk_bytes=CHUNK_BYTES, group=128):
   """The layers compared at one point, each with its activated parameters per token: OmniMoE
-  (expert-centric, on XLA's and on our Pallas grouped GEMMs), the PEER-style token-centric
+  (expert-centric, on XLA's and on our Pallas and CuTe grouped GEMMs), the PEER-style token-centric
   layer (the same parameters), a DeepSeekMoE layer and a dense SwiGLU MLP of about as many."""
   k, d_mlp, params = table_a_point(d, active, n_atomic)
   if tiny:
@@ -62,6 +64,8 @@ def layers(d, active, n_atomic, tiny, chunk_bytes=CHUNK_BYTES, group=128):
   omni = lambda **kw: OmniMoE(d, n_atomic, k, d_mlp, group=group, chunk_bytes=chunk_bytes,
                               dtype=jnp.bfloat16, rngs=rngs, **kw)
   pallas = {} if tiny else {"omnimoe_pallas": (omni(grouped="pallas"), params)}
+  if not tiny and backends.cute_installed():
+    pallas["omnimoe_cute"] = (omni(grouped="cute"), params)
   return {
       **pallas,
       "omnimoe": (omni(), params),

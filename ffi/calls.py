@@ -84,19 +84,23 @@ def rhs_as_ekn(rhs, transpose_rhs: bool):
   return jax.ShapeDtypeStruct((rhs.shape[0], rhs.shape[2], rhs.shape[1]), rhs.dtype)
 
 
-def matmul_call(kernel, lhs, rhs, tile_expert, transpose_rhs: bool, cols=None, **config):
+def matmul_call(kernel, lhs, rhs, tile_expert, transpose_rhs: bool, cols=None,
+                gather_index=None, **config):
   """out [P, N] of a grouped-matmul kernel (grouped_matmul's operands, checked by the
   caller) as an FFI call; cols=(lo, hi): out [P, hi - lo], the product's columns lo .. hi - 1
-  (the kernel views rhs from column lo: rhs_window)."""
+  (the kernel views rhs from column lo: rhs_window); with gather_index [P] the kernel reads
+  lhs's rows through it (a gathering kernel: its operand after tile_expert)."""
   num_cols = rhs_as_ekn(rhs, transpose_rhs).shape[2]
   lo, hi = (0, num_cols) if cols is None else cols
   if lo:
     config["first_col"] = lo
+  index = () if gather_index is None else (gather_index.astype(jnp.int32),)
   # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major
   out, = xla_call.call(
-      kernel, [lhs[None], rhs, tile_expert.astype(jnp.int32)],
-      [jax.ShapeDtypeStruct((1, lhs.shape[0], hi - lo), lhs.dtype)],
-      modes=[ROW_MODES, (1, 2, 0) if transpose_rhs else (2, 1, 0), None, ROW_MODES], **config)
+      kernel, [lhs[None], rhs, tile_expert.astype(jnp.int32), *index],
+      [jax.ShapeDtypeStruct((1, rows_read(lhs, gather_index).shape[0], hi - lo), lhs.dtype)],
+      modes=[ROW_MODES, (1, 2, 0) if transpose_rhs else (2, 1, 0), None,
+             *([None] * len(index)), ROW_MODES], **config)
   return out[0]
 
 

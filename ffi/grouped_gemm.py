@@ -302,6 +302,15 @@ def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
 
 
 @cute.jit
+def _gathered_matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
+                     gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
+                     stages: cutlass.Constexpr, first_col: cutlass.Constexpr = 0):
+  """_matmul with lhs (T, K, 1) the source rows and slot r reading lhs[gather_index[r]]."""
+  _launch(stream, lhs, rhs_window(rhs, out, first_col), tile_expert, gather_index, out, out,
+          None, block_n, stages, "store", True, False)
+
+
+@cute.jit
 def _up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor, h: cute.Tensor,
              a: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
              warp_specialized: cutlass.Constexpr = False):
@@ -478,7 +487,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
-                   stages: int | None = None, warp_specialized: bool = False, cols=None):
+                   stages: int | None = None, warp_specialized: bool = False, cols=None,
+                   gather_index=None):
   """out [P, N] = lhs_e rhs_e per M tile (module docstring), rhs [E, K, N]; with transpose_rhs
   rhs is [E, N, K] and out = lhs_e rhs_e^T (read K-major, no transposed copy).
   tile_expert: [P / BLOCK_M] int32, E or more past the last group. stages: the TMA pipeline's
@@ -486,12 +496,18 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   issues the TMA loads (bitwise the same result; one CTA per SM). cols=(lo, hi): out is the
   product's columns lo .. hi - 1 only (out [P, hi - lo]; lo a multiple of 8, hi - lo of 64).
   block_n need not divide the output's columns: the last column tile is clipped
-  (calls.column_tiles)."""
-  reason = calls.unsupported(lhs, calls.rhs_as_ekn(rhs, transpose_rhs), block_n, cols,
+  (calls.column_tiles). With gather_index [P], lhs is the source [T, K] and slot r reads
+  lhs[gather_index[r]] (zeros where it is T or more), gathered inside the kernel by its
+  producer warpgroup's cp.async (no [P, K] copy; warp_specialized does not apply)."""
+  reason = calls.unsupported(calls.rows_read(lhs, gather_index),
+                             calls.rhs_as_ekn(rhs, transpose_rhs), block_n, cols,
                              clipped_last_tile=True)
   if reason:
     raise ValueError(f"cute grouped_matmul: {reason}")
   stages = pipeline_depth(block_n, 1, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K, stages)
+  if gather_index is not None:
+    return calls.matmul_call(_gathered_matmul, lhs, rhs, tile_expert, transpose_rhs, cols,
+                             gather_index=gather_index, block_n=block_n, stages=stages)
   return calls.matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, cols, block_n=block_n,
                            stages=stages, **calls.warp_specialized_config(warp_specialized))
 

@@ -355,6 +355,41 @@ class PallasGroupedOps:
     return gather_sum.gather_sum(rows, None, sched.token_rows, sched.token_offsets, num_tokens)
 
 
+class CuteGroupedOps:
+  """The same GEMMs on our CuTe kernels (needs the cute extra, a Hopper GPU, bf16/f16, d % 128
+  and B % 128): the varlen-M grouped matmul (the scores GEMM gathering x's rows in its
+  producer warpgroup), the varlen-K weight gradient, the per-token gather-and-sum."""
+  align = 128
+
+  @classmethod
+  def matmul(cls, lhs, rhs, sched: Schedule, transpose_rhs: bool, gather_index=None):
+    from ffi import grouped_gemm
+    from sonicmoe_jax.core import schedule as tiling
+    num_rows = sched.row_token.shape[0]
+    tiles = tiling.tile_owners(sched.row_offsets, num_rows, cls.align)
+    return grouped_gemm.grouped_matmul(lhs, rhs, tiles, transpose_rhs=transpose_rhs,
+                                       gather_index=gather_index)
+
+  @classmethod
+  def scores(cls, x, wq, sched: Schedule):
+    """As XlaGroupedOps.scores, x's rows gathered inside the GEMM kernel (no [R, d] copy)."""
+    return cls.matmul(x, wq, sched, transpose_rhs=True, gather_index=sched.row_token)
+
+  @staticmethod
+  def weight_grad(lhs, rhs, sched: Schedule):
+    from ffi import grouped_gemm
+    return grouped_gemm.weight_grad(lhs, rhs, sched.row_offsets, sched.num_groups)
+
+  @staticmethod
+  def token_sums(rows, sched: Schedule, num_tokens: int):
+    """Each token's rows summed in fp32 by the CuTe gather-and-sum kernel."""
+    from ffi import gather_sum
+    return gather_sum.gather_sum(rows, None, sched.token_rows, sched.token_offsets, num_tokens)
+
+
+GROUPED_OPS = {"xla": XlaGroupedOps, "pallas": PallasGroupedOps, "cute": CuteGroupedOps}
+
+
 def _in_groups(w, sched: Schedule):
   """W [N, d] as [Q, B, d] blocks of B consecutive experts (a reshape; zero rows pad N up to
   Q*B where B does not divide it)."""
@@ -500,8 +535,9 @@ class OmniMoE(nnx.Module):
 
   Args: d_model, num_experts (N, a perfect square), k (experts per token, up to thousands),
   d_mlp (shared MLP width), group (B, experts per expert-centric group), execution
-  ("expert_centric" or "token_centric"), grouped ("xla" or "pallas": the kernels of the
-  expert-centric GEMMs; pallas needs bf16, d and group multiples of 128), chunk_bytes (the
+  ("expert_centric" or "token_centric"), grouped ("xla", "pallas" or "cute": the kernels of
+  the expert-centric GEMMs; pallas and cute need bf16, d and group multiples of 128, cute the
+  cute extra), chunk_bytes (the
   most one chunk of tokens' gathers or task rows may take: larger chunks schedule more tokens
   together, so each expert's weights serve more of them, for more memory), dtype, rngs.
   Call: (y, RouterStats with expert usage counts); `last_unevenness` holds KL(usage || uniform).
@@ -517,11 +553,11 @@ class OmniMoE(nnx.Module):
       raise ValueError(f"execution must be 'expert_centric' or 'token_centric'; got {execution!r}")
     if group < 1:
       raise ValueError(f"group must be >= 1; got {group}")
-    if grouped not in ("xla", "pallas"):
-      raise ValueError(f"grouped must be 'xla' or 'pallas'; got {grouped!r}")
+    if grouped not in GROUPED_OPS:
+      raise ValueError(f"grouped must be one of {tuple(GROUPED_OPS)}; got {grouped!r}")
     if chunk_bytes < 1:
       raise ValueError(f"chunk_bytes must be >= 1; got {chunk_bytes}")
-    self.grouped_ops = PallasGroupedOps if grouped == "pallas" else XlaGroupedOps
+    self.grouped_ops = GROUPED_OPS[grouped]
     key = rngs.params
     init = jax.nn.initializers.normal(stddev=d_model ** -0.5)
     self.w_row = nnx.Param(init(key(), (d_model, rows)))

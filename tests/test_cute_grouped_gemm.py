@@ -91,7 +91,7 @@ def test_cute_dh_past_2_31_elements_on_gpu():
     ("dh_gather", 256, None), ("weight_grad_gather_t", 256, None), ("matmul_ws", 256, None),
     ("up_proj_ws", 128, None), ("dh_ws", 256, None), ("weight_grad_ws", 256, 4),
     ("dh_h_smem", 256, None), ("dh_gather_h_smem", 128, None), ("dh_tma_h_smem", 256, None),
-    ("weight_grad_gather+tma", 256, 2),
+    ("weight_grad_gather+tma", 256, 2), ("matmul_gather", 128, None), ("matmul_t_gather", 256, 3),
     ("weight_grad_gather_t+tma", 128, 3)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a; "+tma": the
@@ -133,6 +133,11 @@ def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
         "dh_gather": lambda a, b, t: grouped_gemm.dh(  # dO = a's first 300 rows
             a[:300], jnp.swapaxes(b, 1, 2)[:, :K], jnp.concatenate([a, a], 1),
             a[:, 0].astype(jnp.float32), t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301, **kw),
+        "matmul_gather": lambda a, b, t: grouped_gemm.grouped_matmul(  # lhs = a's first 300 rows
+            a[:300], b, t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301, **kw),
+        "matmul_t_gather": lambda a, b, t: grouped_gemm.grouped_matmul(
+            a[:300], jnp.swapaxes(b, 1, 2), t, transpose_rhs=True,
+            gather_index=jnp.arange(P, dtype=jnp.int32) % 301, **kw),
         "up_proj_gather": lambda a, b, t: grouped_gemm.up_proj(  # X = a's first 300 rows
             a[:300], b, t, gather_index=jnp.arange(P, dtype=jnp.int32) % 301, **kw),
         "weight_grad": lambda a, b, t: grouped_gemm.weight_grad(  # [E, K, 2K] over P / E rows each
@@ -277,6 +282,26 @@ def test_cute_up_proj_with_gather_matches_pregathered_on_gpu(block_n, stages, d)
   index = jax.random.randint(jax.random.key(9), (P,), 0, T).at[::7].set(T)
   _assert_gathering_matches_pregathered(grouped_gemm.up_proj, x, index, w1, tile_expert,
                                         block_n=block_n, stages=stages)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("block_n,transpose_rhs,d", [(128, True, 512), (256, False, 1024),
+                                                     (64, True, 1024)])
+def test_cute_grouped_matmul_with_gather_matches_pregathered_on_gpu(block_n, transpose_rhs, d):
+  """The plain grouped matmul gathering its rows in the kernel (padding slots: index T, zero
+  rows; a tile past the last group) gives the bitwise same product as on rows gathered by XLA
+  first, rhs read N- or K-major."""
+  from ffi import grouped_gemm
+  T, N, E = 1000, 384, 4
+  tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
+  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
+  x = jax.random.normal(jax.random.key(17), (T, d)).astype(jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(18), (E, N, d) if transpose_rhs else (E, d, N)) / 8
+       ).astype(jnp.bfloat16)
+  index = jax.random.randint(jax.random.key(19), (P,), 0, T).at[::7].set(T)
+  _assert_gathering_matches_pregathered(grouped_gemm.grouped_matmul, x, index, w, tile_expert,
+                                        block_n=block_n, transpose_rhs=transpose_rhs)
 
 
 @pytest.mark.gpu
