@@ -485,10 +485,11 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
   dynamic tile order, above _ask_tile) instead of every grid-th; the same bits. cluster_m:
   CTAs per cluster (CLUSTER_SIZES; 2: neighbouring M tiles share the rhs's stages by
   multicast; M's tiles an even number, or with tma_gather any: an odd count's last cluster
-  computes one tile past M, on zeros, and stores nothing); the same bits. tma_gather: the gathered rows
-  loaded by TMA (row_gather.produce_wgrad_steps_tma) instead of the producer's cp.async;
-  the same bits (the TMA engine writes the rows into SMEM without the producer's LSU time),
-  and M and N need then only be multiples of 64: the last M and column tiles are clipped."""
+  computes one tile past M, on zeros, and stores nothing); the same bits. tma_gather: the
+  gathered rows loaded by TMA (row_gather.produce_wgrad_steps_tma) instead of the producer's
+  cp.async; the same bits (the TMA engine writes the rows into SMEM without the producer's LSU
+  time), and M and N need then only be multiples of 64: the last M and column tiles are
+  clipped."""
   slots = calls.rows_read(x, gather_index)
   reason = (calls.weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
                                           group_sizes, clipped_last_tile=tma_gather)

@@ -60,7 +60,8 @@ def test_cartesian_topk_runs_xla_off_the_gpu():
 @needs_cute
 @pytest.mark.parametrize("num_tokens,rows,cols,k,coarse", [
     (64, 1024, 1024, 4096, False), (64, 1024, 1024, 4096, True), (48, 2048, 2048, 3000, False),
-    (33, 64, 16, 100, True), (40, 16, 64, 1, False), (40, 8, 8, 64, True), (8, 256, 256, 576, False)])
+    (33, 64, 16, 100, True), (40, 16, 64, 1, False), (40, 8, 8, 64, True),
+    (8, 256, 256, 576, False)])
 def test_cute_cartesian_topk_matches_the_bisection_on_gpu(num_tokens, rows, cols, k, coarse):
   """Scores and expert ids equal the XLA bisection's element for element (the same pairs in
   the same order): at the paper's grid and k, with ties (scores rounded to quarters), two
