@@ -29,12 +29,12 @@ import cutlass.cute as cute
 import jax
 import jax.numpy as jnp
 
-from ffi import block, xla_call
+from ffi import block, topk, xla_call
 
 THREADS = 1024
 WARPS = THREADS // 32
 MAX_RANKS = 2048               # kr and kc: two row ranks a thread, 16 KB of column ranks in SMEM
-_MAGNITUDE_BITS = 0x7FFFFFFF
+_LARGEST_KEY = 2**31 - 1
 _NEGATIVE_ZERO = -2**31
 
 
@@ -49,14 +49,12 @@ def unsupported(rows: int, cols: int, k: int):
 
 @cute.jit
 def _key(value):
-  """An int32 key in the order of the float32 value (-0.0 ties with 0.0)."""
+  """An int32 key in the order of the float32 value (topk.ordered_key of its bits; -0.0 ties
+  with 0.0, as routing.ordered_bits)."""
   bits = value.bitcast(cutlass.Int32)
-  key = bits
   if bits == cutlass.Int32(_NEGATIVE_ZERO):
-    key = cutlass.Int32(0)
-  elif bits < 0:
-    key = bits ^ cutlass.Int32(_MAGNITUDE_BITS)
-  return key
+    bits = cutlass.Int32(0)
+  return topk.ordered_key(bits)
 
 
 @cute.jit
@@ -93,7 +91,7 @@ def _topk_kernel(row_vals: cute.Tensor, row_ids: cute.Tensor, col_vals: cute.Ten
   first = tidx * per_thread
   vals = cute.make_rmem_tensor((per_thread,), cutlass.Float32)
   caps = cute.make_rmem_tensor((per_thread,), cutlass.Int32)
-  least = cutlass.Int32(_MAGNITUDE_BITS)
+  least = cutlass.Int32(_LARGEST_KEY)
   for i in cutlass.range_constexpr(per_thread):
     vals[i] = cutlass.Float32(0.0)
     caps[i] = cutlass.Int32(0)

@@ -8,7 +8,7 @@ lowest such expert), and that expert's key is masked with INT32_MIN, below every
 keeps round j's result; lanes below k store them, [k] values and experts per token.
 
 Keys: each logit's float32 bits read as an int32 key in the order of the float values
-(negative floats with their magnitude bits flipped: _ordered_key, its own inverse, which turns
+(negative floats with their magnitude bits flipped: ordered_key, its own inverse, which turns
 the chosen keys back into values), so -inf logits stay selectable and ties go to the lower
 expert, as jax.lax.top_k.
 """
@@ -41,7 +41,7 @@ def unsupported(num_experts: int, k: int):
 
 
 @cute.jit
-def _ordered_key(bits):
+def ordered_key(bits):
   """An int32 key in the order of the float32 whose bits these are (its own inverse)."""
   key = bits
   if bits < 0:
@@ -60,7 +60,7 @@ def _top_k_kernel(logits: cute.Tensor, top_values: cute.Tensor, top_experts: cut
   if token < keys.shape[0]:
     mine = cute.make_rmem_tensor((per_lane,), cutlass.Int32)
     for i in cutlass.range_constexpr(per_lane):
-      mine[i] = _ordered_key(keys[token, lane + 32 * i])
+      mine[i] = ordered_key(keys[token, lane + 32 * i])
     kept_key = cutlass.Int32(0)
     kept_expert = cutlass.Int32(0)
     for j in cutlass.range_constexpr(k):
@@ -81,7 +81,7 @@ def _top_k_kernel(logits: cute.Tensor, top_values: cute.Tensor, top_experts: cut
         kept_key = best
         kept_expert = expert
     if lane < k:
-      top_keys[token, lane] = _ordered_key(kept_key)         # the value's bits again
+      top_keys[token, lane] = ordered_key(kept_key)         # the value's bits again
       top_experts[token, lane] = kept_expert
 
 

@@ -321,6 +321,20 @@ class XlaGroupedOps:
                                num_segments=num_tokens).astype(rows.dtype)
 
 
+def _row_tiles(sched: Schedule, align: int):
+  """The group of each `align`-row tile of the schedule's rows (Q past the last group): the
+  tile table of the kernels' varlen-M GEMMs."""
+  from sonicmoe_jax.core import schedule as tiling
+  return tiling.tile_owners(sched.row_offsets, sched.row_token.shape[0], align)
+
+
+def _gather_sums(rows, sched: Schedule, num_tokens: int):
+  """[T, d]: each token's rows summed in fp32 by the CuTe gather-and-sum kernel (each row read
+  once, through the schedule's rows-by-token list)."""
+  from ffi import gather_sum
+  return gather_sum.gather_sum(rows, None, sched.token_rows, sched.token_offsets, num_tokens)
+
+
 class PallasGroupedOps:
   """The same GEMMs on the Pallas Mosaic GPU kernels (needs bf16/f16, d % 128, B % 128)."""
   align = 128
@@ -328,10 +342,8 @@ class PallasGroupedOps:
   @classmethod
   def matmul(cls, lhs, rhs, sched: Schedule, transpose_rhs: bool, gather_index=None):
     from pallas_kernels import grouped_gemm
-    from sonicmoe_jax.core import schedule as tiling
-    tiles = tiling.tile_owners(sched.row_offsets, sched.row_token.shape[0], cls.align)
-    return grouped_gemm.matmul(lhs, rhs, tiles, transpose_rhs=transpose_rhs,
-                               gather_index=gather_index)
+    return grouped_gemm.matmul(lhs, rhs, _row_tiles(sched, cls.align),
+                               transpose_rhs=transpose_rhs, gather_index=gather_index)
 
   @classmethod
   def scores(cls, x, wq, sched: Schedule):
@@ -351,29 +363,19 @@ class PallasGroupedOps:
     from pallas_kernels import config
     if config.interpret_mode() is not None or not backends.cute_installed():
       return XlaGroupedOps.token_sums(rows, sched, num_tokens)
-    from ffi import gather_sum
-    return gather_sum.gather_sum(rows, None, sched.token_rows, sched.token_offsets, num_tokens)
+    return _gather_sums(rows, sched, num_tokens)
 
 
-class CuteGroupedOps:
+class CuteGroupedOps(PallasGroupedOps):
   """The same GEMMs on our CuTe kernels (needs the cute extra, a Hopper GPU, bf16/f16, d % 128
   and B % 128): the varlen-M grouped matmul (the scores GEMM gathering x's rows in its
   producer warpgroup), the varlen-K weight gradient, the per-token gather-and-sum."""
-  align = 128
 
   @classmethod
   def matmul(cls, lhs, rhs, sched: Schedule, transpose_rhs: bool, gather_index=None):
     from ffi import grouped_gemm
-    from sonicmoe_jax.core import schedule as tiling
-    num_rows = sched.row_token.shape[0]
-    tiles = tiling.tile_owners(sched.row_offsets, num_rows, cls.align)
-    return grouped_gemm.grouped_matmul(lhs, rhs, tiles, transpose_rhs=transpose_rhs,
-                                       gather_index=gather_index)
-
-  @classmethod
-  def scores(cls, x, wq, sched: Schedule):
-    """As XlaGroupedOps.scores, x's rows gathered inside the GEMM kernel (no [R, d] copy)."""
-    return cls.matmul(x, wq, sched, transpose_rhs=True, gather_index=sched.row_token)
+    return grouped_gemm.grouped_matmul(lhs, rhs, _row_tiles(sched, cls.align),
+                                       transpose_rhs=transpose_rhs, gather_index=gather_index)
 
   @staticmethod
   def weight_grad(lhs, rhs, sched: Schedule):
@@ -383,8 +385,7 @@ class CuteGroupedOps:
   @staticmethod
   def token_sums(rows, sched: Schedule, num_tokens: int):
     """Each token's rows summed in fp32 by the CuTe gather-and-sum kernel."""
-    from ffi import gather_sum
-    return gather_sum.gather_sum(rows, None, sched.token_rows, sched.token_offsets, num_tokens)
+    return _gather_sums(rows, sched, num_tokens)
 
 
 GROUPED_OPS = {"xla": XlaGroupedOps, "pallas": PallasGroupedOps, "cute": CuteGroupedOps}

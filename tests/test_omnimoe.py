@@ -285,6 +285,13 @@ def test_expert_centric_with_empty_groups_and_a_token_in_one_group():
     assert rel_err(a, b) < 1e-5
 
 
+def _lowering_inputs(T: int, N: int, k: int, d: int):
+  """(x, w, v, g, ids) of the expert-centric layer in bf16, for lowering only (zeros)."""
+  w = jnp.zeros((N, d), jnp.bfloat16)
+  return (jnp.zeros((T, d), jnp.bfloat16), w, w, jnp.zeros((T, k), jnp.bfloat16),
+          jnp.zeros((T, k), jnp.int32))
+
+
 @needs_cute
 def test_pallas_grouped_sums_tokens_with_the_gather_sum_kernel_on_gpu():
   """Lowered for a GPU, the Pallas-GEMM expert-centric layer sums each token's rows with the
@@ -292,10 +299,7 @@ def test_pallas_grouped_sums_tokens_with_the_gather_sum_kernel_on_gpu():
   x's rows inside the scores GEMM (no [rows, d] gather by XLA)."""
   from pallas_kernels import config
   T, N, k, d, group = 64, 512, 8, 128, 128
-  x = jnp.zeros((T, d), jnp.bfloat16)
-  w = v = jnp.zeros((N, d), jnp.bfloat16)
-  g = jnp.zeros((T, k), jnp.bfloat16)
-  ids = jnp.zeros((T, k), jnp.int32)
+  x, w, v, g, ids = _lowering_inputs(T, N, k, d)
   ops = omnimoe.PallasGroupedOps
   def step(x, w, v, g, ids):
     f = lambda *a: omnimoe.expert_centric(ops, *a, omnimoe.schedule(ids, N, group, ops.align))
@@ -321,10 +325,7 @@ def test_cute_grouped_runs_every_gemm_and_sum_on_kernels():
   five grouped GEMMs and both per-token sums as kernel calls, and no [rows, d] gather of x's
   rows happens in the forward (the scores GEMM gathers them)."""
   T, N, k, d, group = 64, 512, 8, 128, 128
-  x = jnp.zeros((T, d), jnp.bfloat16)
-  w = v = jnp.zeros((N, d), jnp.bfloat16)
-  g = jnp.zeros((T, k), jnp.bfloat16)
-  ids = jnp.zeros((T, k), jnp.int32)
+  x, w, v, g, ids = _lowering_inputs(T, N, k, d)
   ops = omnimoe.CuteGroupedOps
   sched = lambda ids: omnimoe.schedule(ids, N, group, ops.align)
   def step(x, w, v, g, ids):
