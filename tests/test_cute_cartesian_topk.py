@@ -74,3 +74,17 @@ def test_cute_cartesian_topk_matches_the_bisection_on_gpu(num_tokens, rows, cols
   np.testing.assert_array_equal(got_vals, want_vals)
   assert omnimoe._kernel_runs(rows, cols, k)
   np.testing.assert_array_equal(run(pr, pc, k, None)[1], want_ids)
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_cute_cartesian_topk_gradients_match_the_bisection_on_gpu():
+  """The kernel's scores carry gradients to both sides' log-probabilities, equal to the
+  bisection's (the same pairs, the same sums; summed in any order)."""
+  pr, pc = _log_probs(16, 256, 256, seed=3)
+  weights = jax.random.normal(jax.random.key(4), (16, 576))
+  def grads(method):
+    loss = lambda a, b: (omnimoe.cartesian_topk(a, b, 576, method)[0] * weights).sum()
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(pr, pc)
+  for got, want in zip(grads("kernel"), grads("bisection")):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
