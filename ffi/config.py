@@ -20,6 +20,7 @@ STORE_TILE_MS = ("auto", 128, 192)       # pingpong.TILE_M, pingpong.ROW_TILE_M
 STORE_CLUSTER_NS = (1, 2)                # pingpong.CLUSTER_NS
 STORE_WIDE_KERNELS = ("grouped", "persistent")
 STORE_WIDE_BLOCK_NS = ("auto", 128, 192, 256)
+STORE_WIDE_CLUSTER_NS = (1, 2)           # persistent.CLUSTER_SIZES
 WGRAD_KERNELS = ("grouped", "persistent")
 WGRAD_CLUSTER_MS = (1, 2)                # persistent.CLUSTER_SIZES
 WEIGHT_GRADS = ("dw1", "dw2")
@@ -64,6 +65,9 @@ class CuteConfig:
       store GEMMs run wide tiles on store_wide_kernel ("persistent": each tile's epilogue
       under the next tile's loads; or "grouped"), with a producer warp issuing the TMA loads
       from store_wide_ws_min_n columns on (the "grouped" wide kernel).
+    store_wide_cluster_n: CTAs per cluster of the "persistent" wide tiles, sharing an M tile's
+      lhs stages by TMA multicast (2: neighbouring column tiles in pairs, an odd count taking
+      one tile more, past the output; 1: none).
     store_wide_block_n: those wide tiles' columns: 128, 192, 256, or "auto": of 256 and 192
       the one whose last tile clips fewer of the output's columns (256 on a tie; 2880 = 15 x
       192 takes 192), 128 where that is more than clipped_waste_percent of them.
@@ -104,6 +108,7 @@ class CuteConfig:
   store_wide_ws_min_n: int = 4096
   store_wide_kernel: str = "persistent"
   store_wide_block_n: str | int = "auto"
+  store_wide_cluster_n: int = 1
   clipped_waste_percent: int = 10
   dw1_gather_max_column_tiles: int = 32
   wgrad_kernel: str = "persistent"
@@ -119,6 +124,7 @@ class CuteConfig:
                           ("store_cluster_n", STORE_CLUSTER_NS),
                           ("store_wide_kernel", STORE_WIDE_KERNELS),
                           ("store_wide_block_n", STORE_WIDE_BLOCK_NS),
+                          ("store_wide_cluster_n", STORE_WIDE_CLUSTER_NS),
                           ("wgrad_kernel", WGRAD_KERNELS),
                           ("wgrad_cluster_m", WGRAD_CLUSTER_MS)):
       value = getattr(self, name)

@@ -13,11 +13,12 @@ Schedule:
               tile, then column tile (an expert's tiles together: its rows from L2); kind
               "store": M tile t // n_tiles, column tile t % n_tiles (an M tile's column tiles
               on neighbouring CTAs: its lhs rows from L2)
-  clusters  : "wgrad" with cluster_m 2: clusters of 2 CTAs take cluster tiles as a CTA takes
-              tiles (in either order below), the two CTAs neighbouring M tiles of one expert
-              and one column tile (cluster_tile); each TMA-loads half of every rhs stage into
-              both CTAs (multicast), and a stage is free once both CTAs' MMA warpgroups
-              released it
+  clusters  : of 2 CTAs, taking cluster tiles as a CTA takes tiles (in either order below):
+              "wgrad" (cluster_m 2) the two CTAs take neighbouring M tiles of one expert and
+              one column tile (cluster_tile) and each TMA-loads half of every rhs stage into
+              both CTAs (multicast); "store" (cluster_n 2) they take neighbouring column
+              tiles of one M tile and share its lhs stages likewise; a stage is free once both
+              CTAs' MMA warpgroups released it
   producer  : warpgroup 0 (mainloop.PRODUCER_REGISTERS), its ring state running on
               across tiles: "wgrad", as the gathering producers of row_gather.py (each
               k step's BLOCK_K rows gathered, the tile's BLOCK_M columns of them, by its
@@ -63,18 +64,21 @@ def stages_that_fit(block_n: int, itemsize: int) -> int:
                                                    reserved=epilogue_bytes(itemsize)))
 
 
-# CTAs per cluster of the weight gradients: 1 (none) or 2 along M sharing the rhs's stages,
-# which each loads half of and multicasts to both (a third less L2-to-SM traffic a stage)
+# CTAs per cluster: 1 (none) or 2 sharing one operand's stages, which each loads half of and
+# multicasts to both (a weight gradient's rhs along M, a store GEMM's lhs along N)
 CLUSTER_SIZES = (1, 2)
 
 
-def cluster_tile(u, rank, num_m_tiles: int, num_n_tiles: int, cluster: int):
-  """The "wgrad" tile (tile_work's t) of CTA `rank` of a cluster of `cluster` CTAs at cluster
-  tile u, cluster tiles ordered as tile_work orders tiles: the cluster's CTAs take
-  neighbouring M tiles of one expert and one column tile (the rhs tile they share). cluster
-  1: t = u."""
+def cluster_tile(kind: str, u, rank, num_m_tiles: int, num_n_tiles: int, cluster: int):
+  """The tile (tile_work's t) of CTA `rank` of a cluster of `cluster` CTAs at cluster tile u,
+  cluster tiles ordered as tile_work orders tiles. "wgrad": the cluster's CTAs take
+  neighbouring M tiles of one expert and one column tile (the rhs tile they share); "store":
+  neighbouring column tiles of one M tile (the lhs tile they share; num_n_tiles whole
+  clusters). cluster 1: t = u."""
   if cluster == 1:
     return u
+  if kind == "store":
+    return u * cluster + rank
   per_expert = num_m_tiles // cluster * num_n_tiles
   expert, rest = u // per_expert, u % per_expert
   m_tile = rest // num_n_tiles * cluster + rank
@@ -212,8 +216,8 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
   tile_info tile_expert (P / BLOCK_M,), gather_index unused. dynamic: the tiles in the order
   the CTAs ask for them (tile_counter (1,) starting at 0), else every grid-th (_next_tile).
-  cluster 2 ("wgrad"): the grid's clusters of 2 CTAs loop over cluster tiles (cluster_tile),
-  the rhs's stages multicast (tma_b made for it)."""
+  cluster 2: the grid's clusters of 2 CTAs loop over cluster tiles (cluster_tile), the rhs's
+  stages ("wgrad") or the lhs's ("store") multicast (tma_b or tma_a made for it)."""
   gather = kind == "wgrad"
   copies = gather and not tma_gather   # A's rows copied by the producer's threads (cp.async)
   tidx, _, _ = cute.arch.thread_idx()
@@ -227,8 +231,12 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   if cutlass.const_expr(cluster > 1):
     rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
     first, stride, num_units = cta // cluster, num_ctas // cluster, num_tiles // cluster
-  work = lambda u: tile_work(kind, cluster_tile(u, rank, num_m_tiles, num_n_tiles, cluster),
+  work = lambda u: tile_work(kind, cluster_tile(kind, u, rank, num_m_tiles, num_n_tiles,
+                                                cluster),
                              tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts)
+  # the multicast operand's (rank, cluster size): the rhs's along M, the lhs's along N
+  rhs_cluster = (rank, cluster) if gather else (0, 1)
+  lhs_cluster = (0, 1) if gather else (rank, cluster)
 
   smem = cutlass.memory.SmemAllocator()
   storage = smem.allocate(shared_storage)
@@ -236,7 +244,8 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   s_b = storage.s_b.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
   loads, tile_bars = mainloop.load_pipeline(storage, stages, stage_bytes, copies, THREADS,
                                             tidx, tile_barriers(cluster) if dynamic else 0,
-                                            cluster)
+                                            cluster_m=cluster if gather else 1,
+                                            cluster_n=1 if gather else cluster)
   # (static: no ring; tile_counter stands in, unread)
   tile_ids = (storage.tile_ids.get_tensor(cute.make_layout(TILE_SLOTS)) if dynamic
               else tile_counter)
@@ -263,7 +272,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             asked = _ask_tile(tile_counter, asked)
       m_tile, n_tile, k_begin, num_k, rhs_l, _ = work(t)
       operands = [mainloop.tma_operand(tma_b, s_b, cute.local_tile(
-          m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)), rank, cluster)]
+          m_b, tile_mnk, (m_tile, n_tile, None, rhs_l), proj=(None, 1, 1)), *rhs_cluster)]
       if cutlass.const_expr(copies):
         produce = row_gather.produce_wgrad_steps(loads, produce, m_a, gather_index, s_a,
                                                  operands, k_begin, num_k, tidx,
@@ -274,7 +283,7 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
                                                      m_tile * BLOCK_M)
       elif warp == 0:   # TMA loads only: its warp 0 issues every stage's
         lhs_and_rhs = [mainloop.tma_operand(tma_a, s_a, cute.local_tile(
-            m_a, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, None, 1)))] + operands
+            m_a, tile_mnk, (m_tile, n_tile, None, 0), proj=(1, None, 1)), *lhs_cluster)] + operands
         for step in cutlass.range(num_k, unroll=1):
           mainloop.load_stage(loads, produce, lhs_and_rhs, k_begin + step)
           produce.advance()
@@ -326,7 +335,8 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
             tma_gather: cutlass.Constexpr = False):
   """The persistent grid and the kernel's static configuration (_kernel's operands; the
   output's modes (rows, columns, experts or 1); tile_counter unused unless dynamic); cluster
-  2: clusters of 2 CTAs along M, the grid whole clusters, the rhs's TMA atom multicasting."""
+  2: clusters of 2 CTAs, the grid whole clusters: "wgrad" along M, the rhs's TMA atom
+  multicasting; "store" along N, the lhs's."""
   dtype = lhs.element_type
   gather = kind == "wgrad"
   # the weight gradient's A tiles (M, rows) are M-major (filled by the gathers)
@@ -339,7 +349,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
   b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
   b_stage = cute.slice_(b_smem_staged, (None, None, 0))
-  if cutlass.const_expr(cluster > 1):
+  if cutlass.const_expr(gather and cluster > 1):
     tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), rhs,
                                              b_stage, (block_n, BLOCK_K), num_multicast=cluster)
   else:
@@ -352,6 +362,11 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
     stage_bytes += a_stage_bytes
   elif cutlass.const_expr(gather):   # no TMA for A (the kernel takes an atom: B's, unused)
     tma_a, m_a = tma_b, lhs
+  elif cutlass.const_expr(cluster > 1):
+    tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), lhs,
+                                             cute.slice_(a_smem_staged, (None, None, 0)),
+                                             (BLOCK_M, BLOCK_K), num_multicast=cluster)
+    stage_bytes += a_stage_bytes
   else:
     tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), lhs,
                                              cute.slice_(a_smem_staged, (None, None, 0)),
@@ -370,9 +385,12 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   # (the last of each clipped where BLOCK_M or block_n does not divide the output: TMA loads
   # zeros past the operands' ends and stores nothing past the output's)
   num_m_tiles = calls.column_tiles(cute.size(out, mode=[0]), BLOCK_M)
-  if cutlass.const_expr(cluster > 1):   # (whole clusters: the last's tiles past M load zeros)
-    num_m_tiles = -(-num_m_tiles // cluster) * cluster
   num_n_tiles = calls.column_tiles(cute.size(out, mode=[1]), block_n)
+  # whole clusters: the last's tiles past M ("wgrad") or past the columns load zeros
+  if cutlass.const_expr(gather and cluster > 1):
+    num_m_tiles = -(-num_m_tiles // cluster) * cluster
+  if cutlass.const_expr(not gather and cluster > 1):
+    num_n_tiles = -(-num_n_tiles // cluster) * cluster
   num_tiles = num_m_tiles * num_n_tiles * cute.size(out, mode=[2])
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K   # (store: the contraction)
   _kernel.set_name_prefix(gg.kernel_label(kind, gather, "persistent"), remove_cutlass_symbol=True)
@@ -417,11 +435,12 @@ def _weight_grad_dynamic(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: c
 @cute.jit
 def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-            first_col: cutlass.Constexpr = 0, num_ctas: cutlass.Constexpr = NUM_SMS):
+            first_col: cutlass.Constexpr = 0, num_ctas: cutlass.Constexpr = NUM_SMS,
+            cluster_n: cutlass.Constexpr = 1):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, W, 1): the operands of
-  grouped_gemm._matmul (first_col as its)."""
+  grouped_gemm._matmul (first_col as its); cluster_n: CTAs per cluster (_launch's cluster)."""
   _launch(stream, lhs, gg.rhs_window(rhs, out, first_col), tile_expert, tile_expert,
-          tile_expert, out, block_n, stages, num_ctas, "store", False)
+          tile_expert, out, block_n, stages, num_ctas, "store", False, cluster_n)
 
 
 def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int:
@@ -451,10 +470,17 @@ def cluster_fits(cluster_m: int, m: int, tma_gather: bool) -> bool:
   return tma_gather or calls.column_tiles(m, BLOCK_M) % cluster_m == 0
 
 
+def _cluster_size_unsupported(name: str, size) -> str | None:
+  """Why `size` CTAs cannot make a cluster (the argument `name`), or None."""
+  if type(size) is not int or size not in CLUSTER_SIZES:   # (not a bool or a float)
+    return f"{name}={size!r} must be one of {CLUSTER_SIZES}"
+  return None
+
+
 def _cluster_unsupported(cluster_m, m: int, tma_gather: bool) -> str | None:
   """Why the weight gradient cannot run clusters of cluster_m CTAs along its M = m, or None."""
-  if type(cluster_m) is not int or cluster_m not in CLUSTER_SIZES:   # (not a bool or a float)
-    return f"cluster_m={cluster_m!r} must be one of {CLUSTER_SIZES}"
+  if reason := _cluster_size_unsupported("cluster_m", cluster_m):
+    return reason
   if not cluster_fits(cluster_m, m, tma_gather):
     return (f"M={m} must make whole clusters: {calls.column_tiles(m, BLOCK_M)} M tiles of "
             f"{BLOCK_M} in clusters of cluster_m={cluster_m} (any number with tma_gather)")
@@ -507,19 +533,24 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
-                   stages: int | None = None, cols=None, num_ctas: int | None = None):
+                   stages: int | None = None, cols=None, num_ctas: int | None = None,
+                   cluster_n: int = 1):
   """grouped_gemm.grouped_matmul on persistent CTAs (module docstring): out [P, N] = lhs_e
   rhs_e per M tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major; tile_expert
   [P / BLOCK_M] (E or more past the last group: zeros); cols=(lo, hi): out's columns lo ..
   hi - 1 only, a multiple of 64: block_n need not divide it (the last column tile is clipped).
   stages: as weight_grad's (at most the contraction's k steps). num_ctas: the grid's most CTAs
-  (default NUM_SMS)."""
+  (default NUM_SMS; in clusters rounded down to whole clusters). cluster_n: CTAs per cluster
+  (CLUSTER_SIZES; 2: neighbouring column tiles of an M tile share its lhs stages by multicast;
+  an odd count of column tiles takes one more, past the output, on zeros, storing nothing);
+  the same bits."""
   reason = (calls.unsupported(lhs, calls.rhs_as_ekn(rhs, transpose_rhs), block_n, cols,
                              clipped_last_tile=True)
-            or _tile_unsupported(block_n))
+            or _tile_unsupported(block_n) or _cluster_size_unsupported("cluster_n", cluster_n))
   if reason:
     raise ValueError(f"cute persistent grouped_matmul: {reason}")
   stages = _stages(stages, block_n, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K,
                    "grouped_matmul")
+  options = dict(cluster_n=cluster_n) if cluster_n > 1 else {}
   return calls.matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, cols, block_n=block_n,
-                           stages=stages, **_grid_config(num_ctas, "grouped_matmul"))
+                           stages=stages, **_grid_config(num_ctas, "grouped_matmul"), **options)

@@ -45,7 +45,7 @@ def test_persistent_cluster_tiles_pair_neighbouring_m_tiles_of_one_column_tile()
   from ffi import persistent
   m_tiles, n_tiles, experts = 4, 3, 2
   units = m_tiles * n_tiles * experts // 2
-  pairs = [[persistent.cluster_tile(u, r, m_tiles, n_tiles, 2) for r in (0, 1)]
+  pairs = [[persistent.cluster_tile("wgrad", u, r, m_tiles, n_tiles, 2) for r in (0, 1)]
            for u in range(units)]
   split = lambda t: (t // (m_tiles * n_tiles), t % (m_tiles * n_tiles) // n_tiles, t % n_tiles)
   for t0, t1 in pairs:
@@ -53,21 +53,37 @@ def test_persistent_cluster_tiles_pair_neighbouring_m_tiles_of_one_column_tile()
     assert (e0, n0) == (e1, n1) and m0 % 2 == 0 and m1 == m0 + 1
   assert sorted(t for pair in pairs for t in pair) == list(range(2 * units))
   assert [pair[0] for pair in pairs] == sorted(pair[0] for pair in pairs)
-  assert [persistent.cluster_tile(u, 0, m_tiles, n_tiles, 1) for u in range(5)] == list(range(5))
+  assert [persistent.cluster_tile("wgrad", u, 0, m_tiles, n_tiles, 1) for u in range(5)] == \
+      list(range(5))
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_rhs,cols", [
-    (256, None, False, None), (192, 2, True, None), (128, None, False, (128, 384)),
-    (256, None, True, (256, 512))])
-def test_cute_persistent_matmul_compiles_for_cuda(block_n, stages, transpose_rhs, cols):
+def test_persistent_store_cluster_tiles_pair_neighbouring_column_tiles_of_one_m_tile():
+  """cluster_tile "store": the two CTAs of a cluster take column tiles 2j and 2j + 1 of one M
+  tile (the lhs tile they share); over the cluster tiles, every tile once, in order."""
+  from ffi import persistent
+  m_tiles, n_tiles = 3, 4
+  pairs = [[persistent.cluster_tile("store", u, r, m_tiles, n_tiles, 2) for r in (0, 1)]
+           for u in range(m_tiles * n_tiles // 2)]
+  for t0, t1 in pairs:
+    assert t0 // n_tiles == t1 // n_tiles and t0 % n_tiles % 2 == 0 and t1 == t0 + 1
+  assert [t for pair in pairs for t in pair] == list(range(m_tiles * n_tiles))
+
+
+@needs_cute
+@pytest.mark.parametrize("block_n,stages,transpose_rhs,cols,cluster_n", [
+    (256, None, False, None, 1), (192, 2, True, None, 1), (128, None, False, (128, 384), 1),
+    (256, None, True, (256, 512), 1), (192, None, False, None, 2), (256, 3, True, (256, 512), 2)])
+def test_cute_persistent_matmul_compiles_for_cuda(block_n, stages, transpose_rhs, cols,
+                                                  cluster_n):
   """The persistent store GEMM compiles for sm_90a, both rhs layouts, whole and windowed, 192
-  wide (the last column tile clipped)."""
+  wide (the last column tile clipped), in clusters of 2 (192 wide: 3 column tiles, padded to
+  4)."""
   from ffi import persistent
   P, K, N, E = 512, 256, 512, 4
   fn = lambda a, b, t: persistent.grouped_matmul(
       a, jnp.swapaxes(b, 1, 2) if transpose_rhs else b, t, transpose_rhs=transpose_rhs,
-      block_n=block_n, stages=stages, cols=cols)
+      block_n=block_n, stages=stages, cols=cols, cluster_n=cluster_n)
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
   assert FFI_TARGET in cuda_module(fn, *shapes)
@@ -131,6 +147,10 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
     persistent.grouped_matmul(lhs, w, tiles, block_n=512)
   with pytest.raises(ValueError, match="cute persistent grouped_matmul: block_n=96 must be a multiple of 64"):
     persistent.grouped_matmul(lhs, w, tiles, block_n=96)
+  for bad in (3, True):
+    with pytest.raises(ValueError, match=rf"cute persistent grouped_matmul: cluster_n={bad!r} "
+                                         r"must be one of \(1, 2\)"):
+      persistent.grouped_matmul(lhs, w, tiles, cluster_n=bad)
 
 
 @pytest.mark.gpu
@@ -187,18 +207,24 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("transpose_rhs,block_n,stages,cols,num_ctas", [
-    (False, 256, None, None, None), (True, 256, None, None, 3), (False, 128, 2, (128, 384), 5),
-    (True, 256, 3, (256, 512), 1), (True, 128, None, None, None), (False, 192, None, None, 3),
-    (True, 192, 2, (128, 512), 5), (False, 64, 3, None, 3)])
+@pytest.mark.parametrize("transpose_rhs,block_n,stages,cols,num_ctas,cluster_n", [
+    (False, 256, None, None, None, 1), (True, 256, None, None, 3, 1),
+    (False, 128, 2, (128, 384), 5, 1), (True, 256, 3, (256, 512), 1, 1),
+    (True, 128, None, None, None, 1), (False, 192, None, None, 3, 1),
+    (True, 192, 2, (128, 512), 5, 1), (False, 64, 3, None, 3, 1),
+    (False, 256, None, None, None, 2), (True, 192, 2, (128, 512), 5, 2),
+    (False, 192, None, None, 3, 2), (True, 128, 3, (128, 512), 1, 2)])
 def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, stages, cols,
-                                                       num_ctas):
+                                                       num_ctas, cluster_n):
   """The persistent store GEMM gives grouped_gemm.grouped_matmul's bits: experts 0, 1 and 3
   (2 skipped: no tiles), a tile past the last group (zeros), whole and windowed (cols), both
   rhs layouts; num_ctas 1, 3 and 5 make each CTA loop over many tiles (the default grid: one
   tile each). The contraction's 10 k steps wrap rings of 2-4 stages within and across tiles.
   64 and 192 wide, a tile's odd epilogue chunks start the CTA's next tile on the other buffer
-  (192: N = 512's last column tile clipped)."""
+  (192: N = 512's last column tile clipped). In clusters of 2 sharing the lhs stages: whole
+  pairs of column tiles (256 wide, 384 columns 192 wide) and an odd count padded with a tile
+  past the output (512 columns 192 wide; 384 columns 128 wide), CTAs 1 and 3 making one
+  cluster."""
   from ffi import grouped_gemm, persistent
   E, K, N = 4, 640, 512
   tile_expert = jnp.array([0, 0, 1, 3, 3, 3, E], jnp.int32)
@@ -208,8 +234,8 @@ def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, s
   if transpose_rhs:
     rhs = jnp.swapaxes(rhs, 1, 2)
   kw = dict(transpose_rhs=transpose_rhs, block_n=block_n, cols=cols)
-  got = jax.jit(lambda a, b, t: persistent.grouped_matmul(a, b, t, stages=stages,
-                                                          num_ctas=num_ctas, **kw))(lhs, rhs, tile_expert)
+  got = jax.jit(lambda a, b, t: persistent.grouped_matmul(
+      a, b, t, stages=stages, num_ctas=num_ctas, cluster_n=cluster_n, **kw))(lhs, rhs, tile_expert)
   want = jax.jit(lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, **kw))(lhs, rhs, tile_expert)
   assert got.shape == want.shape == (P, N if cols is None else cols[1] - cols[0])
   assert np.all(np.asarray(want[-128:], np.float32) == 0) and np.any(np.asarray(want, np.float32) != 0)
