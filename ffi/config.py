@@ -108,7 +108,7 @@ class CuteConfig:
   store_wide_ws_min_n: int = 4096
   store_wide_kernel: str = "persistent"
   store_wide_block_n: str | int = "auto"
-  store_wide_cluster_n: int = 1
+  store_wide_cluster_n: int = 2
   clipped_waste_percent: int = 10
   dw1_gather_max_column_tiles: int = 32
   wgrad_kernel: str = "persistent"
