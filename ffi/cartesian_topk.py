@@ -16,11 +16,11 @@ Tiling: one CTA of THREADS threads per token. Thread i holds row ranks i R .. i 
      needed (block.exclusive_scan over the ties): its count; a scan of the counts gives each
      row rank's last output slot (SMEM `ends`).
   3. Output slot s (the CTA's threads in turn: coalesced stores): its row rank (a binary
-     search over ends), its column rank (s minus the row rank's first slot), the pair's score
-     and its expert id row_id * cols + col_id.
+     search over ends), its column rank (s minus the row rank's first slot) and the pair's
+     expert id row_id * cols + col_id.
 Pairs and order as models/omnimoe.py's bisection (row ranks in order, each a prefix of its
-column ranks): scores and ids bit for bit, ties at the k-th score to the lower row rank, then
-column rank.
+column ranks): its ids element for element, ties at the k-th score to the lower row rank, then
+column rank. The caller gathers the pairs' scores (differentiably).
 """
 from __future__ import annotations
 
@@ -72,9 +72,9 @@ def _reaching(row_val, cap, col_s: cute.Tensor, threshold, steps: cutlass.Conste
 
 @cute.kernel
 def _topk_kernel(row_vals: cute.Tensor, row_ids: cute.Tensor, col_vals: cute.Tensor,
-                 col_ids: cute.Tensor, out_vals: cute.Tensor, out_ids: cute.Tensor,
-                 k: cutlass.Constexpr, cols: cutlass.Constexpr, kr: cutlass.Constexpr,
-                 kc: cutlass.Constexpr, per_thread: cutlass.Constexpr):
+                 col_ids: cute.Tensor, out_ids: cute.Tensor, k: cutlass.Constexpr,
+                 cols: cutlass.Constexpr, kr: cutlass.Constexpr, kc: cutlass.Constexpr,
+                 per_thread: cutlass.Constexpr):
   tidx, _, _ = cute.arch.thread_idx()
   token, _, _ = cute.arch.block_idx()
   smem = cutlass.memory.SmemAllocator()
@@ -154,23 +154,22 @@ def _topk_kernel(row_vals: cute.Tensor, row_ids: cute.Tensor, col_vals: cute.Ten
     if a > 0:
       start = ends[a - 1]
     b = s - start
-    out_vals[token, s] = row_vals[token, a] + col_s[b]
     out_ids[token, s] = row_ids[token, a] * cols + col_id_s[b]
 
 
 @cute.jit
 def _topk(stream, row_vals: cute.Tensor, row_ids: cute.Tensor, col_vals: cute.Tensor,
-          col_ids: cute.Tensor, out_vals: cute.Tensor, out_ids: cute.Tensor,
-          k: cutlass.Constexpr, cols: cutlass.Constexpr, kr: cutlass.Constexpr,
-          kc: cutlass.Constexpr, per_thread: cutlass.Constexpr):
-  _topk_kernel(row_vals, row_ids, col_vals, col_ids, out_vals, out_ids, k, cols, kr, kc,
+          col_ids: cute.Tensor, out_ids: cute.Tensor, k: cutlass.Constexpr,
+          cols: cutlass.Constexpr, kr: cutlass.Constexpr, kc: cutlass.Constexpr,
+          per_thread: cutlass.Constexpr):
+  _topk_kernel(row_vals, row_ids, col_vals, col_ids, out_ids, k, cols, kr, kc,
                per_thread).launch(grid=(row_vals.shape[0], 1, 1), block=(THREADS, 1, 1),
                                   stream=stream)
 
 
 def cartesian_topk(row_vals, row_ids, col_vals, col_ids, k: int, rows: int, cols: int):
-  """(scores [T, k] float32, expert ids [T, k] int32 = row id * cols + column id) of each
-  token's k best pairs on a rows x cols grid, as models/omnimoe.py's bisection gives them.
+  """The expert ids [T, k] int32 (row id * cols + column id) of each token's k best pairs on a
+  rows x cols grid, in the order models/omnimoe.py's bisection gives them.
   row_vals [T, min(k, rows)] float32 sorted descending with their ids row_ids (int32),
   col_vals and col_ids [T, min(k, cols)] likewise; `unsupported` names the limits."""
   reason = unsupported(rows, cols, k)
@@ -185,10 +184,9 @@ def cartesian_topk(row_vals, row_ids, col_vals, col_ids, k: int, rows: int, cols
   if reason:
     raise ValueError(f"cute cartesian_topk: {reason}")
   num_tokens, kr = row_vals.shape
-  vals, ids = xla_call.call(
+  ids, = xla_call.call(
       _topk, [row_vals.astype(jnp.float32), row_ids.astype(jnp.int32),
               col_vals.astype(jnp.float32), col_ids.astype(jnp.int32)],
-      [jax.ShapeDtypeStruct((num_tokens, k), jnp.float32),
-       jax.ShapeDtypeStruct((num_tokens, k), jnp.int32)],
+      [jax.ShapeDtypeStruct((num_tokens, k), jnp.int32)],
       k=k, cols=cols, kr=kr, kc=col_vals.shape[1], per_thread=max(1, -(-kr // THREADS)))
-  return vals, ids
+  return ids

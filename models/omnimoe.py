@@ -110,11 +110,11 @@ def cartesian_topk(p_row, p_col, k: int, method: str | None = None):
     cheaper = 32 * kc.bit_length() * kr < candidates * max(1, candidates.bit_length())
     method = "bisection" if cheaper else "candidates"
   if method == "kernel":
-    # the kernel picks the pairs; their scores are gathered here (the same float32 sums), so
-    # that gradients reach p_row and p_col
+    # the kernel picks the pairs; their scores are gathered here (the same float32 sums as the
+    # other methods'), so that gradients reach p_row and p_col
     from ffi import cartesian_topk as kernel
     ranked = map(jax.lax.stop_gradient, (row_vals, row_idx, col_vals, col_idx))
-    _, ids = kernel.cartesian_topk(*ranked, k, rows, cols)
+    ids = kernel.cartesian_topk(*ranked, k, rows, cols)
     vals = (jnp.take_along_axis(p_row, ids // cols, axis=1) +
             jnp.take_along_axis(p_col, ids % cols, axis=1))
     return vals, ids
