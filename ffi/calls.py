@@ -34,6 +34,15 @@ def warp_specialized_config(warp_specialized: bool, gather_index=None) -> dict:
   return dict(warp_specialized=True) if warp_specialized and gather_index is None else {}
 
 
+def band_config(band_m_tiles: int, name: str) -> dict:
+  """The kernel option of a tile order in bands of band_m_tiles M tiles ({} for 0, the launch
+  order, which the FFI targets leave out); ValueError naming the argument otherwise."""
+  if type(band_m_tiles) is not int or band_m_tiles < 0:   # (not a bool or a float)
+    raise ValueError(f"cute {name}: band_m_tiles must be an int >= 0 (0: launch order); got "
+                     f"{band_m_tiles!r}")
+  return dict(band_m_tiles=band_m_tiles) if band_m_tiles else {}
+
+
 def _dtype_unsupported(lhs, rhs):
   if lhs.dtype not in (jnp.bfloat16, jnp.float16) or rhs.dtype != lhs.dtype:
     return f"lhs and rhs must both be bfloat16 or float16; got {lhs.dtype} and {rhs.dtype}"

@@ -76,6 +76,14 @@ class CuteConfig:
   but the ping-pong register stores, the weight gradients loading by TMA):
     clipped_waste_percent: the widest tile an op takes is halved (down to 64) while its last
       tile's columns past the output are more than this percent of the output's columns.
+  Tile order of the one-CTA-a-tile kernels (grouped_gemm: up_proj, dh off the ping-pong
+  kernel, the "grouped" store kernel, the weight gradients on "grouped" or past the in-kernel
+  gathers' limits):
+    band_m_tiles, band_min_column_tiles: from band_min_column_tiles output column tiles on,
+      the tiles are launched in bands of band_m_tiles M tiles (a band's column tiles in turn,
+      its M tiles neighbouring: each band reads each rhs column block once), else an M
+      tile's column tiles together (which, at many column tiles, re-reads all of rhs for
+      every M tile). 0: never.
   Weight gradients (dw1, dw2):
     dw1_gather_max_column_tiles: dW1 gathers X's rows itself where its output has at most
       this many column tiles, else reads one gather made by XLA.
@@ -111,6 +119,8 @@ class CuteConfig:
   store_wide_cluster_n: int = 2
   clipped_waste_percent: int = 10
   dw1_gather_max_column_tiles: int = 32
+  band_m_tiles: int = 8
+  band_min_column_tiles: int = 32
   wgrad_kernel: str = "persistent"
   wgrad_dynamic_order: str | tuple[str, ...] = "auto"
   wgrad_dynamic_min_tiles: int = 128
@@ -135,7 +145,8 @@ class CuteConfig:
         raise TypeError(f"CuteConfig.{name} must be a bool; got {getattr(self, name)!r}")
     for name in ("dh_pingpong_max_d", "dout_gather_max_column_tiles", "store_stages",
                  "store_wide_min_k", "store_wide_min_n", "store_wide_ws_min_n",
-                 "dw1_gather_max_column_tiles", "wgrad_dynamic_min_tiles",
+                 "dw1_gather_max_column_tiles", "wgrad_dynamic_min_tiles", "band_m_tiles",
+                 "band_min_column_tiles",
                  "clipped_waste_percent"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -97,7 +97,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
             out_m_major: cutlass.Constexpr, producer: cutlass.Constexpr,
             h_smem: cutlass.Constexpr, tma_gather: cutlass.Constexpr,
-            k_steps: cutlass.Constexpr):
+            k_steps: cutlass.Constexpr, num_m_tiles: cutlass.Constexpr,
+            num_n_tiles: cutlass.Constexpr, band_m_tiles: cutlass.Constexpr):
   swiglu = kind == "swiglu"
   copies = gather and not tma_gather   # A's rows copied by the producer's threads (cp.async)
   # with a producer warpgroup (always when gathering) warpgroup 0 loads and warpgroups 1, 2
@@ -105,6 +106,8 @@ def _kernel(tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: c
   first_mma_warp = 4 if producer else 0
   tidx, _, _ = cute.arch.thread_idx()
   n_tile, m_tile, z_tile = cute.arch.block_idx()
+  if cutlass.const_expr(band_m_tiles > 0):   # grid x: the tiles in bands of M tiles
+    m_tile, n_tile = banded_tile(n_tile, num_m_tiles, num_n_tiles, band_m_tiles)
   warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
   mainloop.prefetch_descriptors(warp, tma_a, tma_b, copies)
   if cutlass.const_expr(swiglu):
@@ -294,49 +297,55 @@ def halves(tensor: cute.Tensor, mode: int):
 @cute.jit
 def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
             out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-            warp_specialized: cutlass.Constexpr = False, first_col: cutlass.Constexpr = 0):
+            warp_specialized: cutlass.Constexpr = False, first_col: cutlass.Constexpr = 0,
+            band_m_tiles: cutlass.Constexpr = 0):
   """lhs (P, K, 1) K-major, rhs (N, K, E) N- or K-major, out (P, W, 1) (logical modes): out's
-  columns are the product's from first_col on (rhs_window; all of them by default)."""
+  columns are the product's from first_col on (rhs_window; all of them by default);
+  band_m_tiles: _launch's."""
   _launch(stream, lhs, rhs_window(rhs, out, first_col), tile_expert, tile_expert, out, out, None,
-          block_n, stages, "store", False, False, warp_specialized)
+          block_n, stages, "store", False, False, warp_specialized, band_m_tiles=band_m_tiles)
 
 
 @cute.jit
 def _gathered_matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
                      gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-                     stages: cutlass.Constexpr, first_col: cutlass.Constexpr = 0):
+                     stages: cutlass.Constexpr, first_col: cutlass.Constexpr = 0,
+                     band_m_tiles: cutlass.Constexpr = 0):
   """_matmul with lhs (T, K, 1) the source rows and slot r reading lhs[gather_index[r]]."""
   _launch(stream, lhs, rhs_window(rhs, out, first_col), tile_expert, gather_index, out, out,
-          None, block_n, stages, "store", True, False)
+          None, block_n, stages, "store", True, False, band_m_tiles=band_m_tiles)
 
 
 @cute.jit
 def _up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor, h: cute.Tensor,
              a: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-             warp_specialized: cutlass.Constexpr = False):
+             warp_specialized: cutlass.Constexpr = False, band_m_tiles: cutlass.Constexpr = 0):
   """x (P, d, 1), w1 (2n, d, E) N-major, H (P, 2n, 1), A (P, n, 1) (logical modes)."""
   _launch(stream, x, w1, tile_expert, tile_expert, h, a, None, block_n, stages, "swiglu", False,
-          False, warp_specialized)
+          False, warp_specialized, band_m_tiles=band_m_tiles)
 
 
 @cute.jit
 def _gathered_up_proj(stream, x: cute.Tensor, w1: cute.Tensor, tile_expert: cute.Tensor,
                       gather_index: cute.Tensor, h: cute.Tensor, a: cute.Tensor,
-                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr):
+                      block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+                      band_m_tiles: cutlass.Constexpr = 0):
   """_up_proj with x (T, d, 1) the source rows and slot r reading x[gather_index[r]]."""
   _launch(stream, x, w1, tile_expert, gather_index, h, a, None, block_n, stages, "swiglu", True,
-          False)
+          False, band_m_tiles=band_m_tiles)
 
 
 @cute.jit
 def _dh(stream, dout_g: cute.Tensor, w2: cute.Tensor, tile_expert: cute.Tensor, h: cute.Tensor,
         scores: cute.Tensor, dh: cute.Tensor, a_scaled: cute.Tensor, ds_parts: cute.Tensor,
         block_n: cutlass.Constexpr, stages: cutlass.Constexpr, register_store: cutlass.Constexpr,
-        warp_specialized: cutlass.Constexpr = False, h_smem: cutlass.Constexpr = False):
+        warp_specialized: cutlass.Constexpr = False, h_smem: cutlass.Constexpr = False,
+        band_m_tiles: cutlass.Constexpr = 0):
   """dOg (P, d, 1), w2 (n, d, E) K-major, H (P, 2n, 1), scores (P,), dH (P, 2n, 1), A' (P, n, 1),
   dS parts (n / block_n, P)."""
   _launch(stream, dout_g, w2, tile_expert, tile_expert, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", False, register_store, warp_specialized, h_smem)
+          block_n, stages, "dh", False, register_store, warp_specialized, h_smem,
+          band_m_tiles=band_m_tiles)
 
 
 @cute.jit
@@ -344,30 +353,44 @@ def _gathered_dh(stream, dout: cute.Tensor, w2: cute.Tensor, tile_expert: cute.T
                  gather_index: cute.Tensor, h: cute.Tensor, scores: cute.Tensor, dh: cute.Tensor,
                  a_scaled: cute.Tensor, ds_parts: cute.Tensor, block_n: cutlass.Constexpr,
                  stages: cutlass.Constexpr, register_store: cutlass.Constexpr,
-                 h_smem: cutlass.Constexpr = False):
+                 h_smem: cutlass.Constexpr = False, band_m_tiles: cutlass.Constexpr = 0):
   """_dh with dout (T, d, 1) the source rows and slot r reading dout[gather_index[r]]."""
   _launch(stream, dout, w2, tile_expert, gather_index, dh, a_scaled, (h, scores, ds_parts),
-          block_n, stages, "dh", True, register_store, False, h_smem)
+          block_n, stages, "dh", True, register_store, False, h_smem, band_m_tiles=band_m_tiles)
 
 
 @cute.jit
 def _weight_grad(stream, lhs: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tensor,
                  out: cute.Tensor, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-                 warp_specialized: cutlass.Constexpr = False):
+                 warp_specialized: cutlass.Constexpr = False, band_m_tiles: cutlass.Constexpr = 0):
   """lhs (M, P, 1) M-major, rhs (N, P, 1) N-major, group_rows (2 E,)
   (routing.group_row_ranges), out (M, N, E)."""
   _launch(stream, lhs, rhs, group_rows, group_rows, out, out, None, block_n, stages,
-          "wgrad", False, False, warp_specialized)
+          "wgrad", False, False, warp_specialized, band_m_tiles=band_m_tiles)
 
 
 @cute.jit
 def _gathered_weight_grad(stream, x: cute.Tensor, rhs: cute.Tensor, group_rows: cute.Tensor,
                           gather_index: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
-                          stages: cutlass.Constexpr, tma_gather: cutlass.Constexpr = False):
+                          stages: cutlass.Constexpr, tma_gather: cutlass.Constexpr = False,
+                          band_m_tiles: cutlass.Constexpr = 0):
   """_weight_grad with x (T, M, 1) the source rows and slot r reading x[gather_index[r]]
   (tma_gather: loaded by TMA)."""
   _launch(stream, x, rhs, group_rows, gather_index, out, out, None, block_n, stages, "wgrad",
-          True, False, tma_gather=tma_gather)
+          True, False, tma_gather=tma_gather, band_m_tiles=band_m_tiles)
+
+
+def banded_tile(t, num_m_tiles: int, num_n_tiles: int, band: int):
+  """(M tile, column tile) of launch-order tile t in bands of `band` M tiles (the last band
+  the rest): a band's tiles column tile by column tile, its M tiles neighbouring within each.
+  The CTAs in flight then cover a few M tiles and many column tiles of each, so that a band
+  reads each rhs column block once; in plain launch order (an M tile's column tiles
+  neighbouring) an output of many column tiles has the CTAs in flight on about one M tile,
+  and every M tile reads all of rhs again."""
+  first_m = t // (band * num_n_tiles) * band
+  rows = cutlass.min(band, num_m_tiles - first_m)
+  rest = t - first_m * num_n_tiles
+  return first_m + rest % rows, rest // rows
 
 
 KERNEL_LABELS = {"store": "matmul", "swiglu": "up_proj", "dh": "dh", "wgrad": "weight_grad"}
@@ -386,8 +409,9 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, kind: cutlass.Constexpr,
             gather: cutlass.Constexpr, register_store: cutlass.Constexpr,
             warp_specialized: cutlass.Constexpr = False, h_smem: cutlass.Constexpr = False,
-            tma_gather: cutlass.Constexpr = False):
-  """The grid over (output column tiles, M tiles[, experts]) and the kernel's static
+            tma_gather: cutlass.Constexpr = False, band_m_tiles: cutlass.Constexpr = 0):
+  """The grid over (output column tiles, M tiles[, experts]), or with band_m_tiles over
+  (tiles[, experts]) in bands of that many M tiles (banded_tile), and the kernel's static
   configuration. kind: "store" (out = lhs rhs), "swiglu" (out H (P, 2n), out2 A (P, n); rhs
   W1's gate and up columns), "dh" (out dH (P, 2n), out2 A' (P, n), dh_inputs (H, scores, dS
   parts)); for those two the grid covers n's columns; or "wgrad" (lhs (M, P, 1) M-major, rhs
@@ -481,14 +505,15 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
           b_smem_staged, c_smem_staged,
           cute.size(rhs, mode=[2]), storage, block_n, stages, stage_bytes, kind, gather,
           register_store, out_layout.is_m_major_c(), producer, h_smem, tma_gather,
-          k_steps).launch(
-              grid=(num_n_tiles, num_m_tiles, num_z),
+          k_steps, num_m_tiles, num_n_tiles, band_m_tiles).launch(
+              grid=((num_n_tiles * num_m_tiles, 1, num_z) if band_m_tiles > 0
+                    else (num_n_tiles, num_m_tiles, num_z)),
               block=(THREADS + (128 if producer else 0), 1, 1), stream=stream)
 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
                    stages: int | None = None, warp_specialized: bool = False, cols=None,
-                   gather_index=None):
+                   gather_index=None, band_m_tiles: int = 0):
   """out [P, N] = lhs_e rhs_e per M tile (module docstring), rhs [E, K, N]; with transpose_rhs
   rhs is [E, N, K] and out = lhs_e rhs_e^T (read K-major, no transposed copy).
   tile_expert: [P / BLOCK_M] int32, E or more past the last group. stages: the TMA pipeline's
@@ -498,7 +523,10 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   block_n need not divide the output's columns: the last column tile is clipped
   (calls.column_tiles). With gather_index [P], lhs is the source [T, K] and slot r reads
   lhs[gather_index[r]] (zeros where it is T or more), gathered inside the kernel by its
-  producer warpgroup's cp.async (no [P, K] copy; warp_specialized does not apply)."""
+  producer warpgroup's cp.async (no [P, K] copy; warp_specialized does not apply).
+  band_m_tiles: the tiles in bands of that many M tiles (banded_tile; 0: an M tile's column
+  tiles launched together); the same bits."""
+  band = calls.band_config(band_m_tiles, "grouped_matmul")
   reason = calls.unsupported(calls.rows_read(lhs, gather_index),
                              calls.rhs_as_ekn(rhs, transpose_rhs), block_n, cols,
                              clipped_last_tile=True)
@@ -507,20 +535,23 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   stages = pipeline_depth(block_n, 1, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K, stages)
   if gather_index is not None:
     return calls.matmul_call(_gathered_matmul, lhs, rhs, tile_expert, transpose_rhs, cols,
-                             gather_index=gather_index, block_n=block_n, stages=stages)
+                             gather_index=gather_index, block_n=block_n, stages=stages, **band)
   return calls.matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, cols, block_n=block_n,
-                           stages=stages, **calls.warp_specialized_config(warp_specialized))
+                           stages=stages, **calls.warp_specialized_config(warp_specialized),
+                           **band)
 
 
 def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
-            stages: int | None = None, warp_specialized: bool = False):
+            stages: int | None = None, warp_specialized: bool = False, band_m_tiles: int = 0):
   """H = Xg W1_e (gate and up halves) and A = silu(gate) * up per M tile: xg [P, d] rows in
   slot order, w1 [E, d, 2n]; returns H [P, 2n], A [P, n] (the SwiGLU epilogue). With
   gather_index [P], xg is X [T, d] and slot r reads X[gather_index[r]] (zeros where it is T or
   more), gathered inside the kernel by cp.async (by a producer warpgroup). stages and
   warp_specialized (without gather_index): as grouped_matmul's. block_n need not divide n (a
   multiple of 64): the last column tile is clipped, W1's and H's gate and up halves each
-  read and written through a TMA descriptor of its own (halves)."""
+  read and written through a TMA descriptor of its own (halves). band_m_tiles: as
+  grouped_matmul's."""
+  band = calls.band_config(band_m_tiles, "up_proj")
   n = w1.shape[2] // 2
   reason = calls.unsupported(calls.rows_read(xg, gather_index),
                              jax.ShapeDtypeStruct((*w1.shape[:2], n), w1.dtype), block_n,
@@ -533,12 +564,12 @@ def up_proj(xg, w1, tile_expert, block_n: int = 128, gather_index=None,
   stages = pipeline_depth(block_n, 2, xg.dtype.itemsize, xg.shape[1] // BLOCK_K, stages)
   return calls.up_proj_call((_up_proj, _gathered_up_proj), xg, w1, tile_expert, gather_index,
                             block_n=block_n, stages=stages,
-                            **calls.warp_specialized_config(warp_specialized, gather_index))
+                            **calls.warp_specialized_config(warp_specialized, gather_index), **band)
 
 
 def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None = None,
        tma_store: bool = False, gather_index=None, over_h: bool = True,
-       warp_specialized: bool = False, h_smem: bool = False):
+       warp_specialized: bool = False, h_smem: bool = False, band_m_tiles: int = 0):
   """dA' = dOg W2_e^T per M tile fused with dSwiGLU: dOg [P, d] rows in slot order, w2 [E, n, d]
   (read K-major), H [P, 2n] and scores [P] of the forward. Returns dH [P, 2n], A' = s A [P, n]
   and dS parts [n / block_n, P] fp32 (their sum over axis 0 is dS = rowsum(dA' A)).
@@ -556,7 +587,8 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   outputs either way. With h_smem and tma_store (H loaded and every output stored by TMA)
   block_n need not divide n (a multiple of 64): the last column tile is clipped, the dS
   parts are [column tiles, P], and H may pass 2^31 elements (the register paths' offsets are
-  32-bit)."""
+  32-bit). band_m_tiles: as grouped_matmul's."""
+  band = calls.band_config(band_m_tiles, "dh")
   reason = calls.dh_unsupported(calls.rows_read(dout_g, gather_index), w2, h, scores, block_n,
                                 clipped_last_tile=h_smem and tma_store)
   if reason:
@@ -571,12 +603,14 @@ def dh(dout_g, w2, h, scores, tile_expert, block_n: int = 64, stages: int | None
   option = dict(h_smem=True) if h_smem else {}   # (off: the targets leave it out)
   return calls.dh_call((_dh, _gathered_dh), dout_g, w2, h, scores, tile_expert, gather_index,
                        over_h, block_n=block_n, stages=stages, register_store=not tma_store,
-                       **calls.warp_specialized_config(warp_specialized, gather_index), **option)
+                       **calls.warp_specialized_config(warp_specialized, gather_index), **option,
+                       **band)
 
 
 def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
                 stages: int | None = None, gather_index=None, transpose_out: bool = False,
-                warp_specialized: bool = False, group_sizes=None, tma_gather: bool = False):
+                warp_specialized: bool = False, group_sizes=None, tma_gather: bool = False,
+                band_m_tiles: int = 0):
   """out[e] = lhs[rows of e]^T rhs[rows of e] ([E, M, N] in lhs's dtype, fp32 accumulation):
   lhs [P, M] and rhs [P, N] rows in slot order, expert e's rows group_offsets[e] ..
   group_offsets[e + 1] (multiples of BLOCK_M, an aligned plan; an expert without rows gets
@@ -588,7 +622,9 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
   the kernel by cp.async (bitwise equal to gathering first), or with
   tma_gather by TMA, a box a row and warpgroup half (the same bits). With
   transpose_out the kernel stores out[e]^T: [E, N, M] (its epilogue writes M-major tiles; no
-  separate transpose). warp_specialized (without gather_index): as grouped_matmul's."""
+  separate transpose). warp_specialized (without gather_index) and band_m_tiles (each expert's
+  tiles in bands): as grouped_matmul's."""
+  band = calls.band_config(band_m_tiles, "weight_grad")
   slots = calls.rows_read(lhs, gather_index)   # the rows the GEMM reads
   reason = calls.weight_grad_unsupported(slots, rhs, group_offsets, num_experts, block_n,
                                          group_sizes,
@@ -601,6 +637,6 @@ def weight_grad(lhs, rhs, group_offsets, num_experts: int, block_n: int = 128,
       (_weight_grad, _gathered_weight_grad), lhs, rhs, group_rows, num_experts, gather_index,
       transpose_out, block_n=block_n, stages=stages,
       **calls.warp_specialized_config(warp_specialized, gather_index),
-      **calls.tma_gather_config(tma_gather, gather_index, "weight_grad"))
+      **calls.tma_gather_config(tma_gather, gather_index, "weight_grad"), **band)
 
 

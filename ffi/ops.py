@@ -141,6 +141,14 @@ def aggregate(y, scores, plan, into=None, *, config: CuteConfig = DEFAULT):
 AGGREGATE_INTO = True
 
 
+def _band(cols: int, block_n: int, config: CuteConfig) -> int:
+  """The band_m_tiles of a one-CTA-a-tile kernel whose output is cols wide in block_n tiles:
+  config.band_m_tiles from config.band_min_column_tiles column tiles on, else 0 (launch
+  order: an M tile's column tiles together)."""
+  wide = calls.column_tiles(cols, block_n) >= config.band_min_column_tiles
+  return config.band_m_tiles if wide else 0
+
+
 def up_proj(x, w1, plan, *, config: CuteConfig = DEFAULT):
   """H = X_e W1_e and A = SwiGLU(H) per expert group, X's rows gathered in the kernel (or by XLA
   first: config.up_proj_gather_in_kernel off) by the config.up_proj_kernel variant."""
@@ -149,11 +157,12 @@ def up_proj(x, w1, plan, *, config: CuteConfig = DEFAULT):
   if config.up_proj_gather_in_kernel and config.up_proj_kernel == "pingpong":
     return pingpong.up_proj(x, w1, _tiles(plan), plan.token_index)
   block_n = _clipped_tile(n, grouped_gemm.UP_PROJ_MAX_BLOCK_N, config)
+  band = _band(n, block_n, config)
   if config.up_proj_gather_in_kernel:
     return grouped_gemm.up_proj(x, w1, _tiles(plan), block_n=block_n,
-                                gather_index=plan.token_index)
+                                gather_index=plan.token_index, band_m_tiles=band)
   return grouped_gemm.up_proj(xla_ops.gather_rows(x, plan.token_index), w1, _tiles(plan),
-                              block_n=block_n)
+                              block_n=block_n, band_m_tiles=band)
 
 
 def _wide_tile(cols: int, widest: int) -> int:
@@ -241,9 +250,10 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols, config:
     return pingpong.grouped_matmul(lhs, rhs, tiles, transpose_rhs=transpose_rhs, block_n=block_n,
                                    tma_store=tma_store, cols=cols, tile_m=tile_m,
                                    cluster_n=cluster_n)
+  block_n = _clipped_tile(width, 128, config)
   return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                     block_n=_clipped_tile(width, 128, config),
-                                     stages=config.store_stages, cols=cols)
+                                     block_n=block_n, stages=config.store_stages, cols=cols,
+                                     band_m_tiles=_band(width, block_n, config))
 
 
 def down_proj(a, w2, plan, cols=None, *, config: CuteConfig = DEFAULT):
@@ -319,7 +329,7 @@ def dh(dout, w2, h, scores, plan, *, config: CuteConfig = DEFAULT):
     dh_, a_scaled, ds_parts = grouped_gemm.dh(rows, w2, h, scores, _tiles(plan), block_n=block_n,
                                               tma_store=kernel == "tma_store",
                                               over_h=config.dh_over_h, h_smem=config.dh_h_smem,
-                                              **gather)
+                                              band_m_tiles=_band(n, block_n, config), **gather)
   return dh_, jnp.where(plan.valid, jnp.sum(ds_parts, axis=0), 0.0), a_scaled
 
 
@@ -350,7 +360,8 @@ def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, config: CuteConfi
   if config.wgrad_kernel == "grouped":
     return grouped_gemm.weight_grad(*args, block_n=block_n, gather_index=plan.token_index,
                                     transpose_out=transpose_out, group_sizes=plan.group_sizes,
-                                    tma_gather=tma_gather)
+                                    tma_gather=tma_gather,
+                                    band_m_tiles=_band(rhs.shape[1], block_n, config))
   cluster_m = config.wgrad_cluster_m if _clusters_fit(x.shape[1], tma_gather, config) else 1
   return persistent.weight_grad(*args, plan.token_index, block_n=block_n,
                                 transpose_out=transpose_out, group_sizes=plan.group_sizes,
@@ -396,7 +407,8 @@ def dw1(x, dh_, plan, *, config: CuteConfig = DEFAULT):
     return _gathered_weight_grad("dw1", x, dh_, plan, block_n, config)
   return grouped_gemm.weight_grad(xla_ops.gather_rows(x, plan.token_index), dh_,
                                   plan.group_offsets, plan.num_experts, block_n=block_n,
-                                  group_sizes=plan.group_sizes)
+                                  group_sizes=plan.group_sizes,
+                                  band_m_tiles=_band(two_n, block_n, config))
 
 
 def dw2(a_scaled, dout, plan, *, config: CuteConfig = DEFAULT):
@@ -411,10 +423,11 @@ def dw2(a_scaled, dout, plan, *, config: CuteConfig = DEFAULT):
     if _gathers_whole_tiles("dw2", d, n, block_n, config):
       return _gathered_weight_grad("dw2", dout, a_scaled, plan, block_n, config,
                                    transpose_out=True)
+  block_n = _clipped_tile(d, 128, config)
   return grouped_gemm.weight_grad(a_scaled, xla_ops.gather_rows(dout, plan.token_index),
-                                  plan.group_offsets, plan.num_experts,
-                                  block_n=_clipped_tile(d, 128, config),
-                                  group_sizes=plan.group_sizes)
+                                  plan.group_offsets, plan.num_experts, block_n=block_n,
+                                  group_sizes=plan.group_sizes,
+                                  band_m_tiles=_band(d, block_n, config))
 
 
 OPS = dict(top_k=top_k, rounded_slots=rounded_slots, up_proj=up_proj, down_proj=down_proj,

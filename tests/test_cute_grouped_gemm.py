@@ -92,13 +92,17 @@ def test_cute_dh_past_2_31_elements_on_gpu():
     ("up_proj_ws", 128, None), ("dh_ws", 256, None), ("weight_grad_ws", 256, 4),
     ("dh_h_smem", 256, None), ("dh_gather_h_smem", 128, None), ("dh_tma_h_smem", 256, None),
     ("weight_grad_gather+tma", 256, 2), ("matmul_gather", 128, None), ("matmul_t_gather", 256, 3),
-    ("weight_grad_gather_t+tma", 128, 3)])
+    ("weight_grad_gather_t+tma", 128, 3), ("matmul+band", 128, None),
+    ("up_proj_gather+band", 128, None), ("dh_tma_h_smem+band", 128, None),
+    ("weight_grad+band", 128, None), ("weight_grad_gather+band", 128, None)])
 def test_cute_gemm_variants_compile_for_cuda(kernel, block_n, stages):
   """The tile widths and pipeline depths the sweep tries compile for sm_90a; "+tma": the
-  gathered rows loaded by TMA (tma_gather)."""
+  gathered rows loaded by TMA (tma_gather); "+band": the tiles in bands of 3 M tiles."""
   from ffi import grouped_gemm
   P, K, N, E = 512, 256, 512, 4
   kw = dict(block_n=block_n, stages=stages)
+  if kernel.endswith("+band"):
+    kernel, kw = kernel.removesuffix("+band"), dict(kw, band_m_tiles=3)
   if kernel.endswith("+tma"):
     kernel, kw = kernel.removesuffix("+tma"), dict(kw, tma_gather=True)
   fn = {"matmul": lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, **kw),
@@ -629,3 +633,72 @@ def test_cute_weight_grad_stores_transposed_on_gpu(block_n, gather):
   got, want = run(True), run(False)
   assert got.shape == (E, N, M)
   np.testing.assert_array_equal(got, jnp.swapaxes(want, 1, 2))
+
+
+def test_banded_tiles_cover_each_tile_once_band_by_band():
+  """banded_tile (on plain integers): launch-order tiles map onto every (M tile, column tile)
+  once; each band of `band` M tiles (the last one the rest) comes whole before the next, its
+  tiles column by column with its M tiles neighbouring."""
+  from ffi.grouped_gemm import banded_tile
+  for m_tiles, n_tiles, band in [(7, 3, 3), (8, 5, 4), (2, 4, 8), (5, 1, 2), (1, 6, 1)]:
+    order = [banded_tile(t, m_tiles, n_tiles, band) for t in range(m_tiles * n_tiles)]
+    assert sorted(order) == [(m, n) for m in range(m_tiles) for n in range(n_tiles)]
+    for first in range(0, m_tiles, band):
+      rows = min(band, m_tiles - first)
+      start = first * n_tiles
+      assert order[start:start + rows * n_tiles] == [
+          (first + r, n) for n in range(n_tiles) for r in range(rows)]
+
+
+@needs_cute
+def test_cute_band_m_tiles_must_be_a_non_negative_int():
+  from ffi import grouped_gemm
+  a, w, t = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((2, 128, 128), jnp.bfloat16), \
+      jnp.zeros((2,), jnp.int32)
+  for bad in (-1, True, 2.0):
+    with pytest.raises(ValueError, match=rf"cute grouped_matmul: band_m_tiles must be an int >= 0 "
+                                         rf"\(0: launch order\); got {bad!r}"):
+      grouped_gemm.grouped_matmul(a, w, t, band_m_tiles=bad)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("op,band", [
+    ("matmul", 4), ("matmul_gather", 2), ("up_proj_gather", 4), ("dh_gather", 4),
+    ("dh_tma_h_smem", 3), ("weight_grad", 2), ("weight_grad_gather_tma", 4)])
+def test_cute_banded_tile_order_matches_launch_order_on_gpu(op, band):
+  """band_m_tiles (the tiles in bands of M tiles) gives the bitwise same outputs as the launch
+  order: 7 M tiles (the last band partial), tiles past the last group (zeros), 3 or 4 column
+  tiles; weight gradients over experts of 0 to 10 k steps (each expert's tiles in bands)."""
+  from ffi import grouped_gemm
+  E, d, n = 4, 640, 384
+  tile_expert = jnp.array([0, 0, 1, 3, 3, 3, E], jnp.int32)
+  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
+  keys = jax.random.split(jax.random.key(63), 5)
+  lhs = jax.random.normal(keys[0], (P, d)).astype(jnp.bfloat16)
+  rhs = (jax.random.normal(keys[1], (E, d, 2 * n)) / 16).astype(jnp.bfloat16)
+  h = jax.random.normal(keys[2], (P, 2 * n)).astype(jnp.bfloat16)
+  scores = jax.random.uniform(keys[3], (P,))
+  index = jax.random.permutation(keys[4], P + 40)[:P].astype(jnp.int32)   # (some past the rows)
+  offsets = jnp.array([0, 256, 256, 640, P], jnp.int32)   # 4, 0, 6 and 3 k steps
+  w2 = jnp.swapaxes(rhs[:, :, :n], 1, 2)
+  fn = {"matmul": lambda b: grouped_gemm.grouped_matmul(lhs, rhs, tile_expert, block_n=256,
+                                                        band_m_tiles=b),
+        "matmul_gather": lambda b: grouped_gemm.grouped_matmul(
+            lhs, rhs, tile_expert, block_n=256, gather_index=index, band_m_tiles=b),
+        "up_proj_gather": lambda b: grouped_gemm.up_proj(lhs, rhs, tile_expert, block_n=128,
+                                                         gather_index=index, band_m_tiles=b),
+        "dh_gather": lambda b: grouped_gemm.dh(lhs, w2, h, scores, tile_expert, block_n=128,
+                                               gather_index=index, over_h=False, band_m_tiles=b),
+        "dh_tma_h_smem": lambda b: grouped_gemm.dh(lhs, w2, h, scores, tile_expert, block_n=128,
+                                                   tma_store=True, h_smem=True, over_h=False,
+                                                   band_m_tiles=b),
+        "weight_grad": lambda b: grouped_gemm.weight_grad(lhs, h, offsets, E, block_n=256,
+                                                          band_m_tiles=b),
+        "weight_grad_gather_tma": lambda b: grouped_gemm.weight_grad(
+            lhs, h, offsets, E, block_n=256, gather_index=index, tma_gather=True,
+            band_m_tiles=b)}[op]
+  got, want = jax.jit(lambda: fn(band))(), jax.jit(lambda: fn(0))()
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert np.any(np.asarray(w, np.float32) != 0)
+    np.testing.assert_array_equal(g, w)

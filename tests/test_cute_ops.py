@@ -239,12 +239,12 @@ def test_cute_layer_with_pingpong_kernels_matches_xla_on_gpu(dh_kernel):
     assert rel_err(a, b) < 1e-2
 
 
-def _store_targets_under(field: str, values, args):
+def _store_targets_under(field: str, values, args, **base):
   """{value: the FFI targets the cute layer's value_and_grad lowers to (for CUDA) with
-  CuteConfig's `field` at that value} (k = 2)."""
+  CuteConfig's `field` at that value (and the `base` fields)} (k = 2)."""
   targets = {}
   for value in values:
-    config = cute(**{field: value})
+    config = cute(**base, **{field: value})
     grad = lambda *a: jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
         *b, k=2, backend="cute", kernel_config=config).out.astype(jnp.float32)))(*a)
     targets[value] = set(re.findall(r"@(sonicmoe_cute_\w+)", cuda_module(grad, *args)))
@@ -344,6 +344,41 @@ def test_cute_store_wide_cluster_n_setting_lowers_the_wide_store_gemms_to_cluste
                                  make_inputs(13, 256, 2048, 1024, 4, jnp.bfloat16))
   assert len(targets[2] - targets[1]) == len(targets[1] - targets[2]) == 2
   assert targets[1] & targets[2]
+
+
+@needs_cute
+def test_cute_band_settings_order_the_one_cta_a_tile_kernels_in_bands():
+  """band_min_column_tiles picks which one-CTA-a-tile kernels launch their tiles in bands of
+  band_m_tiles M tiles: at n = 512 the up-projection has 4 column tiles of 128, so a limit of
+  4 bands it (a kernel of its own) and the default of 32 does not; band_m_tiles 0 never bands.
+  The other ops (ping-pong and persistent kernels) are unchanged."""
+  args = make_inputs(21, 256, 256, 512, 4, jnp.bfloat16)
+  default = _store_targets_under("band_min_column_tiles", (32, 4), args)
+  assert len(default[4] - default[32]) == len(default[32] - default[4]) == 1
+  off = _store_targets_under("band_m_tiles", (0,), args, band_min_column_tiles=4)
+  assert off[0] == default[32]
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("config", [dict(), dict(dh_kernel="tma_store", store_kernel="grouped",
+                                                  wgrad_kernel="grouped")])
+def test_cute_layer_with_banded_tiles_matches_launch_order_on_gpu(config):
+  """The layer with every one-CTA-a-tile kernel in bands of 3 M tiles (band_min_column_tiles
+  1) gives the same bits as in launch order: the up-projection, and with dH, the store GEMMs
+  and the weight gradients on the one-CTA-a-tile kernels too."""
+  T, d, n, E, K = 1000, 512, 768, 8, 2
+  args = make_inputs(23, T, d, n, E, jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(24), (T, d))
+
+  def run(band_min, *a):
+    kernels = cute(band_m_tiles=3, band_min_column_tiles=band_min, **config)
+    return jax.value_and_grad(lambda *b: jnp.sum(sm.moe(
+        *b, k=K, backend="cute", kernel_config=kernels).out.astype(jnp.float32) * cot),
+        argnums=(0, 1, 2, 3))(*a)
+  run = jax.jit(run, static_argnums=0)
+  for got, want in zip(jax.tree.leaves(run(1, *args)), jax.tree.leaves(run(10**6, *args))):
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.gpu
