@@ -575,6 +575,18 @@ def test_cute_weight_grad_with_gather_matches_pregathered_on_gpu(block_n, stages
                                         tma_gather=tma_gather)
 
 
+def _tile_test_operands(seed: int, tile_expert, num_experts: int, n: int, d: int = 640):
+  """(lhs [P, d], rhs [E, d, 2n] scaled by 1/16, H [P, 2n], scores [P]) random for the M tiles
+  of tile_expert (P = its tiles x BLOCK_M)."""
+  from ffi import grouped_gemm
+  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
+  keys = jax.random.split(jax.random.key(seed), 4)
+  return (jax.random.normal(keys[0], (P, d)).astype(jnp.bfloat16),
+          (jax.random.normal(keys[1], (num_experts, d, 2 * n)) / 16).astype(jnp.bfloat16),
+          jax.random.normal(keys[2], (P, 2 * n)).astype(jnp.bfloat16),
+          jax.random.uniform(keys[3], (P,)))
+
+
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("op,block_n,stages", [
@@ -585,14 +597,10 @@ def test_cute_warp_specialized_kernels_match_on_gpu(op, block_n, stages):
   outputs as the MMA warpgroups' warp 0 issuing them: tiles past the last group (zeros),
   experts of 0 to 10 k steps (the ring filled partly, exactly and wrapped)."""
   from ffi import grouped_gemm
-  E, d, n = 4, 640, 256
+  E, n = 4, 256
   tile_expert = jnp.array([0, 0, 1, 3, 3, E], jnp.int32)
-  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
-  keys = jax.random.split(jax.random.key(61), 4)
-  lhs = jax.random.normal(keys[0], (P, d)).astype(jnp.bfloat16)
-  rhs = (jax.random.normal(keys[1], (E, d, 2 * n)) / 16).astype(jnp.bfloat16)
-  h = jax.random.normal(keys[2], (P, 2 * n)).astype(jnp.bfloat16)
-  scores = jax.random.uniform(keys[3], (P,))
+  lhs, rhs, h, scores = _tile_test_operands(61, tile_expert, E, n)
+  P = lhs.shape[0]
   offsets = jnp.array([0, 256, 256, 640, P], jnp.int32)   # 4, 0, 6 and 2 k steps
   kw = dict(block_n=block_n, stages=stages)
   fn = {"matmul": lambda ws: grouped_gemm.grouped_matmul(lhs, rhs, tile_expert, **kw,
@@ -669,18 +677,15 @@ def test_cute_band_m_tiles_must_be_a_non_negative_int():
 def test_cute_banded_tile_order_matches_launch_order_on_gpu(op, band):
   """band_m_tiles (the tiles in bands of M tiles) gives the bitwise same outputs as the launch
   order: 7 M tiles (the last band partial), tiles past the last group (zeros), 3 or 4 column
-  tiles; weight gradients over experts of 0 to 10 k steps (each expert's tiles in bands)."""
+  tiles; weight gradients over experts of 0 to 6 k steps (each expert's tiles in bands)."""
   from ffi import grouped_gemm
-  E, d, n = 4, 640, 384
+  E, n = 4, 384
   tile_expert = jnp.array([0, 0, 1, 3, 3, 3, E], jnp.int32)
-  P = tile_expert.shape[0] * grouped_gemm.BLOCK_M
-  keys = jax.random.split(jax.random.key(63), 5)
-  lhs = jax.random.normal(keys[0], (P, d)).astype(jnp.bfloat16)
-  rhs = (jax.random.normal(keys[1], (E, d, 2 * n)) / 16).astype(jnp.bfloat16)
-  h = jax.random.normal(keys[2], (P, 2 * n)).astype(jnp.bfloat16)
-  scores = jax.random.uniform(keys[3], (P,))
-  index = jax.random.permutation(keys[4], P + 40)[:P].astype(jnp.int32)   # (some past the rows)
-  offsets = jnp.array([0, 256, 256, 640, P], jnp.int32)   # 4, 0, 6 and 3 k steps
+  lhs, rhs, h, scores = _tile_test_operands(63, tile_expert, E, n)
+  P = lhs.shape[0]
+  # (some indices past the rows: zeros)
+  index = jax.random.permutation(jax.random.key(64), P + 40)[:P].astype(jnp.int32)
+  offsets = jnp.array([0, 256, 256, 640, P], jnp.int32)   # 4, 0, 6 and 4 k steps
   w2 = jnp.swapaxes(rhs[:, :, :n], 1, 2)
   fn = {"matmul": lambda b: grouped_gemm.grouped_matmul(lhs, rhs, tile_expert, block_n=256,
                                                         band_m_tiles=b),
