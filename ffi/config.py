@@ -23,6 +23,7 @@ STORE_WIDE_BLOCK_NS = ("auto", 128, 192, 256)
 STORE_WIDE_CLUSTER_NS = (1, 2)           # persistent.CLUSTER_SIZES
 WGRAD_KERNELS = ("grouped", "persistent")
 WGRAD_CLUSTER_MS = (1, 2)                # persistent.CLUSTER_SIZES
+WGRAD_BLOCK_NS = ("auto", 128, 256)
 WEIGHT_GRADS = ("dw1", "dw2")
 
 
@@ -87,6 +88,10 @@ class CuteConfig:
   Weight gradients (dw1, dw2):
     dw1_gather_max_column_tiles: dW1 gathers X's rows itself where its output has at most
       this many column tiles, else reads one gather made by XLA.
+    wgrad_block_n: the column tiles of the weight gradients that gather their rows in the
+      kernel: 128, 256, or "auto": 256, halved while the last tile's columns past the output
+      are more than clipped_waste_percent of them (down to 128 on the persistent kernel, 64
+      on "grouped").
     wgrad_kernel: "persistent" (CTAs looping over tiles, the producer filling the next tile's
       stages under the epilogue) or "grouped" (one CTA per tile); the same bits.
     wgrad_dynamic_order: the weight gradients (a tuple of "dw1", "dw2") that take their tiles
@@ -121,6 +126,7 @@ class CuteConfig:
   dw1_gather_max_column_tiles: int = 32
   band_m_tiles: int = 8
   band_min_column_tiles: int = 32
+  wgrad_block_n: str | int = "auto"
   wgrad_kernel: str = "persistent"
   wgrad_dynamic_order: str | tuple[str, ...] = "auto"
   wgrad_dynamic_min_tiles: int = 128
@@ -135,6 +141,7 @@ class CuteConfig:
                           ("store_wide_kernel", STORE_WIDE_KERNELS),
                           ("store_wide_block_n", STORE_WIDE_BLOCK_NS),
                           ("store_wide_cluster_n", STORE_WIDE_CLUSTER_NS),
+                          ("wgrad_block_n", WGRAD_BLOCK_NS),
                           ("wgrad_kernel", WGRAD_KERNELS),
                           ("wgrad_cluster_m", WGRAD_CLUSTER_MS)):
       value = getattr(self, name)

@@ -389,8 +389,10 @@ def _gathers_whole_tiles(op: str, m: int, n: int, block_n: int, config: CuteConf
 
 
 def _wgrad_tile(cols: int, config: CuteConfig) -> int:
-  """A weight gradient's column tile: _clipped_tile's from 256 (down to 128 on the persistent
-  kernel)."""
+  """A weight gradient's column tile: config.wgrad_block_n, or "auto": _clipped_tile's from
+  256 (down to 128 on the persistent kernel)."""
+  if config.wgrad_block_n != "auto":
+    return config.wgrad_block_n
   return _clipped_tile(cols, 256, config, 128 if config.wgrad_kernel == "persistent" else 64)
 
 

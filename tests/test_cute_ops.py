@@ -406,6 +406,19 @@ def test_cute_layer_with_down_proj_on_192_row_tiles_matches_the_wide_kernel_on_g
 
 
 @needs_cute
+def test_wgrad_block_n_names_the_weight_gradients_tile():
+  """wgrad_block_n: the weight gradients' column tile as named, or "auto": 256 while its last
+  tile clips at most clipped_waste_percent of the columns (2880: 6.7% at 256, 2.2% at 128)."""
+  cute_ops = importlib.import_module("ffi.ops")
+  tile = lambda cols, **fields: cute_ops._wgrad_tile(cols, CuteConfig(**fields))
+  assert tile(2880) == 256 and tile(2880, clipped_waste_percent=5) == 128
+  assert tile(2880, wgrad_block_n=128) == 128 and tile(4096, wgrad_block_n=128) == 128
+  assert tile(1536, wgrad_block_n=256) == 256
+  with pytest.raises(ValueError, match=r"CuteConfig.wgrad_block_n must be one of \('auto', 128, 256\)"):
+    CuteConfig(wgrad_block_n=192)
+
+
+@needs_cute
 def test_clipped_tiles_take_the_widest_within_the_waste_limit():
   """_clipped_tile: the widest tile whose last, clipped tile reaches at most
   clipped_waste_percent of the output's columns past it (halving down to the narrowest)."""
