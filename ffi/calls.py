@@ -94,16 +94,18 @@ def rhs_as_ekn(rhs, transpose_rhs: bool):
 
 
 def matmul_call(kernel, lhs, rhs, tile_expert, transpose_rhs: bool, cols=None,
-                gather_index=None, **config):
+                gather_index=None, slot_tiles=None, **config):
   """out [P, N] of a grouped-matmul kernel (grouped_matmul's operands, checked by the
   caller) as an FFI call; cols=(lo, hi): out [P, hi - lo], the product's columns lo .. hi - 1
   (the kernel views rhs from column lo: rhs_window); with gather_index [P] the kernel reads
-  lhs's rows through it (a gathering kernel: its operand after tile_expert)."""
+  lhs's rows through it (a gathering kernel: its operand after tile_expert); with slot_tiles
+  (schedule.pair_slots) the kernel takes its M tiles in that table's pairs (its operand after
+  tile_expert)."""
   num_cols = rhs_as_ekn(rhs, transpose_rhs).shape[2]
   lo, hi = (0, num_cols) if cols is None else cols
   if lo:
     config["first_col"] = lo
-  index = () if gather_index is None else (gather_index.astype(jnp.int32),)
+  index = tuple(i.astype(jnp.int32) for i in (gather_index, slot_tiles) if i is not None)
   # the kernel sees rhs as (N, K, E): [E, K, N] is N-major there, [E, N, K] K-major
   out, = xla_call.call(
       kernel, [lhs[None], rhs, tile_expert.astype(jnp.int32), *index],

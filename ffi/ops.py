@@ -210,7 +210,7 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols, config:
   """out = lhs_e rhs_e (rhs_e^T with transpose_rhs) per expert group on config.store_kernel,
   or where contraction and output are long (store_wide_min_k, store_wide_min_n) on the wide
   tiles of config.store_wide_kernel (_store_wide_tile's; "persistent" in clusters of
-  store_wide_cluster_n). n_out: the product's columns (they
+  store_wide_cluster_m, else of store_wide_cluster_n). n_out: the product's columns (they
   pick the kernel); cols=(lo, hi): out's columns lo .. hi - 1 only (the kernels read rhs from
   column lo: no copy). The column tile: _clipped_tile's (the last one may reach past the
   columns), or on the ping-pong register stores halved until it divides them; the ping-pong
@@ -221,9 +221,10 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols, config:
   if lhs.shape[1] >= config.store_wide_min_k and n_out >= config.store_wide_min_n:
     block_n = _store_wide_tile(width, config)
     if config.store_wide_kernel == "persistent":
+      cluster_m = config.store_wide_cluster_m
       return persistent.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
-                                       block_n=block_n, cols=cols,
-                                       cluster_n=config.store_wide_cluster_n)
+                                       block_n=block_n, cols=cols, cluster_m=cluster_m,
+                                       cluster_n=1 if cluster_m > 1 else config.store_wide_cluster_n)
     return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                        block_n=block_n,
                                        warp_specialized=n_out >= config.store_wide_ws_min_n,

@@ -47,7 +47,7 @@ from ffi import calls, epilogue, mainloop, row_gather
 from ffi import grouped_gemm as gg
 from ffi.epilogue import EPI_TILE
 from ffi.mainloop import BLOCK_K, BLOCK_M, THREADS
-from sonicmoe_jax.core import routing
+from sonicmoe_jax.core import routing, schedule
 
 NUM_SMS = 132     # H100 / H200 SXM: the default grid (fewer SMs only queue CTAs)
 MAX_STAGES = 8
@@ -69,16 +69,20 @@ def stages_that_fit(block_n: int, itemsize: int) -> int:
 CLUSTER_SIZES = (1, 2)
 
 
-def cluster_tile(kind: str, u, rank, num_m_tiles: int, num_n_tiles: int, cluster: int):
+def cluster_tile(kind: str, u, rank, num_m_tiles: int, num_n_tiles: int, cluster: int,
+                 along: str = "n"):
   """The tile (tile_work's t) of CTA `rank` of a cluster of `cluster` CTAs at cluster tile u,
   cluster tiles ordered as tile_work orders tiles. "wgrad": the cluster's CTAs take
-  neighbouring M tiles of one expert and one column tile (the rhs tile they share); "store":
-  neighbouring column tiles of one M tile (the lhs tile they share; num_n_tiles whole
-  clusters). cluster 1: t = u."""
+  neighbouring M tiles of one expert and one column tile (the rhs tile they share); "store"
+  along "n": neighbouring column tiles of one M tile (the lhs tile they share; num_n_tiles
+  whole clusters); "store" along "m": neighbouring slots of schedule.pair_slots (two M tiles of
+  one expert) and one column tile (the rhs tile they share). cluster 1: t = u."""
   if cluster == 1:
     return u
-  if kind == "store":
+  if kind == "store" and along == "n":
     return u * cluster + rank
+  if kind == "store":
+    return ((u // num_n_tiles) * cluster + rank) * num_n_tiles + u % num_n_tiles
   per_expert = num_m_tiles // cluster * num_n_tiles
   expert, rest = u // per_expert, u % per_expert
   m_tile = rest // num_n_tiles * cluster + rank
@@ -86,18 +90,21 @@ def cluster_tile(kind: str, u, rank, num_m_tiles: int, num_n_tiles: int, cluster
 
 
 def tile_work(kind: str, t, tile_info, num_m_tiles: int, num_n_tiles: int, k_steps: int,
-              num_experts):
+              num_experts, slot_tiles=None):
   """Tile t's (M tile, column tile, first k step, k steps, rhs's and out's third coordinate).
   "wgrad": tile_info is group_rows (each expert's first row and end: its k range,
   routing.group_row_steps), out's third coordinate the expert. "store": tile_info is
   tile_expert (the M tile's expert, E or more past the last group: no k steps), rhs's third
-  coordinate the expert."""
+  coordinate the expert; with slot_tiles (schedule.pair_slots) t // num_n_tiles is a slot,
+  its M tile slot_tiles' entry."""
   if kind == "wgrad":
     per_expert = num_m_tiles * num_n_tiles
     expert, rest = t // per_expert, t % per_expert
     k_begin, num_k = routing.group_row_steps(tile_info, expert, BLOCK_K)
     return rest // num_n_tiles, rest % num_n_tiles, k_begin, num_k, 0, expert
   m_tile = t // num_n_tiles
+  if slot_tiles is not None:
+    m_tile = slot_tiles[m_tile]
   owner = tile_info[m_tile]
   # k_steps where owner < E, else 0 (in arithmetic: no branch)
   num_k = cutlass.min(k_steps, cutlass.max(num_experts - owner, 0) * k_steps)
@@ -209,16 +216,19 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
             k_steps: cutlass.Constexpr, num_tiles: cutlass.Constexpr,
             out_m_major: cutlass.Constexpr, kind: cutlass.Constexpr,
             dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr,
-            tma_gather: cutlass.Constexpr):
+            tma_gather: cutlass.Constexpr, along: cutlass.Constexpr):
   """kind "wgrad": m_a X (T, M, 1) the gathered rows' source (tma_gather: tma_a and m_a
   row_gather.row_tma_atom's, the rows loaded by TMA), m_b the rhs (N, P, 1) N-major,
   the output (M, N, E), tile_info group_rows (2 E,), gather_index (P,). kind "store":
   m_a the lhs's TMA tensor (P, K, 1), m_b the rhs's (N, K, E), the output (P, N, 1),
-  tile_info tile_expert (P / BLOCK_M,), gather_index unused. dynamic: the tiles in the order
-  the CTAs ask for them (tile_counter (1,) starting at 0), else every grid-th (_next_tile).
-  cluster 2: the grid's clusters of 2 CTAs loop over cluster tiles (cluster_tile), the rhs's
-  stages ("wgrad") or the lhs's ("store") multicast (tma_b or tma_a made for it)."""
+  tile_info tile_expert (P / BLOCK_M,), gather_index unused but in clusters along M, where it
+  is schedule.pair_slots' table. dynamic: the tiles in the order the CTAs ask for them
+  (tile_counter (1,) starting at 0), else every grid-th (_next_tile). cluster 2: the grid's
+  clusters of 2 CTAs loop over cluster tiles (cluster_tile), the rhs's stages ("wgrad", or
+  "store" along "m") or the lhs's ("store" along "n") multicast (tma_b or tma_a made for it)."""
   gather = kind == "wgrad"
+  shares_rhs = gather or along == "m"   # (in clusters) the operand the CTAs share
+  paired = kind == "store" and cluster > 1 and along == "m"
   copies = gather and not tma_gather   # A's rows copied by the producer's threads (cp.async)
   tidx, _, _ = cute.arch.thread_idx()
   cta, _, _ = cute.arch.block_idx()
@@ -231,12 +241,17 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   if cutlass.const_expr(cluster > 1):
     rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
     first, stride, num_units = cta // cluster, num_ctas // cluster, num_tiles // cluster
+  slot_tiles = None
+  if cutlass.const_expr(paired):   # the pairs' count last: no tile past the last pair
+    slot_tiles = gather_index
+    num_units = slot_tiles[cute.size(slot_tiles) - 1] * num_n_tiles
   work = lambda u: tile_work(kind, cluster_tile(kind, u, rank, num_m_tiles, num_n_tiles,
-                                                cluster),
-                             tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts)
+                                                cluster, along),
+                             tile_info, num_m_tiles, num_n_tiles, k_steps, num_experts,
+                             slot_tiles)
   # the multicast operand's (rank, cluster size): the rhs's along M, the lhs's along N
-  rhs_cluster = (rank, cluster) if gather else (0, 1)
-  lhs_cluster = (0, 1) if gather else (rank, cluster)
+  rhs_cluster = (rank, cluster) if shares_rhs else (0, 1)
+  lhs_cluster = (0, 1) if shares_rhs else (rank, cluster)
 
   smem = cutlass.memory.SmemAllocator()
   storage = smem.allocate(shared_storage)
@@ -244,8 +259,8 @@ def _kernel(m_a: cute.Tensor, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, m_b: c
   s_b = storage.s_b.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
   loads, tile_bars = mainloop.load_pipeline(storage, stages, stage_bytes, copies, THREADS,
                                             tidx, tile_barriers(cluster) if dynamic else 0,
-                                            cluster_m=cluster if gather else 1,
-                                            cluster_n=1 if gather else cluster)
+                                            cluster_m=cluster if shares_rhs else 1,
+                                            cluster_n=1 if shares_rhs else cluster)
   # (static: no ring; tile_counter stands in, unread)
   tile_ids = (storage.tile_ids.get_tensor(cute.make_layout(TILE_SLOTS)) if dynamic
               else tile_counter)
@@ -332,13 +347,15 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
             gather_index: cute.Tensor, tile_counter: cute.Tensor, out: cute.Tensor,
             block_n: cutlass.Constexpr, stages: cutlass.Constexpr, num_ctas: cutlass.Constexpr,
             kind: cutlass.Constexpr, dynamic: cutlass.Constexpr, cluster: cutlass.Constexpr = 1,
-            tma_gather: cutlass.Constexpr = False):
+            tma_gather: cutlass.Constexpr = False, along: cutlass.Constexpr = "n"):
   """The persistent grid and the kernel's static configuration (_kernel's operands; the
   output's modes (rows, columns, experts or 1); tile_counter unused unless dynamic); cluster
   2: clusters of 2 CTAs, the grid whole clusters: "wgrad" along M, the rhs's TMA atom
-  multicasting; "store" along N, the lhs's."""
+  multicasting; "store" along `along`: "n" the lhs's, "m" the rhs's (gather_index then
+  schedule.pair_slots' table, whose slots are the tiles' rows)."""
   dtype = lhs.element_type
   gather = kind == "wgrad"
+  shares_rhs = gather or along == "m"
   # the weight gradient's A tiles (M, rows) are M-major (filled by the gathers)
   a_major = LayoutEnum.COL_MAJOR if gather else LayoutEnum.from_tensor(lhs)
   b_major = LayoutEnum.from_tensor(rhs)
@@ -349,7 +366,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   a_smem_staged = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
   b_smem_staged = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
   b_stage = cute.slice_(b_smem_staged, (None, None, 0))
-  if cutlass.const_expr(gather and cluster > 1):
+  if cutlass.const_expr(shares_rhs and cluster > 1):
     tma_b, m_b = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), rhs,
                                              b_stage, (block_n, BLOCK_K), num_multicast=cluster)
   else:
@@ -362,7 +379,7 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
     stage_bytes += a_stage_bytes
   elif cutlass.const_expr(gather):   # no TMA for A (the kernel takes an atom: B's, unused)
     tma_a, m_a = tma_b, lhs
-  elif cutlass.const_expr(cluster > 1):
+  elif cutlass.const_expr(cluster > 1 and not shares_rhs):
     tma_a, m_a = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), lhs,
                                              cute.slice_(a_smem_staged, (None, None, 0)),
                                              (BLOCK_M, BLOCK_K), num_multicast=cluster)
@@ -389,16 +406,18 @@ def _launch(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_info: cute.Tensor,
   # whole clusters: the last's tiles past M ("wgrad") or past the columns load zeros
   if cutlass.const_expr(gather and cluster > 1):
     num_m_tiles = -(-num_m_tiles // cluster) * cluster
-  if cutlass.const_expr(not gather and cluster > 1):
+  if cutlass.const_expr(not shares_rhs and cluster > 1):
     num_n_tiles = -(-num_n_tiles // cluster) * cluster
   num_tiles = num_m_tiles * num_n_tiles * cute.size(out, mode=[2])
+  if cutlass.const_expr(kind == "store" and shares_rhs and cluster > 1):   # pair_slots' slots
+    num_tiles = (cute.size(gather_index) - 1) * num_n_tiles
   k_steps = cute.size(lhs, mode=[1]) // BLOCK_K   # (store: the contraction)
   _kernel.set_name_prefix(gg.kernel_label(kind, gather, "persistent"), remove_cutlass_symbol=True)
   kernel = _kernel(m_a, tma_a, tma_b, m_b, tma_out, m_out_tma, tile_info, gather_index,
                    tile_counter, tiled_mma, a_smem_staged, b_smem_staged, c_smem_staged,
                    cute.size(rhs, mode=[2]), storage, block_n, stages, stage_bytes, num_m_tiles,
                    num_n_tiles, k_steps, num_tiles, out_layout.is_m_major_c(), kind, dynamic,
-                   cluster, tma_gather)
+                   cluster, tma_gather, along)
   if cutlass.const_expr(cluster > 1):   # whole clusters, at least one
     grid = max(cluster, min(num_tiles, num_ctas) // cluster * cluster)
     kernel.launch(grid=(grid, 1, 1), block=(THREADS + 128, 1, 1), cluster=(cluster, 1, 1),
@@ -441,6 +460,17 @@ def _matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor
   grouped_gemm._matmul (first_col as its); cluster_n: CTAs per cluster (_launch's cluster)."""
   _launch(stream, lhs, gg.rhs_window(rhs, out, first_col), tile_expert, tile_expert,
           tile_expert, out, block_n, stages, num_ctas, "store", False, cluster_n)
+
+
+@cute.jit
+def _paired_matmul(stream, lhs: cute.Tensor, rhs: cute.Tensor, tile_expert: cute.Tensor,
+                   slot_tiles: cute.Tensor, out: cute.Tensor, block_n: cutlass.Constexpr,
+                   stages: cutlass.Constexpr, first_col: cutlass.Constexpr = 0,
+                   num_ctas: cutlass.Constexpr = NUM_SMS):
+  """_matmul's in clusters of 2 CTAs along M: slot_tiles (schedule.pair_slots of tile_expert)
+  pairs M tiles of one expert, whose rhs stages the two CTAs share by multicast."""
+  _launch(stream, lhs, gg.rhs_window(rhs, out, first_col), tile_expert, slot_tiles,
+          tile_expert, out, block_n, stages, num_ctas, "store", False, 2, False, "m")
 
 
 def _stages(stages, block_n: int, itemsize: int, k_steps: int, name: str) -> int:
@@ -534,7 +564,7 @@ def weight_grad(x, rhs, group_offsets, num_experts: int, gather_index, block_n: 
 
 def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_n: int = 128,
                    stages: int | None = None, cols=None, num_ctas: int | None = None,
-                   cluster_n: int = 1):
+                   cluster_n: int = 1, cluster_m: int = 1):
   """grouped_gemm.grouped_matmul on persistent CTAs (module docstring): out [P, N] = lhs_e
   rhs_e per M tile, rhs [E, K, N], or with transpose_rhs [E, N, K] read K-major; tile_expert
   [P / BLOCK_M] (E or more past the last group: zeros); cols=(lo, hi): out's columns lo ..
@@ -543,14 +573,25 @@ def grouped_matmul(lhs, rhs, tile_expert, *, transpose_rhs: bool = False, block_
   (default NUM_SMS; in clusters rounded down to whole clusters). cluster_n: CTAs per cluster
   (CLUSTER_SIZES; 2: neighbouring column tiles of an M tile share its lhs stages by multicast;
   an odd count of column tiles takes one more, past the output, on zeros, storing nothing);
-  the same bits."""
+  cluster_m: CTAs per cluster along M instead (2: two M tiles of one expert, paired by
+  schedule.pair_slots, share its rhs stages by multicast; an expert's odd count of M tiles
+  computes its last one twice); the same bits."""
   reason = (calls.unsupported(lhs, calls.rhs_as_ekn(rhs, transpose_rhs), block_n, cols,
                              clipped_last_tile=True)
-            or _tile_unsupported(block_n) or _cluster_size_unsupported("cluster_n", cluster_n))
+            or _tile_unsupported(block_n) or _cluster_size_unsupported("cluster_n", cluster_n)
+            or _cluster_size_unsupported("cluster_m", cluster_m))
+  if not reason and cluster_m > 1 and cluster_n > 1:
+    reason = f"cluster_m={cluster_m} and cluster_n={cluster_n}: clusters run along one of them"
   if reason:
     raise ValueError(f"cute persistent grouped_matmul: {reason}")
   stages = _stages(stages, block_n, lhs.dtype.itemsize, lhs.shape[1] // BLOCK_K,
                    "grouped_matmul")
+  grid = _grid_config(num_ctas, "grouped_matmul")
+  if cluster_m > 1:
+    num_experts = calls.rhs_as_ekn(rhs, transpose_rhs).shape[0]
+    return calls.matmul_call(_paired_matmul, lhs, rhs, tile_expert, transpose_rhs, cols,
+                             slot_tiles=schedule.pair_slots(tile_expert, num_experts),
+                             block_n=block_n, stages=stages, **grid)
   options = dict(cluster_n=cluster_n) if cluster_n > 1 else {}
   return calls.matmul_call(_matmul, lhs, rhs, tile_expert, transpose_rhs, cols, block_n=block_n,
-                           stages=stages, **_grid_config(num_ctas, "grouped_matmul"), **options)
+                           stages=stages, **grid, **options)

@@ -336,12 +336,14 @@ def test_cute_store_wide_min_k_routes_each_store_gemm_by_its_contraction(monkeyp
 
 
 @needs_cute
-def test_cute_store_wide_cluster_n_setting_lowers_the_wide_store_gemms_to_clustered_kernels():
-  """store_wide_cluster_n 2 lowers (for CUDA) the store GEMMs on the wide persistent tiles to
-  kernels of their own: at n = 1024, d = 2048 dX~ (K = 2n) in each of its two column windows;
-  the down-projection (K = n, on the ping-pong kernel) and the other ops unchanged."""
-  targets = _store_targets_under("store_wide_cluster_n", (1, 2),
-                                 make_inputs(13, 256, 2048, 1024, 4, jnp.bfloat16))
+@pytest.mark.parametrize("field", ["store_wide_cluster_n", "store_wide_cluster_m"])
+def test_cute_store_wide_cluster_settings_lower_the_wide_store_gemms_to_clustered_kernels(field):
+  """store_wide_cluster_n 2 (clusters along N) and store_wide_cluster_m 2 (along M) lower
+  (for CUDA) the store GEMMs on the wide persistent tiles to kernels of their own: at
+  n = 1024, d = 2048 dX~ (K = 2n) in each of its two column windows; the down-projection
+  (K = n, on the ping-pong kernel) and the other ops unchanged."""
+  targets = _store_targets_under(field, (1, 2), make_inputs(13, 256, 2048, 1024, 4, jnp.bfloat16),
+                                 **({"store_wide_cluster_n": 1} if field.endswith("_m") else {}))
   assert len(targets[2] - targets[1]) == len(targets[1] - targets[2]) == 2
   assert targets[1] & targets[2]
 
@@ -383,12 +385,14 @@ def test_cute_layer_with_banded_tiles_matches_launch_order_on_gpu(config):
 
 @pytest.mark.gpu
 @needs_cute
+@pytest.mark.parametrize("field", ["store_wide_cluster_n", "store_wide_cluster_m"])
 @pytest.mark.parametrize("shape", [(2048, 2048, 1024, 16, 2), (600, 2880, 2880, 8, 2)])
-def test_cute_layer_with_clustered_wide_store_gemms_matches_one_cta_on_gpu(shape):
-  """The layer with its wide store GEMMs (dX~ here) in clusters of 2 sharing the lhs stages
-  (store_wide_cluster_n) gives the same bits as without: output and every gradient (d = 2048:
-  whole pairs of column tiles; d = 2880: 192-wide tiles, an odd count padded)."""
-  results = _layer_results_under("store_wide_cluster_n", (2, 1), shape, seed=17)
+def test_cute_layer_with_clustered_wide_store_gemms_matches_one_cta_on_gpu(shape, field):
+  """The layer with its wide store GEMMs (dX~ here) in clusters of 2 gives the same bits as
+  without: output and every gradient. Sharing the lhs stages (store_wide_cluster_n), d = 2048
+  makes whole pairs of column tiles, d = 2880 192-wide tiles, an odd count padded; sharing the
+  rhs stages (store_wide_cluster_m), experts' M tiles in pairs, odd counts' last tiles twice."""
+  results = _layer_results_under(field, (2, 1), shape, seed=17)
   for got, want in zip(jax.tree.leaves(results[2]), jax.tree.leaves(results[1])):
     np.testing.assert_array_equal(got, want)
 

@@ -71,19 +71,48 @@ def test_persistent_store_cluster_tiles_pair_neighbouring_column_tiles_of_one_m_
 
 
 @needs_cute
-@pytest.mark.parametrize("block_n,stages,transpose_rhs,cols,cluster_n", [
-    (256, None, False, None, 1), (192, 2, True, None, 1), (128, None, False, (128, 384), 1),
-    (256, None, True, (256, 512), 1), (192, None, False, None, 2), (256, 3, True, (256, 512), 2)])
+def test_persistent_store_clusters_along_m_pair_m_tiles_of_one_expert():
+  """Clusters along M (cluster_tile "store" along "m", tile_work through schedule.pair_slots):
+  the two CTAs of a cluster take one column tile of two M tiles of one expert (an odd count's
+  last M tile twice); over the pairs, every (M tile, column tile) is computed, and only an odd
+  group's last M tile more than once."""
+  from ffi import persistent
+  from sonicmoe_jax.core import schedule
+  E, n_tiles = 4, 3
+  tile_expert = np.array([0, 0, 0, 1, 1, 3, 4, 4])   # groups of 3, 2, 0, 1 M tiles, 2 past them
+  slots = np.asarray(schedule.pair_slots(jnp.asarray(tile_expert), E))
+  num_pairs = slots[-1]
+  assert num_pairs == 5 and len(slots) == schedule.pair_slot_entries(8, E) + 1
+  seen = []
+  for u in range(num_pairs * n_tiles):
+    pair = [persistent.tile_work("store", persistent.cluster_tile("store", u, r, 8, n_tiles, 2,
+                                                                  "m"),
+                                 tile_expert, 8, n_tiles, 10, E, slots) for r in (0, 1)]
+    (m0, n0, _, k0, e0, _), (m1, n1, _, k1, e1, _) = pair
+    assert n0 == n1 == u % n_tiles and tile_expert[m0] == tile_expert[m1] and e0 == e1
+    assert k0 == k1 == (10 if tile_expert[m0] < E else 0)
+    seen += [(m0, n0), (m1, n1)]
+  assert sorted(set(seen)) == [(m, n) for m in range(8) for n in range(n_tiles)]
+  twice = sorted({m for m, _ in seen if seen.count((m, 0)) > 1})
+  assert twice == [2, 5]   # group 0's and group 3's last tiles (odd counts)
+
+
+@needs_cute
+@pytest.mark.parametrize("block_n,stages,transpose_rhs,cols,cluster_n,cluster_m", [
+    (256, None, False, None, 1, 1), (192, 2, True, None, 1, 1), (128, None, False, (128, 384), 1, 1),
+    (256, None, True, (256, 512), 1, 1), (192, None, False, None, 2, 1),
+    (256, 3, True, (256, 512), 2, 1), (192, None, False, None, 1, 2),
+    (256, 3, True, (256, 512), 1, 2)])
 def test_cute_persistent_matmul_compiles_for_cuda(block_n, stages, transpose_rhs, cols,
-                                                  cluster_n):
+                                                  cluster_n, cluster_m):
   """The persistent store GEMM compiles for sm_90a, both rhs layouts, whole and windowed, 192
-  wide (the last column tile clipped), in clusters of 2 (192 wide: 3 column tiles, padded to
-  4)."""
+  wide (the last column tile clipped), in clusters of 2 along N (192 wide: 3 column tiles,
+  padded to 4) and along M (M tiles paired by schedule.pair_slots)."""
   from ffi import persistent
   P, K, N, E = 512, 256, 512, 4
   fn = lambda a, b, t: persistent.grouped_matmul(
       a, jnp.swapaxes(b, 1, 2) if transpose_rhs else b, t, transpose_rhs=transpose_rhs,
-      block_n=block_n, stages=stages, cols=cols, cluster_n=cluster_n)
+      block_n=block_n, stages=stages, cols=cols, cluster_n=cluster_n, cluster_m=cluster_m)
   shapes = [jax.ShapeDtypeStruct((P, K), jnp.bfloat16), jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16),
             jax.ShapeDtypeStruct((P // 128,), jnp.int32)]
   assert FFI_TARGET in cuda_module(fn, *shapes)
@@ -151,6 +180,11 @@ def test_cute_persistent_weight_grad_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match=rf"cute persistent grouped_matmul: cluster_n={bad!r} "
                                          r"must be one of \(1, 2\)"):
       persistent.grouped_matmul(lhs, w, tiles, cluster_n=bad)
+    with pytest.raises(ValueError, match=rf"cute persistent grouped_matmul: cluster_m={bad!r} "
+                                         r"must be one of \(1, 2\)"):
+      persistent.grouped_matmul(lhs, w, tiles, cluster_m=bad)
+  with pytest.raises(ValueError, match="cluster_m=2 and cluster_n=2: clusters run along one"):
+    persistent.grouped_matmul(lhs, w, tiles, cluster_m=2, cluster_n=2)
 
 
 @pytest.mark.gpu
@@ -207,15 +241,17 @@ def test_cute_persistent_weight_grad_matches_grouped_on_gpu(block_n, stages, tra
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("transpose_rhs,block_n,stages,cols,num_ctas,cluster_n", [
-    (False, 256, None, None, None, 1), (True, 256, None, None, 3, 1),
-    (False, 128, 2, (128, 384), 5, 1), (True, 256, 3, (256, 512), 1, 1),
-    (True, 128, None, None, None, 1), (False, 192, None, None, 3, 1),
-    (True, 192, 2, (128, 512), 5, 1), (False, 64, 3, None, 3, 1),
-    (False, 256, None, None, None, 2), (True, 192, 2, (128, 512), 5, 2),
-    (False, 192, None, None, 3, 2), (True, 128, 3, (128, 512), 1, 2)])
+@pytest.mark.parametrize("transpose_rhs,block_n,stages,cols,num_ctas,cluster_n,cluster_m", [
+    (False, 256, None, None, None, 1, 1), (True, 256, None, None, 3, 1, 1),
+    (False, 128, 2, (128, 384), 5, 1, 1), (True, 256, 3, (256, 512), 1, 1, 1),
+    (True, 128, None, None, None, 1, 1), (False, 192, None, None, 3, 1, 1),
+    (True, 192, 2, (128, 512), 5, 1, 1), (False, 64, 3, None, 3, 1, 1),
+    (False, 256, None, None, None, 2, 1), (True, 192, 2, (128, 512), 5, 2, 1),
+    (False, 192, None, None, 3, 2, 1), (True, 128, 3, (128, 512), 1, 2, 1),
+    (False, 256, None, None, None, 1, 2), (True, 192, 2, (128, 512), 5, 1, 2),
+    (False, 192, None, None, 3, 1, 2), (True, 128, 3, None, 1, 1, 2)])
 def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, stages, cols,
-                                                       num_ctas, cluster_n):
+                                                       num_ctas, cluster_n, cluster_m):
   """The persistent store GEMM gives grouped_gemm.grouped_matmul's bits: experts 0, 1 and 3
   (2 skipped: no tiles), a tile past the last group (zeros), whole and windowed (cols), both
   rhs layouts; num_ctas 1, 3 and 5 make each CTA loop over many tiles (the default grid: one
@@ -224,7 +260,8 @@ def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, s
   (192: N = 512's last column tile clipped). In clusters of 2 sharing the lhs stages: whole
   pairs of column tiles (256 wide, 384 columns 192 wide) and an odd count padded with a tile
   past the output (512 columns 192 wide; 384 columns 128 wide), CTAs 1 and 3 making one
-  cluster."""
+  cluster. In clusters of 2 sharing the rhs stages: M tiles paired within an expert (experts 1
+  and 3 and the tile past the groups odd counts, their last tile computed twice)."""
   from ffi import grouped_gemm, persistent
   E, K, N = 4, 640, 512
   tile_expert = jnp.array([0, 0, 1, 3, 3, 3, E], jnp.int32)
@@ -235,7 +272,8 @@ def test_cute_persistent_matmul_matches_grouped_on_gpu(transpose_rhs, block_n, s
     rhs = jnp.swapaxes(rhs, 1, 2)
   kw = dict(transpose_rhs=transpose_rhs, block_n=block_n, cols=cols)
   got = jax.jit(lambda a, b, t: persistent.grouped_matmul(
-      a, b, t, stages=stages, num_ctas=num_ctas, cluster_n=cluster_n, **kw))(lhs, rhs, tile_expert)
+      a, b, t, stages=stages, num_ctas=num_ctas, cluster_n=cluster_n, cluster_m=cluster_m,
+      **kw))(lhs, rhs, tile_expert)
   want = jax.jit(lambda a, b, t: grouped_gemm.grouped_matmul(a, b, t, **kw))(lhs, rhs, tile_expert)
   assert got.shape == want.shape == (P, N if cols is None else cols[1] - cols[0])
   assert np.all(np.asarray(want[-128:], np.float32) == 0) and np.any(np.asarray(want, np.float32) != 0)

@@ -26,6 +26,34 @@ def tile_experts(plan, block_m: int):
   return tile_owners(plan.group_offsets, plan.num_slots, block_m)
 
 
+def pair_slot_entries(num_tiles: int, num_groups: int) -> int:
+  """pair_slots' slots (before its count): num_tiles M tiles, at most one more for each of the
+  num_groups groups and the rows past them, rounded up to whole pairs."""
+  return -(-(num_tiles + num_groups + 1) // 2) * 2
+
+
+def pair_slots(tile_owner, num_groups: int):
+  """M tiles in pairs of one owner, for kernels whose clusters of 2 CTAs share a group's rhs:
+  each group's tiles in order (tile_owner ascending, num_groups or more past the last group,
+  whose tiles count as one more group), an odd count's last tile twice (both CTAs of that pair
+  compute it and store the same bits). Returns [pair_slot_entries + 1] int32: slot s's M tile
+  (0 past the last pair), then the count of pairs."""
+  num_tiles = tile_owner.shape[0]
+  owner = jnp.minimum(tile_owner.astype(jnp.int32), num_groups)
+  counts = jnp.zeros((num_groups + 1,), jnp.int32).at[owner].add(1)
+  first_tile = jnp.cumsum(counts) - counts
+  padded = counts + counts % 2
+  slot_ends = jnp.cumsum(padded)
+  slot = jnp.arange(pair_slot_entries(num_tiles, num_groups), dtype=jnp.int32)
+  group = routing.count_below(slot_ends, slot, inclusive=True)   # num_groups + 1: past the last
+  used = group <= num_groups
+  group = jnp.minimum(group, num_groups)
+  in_group = slot - (slot_ends - padded)[group]
+  tile = first_tile[group] + jnp.minimum(in_group, counts[group] - 1)
+  return jnp.concatenate([jnp.where(used, tile, 0),
+                          (slot_ends[-1] // 2)[None]]).astype(jnp.int32)
+
+
 ROW_TILE_FIELDS = 3   # a row tile's entry: (first row, group, rows to store)
 
 
