@@ -517,14 +517,32 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--cute", action="append", default=[], metavar="FIELD=VALUE",
                  help="an ffi.config.CuteConfig field for our impls, e.g. store_cluster_n=2 or "
                       "tma_gather=dw1 (repeatable; a tuple field takes a comma list, '' for none)")
+  p.add_argument("--cute-variant", action="append", default=[], metavar="FIELD=VALUE[+...]",
+                 help="also measure the impls that run the cute backend (auto, cute) with these "
+                      "CuteConfig fields on top of --cute's, in the same rounds and process, "
+                      "e.g. store_wide_cluster_m=2+store_wide_cluster_n=1 (repeatable: one "
+                      "variant each; its records' impl is 'auto [FIELDS]')")
   return p
+
+
+CUTE_IMPLS = ("auto", "cute")   # the impls a --cute-variant applies to
+
+
+def measured_entries(impls, pallas_fields, cute_fields, cute_variants):
+  """(impl, record label, kernel config) of each thing a round measures: every impl with the
+  --pallas/--cute config, then each --cute-variant of the cute-backend impls."""
+  base = kernel_config_from(pallas_fields, cute_fields)
+  entries = [(impl, impl, base) for impl in impls]
+  for variant in cute_variants:
+    config = kernel_config_from(pallas_fields, list(cute_fields) + variant.split("+"))
+    entries += [(impl, f"{impl} [{variant}]", config) for impl in impls if impl in CUTE_IMPLS]
+  return entries
 
 
 def main(argv=None):
   p = build_parser()
   a = p.parse_args(argv)
   sm.memory.take_gpu_memory_as_needed()   # (before JAX takes the GPU)
-  kernel_config = kernel_config_from(a.pallas, a.cute)
   cases = dict(C.TINY) if a.tiny else dict(C.lookup(c) for c in a.configs.split(",") if c)
   cases.update(C.parse_config(c) for c in a.custom)
   impls = a.impls.split(",") if a.impls else available_impls()
@@ -537,22 +555,24 @@ def main(argv=None):
   os.makedirs(a.out, exist_ok=True)
   worker = (TorchWorker(a.torch_timeout, a.torch_pythonpath) if "torch_sonicmoe" in impls
             else None)
+  entries = measured_entries(impls, a.pallas, a.cute, a.cute_variant)
   ours_cases, records = {}, []
   try:
     for rnd in range(a.rounds):
       for name, cfg in cases.items():
-        for impl in impls if rnd % 2 == 0 else impls[::-1]:   # who goes first alternates
+        for impl, label, kernel_config in entries if rnd % 2 == 0 else entries[::-1]:
+          # (who goes first alternates)
           if impl == "torch_sonicmoe":
             rec = worker.measure(name, cfg, a.iters, a.reps, meta)
           else:
-            case = ours_cases.setdefault((impl, name), OurCase(impl, name, cfg, a.rounding, a.tile,
-                                                               kernel_config))
+            case = ours_cases.setdefault((label, name), OurCase(impl, name, cfg, a.rounding,
+                                                                a.tile, kernel_config))
             # (the configuration is ours: the PyTorch records carry none)
-            rec = dict(case.measure(a.iters, a.reps, meta),
+            rec = dict(case.measure(a.iters, a.reps, meta), impl=label,
                        kernel_config=changed_fields(kernel_config))
           rec["round"] = rnd
           records.append(rec)
-          print(f"[round {rnd}] {name} {impl}: fwd {fmt(rec['fwd_ms'], '.3f')} ms, fwd+bwd "
+          print(f"[round {rnd}] {name} {label}: fwd {fmt(rec['fwd_ms'], '.3f')} ms, fwd+bwd "
                 f"{fmt(rec['fwd_bwd_ms'], '.3f')} ms, kernels fwd+bwd "
                 f"{fmt(rec.get('kernel_fwd_bwd_ms'), '.3f')} ms, {rec['status'][:300]}", flush=True)
           save(records, a.out)  # after every case: a run cut short keeps what it measured

@@ -95,6 +95,27 @@ def test_kernel_configs_from_the_command_line():
     bench.kernel_config_from([], ["store_cluster_n=3"])
 
 
+def test_cute_variants_are_measured_beside_the_impls_that_run_the_cute_backend(tmp_path):
+  """--cute-variant adds, for auto and cute only, one more measured entry a variant: its
+  fields on top of --cute's, its records' impl 'auto [FIELDS]', in every round, order
+  reversed in odd rounds."""
+  from ffi.config import CuteConfig
+  entries = bench.measured_entries(["auto", "xla"], [], ["store_cluster_n=2"],
+                                   ["store_wide_cluster_m=2+store_wide_cluster_n=1"])
+  assert [(impl, label) for impl, label, _ in entries] == [
+      ("auto", "auto"), ("xla", "xla"),
+      ("auto", "auto [store_wide_cluster_m=2+store_wide_cluster_n=1]")]
+  assert entries[2][2]["cute"] == CuteConfig(store_cluster_n=2, store_wide_cluster_m=2,
+                                             store_wide_cluster_n=1)
+  records = bench.main(["--tiny", "--impls", "auto", "--cute-variant", "store_stages=2",
+                        "--iters", "1", "--reps", "1", "--rounds", "2", "--out",
+                        str(tmp_path), "--commit", "abc"])
+  assert [r["impl"] for r in records] == ["auto", "auto [store_stages=2]",
+                                          "auto [store_stages=2]", "auto"]
+  assert [r["kernel_config"] for r in records[:2]] == [{}, {"cute": {"store_stages": 2}}]
+  assert all(r["status"] == "ok" for r in records)
+
+
 def test_table_gives_medians_over_rounds_and_ratios_to_the_pytorch_rows():
   rows = [dict(config="c", impl=impl, status="ok", round=r, fwd_ms=f, fwd_bwd_ms=3 * f,
                kernel_fwd_ms=f, kernel_fwd_bwd_ms=2 * f, fwd_bwd_tflops=1.0, act_bytes=2**20,
