@@ -24,7 +24,7 @@ STORE_WIDE_CLUSTER_NS = (1, 2)           # persistent.CLUSTER_SIZES
 STORE_WIDE_CLUSTER_MS = (1, 2)
 WGRAD_KERNELS = ("grouped", "persistent")
 WGRAD_CLUSTER_MS = (1, 2)                # persistent.CLUSTER_SIZES
-WGRAD_BLOCK_NS = ("auto", 128, 256)
+WGRAD_BLOCK_NS = ("auto", 128, 192, 256)
 WEIGHT_GRADS = ("dw1", "dw2")
 
 
@@ -93,7 +93,7 @@ class CuteConfig:
     dw1_gather_max_column_tiles: dW1 gathers X's rows itself where its output has at most
       this many column tiles, else reads one gather made by XLA.
     wgrad_block_n: the column tiles of the weight gradients that gather their rows in the
-      kernel: 128, 256, or "auto": 256, halved while the last tile's columns past the output
+      kernel: 128, 192, 256, or "auto": 256, halved while the last tile's columns past the output
       are more than clipped_waste_percent of them (down to 128 on the persistent kernel, 64
       on "grouped").
     wgrad_kernel: "persistent" (CTAs looping over tiles, the producer filling the next tile's

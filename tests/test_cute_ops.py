@@ -417,9 +417,9 @@ def test_wgrad_block_n_names_the_weight_gradients_tile():
   tile = lambda cols, **fields: cute_ops._wgrad_tile(cols, CuteConfig(**fields))
   assert tile(2880) == 256 and tile(2880, clipped_waste_percent=5) == 128
   assert tile(2880, wgrad_block_n=128) == 128 and tile(4096, wgrad_block_n=128) == 128
-  assert tile(1536, wgrad_block_n=256) == 256
-  with pytest.raises(ValueError, match=r"CuteConfig.wgrad_block_n must be one of \('auto', 128, 256\)"):
-    CuteConfig(wgrad_block_n=192)
+  assert tile(1536, wgrad_block_n=256) == 256 and tile(2880, wgrad_block_n=192) == 192
+  with pytest.raises(ValueError, match=r"CuteConfig.wgrad_block_n must be one of \('auto', 128, 192, 256\)"):
+    CuteConfig(wgrad_block_n=320)
 
 
 @needs_cute
