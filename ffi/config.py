@@ -21,7 +21,7 @@ STORE_CLUSTER_NS = (1, 2)                # pingpong.CLUSTER_NS
 STORE_WIDE_KERNELS = ("grouped", "persistent")
 STORE_WIDE_BLOCK_NS = ("auto", 128, 192, 256)
 STORE_WIDE_CLUSTER_NS = (1, 2)           # persistent.CLUSTER_SIZES
-STORE_WIDE_CLUSTER_MS = (1, 2)
+STORE_WIDE_CLUSTER_MS = ("auto", 1, 2)
 WGRAD_KERNELS = ("grouped", "persistent")
 WGRAD_CLUSTER_MS = (1, 2)                # persistent.CLUSTER_SIZES
 WGRAD_BLOCK_NS = ("auto", 128, 192, 256)
@@ -72,7 +72,9 @@ class CuteConfig:
       one tile more, past the output; 1: none).
     store_wide_cluster_m: 2 runs those clusters along M instead: two M tiles of one expert
       (schedule.pair_slots; an expert's odd count of M tiles computing its last one twice)
-      share the rhs's stages. Takes precedence over store_wide_cluster_n.
+      share the rhs's stages; "auto": 2 where the column tiles are an odd count (where pairs
+      along N would compute a tile past the output: 2880 = 15 x 192), else 1. Where 2, it
+      takes precedence over store_wide_cluster_n.
     store_wide_block_n: those wide tiles' columns: 128, 192, 256, or "auto": of 256 and 192
       the one whose last tile clips fewer of the output's columns (256 on a tie; 2880 = 15 x
       192 takes 192), 128 where that is more than clipped_waste_percent of them.
@@ -126,7 +128,7 @@ class CuteConfig:
   store_wide_kernel: str = "persistent"
   store_wide_block_n: str | int = "auto"
   store_wide_cluster_n: int = 2
-  store_wide_cluster_m: int = 1
+  store_wide_cluster_m: str | int = "auto"
   clipped_waste_percent: int = 10
   dw1_gather_max_column_tiles: int = 32
   band_m_tiles: int = 8

@@ -251,9 +251,10 @@ def _store_targets_under(field: str, values, args, **base):
   return targets
 
 
-def _layer_results_under(field: str, values, shape, seed: int):
+def _layer_results_under(field: str, values, shape, seed: int, **base):
   """{value: the cute layer's loss value and its gradients for every input, with CuteConfig's
-  `field` at that value}, on random inputs of shape (T, d, n, E, K) from seed."""
+  `field` at that value (and the `base` fields)}, on random inputs of shape (T, d, n, E, K)
+  from seed."""
   T, d, n, E, K = shape
   args = make_inputs(seed, T, d, n, E, jnp.bfloat16)
   cot = jax.random.normal(jax.random.key(seed + 1), (T, d))
@@ -263,7 +264,7 @@ def _layer_results_under(field: str, values, shape, seed: int):
         *b, k=K, backend="cute", kernel_config={"cute": config}).out.astype(jnp.float32) * cot),
         argnums=(0, 1, 2, 3))(*a)
   run = jax.jit(run, static_argnums=0)   # (a config is static data: one program per config)
-  return {value: run(CuteConfig(**{field: value}), *args) for value in values}
+  return {value: run(CuteConfig(**base, **{field: value}), *args) for value in values}
 
 
 @needs_cute
@@ -342,10 +343,24 @@ def test_cute_store_wide_cluster_settings_lower_the_wide_store_gemms_to_clustere
   (for CUDA) the store GEMMs on the wide persistent tiles to kernels of their own: at
   n = 1024, d = 2048 dX~ (K = 2n) in each of its two column windows; the down-projection
   (K = n, on the ping-pong kernel) and the other ops unchanged."""
+  other = {"store_wide_cluster_n": 1} if field.endswith("_m") else {"store_wide_cluster_m": 1}
   targets = _store_targets_under(field, (1, 2), make_inputs(13, 256, 2048, 1024, 4, jnp.bfloat16),
-                                 **({"store_wide_cluster_n": 1} if field.endswith("_m") else {}))
+                                 **other)
   assert len(targets[2] - targets[1]) == len(targets[1] - targets[2]) == 2
   assert targets[1] & targets[2]
+
+
+@needs_cute
+def test_store_wide_cluster_m_auto_clusters_along_m_where_the_column_tiles_are_odd():
+  """store_wide_cluster_m "auto": along M (2) where the wide store GEMM's column tiles are an
+  odd count (2880 = 15 x 192), else 1 (4096 = 16 x 256: clusters along N pair them); a number
+  as named."""
+  cute_ops = importlib.import_module("ffi.ops")
+  along_m = lambda cols, block_n, **fields: cute_ops._store_wide_cluster_m(
+      cols, block_n, CuteConfig(**fields))
+  assert along_m(2880, 192) == 2 and along_m(4096, 256) == 1 and along_m(1000, 256) == 1
+  assert along_m(4096, 256, store_wide_cluster_m=2) == 2
+  assert along_m(2880, 192, store_wide_cluster_m=1) == 1
 
 
 @needs_cute
@@ -392,7 +407,8 @@ def test_cute_layer_with_clustered_wide_store_gemms_matches_one_cta_on_gpu(shape
   without: output and every gradient. Sharing the lhs stages (store_wide_cluster_n), d = 2048
   makes whole pairs of column tiles, d = 2880 192-wide tiles, an odd count padded; sharing the
   rhs stages (store_wide_cluster_m), experts' M tiles in pairs, odd counts' last tiles twice."""
-  results = _layer_results_under(field, (2, 1), shape, seed=17)
+  other = {"store_wide_cluster_n": 1} if field.endswith("_m") else {"store_wide_cluster_m": 1}
+  results = _layer_results_under(field, (2, 1), shape, seed=17, **other)
   for got, want in zip(jax.tree.leaves(results[2]), jax.tree.leaves(results[1])):
     np.testing.assert_array_equal(got, want)
 
