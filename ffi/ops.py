@@ -374,7 +374,7 @@ def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, config: CuteConfi
                                     transpose_out=transpose_out, group_sizes=plan.group_sizes,
                                     tma_gather=tma_gather,
                                     band_m_tiles=_band(rhs.shape[1], block_n, config))
-  cluster_m = config.wgrad_cluster_m if _clusters_fit(x.shape[1], tma_gather, config) else 1
+  cluster_m = config.wgrad_cluster_m if _clusters_fit(op, x.shape[1], tma_gather, config) else 1
   return persistent.weight_grad(*args, plan.token_index, block_n=block_n,
                                 transpose_out=transpose_out, group_sizes=plan.group_sizes,
                                 dynamic=_dynamic_order(op, x.shape[1], rhs.shape[1], block_n,
@@ -382,15 +382,17 @@ def _gathered_weight_grad(op: str, x, rhs, plan, block_n: int, config: CuteConfi
                                 cluster_m=cluster_m, tma_gather=tma_gather)
 
 
-def _clusters_fit(m: int, tma_gather: bool, config: CuteConfig) -> bool:
-  """Whether a persistent weight gradient of M = m runs in clusters of config.wgrad_cluster_m
-  CTAs along M: where they fit (persistent.cluster_fits) and the M tiles that whole clusters
-  add past m's own (an odd count's one more) hold at most config.clipped_waste_percent of m's
+def _clusters_fit(op: str, m: int, tma_gather: bool, config: CuteConfig) -> bool:
+  """Whether the persistent weight gradient op ("dw1" or "dw2") of M = m runs in clusters of
+  config.wgrad_cluster_m CTAs along M: where they fit (persistent.cluster_fits) and the M
+  tiles that whole clusters add past m's own (an odd count's one more) are none, or, for the
+  ops config.wgrad_padded_clusters names, hold at most config.clipped_waste_percent of m's
   rows (2880: 23 M tiles in 12 clusters, 128 rows more, 4.4%)."""
   cluster_m, tiles = config.wgrad_cluster_m, calls.column_tiles(m, persistent.BLOCK_M)
   added_rows = (-tiles % cluster_m) * persistent.BLOCK_M
-  return (persistent.cluster_fits(cluster_m, m, tma_gather)
-          and 100 * added_rows <= config.clipped_waste_percent * m)
+  padding_allowed = (op in config.wgrad_padded_clusters
+                     and 100 * added_rows <= config.clipped_waste_percent * m)
+  return persistent.cluster_fits(cluster_m, m, tma_gather) and (added_rows == 0 or padding_allowed)
 
 
 def _gathers_whole_tiles(op: str, m: int, n: int, block_n: int, config: CuteConfig) -> bool:

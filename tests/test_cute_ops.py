@@ -505,6 +505,9 @@ def test_cute_config_fields_are_checked():
                                               r"non-negative int"),
       (dict(tma_gather="dw1"), r"tma_gather must be a tuple of 'dw1' and 'dw2'; got 'dw1'"),
       (dict(tma_gather=("dw1", "dh")), r"tma_gather must be a tuple of 'dw1' and 'dw2'"),
+      (dict(wgrad_padded_clusters=("dw3",)), r"wgrad_padded_clusters must be a tuple of 'dw1' "
+                                             r"and 'dw2'; got \('dw3',\)"),
+      (dict(store_wide_cluster_m=3), r"store_wide_cluster_m must be one of \('auto', 1, 2\)"),
       (dict(wgrad_dynamic_order=("dw1", "dx")), r"wgrad_dynamic_order must be 'auto' or a tuple "
                                                 r"of 'dw1' and 'dw2'; got \('dw1', 'dx'\)"),
       (dict(wgrad_dynamic_order="dw1"), r"got 'dw1'")]:
@@ -578,26 +581,31 @@ def test_cute_wgrad_dynamic_setting_lowers_with_its_counter():
 
 @needs_cute
 def test_cute_wgrad_cluster_setting_reaches_the_kernel_where_m_allows(monkeypatch):
-  """wgrad_cluster_m 2: the layer's persistent gathering weight gradients run in clusters of 2
-  where their M (the gathered rows' width) makes whole clusters of 128-row tiles, or one
-  tile more is at most clipped_waste_percent of M (1408: 11 tiles, 12 in clusters, 9%; not
-  384's 3 of 4), else alone; 1: alone."""
+  """wgrad_cluster_m 2: the layer's persistent gathering weight gradients (dW1, and dW2
+  computed transposed: both of M = d, the gathered rows' width) run in clusters of 2 where M
+  makes whole clusters of 128-row tiles, or, for those wgrad_padded_clusters names (dW1 by
+  default), one tile more is at most clipped_waste_percent of M (1408: 11 tiles, 12 in
+  clusters, 9%; not 384's 3 of 4), else alone; 1: alone."""
   cute_ops = importlib.import_module("ffi.ops")
   calls = []
   real = cute_ops.persistent.weight_grad
 
   def spy(x, *args, **kw):
-    calls.append((x.shape[1], kw["cluster_m"]))
+    calls.append(("dw2" if kw["transpose_out"] else "dw1", x.shape[1], kw["cluster_m"]))
     return real(x, *args, **kw)
 
   monkeypatch.setattr(cute_ops.persistent, "weight_grad", spy)
 
-  for d, cluster_m, want in [(256, 2, 2), (384, 2, 1), (1408, 2, 2), (256, 1, 1)]:
+  for d, fields, want in [(256, {}, dict(dw1=2, dw2=2)), (384, {}, dict(dw1=1, dw2=1)),
+                          (1408, {}, dict(dw1=2, dw2=1)),
+                          (1408, dict(wgrad_padded_clusters=("dw1", "dw2")), dict(dw1=2, dw2=2)),
+                          (256, dict(wgrad_cluster_m=1), dict(dw1=1, dw2=1))]:
     loss = lambda *a: jnp.sum(sm.moe(*a, k=2, backend=CUTE_GEMMS, kernel_config=cute(
-        wgrad_cluster_m=cluster_m)).out.astype(jnp.float32))
+        **fields)).out.astype(jnp.float32))
     calls.clear()
     cuda_module(jax.grad(loss, argnums=(0, 2, 3)), *make_inputs(0, 256, d, 128, 8, jnp.bfloat16))
-    assert calls and all(m == d and c == want for m, c in calls), calls
+    assert sorted(op for op, _, _ in calls) == ["dw1", "dw2"], calls
+    assert all(m == d and c == want[op] for op, m, c in calls), (d, fields, calls)
 
 
 @needs_cute
