@@ -176,13 +176,15 @@ def roofline_table(records, key: str = "kernels_fwd_bwd") -> str:
 def variant(record) -> str:
   """The record's impl, with the kernel configuration fields its run changed (bench.py --cute,
   --pallas) in brackets: 'auto[cute.store_wide_min_k=4096]'; runs of one impl under other
-  configurations are other variants."""
+  configurations are other variants (a bench.py --cute-variant record's impl, 'auto
+  [FIELDS]', is named by its impl and all its changed fields the same way)."""
+  impl = record["impl"].split(" [")[0]
   changed = [(f"{backend}.{name}", value)
              for backend, fields in sorted((record.get("kernel_config") or {}).items())
              for name, value in sorted(fields.items())]
   if not changed:
-    return record["impl"]
-  return record["impl"] + "[" + ",".join(f"{k}={v}" for k, v in changed) + "]"
+    return impl
+  return impl + "[" + ",".join(f"{k}={v}" for k, v in changed) + "]"
 
 
 def rounds_by_config_impl(records, keep) -> dict:

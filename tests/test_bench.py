@@ -370,6 +370,9 @@ def test_kernel_table_keeps_runs_under_other_settings_apart(tmp_path):
   assert gemms[2].split()[6] == "1.000" and gemms[3].split()[-3] == "0.500"
   layer = kernel_table.main([*map(str, rounds), "--by-layer"]).splitlines()
   assert [line.split()[6] for line in layer[1:]] == ["5.000", "4.000"]   # wall f+b medians
+  # a --cute-variant record ('auto [FIELDS]') is named by its impl and changed fields alike
+  labelled = dict(record(4096, 1.0), impl="auto [store_wide_min_k=4096]")
+  assert kernel_table.variant(labelled) == "auto[cute.store_wide_min_k=4096]"
 
 
 def test_kernel_table_puts_impls_side_by_side(tmp_path):
