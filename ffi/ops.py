@@ -233,9 +233,10 @@ def _store_matmul(lhs, rhs, plan, transpose_rhs: bool, n_out: int, cols, config:
     block_n = _store_wide_tile(width, config)
     if config.store_wide_kernel == "persistent":
       cluster_m = _store_wide_cluster_m(width, block_n, config)
+      cluster_n = 1 if cluster_m > 1 else config.store_wide_cluster_n
       return persistent.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                        block_n=block_n, cols=cols, cluster_m=cluster_m,
-                                       cluster_n=1 if cluster_m > 1 else config.store_wide_cluster_n)
+                                       cluster_n=cluster_n)
     return grouped_gemm.grouped_matmul(lhs, rhs, _tiles(plan), transpose_rhs=transpose_rhs,
                                        block_n=block_n,
                                        warp_specialized=n_out >= config.store_wide_ws_min_n,
