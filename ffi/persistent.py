@@ -17,8 +17,10 @@ Schedule:
               "wgrad" (cluster_m 2) the two CTAs take neighbouring M tiles of one expert and
               one column tile (cluster_tile) and each TMA-loads half of every rhs stage into
               both CTAs (multicast); "store" (cluster_n 2) they take neighbouring column
-              tiles of one M tile and share its lhs stages likewise; a stage is free once both
-              CTAs' MMA warpgroups released it
+              tiles of one M tile and share its lhs stages likewise, or (cluster_m 2) one
+              column tile of two M tiles of one expert (schedule.pair_slots' pairs: an odd
+              count's last tile in both CTAs, which store the same bits) and share its rhs
+              stages; a stage is free once both CTAs' MMA warpgroups released it
   producer  : warpgroup 0 (mainloop.PRODUCER_REGISTERS), its ring state running on
               across tiles: "wgrad", as the gathering producers of row_gather.py (each
               k step's BLOCK_K rows gathered, the tile's BLOCK_M columns of them, by its
