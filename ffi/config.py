@@ -106,8 +106,8 @@ class CuteConfig:
     wgrad_cluster_m: CTAs per cluster sharing the rhs's stages by TMA multicast (2 where M's
       128-row tiles pair up, or, for the weight gradients wgrad_padded_clusters names (a
       tuple of "dw1", "dw2") with their rows loaded by TMA, where the one tile more that
-      pairs an odd count is at most clipped_waste_percent of M's rows). At 2880 (23 M tiles)
-      on an H100 dW1 took 0.96x the time with its padded clusters, dW2 1.10x: dW1 only.
+      pairs an odd count is at most clipped_waste_percent of M's rows; dW1 only by default:
+      benchmarks/results/2026-12-07-h100-tile-bands-and-store-clusters/).
     tma_gather: the weight gradients (a tuple of "dw1", "dw2") that load their gathered rows
       by TMA, a box a row, instead of by their producer's cp.async.
   """

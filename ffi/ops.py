@@ -209,9 +209,8 @@ def _store_wide_tile(cols: int, config: CuteConfig) -> int:
 def _store_wide_cluster_m(cols: int, block_n: int, config: CuteConfig) -> int:
   """The wide store GEMMs' CTAs a cluster along M: config.store_wide_cluster_m, "auto"
   resolved (2 where the cols-wide output's block_n-wide column tiles are an odd count, which
-  clusters along N would pad with a tile past the output: at 2880's 15 column tiles of 192 on
-  an H100 the down-projection took 0.87x and dX~ 0.92x the time of clusters along N; at 4096's
-  16 of 256 the two were level)."""
+  clusters along N would pad with a tile past the output, such as 2880's 15 of 192; measured:
+  benchmarks/results/2026-12-07-h100-tile-bands-and-store-clusters/)."""
   if config.store_wide_cluster_m != "auto":
     return config.store_wide_cluster_m
   return 2 if calls.column_tiles(cols, block_n) % 2 else 1
