@@ -251,6 +251,12 @@ def _store_targets_under(field: str, values, args, **base):
   return targets
 
 
+def _other_cluster_axis_off(field: str) -> dict:
+  """The other wide-store cluster field at 1, so that a test of `field` (store_wide_cluster_m
+  or store_wide_cluster_n) sees its clusters alone."""
+  return {"store_wide_cluster_n": 1} if field.endswith("_m") else {"store_wide_cluster_m": 1}
+
+
 def _layer_results_under(field: str, values, shape, seed: int, **base):
   """{value: the cute layer's loss value and its gradients for every input, with CuteConfig's
   `field` at that value (and the `base` fields)}, on random inputs of shape (T, d, n, E, K)
@@ -343,9 +349,8 @@ def test_cute_store_wide_cluster_settings_lower_the_wide_store_gemms_to_clustere
   (for CUDA) the store GEMMs on the wide persistent tiles to kernels of their own: at
   n = 1024, d = 2048 dX~ (K = 2n) in each of its two column windows; the down-projection
   (K = n, on the ping-pong kernel) and the other ops unchanged."""
-  other = {"store_wide_cluster_n": 1} if field.endswith("_m") else {"store_wide_cluster_m": 1}
   targets = _store_targets_under(field, (1, 2), make_inputs(13, 256, 2048, 1024, 4, jnp.bfloat16),
-                                 **other)
+                                 **_other_cluster_axis_off(field))
   assert len(targets[2] - targets[1]) == len(targets[1] - targets[2]) == 2
   assert targets[1] & targets[2]
 
@@ -407,8 +412,7 @@ def test_cute_layer_with_clustered_wide_store_gemms_matches_one_cta_on_gpu(shape
   without: output and every gradient. Sharing the lhs stages (store_wide_cluster_n), d = 2048
   makes whole pairs of column tiles, d = 2880 192-wide tiles, an odd count padded; sharing the
   rhs stages (store_wide_cluster_m), experts' M tiles in pairs, odd counts' last tiles twice."""
-  other = {"store_wide_cluster_n": 1} if field.endswith("_m") else {"store_wide_cluster_m": 1}
-  results = _layer_results_under(field, (2, 1), shape, seed=17, **other)
+  results = _layer_results_under(field, (2, 1), shape, seed=17, **_other_cluster_axis_off(field))
   for got, want in zip(jax.tree.leaves(results[2]), jax.tree.leaves(results[1])):
     np.testing.assert_array_equal(got, want)
 
