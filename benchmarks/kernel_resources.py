@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 
+from benchmarks import output
+
 REGISTERS_PER_SM = 65536
 K_STEPS = 8   # k steps of the compiled shapes (K = P = K_STEPS * BLOCK_K): the deepest pipeline
 SMEM_PER_SM = 227 * 1024

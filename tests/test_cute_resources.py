@@ -61,3 +61,18 @@ def test_kernels_spill_no_more_than_recorded():
           if got["stack_bytes"] > max_stack]
   assert not over, f"(kernel, block_n, stack bytes, recorded most): {over}"
   assert all(got["registers"] > 0 for got in found)
+
+
+def test_kernel_resources_writes_its_records(tmp_path, monkeypatch):
+  """--out writes the printed records to kernel_resources.json (the cubins' measurements
+  stood in for: this checks the command, not the compiler)."""
+  import json
+  from benchmarks import kernel_resources as kr
+  fake = dict(registers=128, stack_bytes=0, cubin_sha256="0" * 64)
+  monkeypatch.setattr(kr, "measure_many", lambda variants: [dict(fake) for _ in variants])
+  monkeypatch.setattr(kr, "smem_bytes", lambda kernel, block_n, stages: 1024 * block_n)
+  kr.main(["--only", "store bn", "--out", str(tmp_path)])
+  records = json.loads((tmp_path / "kernel_resources.json").read_text())
+  names = [r["variant"] for r in records]
+  assert names == [v[0] for v in kr.VARIANTS if "store bn" in v[0]] and names
+  assert all(r["registers"] == 128 and r["smem_bytes"] > 0 for r in records)
