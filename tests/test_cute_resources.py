@@ -63,6 +63,7 @@ def test_kernels_spill_no_more_than_recorded():
   assert all(got["registers"] > 0 for got in found)
 
 
+@needs_cute
 def test_kernel_resources_writes_its_records(tmp_path, monkeypatch):
   """--out writes the printed records to kernel_resources.json (the cubins' measurements
   stood in for: this checks the command, not the compiler)."""
